@@ -1,0 +1,348 @@
+"""Settings of one measurement point, and Megatron Core's rules for them.
+
+Four dataclasses, one per TOML section of a workload preset: model shape, training, parallelism
+and recompute. Field names are Megatron's, and they are the same word in the TOML file, the CLI
+flag (`--<section>-<field>` for recompute, `--<field>` otherwise), the JSON record and the CSV
+columns. `validate()` applies every rule before anything is built, so bad input fails with one
+clear line (`ConfigError`) instead of a traceback deep inside torch.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+GRANULARITIES = ("none", "selective", "full")
+METHODS = ("uniform", "block")
+PRECISIONS = ("bf16", "fp16", "fp32")
+ATTENTION_BACKENDS = ("sdpa", "math")
+NORMALIZATIONS = ("LayerNorm", "RMSNorm")
+ACTIVATIONS = ("gelu", "swiglu")
+POSITION_EMBEDDINGS = ("learned_absolute", "rope")
+
+# Every module name Megatron accepts, in Megatron's order; the order is also the canonical
+# order of a module list in records and golden keys.
+RECOMPUTE_MODULES = ("core_attn", "mlp", "layernorm", "moe", "moe_act", "shared_experts", "mla_up_proj")
+# The modules the model built here has; the rest need MoE or MLA layers, which it does not build yet.
+SUPPORTED_RECOMPUTE_MODULES = ("core_attn", "mlp", "layernorm")
+_MODULE_NEEDS = {
+    "moe": "mixture-of-experts layers",
+    "moe_act": "mixture-of-experts layers with grouped GEMM",
+    "shared_experts": "mixture-of-experts layers with shared experts",
+    "mla_up_proj": "multi-latent attention",
+}
+
+
+class ConfigError(ValueError):
+    """Bad input: the message is one line that names the problem and the fix."""
+
+
+@dataclass
+class ModelConfig:
+    """Shape of the GPT."""
+
+    num_layers: int
+    """Transformer layers (L)."""
+    hidden_size: int
+    """Hidden size (h)."""
+    num_attention_heads: int
+    """Attention heads (a)."""
+    ffn_hidden_size: int
+    """MLP hidden size (4h for GPT-3; 3.5h for Llama 3 8B)."""
+    vocab_size: int
+    """Vocabulary size (v), used as is (no padding)."""
+    max_position_embeddings: int
+    """Longest sequence the position embedding covers."""
+    num_query_groups: Optional[int] = None
+    """Key/value heads for grouped-query attention; None means one per attention head."""
+    normalization: str = "LayerNorm"
+    """LayerNorm or RMSNorm."""
+    activation: str = "gelu"
+    """gelu (h -> f -> h) or swiglu (h -> 2f, gated, f -> h)."""
+    position_embedding_type: str = "learned_absolute"
+    """learned_absolute or rope."""
+    rotary_base: float = 10000.0
+    """RoPE base frequency."""
+    hidden_dropout: float = 0.0
+    """Dropout after the embedding, the attention projection and the MLP."""
+    attention_dropout: float = 0.0
+    """Dropout on the attention probabilities."""
+    add_bias_linear: bool = True
+    """Bias on every linear layer (GPT-3 yes, Llama no)."""
+    share_embeddings_and_output_weights: bool = True
+    """Tie the output layer to the word embedding."""
+    attention_backend: str = "sdpa"
+    """sdpa (torch scaled_dot_product_attention) or math (explicit QK^T, softmax, dropout, V)."""
+    layernorm_epsilon: float = 1e-5
+    """Epsilon of every norm."""
+    init_method_std: float = 0.02
+    """Standard deviation of the seeded weight initialisation."""
+
+    @property
+    def groups(self) -> int:
+        """Key/value heads (g)."""
+        return self.num_query_groups or self.num_attention_heads
+
+    @property
+    def kv_channels(self) -> int:
+        """Head dimension (d = h / a)."""
+        return self.hidden_size // self.num_attention_heads
+
+
+@dataclass
+class TrainingConfig:
+    """What one step is and how it is measured."""
+
+    seq_length: int
+    """Tokens per sample (s)."""
+    micro_batch_size: int = 1
+    """Samples per forward/backward pass (b)."""
+    global_batch_size: int = 1
+    """Samples per optimizer step, over all data-parallel ranks."""
+    precision: str = "bf16"
+    """bf16 or fp16 (16-bit weights and activations, fp32 master weights, grads and Adam) or fp32."""
+    warmup_steps: int = 2
+    """Steps run before measuring."""
+    measured_steps: int = 5
+    """Steps timed; the median is reported."""
+    seed: int = 1234
+    """Seed of the weights, the data and dropout."""
+
+
+@dataclass
+class ParallelConfig:
+    """Parallel layout. `run` measures one rank without model parallelism; `estimate` uses all."""
+
+    tensor_model_parallel_size: int = 1
+    """Tensor parallel size (t)."""
+    pipeline_model_parallel_size: int = 1
+    """Pipeline parallel size (p)."""
+    data_parallel_size: int = 1
+    """Data parallel size."""
+    virtual_pipeline_model_parallel_size: Optional[int] = None
+    """Model chunks per pipeline rank for the interleaved schedule (m); None for 1F1B."""
+    sequence_parallel: bool = False
+    """Shard the non-tensor-parallel activations across the tensor-parallel group."""
+    use_distributed_optimizer: bool = False
+    """Shard optimizer state over the data-parallel group."""
+
+    @property
+    def world_size(self) -> int:
+        return self.tensor_model_parallel_size * self.pipeline_model_parallel_size * self.data_parallel_size
+
+
+@dataclass
+class RecomputeConfig:
+    """Activation recomputation, with Megatron Core's meaning."""
+
+    granularity: str = "none"
+    """none, selective (the modules below in every layer) or full (whole layers)."""
+    modules: list[str] = field(default_factory=list)
+    """Selective only: which sub-modules of every layer are recomputed."""
+    method: Optional[str] = None
+    """Full only: uniform (checkpoint every chunk of N layers) or block (checkpoint the first N layers)."""
+    num_layers: Optional[int] = None
+    """Full only: N, the chunk size (uniform) or the number of checkpointed layers (block)."""
+    activation_offload_layers: int = 0
+    """Keep the saved activations of the first N layers in host memory (CUDA only)."""
+    distribute_saved_activations: bool = False
+    """Shard checkpointed layer inputs across the tensor-parallel group (full only, TP > 1, no SP)."""
+
+    @property
+    def label(self) -> str:
+        """The setting in a few words, as tables show it."""
+        return recompute_label(self.granularity, self.modules, self.method, self.num_layers,
+                               self.activation_offload_layers)
+
+    @property
+    def recomputes(self) -> bool:
+        """Whether anything at all is recomputed."""
+        return self.granularity == "full" or (self.granularity == "selective" and bool(self.modules))
+
+
+@dataclass
+class Config:
+    """A fully resolved measurement point."""
+
+    workload: str
+    model: ModelConfig
+    training: TrainingConfig
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    recompute: RecomputeConfig = field(default_factory=RecomputeConfig)
+
+    @property
+    def num_microbatches(self) -> int:
+        t = self.training
+        return t.global_batch_size // (t.micro_batch_size * self.parallel.data_parallel_size)
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain data for the JSON record (`config` holds model/training/parallel)."""
+        return {
+            "model": dataclasses.asdict(self.model),
+            "training": dataclasses.asdict(self.training),
+            "parallel": dataclasses.asdict(self.parallel),
+        }
+
+    def recompute_dict(self) -> dict[str, Any]:
+        """The record's `recompute` object."""
+        r = self.recompute
+        return {
+            "granularity": r.granularity,
+            "modules": list(r.modules),
+            "method": r.method,
+            "num_layers": r.num_layers,
+            "activation_offload_layers": r.activation_offload_layers,
+        }
+
+
+SECTIONS = {"model": ModelConfig, "training": TrainingConfig, "parallel": ParallelConfig, "recompute": RecomputeConfig}
+
+
+def recompute_label(granularity: str, modules=(), method: str | None = None, num_layers: int | None = None,
+                    activation_offload_layers: int = 0) -> str:
+    """A recompute setting in a few words: "none", "selective[core_attn,mlp]", "full uniform 1"."""
+    if granularity == "selective":
+        return "selective[" + ",".join(modules) + "]"
+    if granularity == "full":
+        return f"full {method} {num_layers}"
+    if activation_offload_layers:
+        return f"offload {activation_offload_layers}"
+    return "none"
+
+
+def canonical_modules(modules: list[str]) -> list[str]:
+    """De-duplicate and order module names the way Megatron lists them (unknown names last)."""
+    seen = dict.fromkeys(m.strip() for m in modules if m.strip())
+    order = {m: i for i, m in enumerate(RECOMPUTE_MODULES)}
+    return sorted(seen, key=lambda m: (order.get(m, len(order)), m))
+
+
+def _choice(name: str, value: Any, choices: tuple, fix: str) -> None:
+    if value not in choices:
+        raise ConfigError(f"{name} {value!r} is not one of {', '.join(map(str, choices))}; {fix}")
+
+
+def validate(cfg: Config) -> None:
+    """Apply Megatron Core's recompute rules and the model's own shape rules; raise ConfigError."""
+    m, t, p, r = cfg.model, cfg.training, cfg.parallel, cfg.recompute
+
+    for name, value in (("num_layers", m.num_layers), ("hidden_size", m.hidden_size),
+                        ("num_attention_heads", m.num_attention_heads), ("ffn_hidden_size", m.ffn_hidden_size),
+                        ("vocab_size", m.vocab_size), ("seq_length", t.seq_length),
+                        ("micro_batch_size", t.micro_batch_size), ("global_batch_size", t.global_batch_size),
+                        ("measured_steps", t.measured_steps)):
+        if not isinstance(value, int) or value < 1:
+            raise ConfigError(f"{name} must be a positive integer, got {value!r}; pass --{name.replace('_', '-')} N "
+                              f"or --set {_section_of(name)}.{name}=N")
+    if t.warmup_steps < 0:
+        raise ConfigError(f"warmup_steps must be 0 or more, got {t.warmup_steps}; pass --set training.warmup_steps=N")
+    if m.hidden_size % m.num_attention_heads:
+        raise ConfigError(f"hidden_size {m.hidden_size} is not divisible by num_attention_heads "
+                          f"{m.num_attention_heads}; change one with --set model.hidden_size=... or model.num_attention_heads=...")
+    if m.num_attention_heads % m.groups:
+        raise ConfigError(f"num_attention_heads {m.num_attention_heads} is not divisible by num_query_groups "
+                          f"{m.groups}; pass --set model.num_query_groups=G with G dividing the heads")
+    _choice("normalization", m.normalization, NORMALIZATIONS, "set model.normalization")
+    _choice("activation", m.activation, ACTIVATIONS, "set model.activation")
+    _choice("position_embedding_type", m.position_embedding_type, POSITION_EMBEDDINGS, "set model.position_embedding_type")
+    _choice("attention_backend", m.attention_backend, ATTENTION_BACKENDS, "pass --attention-backend sdpa or math")
+    _choice("precision", t.precision, PRECISIONS, "pass --precision bf16, fp16 or fp32")
+    if m.position_embedding_type == "rope" and m.kv_channels % 2:
+        raise ConfigError(f"RoPE needs an even head dimension, got {m.kv_channels}; change hidden_size or num_attention_heads")
+    if m.position_embedding_type == "learned_absolute" and t.seq_length > m.max_position_embeddings:
+        raise ConfigError(f"seq_length {t.seq_length} is longer than max_position_embeddings "
+                          f"{m.max_position_embeddings}; lower --seq-length or --set model.max_position_embeddings=N")
+    for name, value in (("hidden_dropout", m.hidden_dropout), ("attention_dropout", m.attention_dropout)):
+        if not 0.0 <= value < 1.0:
+            raise ConfigError(f"{name} must lie in [0, 1), got {value}; pass --set model.{name}=0.1")
+
+    for name in ("tensor_model_parallel_size", "pipeline_model_parallel_size", "data_parallel_size"):
+        if getattr(p, name) < 1:
+            raise ConfigError(f"{name} must be 1 or more, got {getattr(p, name)}")
+    if p.sequence_parallel and p.tensor_model_parallel_size <= 1:
+        raise ConfigError("sequence parallelism needs tensor parallelism; pass --tensor-model-parallel-size 2 or more, "
+                          "or drop --sequence-parallel")
+    if m.num_layers % p.pipeline_model_parallel_size:
+        raise ConfigError(f"num_layers {m.num_layers} is not divisible by pipeline_model_parallel_size "
+                          f"{p.pipeline_model_parallel_size}; change --num-layers or --pipeline-model-parallel-size")
+    vpp = p.virtual_pipeline_model_parallel_size
+    if vpp is not None and (vpp < 1 or (m.num_layers // p.pipeline_model_parallel_size) % vpp):
+        raise ConfigError(f"virtual_pipeline_model_parallel_size {vpp} must divide the "
+                          f"{m.num_layers // p.pipeline_model_parallel_size} layers of each pipeline stage")
+    if t.global_batch_size % (t.micro_batch_size * p.data_parallel_size):
+        raise ConfigError(f"global_batch_size {t.global_batch_size} is not divisible by micro_batch_size "
+                          f"{t.micro_batch_size} x data_parallel_size {p.data_parallel_size}; "
+                          f"pass --global-batch-size as a multiple of it")
+
+    _validate_recompute(cfg)
+
+
+def _validate_recompute(cfg: Config) -> None:
+    m, p, r = cfg.model, cfg.parallel, cfg.recompute
+    layers_per_stage = m.num_layers // p.pipeline_model_parallel_size
+    _choice("recompute_granularity", r.granularity, GRANULARITIES, "pass --recompute-granularity none, selective or full")
+
+    # CPU offloading is checked first, as Megatron does.
+    if r.activation_offload_layers:
+        if not 0 < r.activation_offload_layers < m.num_layers:
+            raise ConfigError(f"activation_offload_layers must lie between 1 and {m.num_layers - 1} "
+                              f"(CPU offloading can be done only for layers less than num_layers), got {r.activation_offload_layers}")
+        if p.pipeline_model_parallel_size > 1:
+            raise ConfigError("CPU offloading is not supported with pipeline parallelism; drop --activation-offload-layers or use --pipeline-model-parallel-size 1")
+        if r.granularity != "none":
+            raise ConfigError("CPU offloading does not work when activation recomputation is enabled; "
+                              "pass --recompute-granularity none or drop --activation-offload-layers")
+
+    if r.method is not None:
+        _choice("recompute_method", r.method, METHODS, "pass --recompute-method uniform or block")
+    unknown = [x for x in r.modules if x not in RECOMPUTE_MODULES]
+    if unknown:
+        raise ConfigError(f"unknown recompute module(s) {', '.join(unknown)}; allowed: {', '.join(RECOMPUTE_MODULES)}")
+
+    if r.granularity == "full":
+        if r.method is None:
+            raise ConfigError('recompute_granularity full needs recompute_method "uniform" or "block"; pass --recompute-method uniform')
+        if r.num_layers is None:
+            raise ConfigError(f"recompute_granularity full needs recompute_num_layers between 1 and {layers_per_stage} "
+                              f"(layers per pipeline stage); pass --recompute-num-layers N")
+        if not 1 <= r.num_layers <= layers_per_stage:
+            raise ConfigError(f"recompute_num_layers {r.num_layers} must lie between 1 and {layers_per_stage} "
+                              f"(layers per pipeline stage); pass --recompute-num-layers N")
+        if r.modules:
+            raise ConfigError("recompute_modules apply to selective recompute only; drop --recompute-modules "
+                              "or pass --recompute-granularity selective")
+    elif r.granularity == "selective":
+        if r.num_layers is not None:
+            raise ConfigError("recompute_num_layers must be unset with recompute_granularity selective; "
+                              "drop --recompute-num-layers or pass --recompute-granularity full")
+        if r.method is not None:
+            raise ConfigError("recompute_method is not supported with recompute_granularity selective; "
+                              "drop --recompute-method or pass --recompute-granularity full")
+        for module in r.modules:
+            if module not in SUPPORTED_RECOMPUTE_MODULES:
+                raise ConfigError(f"recompute module {module} needs {_MODULE_NEEDS[module]}, which the model built here "
+                                  f"does not have yet; choose from {', '.join(SUPPORTED_RECOMPUTE_MODULES)}")
+    else:
+        for name, value in (("recompute_method", r.method), ("recompute_num_layers", r.num_layers)):
+            if value is not None:
+                raise ConfigError(f"{name} is set but recompute_granularity is none; pass --recompute-granularity full "
+                                  f"or drop --{name.replace('_', '-')}")
+        if r.modules:
+            raise ConfigError("recompute_modules are set but recompute_granularity is none; "
+                              "pass --recompute-granularity selective or drop --recompute-modules")
+
+    if r.distribute_saved_activations:
+        if p.tensor_model_parallel_size <= 1:
+            raise ConfigError("distribute_saved_activations needs tensor parallelism (TP > 1); drop it or raise --tensor-model-parallel-size")
+        if r.granularity != "full":
+            raise ConfigError("distribute_saved_activations applies to full recompute only; pass --recompute-granularity full")
+        if p.sequence_parallel:
+            raise ConfigError("distribute_saved_activations must be false when sequence parallelism is enabled; drop one of them")
+
+
+def _section_of(name: str) -> str:
+    for section, cls in SECTIONS.items():
+        if name in {f.name for f in dataclasses.fields(cls)}:
+            return section
+    return "model"

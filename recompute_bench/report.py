@@ -1,0 +1,78 @@
+"""Rendering for people: number formats and rich tables. Bytes and seconds come in; GiB, ms and
+TFLOP/s appear only here. A value that was not measured prints as "n/m", never as zero."""
+
+from __future__ import annotations
+
+from rich.markup import escape
+from rich.table import Table
+
+from .config import recompute_label
+
+NOT_MEASURED = "n/m"
+
+
+def fmt_bytes(n: float | None) -> str:
+    if n is None:
+        return NOT_MEASURED
+    for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if abs(n) >= size:
+            return f"{n / size:.2f} {unit}"
+    return f"{n:.0f} B"
+
+
+def fmt_flops(n: float | None) -> str:
+    if n is None:
+        return NOT_MEASURED
+    for unit, size in (("PFLOP", 1e15), ("TFLOP", 1e12), ("GFLOP", 1e9), ("MFLOP", 1e6)):
+        if abs(n) >= size:
+            return f"{n / size:.3f} {unit}"
+    return f"{n:.0f} FLOP"
+
+
+def fmt_seconds(s: float | None) -> str:
+    return NOT_MEASURED if s is None else (f"{s * 1e3:.2f} ms" if s < 10 else f"{s:.2f} s")
+
+
+def fmt_number(x: float | None, digits: int = 2) -> str:
+    return NOT_MEASURED if x is None else f"{x:,.{digits}f}"
+
+
+def fmt_percent(x: float | None) -> str:
+    return NOT_MEASURED if x is None else f"{100 * x:.1f}%"
+
+
+def run_table(record: dict) -> Table:
+    """One point: its setting, status and every metric, one row each."""
+    m, rank = record["metrics"], record["ranks"][0]
+    title = escape(f"{record['workload']} | {recompute_label(**record['recompute'])} | {record['env']['device_name']}")
+    table = Table(title=title, show_header=True, header_style="bold")
+    table.add_column("metric")
+    table.add_column("value", justify="right")
+    status = record["status"]
+    if record.get("failure"):
+        f = record["failure"]
+        status += f" (rank {f.get('rank', 0)}, step {f['step']}, {f['phase']}: {f['message']})"
+    rows = [
+        ("status", status),
+        ("step time (median)", fmt_seconds(m["step_time_s"])),
+        ("TFLOP/s/GPU (model)", fmt_number(m["tflops_per_gpu"], 3)),
+        ("tokens/s/GPU", fmt_number(m["tokens_per_s_per_gpu"], 0)),
+        ("MFU", fmt_percent(m["mfu"])),
+        ("HFU", fmt_percent(m["hfu"])),
+        ("model FLOPs/step", fmt_flops(m["model_flops_per_step"])),
+        ("hardware FLOPs/step", fmt_flops(m["hardware_flops_per_step"])),
+        ("measured FLOPs/step", fmt_flops(m["measured_flops_per_step"])),
+        ("activation bytes (1 micro-batch)", fmt_bytes(m["activation_bytes"])),
+        ("activation bytes per layer", fmt_bytes(m["activation_bytes_per_layer"])),
+        ("peak allocated", fmt_bytes(rank["peak_allocated_bytes"])),
+        ("peak reserved", fmt_bytes(rank["peak_reserved_bytes"])),
+        ("whole-run peak allocated", fmt_bytes(rank["run_peak_allocated_bytes"])),
+        ("alloc retries / OOMs", NOT_MEASURED if rank["alloc_retries"] is None else f"{rank['alloc_retries']} / {rank['num_ooms']}"),
+        ("NVML device memory used", fmt_bytes(rank["nvml_used_bytes"])),
+        ("parameters", fmt_number(m["num_parameters"], 0)),
+        ("loss (first step)", fmt_number(m["loss"], 4)),
+    ]
+    for name, value in rows:
+        table.add_row(name, escape(value))
+    return table
+

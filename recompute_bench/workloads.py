@@ -1,0 +1,157 @@
+"""Workload presets (`workloads/*.toml`) plus command-line overrides -> a validated Config.
+
+A preset is data: `[model]`, `[training]`, `[parallel]` and `[recompute]` tables whose keys are
+the fields of the dataclasses in `config.py`, and optional `[recompute.gpu.<type>]` tables that
+replace the recompute setting on one kind of GPU (`h100`, `h200`, `a100`, `b200`, `gb200`, ...).
+
+Overrides apply in this order: preset, the preset's per-GPU recompute, `--set section.key=value`,
+then the dedicated flags (`--num-layers`, `--recompute-granularity`, ...). Recompute flags replace
+the preset's recompute setting as a whole, so a preset with full recompute and a command line that
+asks for selective recompute never mix into a setting Megatron would reject.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import tomllib
+from pathlib import Path
+from typing import Any
+
+from .config import SECTIONS, Config, ConfigError, canonical_modules, validate
+
+WORKLOADS_DIR = Path(os.environ.get("RECOMPUTE_BENCH_WORKLOADS", Path(__file__).resolve().parent.parent / "workloads"))
+DEFAULT_WORKLOAD = "tiny"
+
+
+def workload_names() -> list[str]:
+    """Names of the built-in presets."""
+    return sorted(p.stem for p in WORKLOADS_DIR.glob("*.toml"))
+
+
+def preset_path(workload: str) -> Path:
+    """The TOML file of a preset name, or a user's own file path."""
+    path = Path(workload)
+    if path.suffix == ".toml" or os.sep in workload:
+        if not path.is_file():
+            raise ConfigError(f"workload file {workload} does not exist; pass a preset name ({', '.join(workload_names())}) or a .toml path")
+        return path
+    path = WORKLOADS_DIR / f"{workload}.toml"
+    if not path.is_file():
+        raise ConfigError(f"unknown workload {workload!r}; choose one of {', '.join(workload_names())} "
+                          f"(see `recompute-bench workloads`) or pass a path to a .toml preset")
+    return path
+
+
+def load_preset(workload: str) -> dict[str, Any]:
+    """The raw tables of a preset."""
+    path = preset_path(workload)
+    try:
+        with path.open("rb") as f:
+            return tomllib.load(f)
+    except tomllib.TOMLDecodeError as e:
+        raise ConfigError(f"workload file {path} is not valid TOML ({e}); fix the file") from None
+
+
+def parse_set(item: str) -> tuple[str, Any]:
+    """`section.key=value` -> ("section.key", value); the value is read as TOML, else as a string."""
+    key, sep, raw = item.partition("=")
+    key = key.strip().replace("-", "_")
+    if not sep or "." not in key:
+        raise ConfigError(f"--set {item!r} is not section.key=value; for example --set model.hidden_dropout=0.1")
+    try:
+        value = tomllib.loads(f"v = {raw.strip()}")["v"]
+    except tomllib.TOMLDecodeError:
+        value = raw.strip()
+    return key, value
+
+
+def gpu_type(device_name: str) -> str:
+    """Short GPU kind used for per-GPU preset tables and golden file names ("cpu" without CUDA)."""
+    name = device_name.lower()
+    for kind in ("gb300", "gb200", "b300", "b200", "h200", "h100", "a100", "l40s"):
+        if kind in name:
+            return kind
+    return "cpu" if name in ("", "cpu") or "cpu" in name else name.split()[-1]
+
+
+def resolve(workload: str = DEFAULT_WORKLOAD, *, overrides: dict[str, Any] | None = None,
+            sets: list[str] | tuple[str, ...] = (), gpu: str | None = None) -> tuple[Config, list[str]]:
+    """Build the validated Config of one point, and the notes to show the user about it.
+
+    `overrides` maps "section.key" to a value from a dedicated flag; None values are ignored.
+    """
+    raw = load_preset(workload)
+    unknown = set(raw) - set(SECTIONS) - {"description"}
+    if unknown:
+        raise ConfigError(f"workload {workload} has unknown table(s) {', '.join(sorted(unknown))}; "
+                          f"use {', '.join(SECTIONS)}")
+    tables: dict[str, dict[str, Any]] = {s: dict(raw.get(s, {})) for s in SECTIONS}
+    per_gpu = tables["recompute"].pop("gpu", {})
+    if gpu and gpu in per_gpu:
+        tables["recompute"] = dict(per_gpu[gpu])
+
+    cli: dict[str, Any] = {}
+    for item in sets:
+        key, value = parse_set(item)
+        cli[key] = value
+    cli.update({k: v for k, v in (overrides or {}).items() if v is not None})
+
+    notes: list[str] = []
+    recompute_cli = {k.split(".", 1)[1]: v for k, v in cli.items() if k.startswith("recompute.")}
+    if recompute_cli:
+        tables["recompute"] = _implied_recompute(recompute_cli, notes)
+    for key, value in cli.items():
+        section, _, name = key.partition(".")
+        if section == "recompute":
+            continue
+        if section not in SECTIONS:
+            raise ConfigError(f"unknown section {section!r} in {key}; use one of {', '.join(SECTIONS)}")
+        tables[section][name] = value
+
+    name = Path(workload).stem if workload.endswith(".toml") else workload
+    cfg = Config(workload=name, **{s: _build(s, tables[s]) for s in SECTIONS})
+    cfg.recompute.modules = canonical_modules(list(cfg.recompute.modules))
+    if cfg.recompute.granularity == "selective" and not cfg.recompute.modules:
+        notes.append("recompute_modules is empty: nothing is recomputed (Megatron would silently use [core_attn])")
+    validate(cfg)
+    return cfg, notes
+
+
+def _implied_recompute(cli: dict[str, Any], notes: list[str]) -> dict[str, Any]:
+    """Megatron Bridge's implied forms: modules alone mean selective; a layer count alone means full/block."""
+    r = dict(cli)
+    if isinstance(r.get("modules"), str):
+        r["modules"] = [m for m in r["modules"].split(",") if m.strip()]
+    if r.get("granularity") is None:
+        if r.get("num_layers") is not None:
+            r["granularity"] = "full"
+            if r.get("method") is None:
+                r["method"] = "block"
+                notes.append("recompute_num_layers alone means full recompute with method block (as Megatron Bridge's -rl)")
+        elif "modules" in r:
+            r["granularity"] = "selective"
+    if r.get("granularity") == "selective" and "modules" not in r:
+        r["modules"] = ["core_attn"]
+        notes.append("recompute_modules not given: using Megatron's default [core_attn]")
+    return r
+
+
+def _build(section: str, values: dict[str, Any]):
+    cls = SECTIONS[section]
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    for key in values:
+        if key not in fields:
+            raise ConfigError(f"unknown setting {section}.{key}; known: {', '.join(fields)}")
+    try:
+        obj = cls(**values)
+    except TypeError as e:
+        missing = str(e).split("argument")[-1].strip(": ")
+        raise ConfigError(f"[{section}] is missing {missing}; add it to the preset or pass --set {section}.KEY=VALUE") from None
+    for name, f in fields.items():
+        value = getattr(obj, name)
+        expected = {"int": int, "float": (int, float), "bool": bool, "str": str}.get(str(f.type).replace("Optional[", "").rstrip("]"))
+        if value is not None and expected is not None and (not isinstance(value, expected) or
+                                                          (expected is int and isinstance(value, bool))):
+            raise ConfigError(f"{section}.{name} must be {str(f.type).replace('Optional[', '').rstrip(']')}, got {value!r}")
+    return obj
