@@ -79,16 +79,18 @@ class SavedTensorProbe:
 
     def __init__(self, model: GPT):
         self.model = model
-        self.excluded = {t.untyped_storage().data_ptr() for t in list(model.parameters()) + list(model.buffers())}
+        # Storages are keyed by their StorageImpl (`_cdata`), not their address: a storage freed
+        # during the forward (layernorm recompute) may see its address reused by a later tensor.
+        self.excluded = {t.untyped_storage()._cdata for t in list(model.parameters()) + list(model.buffers())}
         self.storages: dict[int, tuple[torch.UntypedStorage, bool]] = {}
         self.in_layers = False
         self.result: tuple[int, int] = (0, 0)
 
     def _pack(self, t: torch.Tensor) -> torch.Tensor:
         storage = t.untyped_storage()
-        ptr = storage.data_ptr()
-        if ptr and ptr not in self.excluded and ptr not in self.storages:
-            self.storages[ptr] = (storage, self.in_layers)
+        key = storage._cdata
+        if key not in self.excluded and key not in self.storages:
+            self.storages[key] = (storage, self.in_layers)
         return t
 
     @contextmanager

@@ -26,9 +26,21 @@ def norm(cfg: ModelConfig) -> nn.Module:
     return nn.LayerNorm(cfg.hidden_size, eps=cfg.layernorm_epsilon)
 
 
+class Dropout(nn.Module):
+    """Dropout that saves a 1-byte mask on every device, as the paper counts it. (`F.dropout` on a
+    CPU saves a mask of the activation's own dtype; `native_dropout` saves a bool mask everywhere.)"""
+
+    def __init__(self, p: float):
+        super().__init__()
+        self.p = p
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.native_dropout(x, self.p, True)[0] if self.training else x
+
+
 def dropout(p: float) -> nn.Module:
     # No module at all when p == 0, so no mask is ever saved for it.
-    return nn.Dropout(p) if p > 0 else nn.Identity()
+    return Dropout(p) if p > 0 else nn.Identity()
 
 
 class RotaryEmbedding(nn.Module):

@@ -1,11 +1,47 @@
-import os
+"""Shared helpers: small configs and a direct measurement of saved bytes and FLOPs."""
 
-import pytest
+from __future__ import annotations
 
-os.environ.setdefault("CUDA_VISIBLE_DEVICES", "")  # CPU tests stay on the CPU even on a GPU machine
+import torch
+from torch.utils.flop_counter import FlopCounterMode
+from typer.testing import CliRunner
+
+from recompute_bench.cli import app, normalize_argv
+from recompute_bench.measure import SavedTensorProbe
+from recompute_bench.model import build_model
+from recompute_bench.recompute import apply_recompute
+from recompute_bench.workloads import resolve
+
+FAST = ["training.warmup_steps=0", "training.measured_steps=1"]
+# A Llama-style layer small enough for a CPU test: RMSNorm, SwiGLU, GQA, RoPE, no biases.
+SMALL_LLAMA = {"model.num_layers": 3, "model.hidden_size": 64, "model.num_attention_heads": 8,
+               "model.num_query_groups": 2, "model.ffn_hidden_size": 160, "model.vocab_size": 256,
+               "training.seq_length": 32, "training.micro_batch_size": 2, "training.global_batch_size": 2}
 
 
-@pytest.fixture
-def tiny_overrides():
-    """A faster tiny: fewer steps."""
-    return ["training.warmup_steps=0", "training.measured_steps=1"]
+def config(workload: str = "tiny", sets=(), **overrides):
+    """A validated Config; keyword overrides use "section__key" names."""
+    cfg, _ = resolve(workload, overrides={k.replace("__", "."): v for k, v in overrides.items()}, sets=list(sets), gpu="cpu")
+    return cfg
+
+
+def probe(cfg, dtype=torch.float32):
+    """(activation bytes, bytes inside the layers, forward FLOPs, forward+backward FLOPs) of one micro-batch."""
+    model = apply_recompute(build_model(cfg.model, cfg.training.seed, "cpu", dtype), cfg.recompute).train()
+    g = torch.Generator().manual_seed(0)
+    tokens = torch.randint(0, cfg.model.vocab_size, (cfg.training.micro_batch_size, cfg.training.seq_length + 1), generator=g)
+    p = SavedTensorProbe(model)
+    torch.manual_seed(0)
+    with FlopCounterMode(display=False) as fwd_counter:
+        with p.watch():
+            loss = model(tokens[:, :-1], tokens[:, 1:])
+    total, layers = p.bytes()
+    with FlopCounterMode(display=False) as bwd_counter:
+        loss.backward()
+    fwd = fwd_counter.get_total_flops()
+    return total, layers, fwd, fwd + bwd_counter.get_total_flops()
+
+
+def invoke(*args: str):
+    """Run the CLI in-process the way `main()` does (argv normalised first)."""
+    return CliRunner().invoke(app, normalize_argv(list(args)))
