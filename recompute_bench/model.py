@@ -19,10 +19,44 @@ from torch import nn
 from .config import ModelConfig
 
 
+class _RMSNormFunction(torch.autograd.Function):
+    """y = x * rsqrt(mean(x^2) + eps) * w as one autograd node (statistics in fp32), saving x and rstd."""
+
+    @staticmethod
+    def forward(ctx, x, weight, eps):
+        acc = torch.promote_types(x.dtype, torch.float32)
+        rstd = torch.rsqrt(x.to(acc).pow(2).mean(-1, keepdim=True) + eps)
+        ctx.save_for_backward(x, rstd, weight)
+        return (x.to(acc) * rstd).to(x.dtype) * weight
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, rstd, weight = ctx.saved_tensors
+        x_hat = x.to(rstd.dtype) * rstd
+        g = grad.to(rstd.dtype) * weight.to(rstd.dtype)
+        grad_x = rstd * (g - x_hat * (g * x_hat).mean(-1, keepdim=True))
+        grad_w = (grad.to(rstd.dtype) * x_hat).reshape(-1, x.shape[-1]).sum(0)
+        return grad_x.to(x.dtype), grad_w.to(weight.dtype), None
+
+
+class RMSNorm(nn.Module):
+    """RMSNorm as fused kernels (Apex, Transformer Engine) run it: one node in the graph. torch's own
+    `rms_norm` decomposes into several ops on CPU, so the layer input's gradient would be a sum of
+    three contributions whose order changes when the norm is recomputed, breaking bitwise equality."""
+
+    def __init__(self, hidden_size: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(hidden_size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return _RMSNormFunction.apply(x, self.weight, self.eps)
+
+
 def norm(cfg: ModelConfig) -> nn.Module:
     """LayerNorm (with bias) or RMSNorm, as the preset says."""
     if cfg.normalization == "RMSNorm":
-        return nn.RMSNorm(cfg.hidden_size, eps=cfg.layernorm_epsilon)
+        return RMSNorm(cfg.hidden_size, cfg.layernorm_epsilon)
     return nn.LayerNorm(cfg.hidden_size, eps=cfg.layernorm_epsilon)
 
 
