@@ -259,7 +259,7 @@ def verify(
                                  attention_backend=backends[0])
         for b in backends:
             if b not in ATTENTION_BACKENDS:
-                raise ConfigError(f"attention backend {b!r} is not one of {', '.join(ATTENTION_BACKENDS)}; pass --attention-backend sdpa or math")
+                raise ConfigError(f"attention_backend {b!r} is not one of {', '.join(ATTENTION_BACKENDS)}; pass --attention-backend sdpa or math")
         if device.startswith("cuda") and not torch.cuda.is_available():
             raise ConfigError(f"--device {device} asks for CUDA but torch sees no CUDA device; pass --device cpu")
     except ConfigError as e:

@@ -109,8 +109,6 @@ class CoreAttention(nn.Module):
         self.scale = 1.0 / math.sqrt(cfg.kv_channels)
         self.attention_dropout = cfg.attention_dropout
         self.dropout = dropout(cfg.attention_dropout)
-        mask = torch.ones(cfg.max_position_embeddings, cfg.max_position_embeddings, dtype=torch.bool).triu(1)
-        self.register_buffer("causal_mask", mask, persistent=False)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         b, s = q.shape[:2]
@@ -123,8 +121,9 @@ class CoreAttention(nn.Module):
             if self.groups != self.heads:
                 k = k.repeat_interleave(self.heads // self.groups, dim=1)
                 v = v.repeat_interleave(self.heads // self.groups, dim=1)
-            scores = torch.matmul(q, k.transpose(-2, -1)) * self.scale
-            scores = scores.masked_fill(self.causal_mask[:s, :s], float("-inf"))
+            # An additive -inf mask, built for this length: the add saves nothing for backward.
+            mask = torch.full((s, s), float("-inf"), device=q.device, dtype=q.dtype).triu(1)
+            scores = torch.matmul(q, k.transpose(-2, -1)) * self.scale + mask
             probs = self.dropout(torch.softmax(scores, dim=-1))
             out = torch.matmul(probs, v)
         return out.transpose(1, 2).reshape(b, s, -1)

@@ -1,0 +1,198 @@
+"""The command line: flag spellings, every validation rule (exit 2, one line, no traceback), run, verify."""
+
+import json
+
+import pytest
+
+from conftest import FAST, config, invoke
+from recompute_bench.cli import normalize_argv, resolve_cli
+
+
+def _recompute(*args):
+    cfg, notes = resolve_cli_from(args)
+    return cfg.recompute, notes
+
+
+def resolve_cli_from(args):
+    """Parse argv the way `run` does, without measuring: uses the Typer app with --help-free parsing."""
+    import typer
+    captured = {}
+    app = typer.Typer()
+
+    @app.command()
+    def probe(recompute_granularity: str = None, recompute_modules: list[str] = None, recompute_method: str = None,
+              recompute_num_layers: int = None):
+        captured.update(granularity=recompute_granularity, modules=recompute_modules, method=recompute_method,
+                        recompute_num_layers=recompute_num_layers)
+
+    from typer.testing import CliRunner
+    result = CliRunner().invoke(app, normalize_argv(list(args)))
+    assert result.exit_code == 0, result.output
+    return resolve_cli("tiny", gpu="cpu", **captured)
+
+
+@pytest.mark.parametrize("argv", [
+    ["--recompute_modules", "core_attn", "layernorm"],
+    ["--recompute-modules", "core_attn,layernorm"],
+    ["--recompute-modules", "layernorm", "--recompute-modules", "core_attn"],
+    ["--recompute_granularity", "selective", "--recompute-modules=core_attn,layernorm"],
+    ["--recompute-granularity=selective", "--recompute_modules", "layernorm,", "core_attn"],
+])
+def test_every_spelling_of_a_module_list_gives_one_setting(argv):
+    r, _ = _recompute(*argv)
+    assert (r.granularity, r.modules, r.method, r.num_layers) == ("selective", ["core_attn", "layernorm"], None, None)
+
+
+def test_bridge_short_flag_means_full_block():
+    r, notes = _recompute("-rl", "2")
+    assert (r.granularity, r.method, r.num_layers) == ("full", "block", 2)
+    assert any("block" in n for n in notes)
+
+
+def test_explicit_empty_module_list_recomputes_nothing_and_says_so():
+    r, notes = _recompute("--recompute-granularity", "selective", "--recompute-modules", "[]")
+    assert r.modules == [] and not r.recomputes
+    assert any("nothing is recomputed" in n for n in notes)
+    r, notes = _recompute("--recompute-granularity", "selective")
+    assert r.modules == ["core_attn"] and any("default" in n for n in notes)
+
+
+def test_normalize_argv_leaves_values_and_tokens_after_double_dash_alone():
+    assert normalize_argv(["--set", "model.hidden_dropout=0.1", "--", "--recompute_modules"]) == \
+        ["--set", "model.hidden_dropout=0.1", "--", "--recompute_modules"]
+    assert normalize_argv(["-tp", "8", "--num_layers=2"]) == ["--tensor-model-parallel-size", "8", "--num-layers=2"]
+
+
+BAD_INPUT = [
+    (["--workload", "nope"], "unknown workload"),
+    (["--recompute-granularity", "sometimes"], "recompute_granularity"),
+    (["--recompute-granularity", "full", "--recompute-num-layers", "1"], "recompute_method"),
+    (["--recompute-granularity", "full", "--recompute-method", "uniform"], "recompute_num_layers"),
+    (["--recompute-granularity", "full", "--recompute-method", "sideways", "--recompute-num-layers", "1"], "recompute_method"),
+    (["--recompute-granularity", "full", "--recompute-method", "block", "--recompute-num-layers", "5"], "between 1 and 4"),
+    (["--recompute-granularity", "full", "--recompute-method", "block", "--recompute-num-layers", "0"], "between 1 and 4"),
+    (["--recompute-granularity", "selective", "--recompute-modules", "core_attn", "--recompute-num-layers", "1"], "must be unset"),
+    (["--recompute-granularity", "selective", "--recompute-method", "uniform"], "not supported with recompute_granularity selective"),
+    (["--recompute-modules", "attention"], "unknown recompute module"),
+    (["--recompute-modules", "moe_act"], "needs mixture-of-experts"),
+    (["--recompute-modules", "mla_up_proj"], "multi-latent attention"),
+    (["--recompute-granularity", "none", "--recompute-num-layers", "2", "--recompute-method", "block"], "granularity is none"),
+    (["--recompute-granularity", "full", "--recompute-method", "uniform", "--recompute-num-layers", "1",
+      "--activation-offload-layers", "1"], "CPU offloading does not work"),
+    (["--activation-offload-layers", "4"], "between 1 and 3"),
+    (["--activation-offload-layers", "1"], "no CUDA device"),
+    (["--tensor-model-parallel-size", "2"], "one rank"),
+    (["--sequence-parallel"], "needs tensor parallelism"),
+    (["--set", "recompute.distribute_saved_activations=true"], "distribute_saved_activations"),
+    (["--num-layers", "0"], "num_layers must be a positive integer"),
+    (["--seq-length", "4096"], "max_position_embeddings"),
+    (["--global-batch-size", "3"], "not divisible"),
+    (["--precision", "fp8"], "precision"),
+    (["--attention-backend", "flash"], "attention_backend"),
+    (["--set", "model.hidden_size"], "section.key=value"),
+    (["--set", "model.depth=3"], "unknown setting model.depth"),
+    (["--set", "model.hidden_size=\"big\""], "must be int"),
+    (["--set", "model.num_query_groups=3"], "num_query_groups"),
+]
+
+
+@pytest.mark.parametrize("argv,words", BAD_INPUT, ids=[w for _, w in BAD_INPUT])
+def test_bad_input_is_one_clear_line_and_exit_2(argv, words, tmp_path):
+    results = tmp_path / "runs.jsonl"
+    results.write_text('{"kept": true}\n')
+    result = invoke("run", "--results", str(results), *argv)
+    assert result.exit_code == 2, result.output
+    err = result.stderr.strip()
+    assert err.startswith("error:") and words in err
+    assert len(err.splitlines()) == 1 and "Traceback" not in result.output
+    assert results.read_text() == '{"kept": true}\n'  # nothing already written is touched
+
+
+def test_verify_rejects_a_bad_backend():
+    result = invoke("verify", "--attention-backend", "flash")
+    assert result.exit_code == 2 and "attention_backend" in result.stderr
+    result = invoke("verify", "--attention-backend", "math", "--attention-backend", "flash")
+    assert result.exit_code == 2 and "attention_backend" in result.stderr
+
+
+def test_run_writes_the_record_contract(tmp_path):
+    results = tmp_path / "runs.jsonl"
+    sets = [a for s in FAST for a in ("--set", s)]
+    result = invoke("run", "--results", str(results), "--json", "--recompute_modules", "core_attn", *sets)
+    assert result.exit_code == 0, result.output
+    record = json.loads(result.stdout)
+    assert json.loads(results.read_text()) == record
+    assert record["schema"] == "recompute-bench/result/v1" and record["status"] == "ok"
+    assert set(record) >= {"workload", "config", "recompute", "env", "status", "ranks", "metrics"}
+    assert record["recompute"] == {"granularity": "selective", "modules": ["core_attn"], "method": None,
+                                   "num_layers": None, "activation_offload_layers": 0}
+    assert set(record["env"]) >= {"device_name", "torch_version", "package_version", "git_sha", "hostname", "time"}
+    m = record["metrics"]
+    assert m["measured_flops_per_step"] == m["hardware_flops_per_step"] > m["model_flops_per_step"]
+    assert m["tflops_per_gpu"] > 0 and len(m["step_times_s"]) == 1 and m["activation_bytes"] > 0
+    assert m["mfu"] is None  # no known peak for a CPU
+    rank = record["ranks"][0]
+    for key in ("peak_allocated_bytes", "peak_reserved_bytes", "alloc_retries", "num_ooms", "nvml_used_bytes"):
+        assert rank[key] is None  # not measured on CPU: never zero
+
+
+@pytest.mark.parametrize("fault,status,phase", [("oom:backward:1", "oom", "backward"), ("error:forward:0", "error", "forward"),
+                                                ("oom:optimizer:0", "oom", "optimizer")])
+def test_a_failing_step_is_a_recorded_result(monkeypatch, tmp_path, fault, status, phase):
+    monkeypatch.setenv("RECOMPUTE_BENCH_FAULT", fault)
+    results = tmp_path / "runs.jsonl"
+    result = invoke("run", "--results", str(results), "--set", "training.warmup_steps=1", "--set", "training.measured_steps=1")
+    assert result.exit_code == 1
+    record = json.loads(results.read_text())
+    assert record["status"] == status == record["ranks"][0]["status"]
+    assert record["failure"]["phase"] == phase and record["failure"]["step"] == int(fault[-1])
+    assert record["failure"]["rank"] == 0 and record["metrics"]["step_time_s"] is None
+
+
+def test_run_performance_workload_accepts_bridge_flags(tmp_path):
+    from typer.testing import CliRunner
+    from recompute_bench.cli import app
+    args = ["run", *normalize_argv(["-w", "tiny", "--num_layers", "2", "--recompute_modules", "core_attn,layernorm",
+                                    "--no-save", "--json", "--set", "training.warmup_steps=0",
+                                    "--set", "training.measured_steps=1"])]
+    result = CliRunner().invoke(app, args)
+    assert result.exit_code == 0, result.output
+    record = json.loads(result.stdout)
+    assert record["config"]["model"]["num_layers"] == 2
+    assert record["recompute"]["modules"] == ["core_attn", "layernorm"]
+
+
+def test_verify_command_passes_on_tiny():
+    result = invoke("verify", "--workload", "tiny", "--attention-backend", "math", "--json")
+    assert result.exit_code == 0, result.output
+    outcomes = json.loads(result.stdout)
+    assert len(outcomes) == 15 and all(o["exact"] for o in outcomes)
+
+
+def test_workloads_lists_every_preset_with_its_shape():
+    result = invoke("workloads", "--json")
+    rows = {r["workload"]: r for r in json.loads(result.stdout)}
+    assert set(rows) == {"tiny", "gpt3-22b", "gpt3-175b", "gpt3-530b", "gpt3-1t", "llama3-8b", "llama3-70b", "llama3-405b"}
+    paper = {"gpt3-22b": (64, 6144, 48), "gpt3-175b": (96, 12288, 96), "gpt3-530b": (128, 20480, 105), "gpt3-1t": (160, 25600, 128)}
+    for name, (a, h, L) in paper.items():
+        r = rows[name]
+        assert (r["num_attention_heads"], r["hidden_size"], r["num_layers"]) == (a, h, L)
+        assert (r["seq_length"], r["vocab_size"], r["ffn_hidden_size"]) == (2048, 51200, 4 * h)
+    for name in ("llama3-8b", "llama3-70b", "llama3-405b"):
+        r = rows[name]
+        assert (r["num_query_groups"], r["vocab_size"], r["seq_length"], r["normalization"], r["activation"],
+                r["position_embedding_type"]) == (8, 128256, 8192, "RMSNorm", "swiglu", "rope")
+
+
+def test_per_gpu_recompute_table_and_user_preset_file(tmp_path):
+    assert config("llama3-70b").recompute.granularity == "none"
+    from recompute_bench.workloads import resolve
+    cfg, _ = resolve("llama3-70b", gpu="h100")
+    assert (cfg.recompute.granularity, cfg.recompute.modules) == ("selective", ["core_attn"])
+    cfg, _ = resolve("llama3-70b", gpu="h100", overrides={"recompute.granularity": "full", "recompute.method": "uniform",
+                                                            "recompute.num_layers": 1})
+    assert (cfg.recompute.granularity, cfg.recompute.modules) == ("full", [])  # flags replace the preset's setting
+    own = tmp_path / "mine.toml"
+    own.write_text((__import__("pathlib").Path("workloads/tiny.toml")).read_text().replace("num_layers = 4", "num_layers = 6"))
+    cfg, _ = resolve(str(own))
+    assert cfg.model.num_layers == 6 and cfg.workload == "mine"
