@@ -1,0 +1,69 @@
+"""Recompute overhead measured side by side in one process: step time and saved bytes of each
+setting relative to no recompute. Settings run interleaved, round after round, so drift of a
+shared machine hits them alike; the median of each setting's rounds is compared.
+
+    python bench/recompute_overhead.py [--workload tiny] [--rounds 5] [--set section.key=value ...]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+
+from recompute_bench.measure import DTYPES, SavedTensorProbe, Stepper, make_optimizer, pick_device, synthetic_batches
+from recompute_bench.model import build_model
+from recompute_bench.recompute import apply_recompute
+from recompute_bench.workloads import resolve
+
+SETTINGS = {
+    "none": {},
+    "selective[core_attn]": {"recompute.granularity": "selective", "recompute.modules": ["core_attn"]},
+    "selective[layernorm]": {"recompute.granularity": "selective", "recompute.modules": ["layernorm"]},
+    "selective[mlp]": {"recompute.granularity": "selective", "recompute.modules": ["mlp"]},
+    "full uniform 1": {"recompute.granularity": "full", "recompute.method": "uniform", "recompute.num_layers": 1},
+}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--workload", default="tiny")
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--set", dest="sets", action="append", default=[])
+    args = parser.parse_args()
+    device = pick_device()
+
+    steppers, saved = {}, {}
+    for name, overrides in SETTINGS.items():
+        cfg, _ = resolve(args.workload, overrides=overrides, sets=args.sets, gpu="cpu")
+        model = apply_recompute(build_model(cfg.model, cfg.training.seed, device, DTYPES[cfg.training.precision]),
+                                cfg.recompute).train()
+        stepper = Stepper(cfg, model, make_optimizer(model, cfg.training.precision), synthetic_batches(cfg, device))
+        probe = SavedTensorProbe(model)
+        stepper.step(probe)  # probe step doubles as the first warm-up
+        stepper.step()
+        steppers[name], saved[name] = stepper, probe.result[0]
+
+    times: dict[str, list[float]] = {name: [] for name in SETTINGS}
+    for _ in range(args.rounds):
+        for name, stepper in steppers.items():
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+            start = time.perf_counter()
+            stepper.step()
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+            times[name].append(time.perf_counter() - start)
+
+    base_t, base_b = statistics.median(times["none"]), saved["none"]
+    print(f"{args.workload} on {device}, {args.rounds} interleaved rounds (median step time)")
+    print(f"{'setting':<24}{'step time':>12}{'time / none':>14}{'saved bytes':>14}{'bytes / none':>14}")
+    for name in SETTINGS:
+        t = statistics.median(times[name])
+        print(f"{name:<24}{t * 1e3:>10.1f}ms{t / base_t:>14.3f}{saved[name]:>14,}{saved[name] / base_b:>14.3f}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,43 @@
+"""Checks that need a CUDA device: real allocator peaks and a real OOM. Skipped without one."""
+
+import pytest
+import torch
+
+from conftest import config
+from recompute_bench.measure import run_point
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
+FAST = ["training.warmup_steps=1", "training.measured_steps=2"]
+
+
+def _peak(**overrides):
+    record = run_point(config(sets=FAST, training__seq_length=128, **overrides), device=torch.device("cuda"))
+    assert record["status"] == "ok", record["failure"]
+    return record
+
+
+def test_cuda_peaks_fall_with_recompute_and_are_measured():
+    none = _peak()
+    selective = _peak(recompute__granularity="selective", recompute__modules=["core_attn", "mlp"])
+    full = _peak(recompute__granularity="full", recompute__method="uniform", recompute__num_layers=1)
+    for r in (none, selective, full):
+        rank = r["ranks"][0]
+        assert rank["peak_allocated_bytes"] > 0 and rank["peak_reserved_bytes"] >= rank["peak_allocated_bytes"]
+        assert rank["run_peak_allocated_bytes"] >= rank["peak_allocated_bytes"] and rank["num_ooms"] == 0
+    peaks = [r["metrics"]["peak_allocated_bytes"] for r in (none, selective, full)]
+    assert peaks[0] > peaks[1] > peaks[2]
+    assert none["metrics"]["mfu"] is None or 0 < none["metrics"]["mfu"] < 1
+
+
+def test_a_real_oom_is_a_recorded_result():
+    free, _ = torch.cuda.mem_get_info()
+    s, h = 2048, 1024
+    # a micro-batch whose layer activations (tens of bytes per token and hidden unit) cannot fit
+    b = int(free / (s * h * 20)) + 1
+    record = run_point(config(sets=FAST + [f"model.max_position_embeddings={s}"], model__hidden_size=h,
+                              model__num_attention_heads=16, model__ffn_hidden_size=4 * h, training__seq_length=s,
+                              training__micro_batch_size=b, training__global_batch_size=b),
+                       device=torch.device("cuda"))
+    assert record["status"] == "oom"
+    assert record["failure"]["phase"] in ("forward", "backward")
+    assert record["ranks"][0]["num_ooms"] >= 1 and record["ranks"][0]["peak_allocated_bytes"] > 0
