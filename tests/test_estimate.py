@@ -9,7 +9,7 @@ import pytest
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
-from conftest import config
+from conftest import config, invoke
 from recompute_bench import estimate as E
 from recompute_bench import flops
 from recompute_bench.config import RecomputeConfig
@@ -221,3 +221,58 @@ def test_paper_flops_reproduce_table_5_and_show_the_selective_inconsistency():
         assert f["hardware_flops_per_step_from_text"] - f["model_flops_per_step"] == pytest.approx(4 * B * s * s * h * L)
         selective = dataclasses.replace(cfg, recompute=RecomputeConfig("selective", ["core_attn"]))
         assert flops.hardware_flops_per_step(selective) - flops.hardware_flops_per_step(cfg) == 4 * B * s * s * h * L
+
+
+# ----- the commands -------------------------------------------------------------------------------
+
+def test_estimate_commands_of_the_issue():
+    result = invoke("estimate", "--workload", "llama3-70b", "--tp", "8", "--sequence-parallel", "--pp", "4",
+                    "--micro-batch-size", "1", "--json")
+    assert result.exit_code == 0, result.output
+    report = json.loads(result.stdout)
+    labels = [s["label"] for s in report["settings"]]
+    assert "none" in labels and "selective[core_attn,mlp,layernorm]" in labels and "full uniform 1" in labels
+    assert report["setting"]["peak_stage"] == 0 and report["microbatches_in_flight"] == 4
+    assert "whole-rank peak" in result.stderr and "Table 2" in result.stderr
+
+    result = invoke("estimate", "--workload", "gpt3-175b", "--tp", "8", "--attention-backend", "math", "--json")
+    assert result.exit_code == 0, result.output
+    rows = {r["recompute"]: r for r in json.loads(result.stdout)["paper"]["rows"]}
+    assert rows["selective"]["paper_bytes"] == 2048 * 12288 * (10 + 24 / 8)
+    assert "the paper's layer" in result.stderr
+
+
+def test_plan_recommends_the_fastest_setting_that_fits():
+    result = invoke("plan", "--workload", "llama3-70b", "--tp", "8", "--pp", "4", "--memory-gb", "80", "--json")
+    assert result.exit_code == 0, result.output
+    plan = json.loads(result.stdout)
+    fits = plan["fits"]
+    assert fits and all(r["device_bytes_needed"] <= 80 * GiB for r in fits)
+    assert [r["hardware_flops_per_step"] for r in fits] == sorted(r["hardware_flops_per_step"] for r in fits)
+    assert plan["recommended"] == fits[0]["label"] and "recommended" in result.stderr
+    assert "none" not in [r["label"] for r in fits]  # no recompute does not fit 80 GiB there
+
+
+def test_plan_says_when_nothing_fits_and_what_would():
+    result = invoke("plan", "--workload", "llama3-70b", "--tp", "8", "--pp", "4", "--memory-gb", "40", "--json")
+    assert result.exit_code == 1
+    plan = json.loads(result.stdout)
+    assert not plan["fits"] and "nothing fits" in result.stderr
+    changes = {r["change"]: r for r in plan["would_fit"]}
+    assert changes["--pp 8"]["fits"]
+    assert any(c.startswith("offload") for c in changes)
+
+
+@pytest.mark.parametrize("argv,needle", [
+    (["plan", "-w", "tiny"], "--memory-gb"),
+    (["plan", "-w", "tiny", "--memory-gb", "-1"], "--memory-gb"),
+    (["estimate", "-w", "tiny", "--device", "tpu"], "--device"),
+    (["estimate", "-w", "tiny", "--allowance-fraction", "-0.5"], "allowance"),
+    (["estimate", "-w", "nope"], "unknown workload"),
+    (["plan", "-w", "tiny", "--memory-gb", "80", "--tp", "3"], "must divide"),
+])
+def test_bad_input_is_one_line_and_exit_2(argv, needle):
+    result = invoke(*argv)
+    assert result.exit_code == 2
+    assert needle in result.stderr and "Traceback" not in result.output
+    assert len(result.stderr.strip().splitlines()) == 1
