@@ -276,3 +276,15 @@ def test_bad_input_is_one_line_and_exit_2(argv, needle):
     assert result.exit_code == 2
     assert needle in result.stderr and "Traceback" not in result.output
     assert len(result.stderr.strip().splitlines()) == 1
+
+
+def test_run_records_carry_the_estimate_beside_the_measurement():
+    result = invoke("run", "-w", "tiny", "--set", "training.warmup_steps=0", "--set", "training.measured_steps=1",
+                    "--no-save", "--json", "--attention-backend", "math")
+    assert result.exit_code == 0, result.output
+    m = json.loads(result.stdout)["metrics"]
+    assert m["estimated_activation_bytes"] == m["activation_bytes"]
+    assert m["estimated_activation_bytes_per_layer"] == m["activation_bytes_per_layer"]
+    assert m["estimated_hardware_flops_per_step"] == m["measured_flops_per_step"]
+    assert m["estimated_peak_allocated_bytes"] > m["activation_bytes"]
+    assert "estimated activation bytes (error)" in result.stderr and "(+0.00%)" in result.stderr
