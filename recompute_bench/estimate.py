@@ -26,7 +26,7 @@ from itertools import combinations
 from typing import Any, Iterable
 
 from . import flops
-from .config import SUPPORTED_RECOMPUTE_MODULES, Config, RecomputeConfig, recompute_label
+from .config import SUPPORTED_RECOMPUTE_MODULES, Config, RecomputeConfig
 
 ELEMENT_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
 FP32_BYTES = 4
@@ -571,12 +571,12 @@ def setting_estimate(cfg: Config, device: str = "cuda") -> dict[str, Any]:
     }
 
 
-def listed_settings(cfg: Config) -> list[RecomputeConfig]:
+def listed_settings(cfg: Config, device: str = "cuda") -> list[RecomputeConfig]:
     """The settings `estimate` tabulates: none, every selective subset, full uniform 1 and the
     uniform chunk with the lowest peak, and full block at a few layer counts."""
     n_layers = cfg.model.num_layers // cfg.parallel.pipeline_model_parallel_size
     out = [RecomputeConfig()] + selective_settings() + [RecomputeConfig("full", [], "uniform", 1)]
-    best = _best_uniform(cfg, n_layers)
+    best = _best_uniform(cfg, n_layers, device)
     if best != 1:
         out.append(RecomputeConfig("full", [], "uniform", best))
     for n in sorted({1, n_layers // 4, n_layers // 2, 3 * n_layers // 4, n_layers} - {0}):
@@ -598,7 +598,7 @@ def estimate_report(cfg: Config, device: str = "cuda", allowance_fraction: float
     whole-rank breakdown of cfg's own setting."""
     m, tr, par = cfg.model, cfg.training, cfg.parallel
     rank = peak_rank_memory(cfg, device)
-    settings = [setting_estimate(_with(cfg, r), device) for r in listed_settings(cfg)]
+    settings = [setting_estimate(_with(cfg, r), device) for r in listed_settings(cfg, device)]
     for row in settings:
         row["device_bytes_needed"] = device_bytes_needed(row["peak_allocated_bytes"], allowance_fraction, allowance_bytes)
     stats = built_minus_paper_bytes(cfg, device)
@@ -631,6 +631,11 @@ def estimate_report(cfg: Config, device: str = "cuda", allowance_fraction: float
                     "parameters_on_rank": rank.parameters},
         "settings": settings,
         "paper": {"differences": paper_layer_differences(cfg, device), "norm_stats_bytes": stats, "rows": paper_rows},
+        # The same setting with the other optimizer layout, where data parallelism makes it matter.
+        "other_optimizer": None if par.data_parallel_size == 1 else {
+            "use_distributed_optimizer": not par.use_distributed_optimizer,
+            "peak_allocated_bytes": peak_rank_memory(
+                _with(cfg, use_distributed_optimizer=not par.use_distributed_optimizer), device).peak_allocated_bytes},
     }
 
 

@@ -73,7 +73,7 @@ def paper_table(report: dict[str, Any]) -> Table:
 
 
 def paper_notes(report: dict[str, Any]) -> list[str]:
-    """Why built and paper differ, and the paper's own FLOPs inconsistency."""
+    """Why built and paper differ, the other optimizer layout, and the paper's FLOPs inconsistency."""
     paper = report["paper"]
     notes = []
     if paper["differences"]:
@@ -81,6 +81,14 @@ def paper_notes(report: dict[str, Any]) -> list[str]:
     else:
         notes.append(f"the paper's layer: built - paper = the two norms' statistics "
                      f"({fmt_bytes(paper['norm_stats_bytes'])}), which the paper leaves out as small")
+    if report["config"]["parallel"]["sequence_parallel"]:
+        notes.append("full recompute with sequence parallelism keeps the sequence-sharded layer input, 2sbh/t; "
+                     "Table 2's 2sbh is the paper's baseline without it")
+    other = report.get("other_optimizer")
+    if other:
+        notes.append(f"{'with' if other['use_distributed_optimizer'] else 'without'} a distributed optimizer over "
+                     f"dp={report['config']['parallel']['data_parallel_size']}, this setting's peak allocated would be "
+                     f"{_gib(other['peak_allocated_bytes'])}")
     sel = next(r for r in paper["rows"] if r["recompute"] == "selective")["paper_flops"]
     notes.append(f"paper FLOPs for selective recompute: Eq. 8 (its Table 5 HFU) {fmt_flops(sel['hardware_flops_per_step'])}"
                  f", its text's +4Bs^2h per layer {fmt_flops(sel['hardware_flops_per_step_from_text'])}; model FLOPs"

@@ -56,6 +56,13 @@ def measure(cfg, count_flops=False, backward=False):
     return total, layers / cfg.model.num_layers, counter.get_total_flops() if count_flops else None, recomputed
 
 
+def every_setting(workload, backend, dropout):
+    """The shrunken workload in fp32 (fast on a CPU): no recompute and every setting `verify` checks."""
+    base = shrunk(workload, **{"model.attention_backend": backend, "model.attention_dropout": dropout,
+                               "model.hidden_dropout": dropout, "training.precision": "fp32"})
+    return [dataclasses.replace(base, recompute=r) for r in [RecomputeConfig()] + all_settings(base.model.num_layers)]
+
+
 def _error(estimate, measured):
     return abs(estimate - measured) / measured
 
@@ -64,10 +71,8 @@ def _error(estimate, measured):
 @pytest.mark.parametrize("backend", ["sdpa", "math"])
 @pytest.mark.parametrize("workload", list(SHRUNK))
 def test_every_setting_activation_bytes_match_the_probe(workload, backend, dropout):
-    base = shrunk(workload, **{"model.attention_backend": backend, "model.attention_dropout": dropout,
-                               "model.hidden_dropout": dropout, "training.precision": "fp32"})
-    for r in all_settings(base.model.num_layers):
-        cfg = dataclasses.replace(base, recompute=r)
+    for cfg in every_setting(workload, backend, dropout):
+        r = cfg.recompute
         total, per_layer, _, _ = measure(cfg)
         est = E.activation_bytes(cfg, "cpu")
         assert _error(est["activation_bytes"], total) <= 0.02, (r.label, est, total)
@@ -79,10 +84,8 @@ def test_every_setting_activation_bytes_match_the_probe(workload, backend, dropo
                          ids=["math", "sdpa-math-fallback", "sdpa-cpu-flash"])
 @pytest.mark.parametrize("workload", list(SHRUNK))
 def test_every_setting_hardware_flops_match_the_flop_counter(workload, backend, dropout):
-    base = shrunk(workload, **{"model.attention_backend": backend, "model.attention_dropout": dropout,
-                               "model.hidden_dropout": dropout, "training.precision": "fp32"})
-    for r in all_settings(base.model.num_layers):
-        cfg = dataclasses.replace(base, recompute=r)
+    for cfg in every_setting(workload, backend, dropout):
+        r = cfg.recompute
         _, _, measured_flops, _ = measure(cfg, count_flops=True)
         hardware = flops.hardware_flops_per_step(cfg)
         if E.attention_kernel(cfg, "cpu") == "fused":
