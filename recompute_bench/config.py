@@ -263,6 +263,10 @@ def validate(cfg: Config) -> None:
     if p.sequence_parallel and p.tensor_model_parallel_size <= 1:
         raise ConfigError("sequence parallelism needs tensor parallelism; pass --tensor-model-parallel-size 2 or more, "
                           "or drop --sequence-parallel")
+    tp = p.tensor_model_parallel_size
+    if m.num_attention_heads % tp or m.groups % tp:
+        raise ConfigError(f"tensor_model_parallel_size {tp} must divide num_attention_heads {m.num_attention_heads} and "
+                          f"num_query_groups {m.groups} (Megatron shards whole heads); change --tensor-model-parallel-size")
     if m.num_layers % p.pipeline_model_parallel_size:
         raise ConfigError(f"num_layers {m.num_layers} is not divisible by pipeline_model_parallel_size "
                           f"{p.pipeline_model_parallel_size}; change --num-layers or --pipeline-model-parallel-size")

@@ -23,6 +23,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from . import flops
 from .config import Config
+from .estimate import record_estimate
 from .model import GPT, build_model
 from .recompute import apply_recompute
 from .telemetry import NvmlSampler, cuda_memory, device_name, environment
@@ -200,6 +201,7 @@ def run_point(cfg: Config, *, device: torch.device | None = None, peak_tflops: f
         "measured_flops_per_step": None,
         "activation_bytes": None, "activation_bytes_per_layer": None,
         "num_parameters": None, "loss": None,
+        **record_estimate(cfg, device.type),  # the analytical model's prediction beside each measurement
     }
     rank_entry: dict[str, Any] = {"rank": rank, "status": "ok", "failure": None, "device_name": device_name(device),
                                   **cuda_memory(device), "run_peak_allocated_bytes": None,

@@ -71,8 +71,23 @@ def run_table(record: dict) -> Table:
         ("NVML device memory used", fmt_bytes(rank["nvml_used_bytes"])),
         ("parameters", fmt_number(m["num_parameters"], 0)),
         ("loss (first step)", fmt_number(m["loss"], 4)),
+        # The analytical model (estimate.py) beside each measured twin, with its error.
+        ("estimated activation bytes (error)", _vs(m, "estimated_activation_bytes", m["activation_bytes"], fmt_bytes)),
+        ("estimated activation bytes per layer (error)",
+         _vs(m, "estimated_activation_bytes_per_layer", m["activation_bytes_per_layer"], fmt_bytes)),
+        ("estimated hardware FLOPs/step (error vs measured)",
+         _vs(m, "estimated_hardware_flops_per_step", m["measured_flops_per_step"], fmt_flops)),
+        ("estimated peak allocated (error)", _vs(m, "estimated_peak_allocated_bytes", rank["peak_allocated_bytes"], fmt_bytes)),
     ]
     for name, value in rows:
         table.add_row(name, escape(value))
     return table
 
+
+def _vs(metrics: dict, key: str, measured: float | None, fmt) -> str:
+    """An estimate and its error against the measured value: "1.00 MiB (+0.00%)"."""
+    estimate = metrics.get(key)
+    if estimate is None:
+        return NOT_MEASURED
+    error = f"{100 * (estimate - measured) / measured:+.2f}%" if measured else NOT_MEASURED
+    return f"{fmt(estimate)} ({error})"

@@ -1,0 +1,136 @@
+"""Rich tables for `estimate` and `plan`. Bytes come in; GiB appear only here."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from rich.markup import escape
+from rich.table import Table
+
+from .report import fmt_bytes, fmt_flops
+
+PAPER_FORMULAS = {
+    # (recompute, tensor parallel > 1, sequence parallel) -> Table 2's formula
+    ("none", False, False): "sbh(34 + 5as/h)",
+    ("none", True, False): "sbh(10 + 24/t + 5as/(ht))",
+    ("none", True, True): "(sbh/t)(34 + 5as/h)",
+    ("selective", False, False): "34sbh",
+    ("selective", True, False): "sbh(10 + 24/t)",
+    ("selective", True, True): "34sbh/t",
+    ("full", False, False): "2sbh",
+    ("full", True, False): "2sbh",
+    ("full", True, True): "2sbh",
+}
+
+
+def _gib(n: float) -> str:
+    return f"{n / 2**30:.2f} GiB"
+
+
+def layout_line(report: dict[str, Any]) -> str:
+    """One line naming the shape and layout an estimate is for."""
+    c = report["config"]
+    m, t, p = c["model"], c["training"], c["parallel"]
+    vpp = p["virtual_pipeline_model_parallel_size"]
+    layout = (f"t={p['tensor_model_parallel_size']} p={p['pipeline_model_parallel_size']}"
+              + (f" vpp={vpp}" if vpp else "") + f" dp={p['data_parallel_size']}"
+              + (" sp" if p["sequence_parallel"] else "") + (" dist-opt" if p["use_distributed_optimizer"] else ""))
+    return (f"{report['workload']}: L={m['num_layers']} h={m['hidden_size']} a={m['num_attention_heads']} "
+            f"g={m['num_query_groups'] or m['num_attention_heads']} | {layout} | b={t['micro_batch_size']} "
+            f"s={t['seq_length']} {t['precision']} | {m['attention_backend']} attention runs "
+            f"{report.get('attention_kernel', '')} on {report['device']}")
+
+
+def settings_table(rows: list[dict[str, Any]], title: str, current: str | None = None) -> Table:
+    """One row per recompute setting: memory and compute."""
+    table = Table(title=escape(title), header_style="bold")
+    table.add_column("setting", no_wrap=True)
+    for col in ("act/layer", "stage acts", "bwd peak", "peak alloc", "+allowance", "HW FLOPs/step", "overhead",
+                "rel. TFLOP/s"):
+        table.add_column(col, justify="right", no_wrap=True)
+    for r in rows:
+        label = escape(r["label"]) + (" *" if r["label"] == current else "")
+        table.add_row(label, fmt_bytes(r["activation_bytes_per_layer"]), fmt_bytes(r["stage_activation_bytes"]),
+                      fmt_bytes(r["stage_activation_peak_bytes"]), _gib(r["peak_allocated_bytes"]),
+                      _gib(r["device_bytes_needed"]), fmt_flops(r["hardware_flops_per_step"]),
+                      f"{100 * r['recompute_overhead']:.1f}%", f"{r['relative_tflops_per_gpu']:.3f}")
+    return table
+
+
+def paper_table(report: dict[str, Any]) -> Table:
+    """Table 2 of the paper for this shape beside the built layer."""
+    par = report["config"]["parallel"]
+    tp, sp = par["tensor_model_parallel_size"] > 1, par["sequence_parallel"]
+    table = Table(title="per layer: Korthikanti et al. Table 2 vs the layer built here", header_style="bold")
+    for col in ("recompute", "paper formula", "paper", "built", "built - paper", "paper HFU FLOPs/step"):
+        table.add_column(col, justify="left" if col in ("recompute", "paper formula") else "right")
+    for row in report["paper"]["rows"]:
+        table.add_row(escape(row["recompute"] + (" [core_attn]" if row["recompute"] == "selective" else "")),
+                      PAPER_FORMULAS[(row["recompute"], tp, sp and tp)], fmt_bytes(row["paper_bytes"]),
+                      fmt_bytes(row["built_bytes"]), fmt_bytes(row["built_bytes"] - row["paper_bytes"]),
+                      fmt_flops(row["paper_flops"]["hardware_flops_per_step"]))
+    return table
+
+
+def paper_notes(report: dict[str, Any]) -> list[str]:
+    """Why built and paper differ, the other optimizer layout, and the paper's FLOPs inconsistency."""
+    paper = report["paper"]
+    notes = []
+    if paper["differences"]:
+        notes.append("this layer is not the paper's: " + "; ".join(paper["differences"]))
+    else:
+        notes.append(f"the paper's layer: built - paper = the two norms' statistics "
+                     f"({fmt_bytes(paper['norm_stats_bytes'])}), which the paper leaves out as small")
+    if report["config"]["parallel"]["sequence_parallel"]:
+        notes.append("full recompute with sequence parallelism keeps the sequence-sharded layer input, 2sbh/t; "
+                     "Table 2's 2sbh is the paper's baseline without it")
+    other = report.get("other_optimizer")
+    if other:
+        notes.append(f"{'with' if other['use_distributed_optimizer'] else 'without'} a distributed optimizer over "
+                     f"dp={report['config']['parallel']['data_parallel_size']}, this setting's peak allocated would be "
+                     f"{_gib(other['peak_allocated_bytes'])}")
+    sel = next(r for r in paper["rows"] if r["recompute"] == "selective")["paper_flops"]
+    notes.append(f"paper FLOPs for selective recompute: Eq. 8 (its Table 5 HFU) {fmt_flops(sel['hardware_flops_per_step'])}"
+                 f", its text's +4Bs^2h per layer {fmt_flops(sel['hardware_flops_per_step_from_text'])}; model FLOPs"
+                 f" (Eq. 7) {fmt_flops(sel['model_flops_per_step'])}")
+    return notes
+
+
+def breakdown_table(report: dict[str, Any]) -> Table:
+    """The whole-rank peak of the command's own setting, item by item."""
+    s = report["setting"]
+    title = f"whole-rank peak: {s['label']} on pipeline stage {s['peak_stage']} ({s['peak_phase']})"
+    table = Table(title=escape(title), header_style="bold")
+    table.add_column("item")
+    table.add_column("bytes", justify="right")
+    for name, value in s["breakdown"].items():
+        table.add_row(escape(name), fmt_bytes(value))
+    a = report["allowance"]
+    table.add_row("[bold]peak allocated[/]", f"[bold]{_gib(s['peak_allocated_bytes'])}[/]")
+    table.add_row(f"allowance: {100 * a['fraction']:.0f}% allocator + {fmt_bytes(a['bytes'])} context/workspaces",
+                  fmt_bytes(s["device_bytes_needed"] - s["peak_allocated_bytes"]))
+    table.add_row("[bold]device memory needed[/]", f"[bold]{_gib(s['device_bytes_needed'])}[/]")
+    return table
+
+
+def plan_table(result: dict[str, Any]) -> Table:
+    """The settings that fit, fastest first."""
+    table = Table(title=f"settings that fit in {_gib(result['budget_bytes'])}, fastest first", header_style="bold")
+    for col in ("#", "setting", "peak allocated", "with allowance", "overhead", "rel. TFLOP/s"):
+        table.add_column(col, justify="left" if col == "setting" else "right")
+    for i, r in enumerate(result["fits"], 1):
+        table.add_row(str(i), escape(r["label"]), _gib(r["peak_allocated_bytes"]), _gib(r["device_bytes_needed"]),
+                      f"{100 * r['recompute_overhead']:.1f}%", f"{r['relative_tflops_per_gpu']:.3f}")
+    return table
+
+
+def would_fit_table(result: dict[str, Any]) -> Table:
+    """Layout changes and what they would give."""
+    table = Table(title="what would fit", header_style="bold")
+    for col in ("change", "fits", "setting", "with allowance", "overhead"):
+        table.add_column(col, justify="right" if col in ("with allowance", "overhead") else "left")
+    for r in result["would_fit"]:
+        table.add_row(escape(r["change"]), "[green]yes[/]" if r["fits"] else "[red]no[/]", escape(r["setting"]),
+                      "-" if r["device_bytes_needed"] is None else _gib(r["device_bytes_needed"]),
+                      "-" if r["recompute_overhead"] is None else f"{100 * r['recompute_overhead']:.1f}%")
+    return table
