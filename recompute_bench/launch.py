@@ -23,6 +23,7 @@ import ctypes
 import functools
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -78,6 +79,17 @@ def _tail(path: Path, lines: int = STDERR_TAIL_LINES) -> str:
     except OSError:
         return ""
     return "\n".join(text.strip().splitlines()[-lines:])
+
+
+def _innermost_frame(stack: str) -> str | None:
+    """"measure.py:125 in _fault" from a faulthandler dump: the top frame of the thread it interrupted."""
+    lines = stack.splitlines()
+    start = next((i for i, line in enumerate(lines) if line.startswith("Current thread")), None)
+    for line in lines[start + 1:] if start is not None else []:
+        match = re.match(r'\s*File "(.+)", line (\d+) in (\S+)', line)
+        if match:
+            return f"{Path(match[1]).name}:{match[2]} in {match[3]}"
+    return None
 
 
 def _kill_group(proc: subprocess.Popen) -> None:
@@ -148,9 +160,12 @@ def run_isolated(cfg: Config, *, name: str, out_path: Path, log_path: Path, time
             raise
 
     if timed_out:
+        stack = _tail(log_path, 40)
+        where = _innermost_frame(stack)
         failure = {"rank": 0, "step": None, "phase": None,
-                   "message": f"no result within the time limit of {timeout_s:g} s; the worker was killed",
-                   "traceback": _tail(log_path, 40)}
+                   "message": f"no result within the time limit of {timeout_s:g} s; the worker was killed"
+                              + (f" while in {where}" if where else ""),
+                   "traceback": stack}
         return failed_record(cfg, "timeout", failure, device)
     if out_path.is_file():
         try:

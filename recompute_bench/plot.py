@@ -31,7 +31,7 @@ def memory_axis(df: pd.DataFrame) -> tuple[str, str]:
     """(column, axis label): peak allocated where measured, else activation bytes."""
     if "peak_allocated_bytes" in df and df["peak_allocated_bytes"].notna().any():
         return "peak_allocated_bytes", "peak allocated memory per GPU"
-    return "activation_bytes", "activation bytes saved for backward (peak memory not measured on this device)"
+    return "activation_bytes", "activation bytes saved for backward"
 
 
 def pareto_front(df: pd.DataFrame, memory: str) -> list[int]:
@@ -56,6 +56,11 @@ def _ratio(value, base) -> str:
     if value is None or not base:
         return ""
     return f"{value / base:.2f}x"
+
+
+def _oom(r: pd.Series) -> str:
+    rank = _num(r.get("failure_rank"))
+    return f"OOM rank {int(rank)}" if rank is not None else "OOM"
 
 
 def _label(r: pd.Series) -> str:
@@ -92,12 +97,14 @@ def plot_pareto(df: pd.DataFrame, path: Path, title: str) -> Path:
         x0 = 0.0
         ax.scatter([x0] * len(oom), ys, marker="X", s=80, color="tab:red", zorder=4, label="out of memory")
         for (_, r), y in zip(oom.iterrows(), ys):
-            ax.annotate(f"{_label(r)}: OOM rank {r.get('failure_rank')}", (x0, y), fontsize=7, color="tab:red",
+            ax.annotate(f"{_label(r)}: {_oom(r)}", (x0, y), fontsize=7, color="tab:red",
                         xytext=(6, -10), textcoords="offset points")
     ax.set_xlabel("TFLOP/s/GPU (model FLOPs; higher is better)")
-    ax.set_ylabel(f"{ylabel} [{unit}]\n(lower is better)", fontsize=8)
-    ax.set_title(title, fontsize=10)
-    ax.set_xlim(left=0)
+    ax.set_ylabel(f"{ylabel} [{unit}] (lower is better)", fontsize=9)
+    ax.set_title(title if memory == "peak_allocated_bytes" else
+                 f"{title}\n(peak memory not measured on this device: activation bytes shown)", fontsize=10)
+    xmax = df["tflops_per_gpu"].max() if df["tflops_per_gpu"].notna().any() else 1.0
+    ax.set_xlim(0, xmax * 1.3)  # room for the labels of the fastest points
     ax.set_ylim(bottom=0)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=7, loc="best")
@@ -124,7 +131,7 @@ def markdown_report(df: pd.DataFrame, title: str, image: str | None) -> str:
              "|---|---|---|---|---|---|---|---|---|---|"]
     for i, r in df.iterrows():
         base = baselines.get(tuple(r[c] for c in SHAPE_COLUMNS))
-        status = r["status"] if r["status"] != "oom" else f"OOM rank {r.get('failure_rank')}"
+        status = _oom(r) if r["status"] == "oom" else r["status"]
         lines.append(
             f"| {_label(r)} | `{r['setting']}` | {status} | {fmt_tflops(_num(r.get('tflops_per_gpu')))} | "
             f"{fmt_seconds(_num(r.get('step_time_s')))} | {fmt_bytes(_num(r.get('peak_allocated_bytes')))} | "
