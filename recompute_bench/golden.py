@@ -82,7 +82,7 @@ SEVERITY = (FAILED, NOT_COMPARABLE, MISSING, UNEXPECTED_OOM, CHANGED, PERF, MEMO
             EXPECTED_OOM, PASS)
 FAILING = frozenset({FAILED, NOT_COMPARABLE, MISSING, UNEXPECTED_OOM, CHANGED, PERF, MEMORY})
 STRICT_FAILING = FAILING | {IMPROVED, NOW_FITS, NEW}
-EPSILON = 1e-12  # a difference exactly at the tolerance passes despite float rounding
+EDGE = 1e-9  # a difference exactly at a tolerance passes despite float rounding; tolerance 0 is equality
 
 
 def golden_path_for(device_kind: str, results_dir: Path = Path("results")) -> Path:
@@ -237,7 +237,7 @@ def _compare_metric(metric: Metric, golden: Any, actual: Any, tolerance: float |
         rel = (actual - golden) / abs(golden)
     if tolerance is None:
         outcome = "info"
-    elif abs(rel) <= tolerance + EPSILON:
+    elif actual == golden or (tolerance > 0 and abs(rel) <= tolerance * (1 + EDGE)):
         outcome = "pass"
     elif metric.higher_is_better is None:
         outcome = "changed"
