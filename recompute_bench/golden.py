@@ -54,9 +54,10 @@ class Metric:
     """Replaces `tolerance` for golden rows measured on a CPU, where wall-clock time is noisy."""
 
 
-# Wall-clock numbers on a CPU move by tens of percent with the machine's load, so on CPU rows they
-# only catch a collapse (more than 80% lower) and the deterministic metrics carry the gate.
-CPU_TIMING_TOLERANCE = 0.8
+# Wall-clock numbers on a CPU swing with whatever else runs there (a shared 2-core machine showed a
+# 12x slowdown of tiny under a concurrent test run), so on CPU rows TFLOP/s only catches a collapse
+# to below 5% of the golden, and the deterministic metrics (FLOPs, bytes, parameters, loss) gate.
+CPU_TIMING_TOLERANCE = 0.95
 METRICS = {m.name: m for m in (
     Metric("tflops_per_gpu", "perf", True, 0.05, CPU_TIMING_TOLERANCE),
     Metric("step_time_s", "perf", False, None),  # the same information as TFLOP/s: reported, not gated
