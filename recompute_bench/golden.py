@@ -50,17 +50,18 @@ class Metric:
     higher_is_better: bool | None
     tolerance: float | None
     """Relative tolerance; 0 is exact; None reports the difference without gating it."""
-    cpu_tolerance: float | None = None
-    """Replaces `tolerance` for golden rows measured on a CPU, where wall-clock time is noisy."""
+    wall_clock: bool = False
+    """A wall-clock metric: reported but not gated on golden rows measured on a CPU."""
 
 
-# Wall-clock numbers on a CPU swing with whatever else runs there (a shared 2-core machine showed a
-# 12x slowdown of tiny under a concurrent test run), so on CPU rows TFLOP/s only catches a collapse
-# to below 5% of the golden, and the deterministic metrics (FLOPs, bytes, parameters, loss) gate.
-CPU_TIMING_TOLERANCE = 0.95
+# Wall-clock numbers on a CPU swing with whatever else runs there: on the shared 2-core machine the
+# CPU golden was made on, the same `tiny` point ran from 0.0002 to 0.0038 TFLOP/s (18x) depending
+# on a concurrent test run. No tolerance short of ~99% would stay quiet, so CPU rows report
+# TFLOP/s with its signed difference and the deterministic metrics (FLOPs, bytes, parameters,
+# loss) carry the gate. A row's `tolerance` column or --tolerance still gates it on purpose.
 METRICS = {m.name: m for m in (
-    Metric("tflops_per_gpu", "perf", True, 0.05, CPU_TIMING_TOLERANCE),
-    Metric("step_time_s", "perf", False, None),  # the same information as TFLOP/s: reported, not gated
+    Metric("tflops_per_gpu", "perf", True, 0.05, wall_clock=True),
+    Metric("step_time_s", "perf", False, None, wall_clock=True),  # same information as TFLOP/s: reported only
     Metric("peak_allocated_bytes", "memory", False, 0.05),
     Metric("peak_reserved_bytes", "memory", False, 0.05),
     Metric("activation_bytes", "memory", False, 0.0),
@@ -123,15 +124,15 @@ def parse_tolerances(specs: list[str] | None, where: str = "--tolerance") -> dic
 
 
 def tolerance_for(metric: Metric, golden_row: dict, overrides: dict[str, float | None]) -> float | None:
-    """The tolerance in force: command line, then the row's `tolerance` column, then the device
-    default (CPU timing), then the registry."""
+    """The tolerance in force: command line, then the row's `tolerance` column, then none for
+    wall-clock metrics of CPU rows, then the registry."""
     if metric.name in overrides:
         return overrides[metric.name]
     row = golden_row.get("tolerance_parsed") or {}
     if metric.name in row:
         return row[metric.name]
-    if golden_row.get("device_name") == "cpu" and metric.cpu_tolerance is not None:
-        return metric.cpu_tolerance
+    if golden_row.get("device_name") == "cpu" and metric.wall_clock:
+        return None
     return metric.tolerance
 
 

@@ -46,9 +46,13 @@ def test_deterministic_metrics_are_exact():
     assert verdict(record(loss=6.0 * 1.011), record())[0].verdict == gold.CHANGED
 
 
-def test_cpu_rows_gate_timing_only_against_a_collapse():
-    assert verdict(record(device=CPU, tflops_per_gpu=8.0), record(device=CPU))[0].verdict == gold.PASS
-    assert verdict(record(device=CPU, tflops_per_gpu=4.9), record(device=CPU))[0].verdict == gold.PERF
+def test_cpu_rows_report_timing_and_gate_the_deterministic_metrics():
+    row, _ = verdict(record(device=CPU, tflops_per_gpu=5.0), record(device=CPU))
+    assert row.verdict == gold.PASS
+    assert (row.metric("tflops_per_gpu").outcome, row.metric("tflops_per_gpu").rel_diff) == ("info", pytest.approx(-0.95))
+    assert verdict(record(device=CPU, activation_bytes=10**9 + 1), record(device=CPU))[0].verdict == gold.MEMORY
+    opted_in, _ = verdict(record(device=CPU, tflops_per_gpu=40.0), record(device=CPU), tolerance_column="tflops_per_gpu:50%")
+    assert opted_in.verdict == gold.PERF
     row, _ = verdict(record(device=CPU), record(device=CPU))
     assert row.metric("peak_allocated_bytes").outcome == "n/m"
     assert row.metric("step_time_s").outcome == "info"
