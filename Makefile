@@ -3,8 +3,15 @@ PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
+CLI := $(VENV)/bin/recompute-bench
+# One run id per make invocation (a recursive variable would re-run `date` on every use).
+ifndef RUN_ID
+RUN_ID := $(shell date -u +%Y%m%d-%H%M%S)
+endif
+# Empty: compare picks results/golden/<device kind>.csv of the measured device (cpu.csv here).
+GOLDEN ?=
 
-.PHONY: demo test bench clean
+.PHONY: demo gate test bench clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -15,9 +22,20 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -q -e '.[test,report]'
 	touch $(STAMP)
 
+# The default sweep (every recompute setting of `tiny`, each in its own process), compared with the
+# shipped golden of this device, then the Markdown report and Pareto plot of the run.
 demo: $(STAMP)
-	$(VENV)/bin/recompute-bench workloads
-	$(VENV)/bin/recompute-bench run --workload tiny
+	$(CLI) workloads
+	$(CLI) sweep --run-id demo-$(RUN_ID)
+	$(CLI) report demo-$(RUN_ID)
+
+# What a CI job runs: measure (a failed point is recorded, not fatal here), then the gate decides the
+# exit code (0 pass, 1 regression, 2 bad input) and writes JUnit XML and a Markdown summary
+# (also appended to $$GITHUB_STEP_SUMMARY when set).
+gate: $(STAMP)
+	-$(CLI) sweep --run-id gate-$(RUN_ID) --no-golden
+	$(CLI) compare gate-$(RUN_ID) $(if $(GOLDEN),--golden $(GOLDEN)) \
+		--junit results/gate-$(RUN_ID)/junit.xml --markdown results/gate-$(RUN_ID)/compare.md
 
 test: $(STAMP)
 	$(PY) -m pytest

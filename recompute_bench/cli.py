@@ -28,7 +28,7 @@ app = typer.Typer(no_args_is_help=True, add_completion=False, pretty_exceptions_
                   help="Measure, predict and gate activation-recomputation settings of GPT training.")
 
 # Options that take a list: each following word up to the next flag is one more value.
-LIST_OPTIONS = {"--recompute-modules"}
+LIST_OPTIONS = {"--recompute-modules", "--modules", "--methods", "--num-layers-recompute"}
 SHORT_FLAGS = {"-rl": "--recompute-num-layers", "-ol": "--activation-offload-layers",
                "-tp": "--tensor-model-parallel-size", "-pp": "--pipeline-model-parallel-size",
                "-dp": "--data-parallel-size", "-mb": "--micro-batch-size", "-gb": "--global-batch-size",
@@ -115,17 +115,28 @@ def _this_gpu() -> str:
     return gpu_type(torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu")
 
 
+def shape_overrides(*, num_layers=None, seq_length=None, micro_batch_size=None, global_batch_size=None,
+                    precision=None, attention_backend=None, tp=None, pp=None, dp=None, sequence_parallel=None) -> dict[str, Any]:
+    """The workload flags of a command as `resolve` overrides ("section.key" -> value; None = not given)."""
+    return {
+        "model.num_layers": num_layers, "training.seq_length": seq_length,
+        "training.micro_batch_size": micro_batch_size, "training.global_batch_size": global_batch_size,
+        "training.precision": precision, "model.attention_backend": attention_backend,
+        "parallel.tensor_model_parallel_size": tp, "parallel.pipeline_model_parallel_size": pp,
+        "parallel.data_parallel_size": dp, "parallel.sequence_parallel": sequence_parallel,
+    }
+
+
 def resolve_cli(workload: str, *, num_layers=None, seq_length=None, micro_batch_size=None, global_batch_size=None,
                 precision=None, attention_backend=None, sets=None, gpu=None, tp=None, pp=None, dp=None,
                 sequence_parallel=None, granularity=None, modules=None, method=None, recompute_num_layers=None,
                 activation_offload_layers=None):
     """Options of a command -> (Config, notes); ConfigError on bad input."""
     overrides: dict[str, Any] = {
-        "model.num_layers": num_layers, "training.seq_length": seq_length,
-        "training.micro_batch_size": micro_batch_size, "training.global_batch_size": global_batch_size,
-        "training.precision": precision, "model.attention_backend": attention_backend,
-        "parallel.tensor_model_parallel_size": tp, "parallel.pipeline_model_parallel_size": pp,
-        "parallel.data_parallel_size": dp, "parallel.sequence_parallel": sequence_parallel,
+        **shape_overrides(num_layers=num_layers, seq_length=seq_length, micro_batch_size=micro_batch_size,
+                          global_batch_size=global_batch_size, precision=precision,
+                          attention_backend=attention_backend, tp=tp, pp=pp, dp=dp,
+                          sequence_parallel=sequence_parallel),
         "recompute.granularity": granularity, "recompute.modules": _split_list(modules),
         "recompute.method": method, "recompute.num_layers": recompute_num_layers,
         "recompute.activation_offload_layers": activation_offload_layers,
@@ -384,6 +395,343 @@ def plan(
         typer.echo(json.dumps(result, indent=2))
     if not result["fits"]:
         raise typer.Exit(1)
+
+
+# ----- sweep, compare, golden, report ----------------------------------------------------------
+ResultsDir = Annotated[Path, typer.Option(help="Folder holding run folders (results/<run-id>/) and golden/.",
+                                          rich_help_panel="Output")]
+ResultsArg = Annotated[str, typer.Argument(help="A run id (folder under --results-dir), a results folder or a JSONL file.",
+                                           show_default=False)]
+GoldenFile = Annotated[Optional[Path], typer.Option(help="Golden CSV; default: <results-dir>/golden/<device kind>.csv "
+                                                    "(cpu.csv, h100.csv, ...).", rich_help_panel="Golden")]
+Strict = Annotated[bool, typer.Option(help="Also fail on unexpected improvements, now-fits and new rows (goldens stay honest).",
+                                      rich_help_panel="Golden")]
+
+
+def _device_kind(device: str | None, gpu: str | None) -> str:
+    return "cpu" if (device or "").startswith("cpu") else (gpu or _this_gpu())
+
+
+def _records_kind(rows: list[dict]) -> str:
+    from .workloads import gpu_type
+    return gpu_type(str(rows[0].get("device_name") or "cpu")) if rows else "cpu"
+
+
+def _update_command(results: str, golden_file: Path, selection: list[str] | None) -> str:
+    import shlex
+    words = ["recompute-bench", "golden", "update", results, "--golden", str(golden_file)]
+    for name in selection or []:
+        words += ["--select", name]
+    return " ".join(shlex.quote(w) for w in words)
+
+
+def _plan_table(points, title: str) -> Table:
+    table = Table(title=escape(title), header_style="bold")
+    for col in ("Experiment", "recompute setting", "workload", "L", "s", "b/B", "precision", "tp/pp/dp"):
+        table.add_column(col, justify="right" if col in ("L", "s", "b/B", "tp/pp/dp") else "left")
+    for p in points:
+        c = p.cfg
+        table.add_row(escape(p.name), escape(p.setting), c.workload, str(c.model.num_layers), str(c.training.seq_length),
+                      f"{c.training.micro_batch_size}/{c.training.global_batch_size}", c.training.precision,
+                      f"{c.parallel.tensor_model_parallel_size}/{c.parallel.pipeline_model_parallel_size}/"
+                      f"{c.parallel.data_parallel_size}")
+    return table
+
+
+class _SweepProgress:
+    """A rich progress bar (point, elapsed, ETA) on a terminal; one line per point otherwise."""
+
+    def __init__(self, total: int):
+        from rich.progress import (BarColumn, MofNCompleteColumn, Progress, SpinnerColumn, TextColumn,
+                                   TimeElapsedColumn, TimeRemainingColumn)
+        self.total, self.finished = total, 0
+        self.progress = Progress(SpinnerColumn(), TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
+                                 TimeElapsedColumn(), TextColumn("ETA"), TimeRemainingColumn(), console=err,
+                                 transient=True, disable=not err.is_terminal)
+        self.task = self.progress.add_task("starting", total=total)
+
+    def __enter__(self):
+        self.progress.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        self.progress.__exit__(*exc)
+
+    def start(self, point, index: int) -> None:
+        self.progress.update(self.task, description=escape(f"{point.name} {point.setting}"))
+
+    def done(self, point, record: dict, seconds: float, skipped: bool) -> None:
+        self.finished += 1
+        if skipped:
+            self.progress.update(self.task, total=self.progress.tasks[0].total - 1)
+            line = f"[{self.finished}/{self.total}] {point.name} {point.setting}: {record['status']} (done before, skipped)"
+        else:
+            self.progress.advance(self.task)
+            failure = record.get("failure") or {}
+            why = f" ({failure.get('message')})" if failure else ""
+            line = f"[{self.finished}/{self.total}] {point.name} {point.setting}: {record['status']} in {seconds:.1f} s{why}"
+        self.progress.console.print(escape(line), highlight=False, soft_wrap=True)
+
+
+@app.command()
+def sweep(
+    *,
+    workload: Annotated[Optional[str], typer.Option("--workload", "-w", help="Preset name or .toml path; default tiny "
+                                                   "(or the grid file's workload).", rich_help_panel="Workload")] = None,
+    num_layers: NumLayers = None, seq_length: SeqLength = None, micro_batch_size: MicroBatch = None,
+    global_batch_size: GlobalBatch = None, precision: Precision = None, attention_backend: AttentionBackend = None,
+    sets: Sets = None, gpu: Gpu = None,
+    tp: TP = None, pp: PP = None, dp: DP = None, sequence_parallel: SP = None,
+    modules: Annotated[Optional[list[str]], typer.Option(help="Each non-empty subset of these modules as a selective "
+                                                         "setting (space or comma separated).", rich_help_panel="Sweep")] = None,
+    methods: Annotated[Optional[list[str]], typer.Option(help="Full recompute methods (uniform, block), crossed with "
+                                                         "--num-layers-recompute.", rich_help_panel="Sweep")] = None,
+    num_layers_recompute: Annotated[Optional[list[str]], typer.Option(help="Full recompute layer counts N; alone they "
+                                                                      "mean method block.", rich_help_panel="Sweep")] = None,
+    baseline: Annotated[bool, typer.Option(help="Add the point without recompute (Baseline).", rich_help_panel="Sweep")] = False,
+    grid: Annotated[Optional[Path], typer.Option(help="TOML file listing the points ([[point]] tables) instead of the flags.",
+                                                 rich_help_panel="Sweep")] = None,
+    dry_run: Annotated[bool, typer.Option(help="Print the plan and exit without measuring.", rich_help_panel="Sweep")] = False,
+    run_id: Annotated[Optional[str], typer.Option(help="Name of the run folder; default: UTC time and 4 hex digits.",
+                                                  rich_help_panel="Sweep")] = None,
+    resume: Annotated[Optional[str], typer.Option(help="Continue the sweep RUN_ID with its saved plan; points with an ok "
+                                                  "or oom record are skipped.", rich_help_panel="Sweep")] = None,
+    timeout: Annotated[float, typer.Option(help="Time limit of one point in seconds (process start included).",
+                                           rich_help_panel="Sweep")] = 600.0,
+    device: Annotated[Optional[str], typer.Option(help="torch device of every point; default CUDA if present.",
+                                                  rich_help_panel="Sweep")] = None,
+    peak_tflops: Annotated[Optional[float], typer.Option(help="Peak TFLOP/s of the device for MFU.", rich_help_panel="Sweep")] = None,
+    golden: GoldenFile = None,
+    no_golden: Annotated[bool, typer.Option("--no-golden", help="Do not compare with a golden file.", rich_help_panel="Golden")] = False,
+    strict: Strict = False,
+    results_dir: ResultsDir = Path("results"),
+    json_out: Annotated[bool, typer.Option("--json", help="Print the plan (with --dry-run) or the comparison as JSON on stdout.",
+                                           rich_help_panel="Output")] = False,
+) -> None:
+    """Measure several recompute settings, each in its own process, into results/<run-id>/, and
+    compare them with the golden file of this device. No flag: every setting of the workload."""
+    from . import golden as gold
+    from .results import record_row
+    from .summary import details_table, experiment_table, headline, to_json
+    from .sweep import load_grid, load_plan, plan_from_flags, plan_from_grid, plan_to_dict, run_sweep
+    from .store import check_run_id, new_run_id
+
+    plan_flags = [n for n, v in (("--modules", modules), ("--methods", methods), ("--num-layers-recompute", num_layers_recompute),
+                                 ("--baseline", baseline or None), ("--grid", grid)) if v is not None]
+    try:
+        if timeout <= 0:
+            raise ConfigError(f"--timeout must be a positive number of seconds, got {timeout:g}")
+        counts = None
+        if num_layers_recompute is not None:
+            try:
+                counts = [int(n) for n in _split_list(num_layers_recompute)]
+            except ValueError:
+                raise ConfigError(f"--num-layers-recompute takes integers, got {' '.join(num_layers_recompute)}; "
+                                  "pass for example --num-layers-recompute 1 2") from None
+        overrides = shape_overrides(num_layers=num_layers, seq_length=seq_length, micro_batch_size=micro_batch_size,
+                                    global_batch_size=global_batch_size, precision=precision,
+                                    attention_backend=attention_backend, tp=tp, pp=pp, dp=dp,
+                                    sequence_parallel=sequence_parallel)
+        kind = gpu or _device_kind(device, None)
+        notes: list[str] = []
+        if resume:
+            given = plan_flags + [n for n, v in (("--workload", workload), ("--set", sets), ("--run-id", run_id)) if v]
+            given += [f"--{k.split('.')[1].replace('_', '-')}" for k, v in overrides.items() if v is not None]
+            if given:
+                raise ConfigError(f"--resume reruns the plan saved in {results_dir / resume}/plan.json; "
+                                  f"drop {', '.join(given)}")
+            points = load_plan(results_dir / check_run_id(resume))
+        elif grid is not None:
+            if len(plan_flags) > 1:
+                raise ConfigError(f"--grid lists the points itself; drop {', '.join(f for f in plan_flags if f != '--grid')}")
+            spec = load_grid(grid)
+            points, notes = plan_from_grid(spec, workload or spec.workload or DEFAULT_WORKLOAD, overrides=overrides,
+                                           sets=list(sets or ()), gpu=kind)
+        else:
+            points, notes = plan_from_flags(workload or DEFAULT_WORKLOAD, overrides=overrides, sets=list(sets or ()), gpu=kind,
+                                            modules=_split_list(modules), methods=_split_list(methods),
+                                            num_layers_recompute=counts, baseline=baseline)
+        for p in points:
+            check_runnable(p.cfg, device)
+        golden_file = None if no_golden else (golden or gold.golden_path_for(_device_kind(device, gpu), results_dir))
+        golden_rows = None
+        if golden_file is not None and (golden is not None or golden_file.is_file()):
+            golden_rows = gold.read_golden(golden_file)
+        run = check_run_id(resume or run_id or new_run_id())
+    except ConfigError as e:
+        raise fail(str(e)) from None
+    _show_notes(notes)
+
+    if dry_run:
+        err.print(_plan_table(points, f"plan: {len(points)} points, each in its own process "
+                                      f"(time limit {timeout:g} s); nothing is measured with --dry-run"))
+        if golden_rows is not None:
+            err.print(f"would compare with {golden_file}", highlight=False)
+        if json_out:
+            typer.echo(json.dumps(plan_to_dict(points), indent=2))
+        return
+
+    run_dir = results_dir / run
+    err.print(f"sweep {run}: {len(points)} points into {run_dir}/", highlight=False)
+    try:
+        with _SweepProgress(len(points)) as progress:
+            records = run_sweep(points, run_dir, timeout_s=timeout, device=device, peak_tflops=peak_tflops,
+                                resume=bool(resume), on_start=progress.start, on_done=progress.done)
+    except ConfigError as e:
+        raise fail(str(e)) from None
+    except KeyboardInterrupt:
+        err.print(f"[yellow]interrupted[/]: finished points are in {run_dir}/results.jsonl; continue with "
+                  f"`recompute-bench sweep --resume {run}`", highlight=False)
+        raise typer.Exit(130) from None
+
+    rows = [record_row(r) for r in records]
+    planned = {gold.row_key(r) for r in rows}
+    comparison = gold.compare(rows, golden_rows, strict=strict, only_keys=planned, golden_path=golden_file)
+    title = f"sweep {run}: {points[0].cfg.workload} on {rows[0].get('device_name') if rows else '?'}"
+    if golden_rows is not None:
+        title += f" vs {golden_file}"
+    err.print(experiment_table(comparison, title))
+    details = details_table(comparison)
+    if details is not None and golden_rows is not None:
+        err.print(details)
+    if golden_rows is None:
+        err.print(f"no golden compared ({'--no-golden' if no_golden else f'{golden_file} does not exist'})", highlight=False)
+    else:
+        err.print(headline(comparison), highlight=False)
+    err.print(f"results: {run_dir / 'results.jsonl'}; logs: {run_dir / 'logs'}/; "
+              f"report: recompute-bench report {run}", highlight=False)
+    selection = comparison.update_selection() if golden_rows is not None and not comparison.passed else []
+    if selection != []:
+        err.print("to accept these numbers as the new golden (then review the git diff):\n  "
+                  + _update_command(run, golden_file, selection), highlight=False, soft_wrap=True)
+    if json_out:
+        typer.echo(json.dumps(to_json(comparison, run_id=run, results=str(run_dir / "results.jsonl"),
+                                      golden=str(golden_file) if golden_rows is not None else None), indent=2))
+    if not comparison.passed:
+        raise typer.Exit(1)
+
+
+@app.command()
+def compare(
+    results: ResultsArg,
+    *,
+    golden: GoldenFile = None,
+    tolerance: Annotated[Optional[list[str]], typer.Option(help="METRIC:TOLERANCE overriding every row, e.g. "
+                                                           "tflops_per_gpu:10%, activation_bytes:0, step_time_s:off "
+                                                           "(repeatable).", rich_help_panel="Golden")] = None,
+    strict: Strict = False,
+    details: Annotated[bool, typer.Option("--details", help="List every metric of every row, not only the failing ones.",
+                                          rich_help_panel="Output")] = False,
+    junit: Annotated[Optional[Path], typer.Option(help="Write JUnit XML here (one test case per row and metric).",
+                                                  rich_help_panel="Output")] = None,
+    markdown: Annotated[Optional[Path], typer.Option(help="Write a Markdown summary here (also appended to "
+                                                     "$GITHUB_STEP_SUMMARY when set).", rich_help_panel="Output")] = None,
+    json_out: Annotated[bool, typer.Option("--json", help="Print the comparison as JSON on stdout.", rich_help_panel="Output")] = False,
+    results_dir: ResultsDir = Path("results"),
+) -> None:
+    """Compare results with a golden file: a verdict per row, exit 0 pass, 1 a failing verdict, 2 bad input."""
+    import os
+
+    from . import golden as gold
+    from .results import load_result_records, record_row
+    from .store import resolve_results
+    from .summary import details_table, experiment_table, headline, junit_xml, markdown as to_markdown, to_json
+
+    try:
+        path = resolve_results(results, results_dir)
+        rows = [record_row(r) for r in load_result_records(path)]
+        golden_file = golden or gold.golden_path_for(_records_kind(rows), results_dir)
+        golden_rows = gold.read_golden(golden_file)
+        overrides = gold.parse_tolerances(tolerance)
+    except ConfigError as e:
+        raise fail(str(e)) from None
+    comparison = gold.compare(rows, golden_rows, tolerances=overrides, strict=strict, golden_path=golden_file)
+    title = f"compare {results} with {golden_file}"
+    err.print(experiment_table(comparison, title))
+    table = details_table(comparison, everything=details)
+    if table is not None:
+        err.print(table)
+    selection = comparison.update_selection()
+    command = _update_command(results, golden_file, selection) if not comparison.passed and selection != [] else None
+    style = "green" if comparison.passed else "red"
+    err.print(f"[{style}]{escape(headline(comparison))}[/]", highlight=False)
+    if command:
+        err.print("if the change is intended, update the golden (then review the git diff):\n  " + command,
+                  highlight=False, soft_wrap=True)
+
+    md = to_markdown(comparison, title, command)
+    for target in (junit, markdown):
+        if target is not None:
+            target.parent.mkdir(parents=True, exist_ok=True)
+    if junit is not None:
+        junit.write_text(junit_xml(comparison))
+    if markdown is not None:
+        markdown.write_text(md)
+    summary_file = os.environ.get("GITHUB_STEP_SUMMARY")
+    if summary_file:
+        with open(summary_file, "a") as f:
+            f.write(md + "\n")
+    if json_out:
+        typer.echo(json.dumps(to_json(comparison, results=str(path), golden=str(golden_file)), indent=2, default=str))
+    if not comparison.passed:
+        raise typer.Exit(1)
+
+
+golden_app = typer.Typer(no_args_is_help=True, help="Golden files: promote measured rows, explicitly.")
+app.add_typer(golden_app, name="golden")
+
+
+@golden_app.command("update")
+def golden_update(
+    results: ResultsArg,
+    *,
+    golden: GoldenFile = None,
+    select: Annotated[Optional[list[str]], typer.Option(help="Promote only this experiment (Exp 1) or setting "
+                                                        "(selective[mlp]); repeatable. Default: every row.")] = None,
+    results_dir: ResultsDir = Path("results"),
+) -> None:
+    """Promote measured rows into a golden file: rows with the same key are replaced (their
+    tolerance overrides kept), new rows added, every other row kept. Review the result with git diff."""
+    from . import golden as gold
+    from .results import load_result_records, record_row
+    from .store import resolve_results
+
+    try:
+        rows = [record_row(r) for r in load_result_records(resolve_results(results, results_dir))]
+        golden_file = golden or gold.golden_path_for(_records_kind(rows), results_dir)
+        summary = gold.update_golden(golden_file, rows, select)
+    except ConfigError as e:
+        raise fail(str(e)) from None
+    for label, names in (("replaced", summary.replaced), ("added", summary.added), ("skipped (not ok or oom)", summary.skipped)):
+        if names:
+            err.print(f"{label}: {escape(', '.join(names))}", highlight=False)
+    if not (summary.added or summary.replaced):
+        err.print(f"[red]nothing promoted[/]; {golden_file} is unchanged", highlight=False)
+        raise typer.Exit(1)
+    err.print(f"wrote {golden_file}: {len(summary.added)} added, {len(summary.replaced)} replaced, {summary.kept} kept; "
+              f"review with `git diff {golden_file}`", highlight=False)
+
+
+@app.command()
+def report(
+    results: ResultsArg,
+    *,
+    out: Annotated[Optional[Path], typer.Option(help="Folder for report.md and pareto.png; default: the results' folder.")] = None,
+    results_dir: ResultsDir = Path("results"),
+) -> None:
+    """Write a Markdown report and a Pareto plot (TFLOP/s/GPU against memory, one point per setting)."""
+    from .plot import write_report
+    from .results import load_results
+    from .store import resolve_results
+
+    try:
+        path = resolve_results(results, results_dir)
+        df = load_results(path)
+        folder = out or (path if path.is_dir() else path.parent)
+        md, png = write_report(df, folder, f"recompute-bench report: {results}")
+    except ConfigError as e:
+        raise fail(str(e)) from None
+    err.print(f"wrote {md} and {png}", highlight=False)
 
 
 def main(argv: list[str] | None = None) -> None:

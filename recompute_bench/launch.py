@@ -1,0 +1,183 @@
+"""One isolated process per point, with a time limit; what happened becomes a result record.
+
+`run_isolated` starts `python -m recompute_bench.worker` in its own session (process group), hands
+it the resolved config as JSON on stdin and waits at most `timeout_s` seconds:
+
+- the worker wrote a record (status ok, oom or error as `measure.run_point` decided): that record;
+- the time limit passed: the worker's Python stacks are dumped into its log (SIGUSR1), the whole
+  process group is killed, and the record says `status: "timeout"` with the stack's tail;
+- the worker died without a record (a crash, a signal, an import error): `status: "error"` with
+  the exit code and the tail of its stderr.
+
+The worker also dies when the sweep dies (Linux parent-death signal), so a killed sweep leaves no
+orphan measuring in the background.
+
+Test hook: `RECOMPUTE_BENCH_FAULT_POINTS="Exp 1=oom:backward:0;Exp 3=hang:forward:0"` gives one
+point's worker the `RECOMPUTE_BENCH_FAULT` of `measure.FAULT_ENV`, so a test can make one point of
+a sweep fail while the others run normally.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from . import flops
+from .config import Config
+from .measure import FAULT_ENV, SCHEMA, pick_device
+from .telemetry import environment
+from .worker import config_to_dict
+
+WORKER_COMMAND = [sys.executable, "-m", "recompute_bench.worker"]
+FAULT_POINTS_ENV = "RECOMPUTE_BENCH_FAULT_POINTS"
+STDERR_TAIL_LINES = 15
+STACK_DUMP_WAIT_S = 1.0
+PACKAGE_ROOT = Path(__file__).resolve().parent.parent
+
+
+def fault_for(name: str) -> str | None:
+    """The injected fault of the point called `name`, from RECOMPUTE_BENCH_FAULT_POINTS."""
+    for item in os.environ.get(FAULT_POINTS_ENV, "").split(";"):
+        point, sep, spec = item.partition("=")
+        if sep and point.strip() == name:
+            return spec.strip()
+    return None
+
+
+def _die_with_parent() -> None:
+    """In the child before exec: ask Linux to kill it when the sweep process dies."""
+    try:
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+        libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except OSError:  # not Linux: the sweep's own cleanup still kills the worker on Ctrl-C
+        pass
+
+
+def _worker_env(name: str) -> dict[str, str]:
+    env = dict(os.environ)
+    # The worker imports the same package as the sweep, installed or not.
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(PACKAGE_ROOT), env.get("PYTHONPATH")) if p)
+    env.pop(FAULT_ENV, None)
+    fault = fault_for(name) or os.environ.get(FAULT_ENV)
+    if fault:
+        env[FAULT_ENV] = fault
+    return env
+
+
+def _tail(path: Path, lines: int = STDERR_TAIL_LINES) -> str:
+    try:
+        text = path.read_text(errors="replace")
+    except OSError:
+        return ""
+    return "\n".join(text.strip().splitlines()[-lines:])
+
+
+def _innermost_frame(stack: str) -> str | None:
+    """"measure.py:125 in _fault" from a faulthandler dump: the top frame of the thread it interrupted."""
+    lines = stack.splitlines()
+    start = next((i for i, line in enumerate(lines) if line.startswith("Current thread")), None)
+    for line in lines[start + 1:] if start is not None else []:
+        match = re.match(r'\s*File "(.+)", line (\d+) in (\S+)', line)
+        if match:
+            return f"{Path(match[1]).name}:{match[2]} in {match[3]}"
+    return None
+
+
+def _kill_group(proc: subprocess.Popen) -> None:
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    proc.wait()
+
+
+@functools.lru_cache(maxsize=None)
+def _environment(device: str | None) -> dict:
+    return environment(pick_device(device))
+
+
+def failed_record(cfg: Config, status: str, failure: dict, device: str | None = None) -> dict:
+    """A complete result record for a point whose worker left none: nothing measured (None), the
+    formula FLOPs filled in as `measure.run_point` does for any failed point."""
+    env = _environment(device)
+    rank = {"rank": 0, "status": status, "failure": failure, "device_name": env["device_name"],
+            "peak_allocated_bytes": None, "peak_reserved_bytes": None, "run_peak_allocated_bytes": None,
+            "run_peak_reserved_bytes": None, "alloc_retries": None, "num_ooms": None,
+            "nvml_used_bytes": None, "nvml_total_bytes": None}
+    metrics: dict[str, Any] = {
+        "step_time_s": None, "step_times_s": [], "tflops_per_gpu": None, "tokens_per_s_per_gpu": None,
+        "mfu": None, "hfu": None, "model_flops_per_step": flops.model_flops_per_step(cfg),
+        "hardware_flops_per_step": flops.hardware_flops_per_step(cfg), "measured_flops_per_step": None,
+        "activation_bytes": None, "activation_bytes_per_layer": None, "num_parameters": None, "loss": None,
+        "peak_allocated_bytes": None, "peak_reserved_bytes": None,
+    }
+    return {"schema": SCHEMA, "workload": cfg.workload, "config": cfg.to_dict(), "recompute": cfg.recompute_dict(),
+            "env": env, "status": status, "failure": failure, "ranks": [rank], "metrics": metrics}
+
+
+def run_isolated(cfg: Config, *, name: str, out_path: Path, log_path: Path, timeout_s: float,
+                 device: str | None = None, peak_tflops: float | None = None) -> dict:
+    """Measure `cfg` in a fresh worker process and return its result record (never raises for a
+    failed, crashed or hung point; KeyboardInterrupt kills the worker and propagates)."""
+    out_path.parent.mkdir(parents=True, exist_ok=True)
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    out_path.unlink(missing_ok=True)
+    command = [*WORKER_COMMAND, "--out", str(out_path)]
+    if device:
+        command += ["--device", device]
+    if peak_tflops:
+        command += ["--peak-tflops", str(peak_tflops)]
+
+    with log_path.open("ab") as log:
+        log.write(f"=== {name} {cfg.recompute.label} {time.strftime('%Y-%m-%dT%H:%M:%S')}\n".encode())
+        log.flush()
+        proc = subprocess.Popen(command, stdin=subprocess.PIPE, stdout=log, stderr=log, env=_worker_env(name),
+                                start_new_session=True, preexec_fn=_die_with_parent)
+        timed_out = False
+        try:
+            proc.stdin.write(json.dumps(config_to_dict(cfg)).encode())
+            proc.stdin.close()
+            proc.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            timed_out = True
+            try:
+                os.killpg(proc.pid, signal.SIGUSR1)  # the worker's faulthandler dumps its stacks
+                time.sleep(STACK_DUMP_WAIT_S)
+            except ProcessLookupError:
+                pass
+            _kill_group(proc)
+        except BaseException:
+            _kill_group(proc)
+            raise
+
+    if timed_out:
+        stack = _tail(log_path, 40)
+        where = _innermost_frame(stack)
+        failure = {"rank": 0, "step": None, "phase": None,
+                   "message": f"no result within the time limit of {timeout_s:g} s; the worker was killed"
+                              + (f" while in {where}" if where else ""),
+                   "traceback": stack}
+        return failed_record(cfg, "timeout", failure, device)
+    if out_path.is_file():
+        try:
+            record = json.loads(out_path.read_text())
+            out_path.unlink()
+            return record
+        except json.JSONDecodeError:
+            pass
+    code = proc.returncode
+    how = f"signal {signal.Signals(-code).name}" if code < 0 else f"exit code {code}"
+    tail = _tail(log_path)
+    last = tail.splitlines()[-1] if tail else "no output"
+    failure = {"rank": 0, "step": None, "phase": None,
+               "message": f"worker ended with {how} and no result: {last}", "traceback": tail}
+    return failed_record(cfg, "error", failure, device)

@@ -1,0 +1,300 @@
+"""A sweep: the plan (which points), and running it point by point into `results/<run-id>/`.
+
+Expansion of the command-line flags, in this order (duplicates dropped):
+
+- `--baseline`: one point without recompute, named "Baseline";
+- `--modules a b c`: every non-empty subset of the named modules as a selective setting, smallest
+  subsets first, modules in Megatron's order (`a`, `b`, `c`, `a+b`, `a+c`, `b+c`, `a+b+c`);
+- `--methods m1 m2` x `--num-layers-recompute n1 n2`: every full setting (method-major order);
+  `--num-layers-recompute` alone means method block (as Megatron Bridge's `-rl`), `--methods`
+  alone is refused (a full setting needs a layer count);
+- no flag at all: the baseline plus every setting `verify` checks (each selective subset, full
+  uniform and block with N in 1, 2, L-1, L).
+
+`--grid FILE` lists the points instead (see `load_grid`). Points other than the baseline are named
+"Exp 1", "Exp 2", ... in plan order, as the experiment tables of the field do.
+
+Running: every point runs in its own worker process (`launch.run_isolated`) under a time limit;
+each finished record is appended to `results.jsonl` at once; the plan is saved as `plan.json`, so
+`--resume <run-id>` re-runs the saved plan and skips points with an ok or oom record (error and
+timeout points are tried again). A lock refuses a second sweep on the same run id.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import tomllib
+from dataclasses import dataclass
+from itertools import combinations
+from pathlib import Path
+from typing import Any, Callable, Iterable
+
+from .config import SUPPORTED_RECOMPUTE_MODULES, Config, ConfigError, RecomputeConfig, canonical_modules
+from .launch import run_isolated
+from .results import point_id
+from .store import PLAN_FILE, RESULTS_FILE, RunLock, append_record, load_records, write_json_atomic
+from .verify import all_settings
+from .worker import config_from_dict, config_to_dict
+from .workloads import resolve
+
+PLAN_SCHEMA = "recompute-bench/plan/v1"
+DONE_STATUSES = ("ok", "oom")
+# Keys a [[point]] of a grid file may set, and the config field each one overrides.
+GRID_POINT_KEYS = {
+    "num_layers": "model.num_layers", "seq_length": "training.seq_length",
+    "micro_batch_size": "training.micro_batch_size", "global_batch_size": "training.global_batch_size",
+    "precision": "training.precision", "attention_backend": "model.attention_backend",
+    "recompute_granularity": "recompute.granularity", "recompute_modules": "recompute.modules",
+    "recompute_method": "recompute.method", "recompute_num_layers": "recompute.num_layers",
+    "activation_offload_layers": "recompute.activation_offload_layers",
+}
+
+
+@dataclass
+class Point:
+    """One measurement of a sweep: its name and its fully resolved config."""
+
+    name: str
+    cfg: Config
+
+    @property
+    def setting(self) -> str:
+        return self.cfg.recompute.label
+
+
+def recompute_overrides(setting: RecomputeConfig) -> dict[str, Any]:
+    """A recompute setting as `resolve` overrides (the whole recompute table, nothing implied)."""
+    return {"recompute.granularity": setting.granularity, "recompute.modules": list(setting.modules),
+            "recompute.method": setting.method, "recompute.num_layers": setting.num_layers,
+            "recompute.activation_offload_layers": setting.activation_offload_layers}
+
+
+def expand(*, num_layers: int, modules: list[str] | None = None, methods: list[str] | None = None,
+           num_layers_recompute: list[int] | None = None, baseline: bool = False,
+           notes: list[str] | None = None) -> list[RecomputeConfig]:
+    """The recompute settings the flags ask for (see the module docstring for the rules)."""
+    if modules is None and methods is None and num_layers_recompute is None and not baseline:
+        return [RecomputeConfig()] + all_settings(num_layers)
+    settings = [RecomputeConfig()] if baseline else []
+    if modules is not None:
+        named = canonical_modules(modules)
+        if not named:
+            raise ConfigError("--modules names no module, so it expands to no setting; pass for example "
+                              f"--modules {' '.join(SUPPORTED_RECOMPUTE_MODULES)}, or use --baseline for no recompute")
+        settings += [RecomputeConfig("selective", list(c)) for k in range(1, len(named) + 1)
+                     for c in combinations(named, k)]
+    if methods is not None and not num_layers_recompute:
+        raise ConfigError("--methods needs --num-layers-recompute (the N of each full setting); "
+                          "pass for example --methods uniform block --num-layers-recompute 1 2")
+    if num_layers_recompute:
+        if methods is None:
+            methods = ["block"]
+            if notes is not None:
+                notes.append("--num-layers-recompute without --methods means method block (as Megatron Bridge's -rl)")
+        if not methods:
+            raise ConfigError("--methods names no method; pass --methods uniform, block or both")
+        settings += [RecomputeConfig("full", method=m, num_layers=n)
+                     for m in dict.fromkeys(methods) for n in dict.fromkeys(num_layers_recompute)]
+    unique: dict[str, RecomputeConfig] = {}
+    for s in settings:
+        unique.setdefault(s.label, s)
+    return list(unique.values())
+
+
+def name_points(configs: Iterable[Config], names: Iterable[str | None] | None = None) -> list[Point]:
+    """Name points: a given name as is, the first point without recompute "Baseline", the rest
+    "Exp 1", "Exp 2", ... in order. Duplicate names or settings are bad input."""
+    configs = list(configs)
+    names = list(names) if names is not None else [None] * len(configs)
+    points, taken, seen, n = [], set(), {}, 0
+    for cfg, given in zip(configs, names):
+        if given:
+            name = given
+        elif cfg.recompute.granularity == "none" and not cfg.recompute.activation_offload_layers and "Baseline" not in taken:
+            name = "Baseline"
+        else:
+            n += 1
+            name = f"Exp {n}"
+            while name in taken:
+                n += 1
+                name = f"Exp {n}"
+        if name in taken:
+            raise ConfigError(f"two points are named {name!r}; give each [[point]] its own name")
+        ident = point_id({"workload": cfg.workload, "config": cfg.to_dict(), "recompute": cfg.recompute_dict()})
+        if ident in seen:
+            raise ConfigError(f"points {seen[ident]!r} and {name!r} are the same setting ({cfg.recompute.label}); "
+                              "drop one of them")
+        taken.add(name)
+        seen[ident] = name
+        points.append(Point(name, cfg))
+    return points
+
+
+def plan_from_flags(workload: str, *, overrides: dict[str, Any], sets: list[str], gpu: str | None,
+                    modules: list[str] | None = None, methods: list[str] | None = None,
+                    num_layers_recompute: list[int] | None = None, baseline: bool = False) -> tuple[list[Point], list[str]]:
+    """Resolve every point the flags expand to; returns (points, notes). ConfigError on bad input."""
+    notes: list[str] = []
+    base, base_notes = resolve(workload, overrides=overrides, sets=sets, gpu=gpu)
+    settings = expand(num_layers=base.model.num_layers, modules=modules, methods=methods,
+                      num_layers_recompute=num_layers_recompute, baseline=baseline, notes=notes)
+    configs = []
+    for setting in settings:
+        cfg, point_notes = resolve(workload, overrides={**overrides, **recompute_overrides(setting)}, sets=sets, gpu=gpu)
+        notes += point_notes
+        configs.append(cfg)
+    return name_points(configs), list(dict.fromkeys(base_notes + notes))
+
+
+@dataclass
+class Grid:
+    """A grid file: the workload, `set` overrides for every point, and the points' own tables."""
+
+    workload: str | None
+    sets: list[str]
+    points: list[dict[str, Any]]
+
+
+def load_grid(path: Path) -> Grid:
+    """Read a grid file (TOML):
+
+        workload = "llama3-8b"              # optional; --workload on the command line wins
+        set = ["model.num_layers=4"]        # optional; applied to every point
+        [[point]]
+        name = "Baseline"                   # optional; default Baseline / Exp N
+        recompute_granularity = "none"
+        [[point]]
+        recompute_modules = ["core_attn", "mlp"]     # modules alone mean selective
+        [[point]]
+        recompute_granularity = "full"
+        recompute_method = "uniform"
+        recompute_num_layers = 1
+        seq_length = 4096                   # shape keys: num_layers, seq_length, micro_batch_size,
+                                            # global_batch_size, precision, attention_backend
+        set = ["training.measured_steps=10"]
+
+    A point without recompute keys measures no recompute.
+    """
+    try:
+        with Path(path).open("rb") as f:
+            data = tomllib.load(f)
+    except FileNotFoundError:
+        raise ConfigError(f"grid file {path} does not exist; pass the path of a TOML file with [[point]] tables") from None
+    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
+        raise ConfigError(f"grid file {path} is not valid TOML ({e}); fix the file") from None
+    unknown = set(data) - {"workload", "set", "point", "description"}
+    if unknown:
+        raise ConfigError(f"grid file {path} has unknown key(s) {', '.join(sorted(unknown))}; "
+                          "use workload, set and [[point]] tables")
+    points = data.get("point")
+    if not isinstance(points, list) or not points:
+        raise ConfigError(f"grid file {path} lists no [[point]] table; add one per setting to measure")
+    allowed = set(GRID_POINT_KEYS) | {"name", "set"}
+    for i, point in enumerate(points, 1):
+        bad = set(point) - allowed
+        if bad:
+            raise ConfigError(f"point {i} of {path} has unknown key(s) {', '.join(sorted(bad))}; "
+                              f"allowed: {', '.join(sorted(allowed))}")
+    sets = data.get("set", [])
+    if not isinstance(sets, list) or not all(isinstance(s, str) for s in sets):
+        raise ConfigError(f'"set" in {path} must be a list of "section.key=value" strings')
+    return Grid(data.get("workload"), sets, points)
+
+
+def plan_from_grid(grid: Grid, workload: str, *, overrides: dict[str, Any], sets: list[str],
+                   gpu: str | None) -> tuple[list[Point], list[str]]:
+    """Resolve the points of a grid. Order of overrides: preset, the grid's `set`, --set, the
+    dedicated flags, then the point's own keys and `set`."""
+    configs, names, notes = [], [], []
+    for i, point in enumerate(grid.points, 1):
+        own = {GRID_POINT_KEYS[k]: v for k, v in point.items() if k in GRID_POINT_KEYS}
+        if not any(k.startswith("recompute.") for k in own):
+            own["recompute.granularity"] = "none"
+        point_sets = point.get("set", [])
+        if not isinstance(point_sets, list):
+            raise ConfigError(f'"set" of point {i} must be a list of "section.key=value" strings')
+        try:
+            cfg, point_notes = resolve(workload, overrides={**overrides, **own},
+                                       sets=[*grid.sets, *sets, *point_sets], gpu=gpu)
+        except ConfigError as e:
+            raise ConfigError(f"point {point.get('name') or i} of the grid: {e}") from None
+        configs.append(cfg)
+        names.append(point.get("name"))
+        notes += point_notes
+    return name_points(configs, names), list(dict.fromkeys(notes))
+
+
+def plan_to_dict(points: list[Point]) -> dict:
+    """The plan as saved in `plan.json`."""
+    return {"schema": PLAN_SCHEMA, "points": [{"name": p.name, "config": config_to_dict(p.cfg)} for p in points]}
+
+
+def load_plan(run_dir: Path) -> list[Point]:
+    """The plan saved by an earlier sweep of this run (for --resume)."""
+    path = Path(run_dir) / PLAN_FILE
+    if not path.is_file():
+        raise ConfigError(f"{path} does not exist, so there is no sweep to resume; pass the run id of a sweep "
+                          "(a folder under results/ with a plan.json)")
+    try:
+        data = json.loads(path.read_text())
+        if data.get("schema") != PLAN_SCHEMA:
+            raise ValueError(f"schema {data.get('schema')!r}")
+        return [Point(p["name"], config_from_dict(p["config"])) for p in data["points"]]
+    except (ValueError, KeyError, TypeError, AttributeError) as e:
+        raise ConfigError(f"{path} is not a sweep plan ({e}); start a new sweep instead of resuming") from None
+
+
+def point_record_id(point: Point) -> tuple[str, ...]:
+    """The identity a record of this point will have (see results.point_id)."""
+    return point_id({"workload": point.cfg.workload, "config": point.cfg.to_dict(),
+                     "recompute": point.cfg.recompute_dict()})
+
+
+def done_points(results_file: Path) -> dict[tuple[str, ...], dict]:
+    """Records already in a run's results that count as done (ok or oom), by point identity."""
+    if not results_file.is_file():
+        return {}
+    return {point_id(r): r for r in load_records(results_file) if r.get("status") in DONE_STATUSES}
+
+
+def run_sweep(points: list[Point], run_dir: Path, *, timeout_s: float, device: str | None = None,
+              peak_tflops: float | None = None, resume: bool = False,
+              on_start: Callable[[Point, int], None] | None = None,
+              on_done: Callable[[Point, dict, float, bool], None] | None = None) -> list[dict]:
+    """Measure every point of the plan into `run_dir` and return one record per point, in plan order.
+
+    Holds the run's lock throughout (ConfigError when another sweep holds it). A new run saves the
+    plan; a run that already has results is only continued with `resume=True`. `on_start(point,
+    index)` and `on_done(point, record, seconds, skipped)` let the caller show progress.
+    """
+    run_dir = Path(run_dir)
+    results_file = run_dir / RESULTS_FILE
+    with RunLock(run_dir):
+        if not resume and (results_file.exists() or (run_dir / PLAN_FILE).exists()):
+            raise ConfigError(f"run {run_dir.name} already exists in {run_dir.parent}; pass --resume {run_dir.name} "
+                              "to continue it or another --run-id")
+        if not (run_dir / PLAN_FILE).exists():
+            write_json_atomic(run_dir / PLAN_FILE, plan_to_dict(points))
+        done = done_points(results_file) if resume else {}
+        records = []
+        for index, point in enumerate(points):
+            previous = done.get(point_record_id(point))
+            if previous is not None:
+                records.append(previous)
+                if on_done:
+                    on_done(point, previous, 0.0, True)
+                continue
+            if on_start:
+                on_start(point, index)
+            t0 = time.monotonic()
+            safe = point.name.replace(" ", "_").replace("/", "_")
+            record = run_isolated(point.cfg, name=point.name, out_path=run_dir / "work" / f"{safe}.json",
+                                  log_path=run_dir / "logs" / f"{safe}.log", timeout_s=timeout_s,
+                                  device=device, peak_tflops=peak_tflops)
+            record["point"] = {"name": point.name, "index": index, "run_id": run_dir.name}
+            append_record(results_file, record)
+            records.append(record)
+            if on_done:
+                on_done(point, record, time.monotonic() - t0, False)
+        return records

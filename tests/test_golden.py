@@ -1,0 +1,284 @@
+"""compare and golden update on hand-made golden and result files: every verdict, direction,
+tolerance edges, overrides, CI outputs, exit codes and corrupt inputs."""
+
+import json
+import xml.etree.ElementTree as ET
+
+import pytest
+
+from conftest import invoke
+from records import CPU, H100, record, write_golden_of, write_results
+from recompute_bench import golden as gold
+from recompute_bench.config import ConfigError
+from recompute_bench.results import record_row
+
+
+def verdict(actual, golden_record, *, tolerances=None, strict=False, tolerance_column=""):
+    """Verdict of one result against a golden made of one record."""
+    g = gold.golden_row(record_row(golden_record), tolerance_column)
+    g["tolerance_parsed"] = gold.parse_tolerances([tolerance_column])
+    comparison = gold.compare([record_row(actual)], [g], tolerances=tolerances or {}, strict=strict)
+    return comparison.rows[0], comparison
+
+
+@pytest.mark.parametrize("tflops, expected", [
+    (100.0, gold.PASS), (95.1, gold.PASS), (95.0, gold.PASS),  # exactly at the 5% edge passes
+    (94.9, gold.PERF), (105.0, gold.PASS), (105.1, gold.IMPROVED),
+])
+def test_tflops_is_higher_is_better_with_a_5_percent_tolerance(tflops, expected):
+    row, _ = verdict(record(tflops_per_gpu=tflops), record())
+    assert row.verdict == expected
+    assert row.metric("tflops_per_gpu").rel_diff == pytest.approx((tflops - 100) / 100)
+
+
+@pytest.mark.parametrize("factor, expected", [(1.05, gold.PASS), (1.051, gold.MEMORY), (0.949, gold.IMPROVED)])
+def test_peak_memory_is_lower_is_better(factor, expected):
+    row, _ = verdict(record(peak_allocated_bytes=int(50 * 2**30 * factor)), record())
+    assert row.verdict == expected
+
+
+def test_deterministic_metrics_are_exact():
+    assert verdict(record(activation_bytes=10**9 + 1), record())[0].verdict == gold.MEMORY
+    assert verdict(record(activation_bytes=10**9 - 1), record())[0].verdict == gold.IMPROVED
+    assert verdict(record(measured_flops_per_step=4 * 10**15 + 2), record())[0].verdict == gold.PERF
+    assert verdict(record(num_parameters=10**9 + 1), record())[0].verdict == gold.CHANGED
+    assert verdict(record(loss=6.0 * 1.009), record())[0].verdict == gold.PASS
+    assert verdict(record(loss=6.0 * 1.011), record())[0].verdict == gold.CHANGED
+
+
+def test_cpu_rows_report_timing_and_gate_the_deterministic_metrics():
+    row, _ = verdict(record(device=CPU, tflops_per_gpu=5.0), record(device=CPU))
+    assert row.verdict == gold.PASS
+    assert (row.metric("tflops_per_gpu").outcome, row.metric("tflops_per_gpu").rel_diff) == ("info", pytest.approx(-0.95))
+    assert verdict(record(device=CPU, activation_bytes=10**9 + 1), record(device=CPU))[0].verdict == gold.MEMORY
+    opted_in, _ = verdict(record(device=CPU, tflops_per_gpu=40.0), record(device=CPU), tolerance_column="tflops_per_gpu:50%")
+    assert opted_in.verdict == gold.PERF
+    row, _ = verdict(record(device=CPU), record(device=CPU))
+    assert row.metric("peak_allocated_bytes").outcome == "n/m"
+    assert row.metric("step_time_s").outcome == "info"
+
+
+def test_tolerance_overrides_command_line_beats_row_beats_default():
+    slower = record(tflops_per_gpu=93.0)
+    assert verdict(slower, record())[0].verdict == gold.PERF
+    assert verdict(slower, record(), tolerances={"tflops_per_gpu": 0.10})[0].verdict == gold.PASS
+    assert verdict(slower, record(), tolerance_column="tflops_per_gpu:10%")[0].verdict == gold.PASS
+    assert verdict(record(tflops_per_gpu=98.0), record(), tolerance_column="tflops_per_gpu:1%")[0].verdict == gold.PERF
+    row, _ = verdict(slower, record(), tolerances={"tflops_per_gpu": 0.01}, tolerance_column="tflops_per_gpu:10%")
+    assert row.verdict == gold.PERF
+    assert verdict(slower, record(), tolerances={"tflops_per_gpu": None})[0].metric("tflops_per_gpu").outcome == "info"
+
+
+def test_a_row_shows_its_worst_verdict_and_keeps_the_others():
+    row, _ = verdict(record(tflops_per_gpu=120.0, activation_bytes=2 * 10**9), record())
+    assert row.verdict == gold.MEMORY
+    assert set(row.verdicts) == {gold.MEMORY, gold.IMPROVED}
+
+
+def test_oom_matrix():
+    oom = record(status="oom", failure_rank=3)
+    assert verdict(oom, record())[0].verdict == gold.UNEXPECTED_OOM
+    assert verdict(oom, record(status="oom"))[0].verdict == gold.EXPECTED_OOM
+    fits, comparison = verdict(record(), record(status="oom"))
+    assert fits.verdict == gold.NOW_FITS and comparison.passed
+    assert not verdict(record(), record(status="oom"), strict=True)[1].passed
+
+
+def test_failed_points_fail_whatever_the_golden():
+    for status in ("error", "timeout"):
+        row, comparison = verdict(record(status=status), record())
+        assert row.verdict == gold.FAILED and not comparison.passed
+        assert gold.compare([record_row(record(status=status))], []).rows[0].verdict == gold.FAILED
+
+
+def test_not_comparable_device_software_or_definition():
+    assert verdict(record(device=CPU), record())[0].verdict == gold.NOT_COMPARABLE
+    assert verdict(record(device=(H100[0], "2.12.1+cu128")), record())[0].verdict == gold.NOT_COMPARABLE
+    assert verdict(record(device=(H100[0], "2.13.1+cu130")), record())[0].verdict == gold.PASS
+    row, _ = verdict(record(sets=["model.hidden_dropout=0.0"]), record())
+    assert row.verdict == gold.NOT_COMPARABLE and "config_hash" in row.reasons[0]
+
+
+def test_missing_and_new_rows(tmp_path):
+    golden = [record(), record(["core_attn"])]
+    results = [record(), record(["mlp"])]
+    rows = gold.read_golden(write_golden_of(tmp_path / "g.csv", golden))
+    comparison = gold.compare([record_row(r) for r in results], rows)
+    assert [(r.setting, r.verdict) for r in comparison.rows] == [
+        ("none", gold.PASS), ("selective[mlp]", gold.NEW), ("selective[core_attn]", gold.MISSING)]
+    assert not comparison.passed and [r.verdict for r in comparison.failing_rows] == [gold.MISSING]
+    only = gold.compare([record_row(r) for r in results], rows, only_keys={gold.row_key(record_row(results[0]))})
+    assert [r.verdict for r in only.rows] == [gold.PASS, gold.NEW] and only.passed
+    assert not gold.compare([record_row(r) for r in results], rows, strict=True,
+                            only_keys={gold.row_key(record_row(results[0]))}).passed
+
+
+def test_golden_csv_round_trip_keeps_exact_integers(tmp_path):
+    big = record(measured_flops_per_step=1234567890123456789, loss=6.123456789)
+    row = gold.read_golden(write_golden_of(tmp_path / "g.csv", [big]))[0]
+    assert row["measured_flops_per_step"] == 1234567890123456789
+    assert row["peak_allocated_bytes"] == 50 * 2**30 and row["recompute_modules"] == ""
+    assert gold.compare([record_row(big)], [row]).passed
+
+
+@pytest.mark.parametrize("spec, expected", [("tflops_per_gpu:5%", 0.05), ("loss:0.02", 0.02), ("activation_bytes:0", 0.0),
+                                            ("step_time_s:off", None)])
+def test_parse_tolerance(spec, expected):
+    assert gold.parse_tolerance(spec)[1] == expected
+
+
+@pytest.mark.parametrize("spec", ["tflops:5%", "tflops_per_gpu", "tflops_per_gpu:-1%", "loss:abc", "loss:inf"])
+def test_bad_tolerance_is_bad_input(spec):
+    with pytest.raises(ConfigError):
+        gold.parse_tolerance(spec)
+
+
+# ----- the command line -----------------------------------------------------------------------
+def _files(tmp_path, golden_records, result_records, tolerance=None):
+    g = write_golden_of(tmp_path / "golden" / "h100.csv", golden_records, tolerance)
+    r = write_results(tmp_path / "run" / "results.jsonl", result_records)
+    return g, r
+
+
+def test_compare_exit_0_on_pass_and_writes_ci_outputs(tmp_path, monkeypatch):
+    g, r = _files(tmp_path, [record(name="Baseline"), record(["mlp"], name="Exp 1")],
+                  [record(name="Baseline"), record(["mlp"], name="Exp 1", tflops_per_gpu=102.0)])
+    summary = tmp_path / "summary.md"
+    summary.write_text("earlier step\n")
+    monkeypatch.setenv("GITHUB_STEP_SUMMARY", str(summary))
+    result = invoke("compare", str(r.parent), "--golden", str(g), "--junit", str(tmp_path / "out" / "junit.xml"),
+                    "--markdown", str(tmp_path / "out" / "compare.md"), "--json")
+    assert result.exit_code == 0, result.output
+    doc = json.loads(result.stdout)
+    assert doc["passed"] and [row["verdict"] for row in doc["rows"]] == ["pass", "pass"]
+    tflops = next(m for m in doc["rows"][1]["metrics"] if m["name"] == "tflops_per_gpu")
+    assert tflops["rel_diff"] == pytest.approx(0.02)
+    suite = ET.parse(tmp_path / "out" / "junit.xml").getroot().find("testsuite")
+    assert int(suite.get("tests")) == 2 * len(gold.METRICS) and suite.get("failures") == "0"
+    text = summary.read_text()
+    assert text.startswith("earlier step\n") and "**PASS" in text and "+2.0%" in text
+    assert (tmp_path / "out" / "compare.md").read_text() in text
+
+
+def test_compare_exit_1_names_the_regression_and_the_update_command(tmp_path):
+    g, r = _files(tmp_path, [record(name="Baseline"), record(["mlp"], name="Exp 1")],
+                  [record(name="Baseline"), record(["mlp"], name="Exp 1", tflops_per_gpu=80.0)])
+    result = invoke("compare", str(r), "--golden", str(g), "--junit", str(tmp_path / "junit.xml"))
+    assert result.exit_code == 1
+    out = " ".join(result.stderr.split())
+    assert "Perf regression" in out and "-20.0%" in out
+    assert f"recompute-bench golden update {r} --golden {g} --select 'Exp 1'" in out
+    failures = [c for c in ET.parse(tmp_path / "junit.xml").getroot().iter("testcase") if c.find("failure") is not None]
+    assert [c.get("name") for c in failures] == ["selective[mlp] :: tflops_per_gpu"]
+    assert "-20.0%" in failures[0].find("failure").get("message")
+
+
+def test_strict_fails_on_unexpected_improvement(tmp_path):
+    g, r = _files(tmp_path, [record()], [record(tflops_per_gpu=130.0)])
+    assert invoke("compare", str(r), "--golden", str(g)).exit_code == 0
+    assert invoke("compare", str(r), "--golden", str(g), "--strict").exit_code == 1
+    assert invoke("compare", str(r), "--golden", str(g), "--tolerance", "tflops_per_gpu:50%", "--strict").exit_code == 0
+
+
+def test_compare_finds_a_run_id_and_the_device_golden(tmp_path):
+    write_golden_of(tmp_path / "golden" / "h100.csv", [record()])
+    write_results(tmp_path / "myrun" / "results.jsonl", [record()])
+    result = invoke("compare", "myrun", "--results-dir", str(tmp_path))
+    assert result.exit_code == 0, result.output
+
+
+def _corrupt(golden_file, kind):
+    """The golden's text with one defect (the baseline row has no comma inside a cell)."""
+    text = golden_file.read_text()
+    header, row = text.splitlines()[:2]
+    columns, cells = header.split(","), row.split(",")
+
+    def with_cell(column, value):
+        changed = list(cells)
+        changed[columns.index(column)] = value
+        return header + "\n" + ",".join(changed) + "\n"
+
+    return {"bad number": with_cell("tflops_per_gpu", "fast"), "bad status": with_cell("status", "fine"),
+            "duplicate": text + row + "\n", "bad tolerance": with_cell("tolerance", "speed:fast"),
+            "empty": "", "binary": "\x00\xff\xfe garbage", "few columns": "workload,status\ntiny,ok\n"}[kind]
+
+
+@pytest.mark.parametrize("kind, words", [
+    ("missing", "does not exist"), ("empty", "not a readable CSV"), ("binary", "not a readable CSV"),
+    ("few columns", "lacks the column"), ("bad number", "not a number"), ("bad status", "is not ok or oom"),
+    ("duplicate", "repeats the key"), ("bad tolerance", "tolerance"),
+])
+def test_corrupt_golden_is_one_line_exit_2_and_writes_nothing(tmp_path, kind, words):
+    g, r = _files(tmp_path, [record()], [record()])
+    if kind == "missing":
+        g.unlink()
+    else:
+        g.write_bytes(_corrupt(g, kind).encode("latin-1"))
+    before = g.read_bytes() if g.exists() else None
+    junit = tmp_path / "junit.xml"
+    result = invoke("compare", str(r), "--golden", str(g), "--junit", str(junit))
+    assert result.exit_code == 2, result.output
+    assert words in result.stderr and "Traceback" not in result.output
+    assert not junit.exists()
+    if before is not None:
+        update = invoke("golden", "update", str(r), "--golden", str(g))
+        assert update.exit_code == 2 and g.read_bytes() == before
+
+
+@pytest.mark.parametrize("lines, words", [
+    ('{"schema": "recompute-bench/result/v1", "workl', "is not a JSON record"),
+    ('{"a": 1}', "not a recompute-bench/result/v1 record"),
+    ('{"schema": "recompute-bench/result/v1", "workload": "tiny"}', "lacks"),
+])
+def test_corrupt_results_are_one_line_exit_2(tmp_path, lines, words):
+    g, r = _files(tmp_path, [record()], [record()])
+    r.write_text(r.read_text() + lines + "\n")
+    result = invoke("compare", str(r), "--golden", str(g))
+    assert result.exit_code == 2 and words in result.stderr and "Traceback" not in result.output
+
+
+def test_unknown_results_are_exit_2(tmp_path):
+    result = invoke("compare", "no-such-run", "--results-dir", str(tmp_path))
+    assert result.exit_code == 2 and "neither a file, a folder nor a run id" in result.stderr
+
+
+def test_golden_update_replaces_adds_and_keeps_rows(tmp_path):
+    g, _ = _files(tmp_path, [record(), record(["core_attn"]), record(["mlp"])], [], tolerance={1: "tflops_per_gpu:9%"})
+    before = {row["setting"]: row for row in gold.read_golden(g)}
+    r = write_results(tmp_path / "new" / "results.jsonl",
+                      [record(["core_attn"], name="Exp 1", tflops_per_gpu=90.0),
+                       record(["layernorm"], name="Exp 2"), record(["mlp"], name="Exp 3", status="error")])
+    result = invoke("golden", "update", str(r), "--golden", str(g))
+    assert result.exit_code == 0, result.output
+    after = {row["setting"]: row for row in gold.read_golden(g)}
+    assert list(after) == ["none", "selective[core_attn]", "selective[mlp]", "selective[layernorm]"]
+    assert after["selective[core_attn]"]["tflops_per_gpu"] == 90.0
+    assert after["selective[core_attn]"]["tolerance"] == "tflops_per_gpu:9%"
+    assert after["none"] == before["none"] and after["selective[mlp]"] == before["selective[mlp]"]
+    assert "Exp 3 (error)" in result.stderr
+
+
+def test_golden_update_select_and_refusals(tmp_path):
+    g, _ = _files(tmp_path, [record()], [])
+    r = write_results(tmp_path / "new" / "results.jsonl",
+                      [record(name="Baseline", tflops_per_gpu=50.0), record(["mlp"], name="Exp 1")])
+    assert invoke("golden", "update", str(r), "--golden", str(g), "--select", "Exp 1").exit_code == 0
+    rows = gold.read_golden(g)
+    assert [row["setting"] for row in rows] == ["none", "selective[mlp]"] and rows[0]["tflops_per_gpu"] == 100.0
+    bad = invoke("golden", "update", str(r), "--golden", str(g), "--select", "Exp 9")
+    assert bad.exit_code == 2 and "matches no result" in bad.stderr
+    cpu = write_results(tmp_path / "cpu" / "results.jsonl", [record(device=CPU)])
+    refused = invoke("golden", "update", str(cpu), "--golden", str(g))
+    assert refused.exit_code == 2 and "measured on" in refused.stderr
+    failed = write_results(tmp_path / "failed" / "results.jsonl", [record(status="timeout")])
+    nothing = invoke("golden", "update", str(failed), "--golden", str(g))
+    assert nothing.exit_code == 1 and "nothing promoted" in nothing.stderr
+
+
+def test_golden_update_creates_a_golden_that_then_passes(tmp_path):
+    r = write_results(tmp_path / "run" / "results.jsonl", [record(status="oom"), record(["mlp"])])
+    g = tmp_path / "golden" / "h100.csv"
+    assert invoke("golden", "update", str(r), "--golden", str(g)).exit_code == 0
+    result = invoke("compare", str(r), "--golden", str(g), "--strict", "--json")
+    assert result.exit_code == 0
+    assert [row["verdict"] for row in json.loads(result.stdout)["rows"]] == ["expected OOM", "pass"]
