@@ -1,0 +1,270 @@
+"""sweep: expansion of every flag combination and of grid files, isolated points (error, hang,
+OOM, crash) recorded while the sweep goes on, resume after a killed sweep, the run lock."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from conftest import config, invoke
+from recompute_bench import launch
+from recompute_bench.config import ConfigError
+from recompute_bench.store import RunLock
+from recompute_bench.sweep import done_points, expand, plan_from_flags, point_record_id
+from recompute_bench.verify import all_settings
+
+SHIPPED_GOLDEN = Path(__file__).resolve().parent.parent / "results" / "golden" / "cpu.csv"
+SMALL = ["--set", "training.warmup_steps=0", "--set", "training.measured_steps=1"]
+
+
+def labels(settings):
+    return [s.label for s in settings]
+
+
+def plan(*args):
+    """The plan `sweep --dry-run --json` prints: [(name, setting)]."""
+    result = invoke("sweep", *args, "--dry-run", "--json")
+    assert result.exit_code == 0, result.output
+    points = json.loads(result.stdout)["points"]
+    return [(p["name"], _label(p["config"]["recompute"])) for p in points], points
+
+
+def _label(r):
+    from recompute_bench.config import recompute_label
+    return recompute_label(r["granularity"], r["modules"], r["method"], r["num_layers"], r["activation_offload_layers"])
+
+
+# ----- expansion ---------------------------------------------------------------------------------
+def test_modules_expand_to_every_non_empty_subset_in_megatron_order():
+    assert labels(expand(num_layers=4, modules=["mlp", "core_attn"])) == [
+        "selective[core_attn]", "selective[mlp]", "selective[core_attn,mlp]"]
+    assert len(expand(num_layers=4, modules=["core_attn", "mlp", "layernorm"])) == 7
+    assert labels(expand(num_layers=4, modules=["mlp", "mlp"])) == ["selective[mlp]"]
+
+
+def test_methods_cross_layer_counts_and_baseline_comes_first():
+    assert labels(expand(num_layers=4, methods=["uniform", "block"], num_layers_recompute=[1, 2], baseline=True)) == [
+        "none", "full uniform 1", "full uniform 2", "full block 1", "full block 2"]
+    notes = []
+    assert labels(expand(num_layers=4, num_layers_recompute=[2], notes=notes)) == ["full block 2"]
+    assert "method block" in notes[0]
+    assert labels(expand(num_layers=4, baseline=True)) == ["none"]
+
+
+def test_no_flag_means_baseline_and_every_verify_setting():
+    settings = expand(num_layers=4)
+    assert labels(settings) == ["none"] + labels(all_settings(4)) and len(settings) == 16
+
+
+@pytest.mark.parametrize("kwargs, words", [
+    ({"modules": []}, "names no module"),
+    ({"methods": ["uniform"]}, "needs --num-layers-recompute"),
+    ({"methods": [], "num_layers_recompute": [1]}, "names no method"),
+])
+def test_bad_expansions_are_refused(kwargs, words):
+    with pytest.raises(ConfigError, match=words):
+        expand(num_layers=4, **kwargs)
+
+
+def test_every_flag_together_with_names_and_both_list_spellings():
+    expected = [("Baseline", "none"), ("Exp 1", "selective[core_attn]"), ("Exp 2", "selective[layernorm]"),
+                ("Exp 3", "selective[core_attn,layernorm]"), ("Exp 4", "full uniform 1"), ("Exp 5", "full uniform 3"),
+                ("Exp 6", "full block 1"), ("Exp 7", "full block 3")]
+    spaced, points = plan("--baseline", "--modules", "core_attn", "layernorm", "--methods", "uniform", "block",
+                          "--num-layers-recompute", "1", "3")
+    assert spaced == expected
+    assert plan("--modules", "layernorm,core_attn", "--methods=uniform,block", "--num-layers-recompute", "1,3",
+                "--baseline")[0] == expected
+    assert plan("--modules", "core_attn", "--modules", "layernorm", "--methods", "uniform", "--methods", "block",
+                "--num_layers_recompute", "1", "--num-layers-recompute", "3", "--baseline")[0] == expected
+    assert {p["config"]["workload"] for p in points} == {"tiny"}
+
+
+def test_workload_overrides_apply_to_every_point():
+    _, points = plan("--workload", "llama3-8b", "--num-layers", "2", "--seq-length", "64", "--set",
+                     "model.hidden_size=64", "--set", "model.num_attention_heads=8", "--set", "model.ffn_hidden_size=128",
+                     "--modules", "core_attn", "--baseline")
+    assert [(p["config"]["model"]["num_layers"], p["config"]["training"]["seq_length"],
+             p["config"]["model"]["hidden_size"]) for p in points] == [(2, 64, 64), (2, 64, 64)]
+
+
+def test_default_plan_is_what_the_shipped_cpu_golden_covers():
+    from recompute_bench.golden import read_golden, row_key
+    from recompute_bench.results import config_hash, key_fields
+
+    points, _ = plan_from_flags("tiny", overrides={}, sets=[], gpu="cpu")
+    golden = {row_key(g): g for g in read_golden(SHIPPED_GOLDEN)}
+    assert len(points) == len(golden) == 16
+    for p in points:
+        record = {"workload": p.cfg.workload, "config": p.cfg.to_dict(), "recompute": p.cfg.recompute_dict()}
+        row = golden[tuple(key_fields(record).values())]
+        assert row["config_hash"] == config_hash(record) and row["status"] == "ok" and row["device_name"] == "cpu"
+
+
+def test_grid_file(tmp_path):
+    grid = tmp_path / "grid.toml"
+    grid.write_text('workload = "tiny"\nset = ["training.measured_steps=2"]\n'
+                    '[[point]]\n'
+                    '[[point]]\nrecompute_modules = ["mlp", "core_attn"]\n'
+                    '[[point]]\nname = "long full"\nrecompute_granularity = "full"\nrecompute_method = "uniform"\n'
+                    'recompute_num_layers = 2\nseq_length = 64\nset = ["training.measured_steps=3"]\n')
+    names, points = plan("--grid", str(grid))
+    assert names == [("Baseline", "none"), ("Exp 1", "selective[core_attn,mlp]"), ("long full", "full uniform 2")]
+    assert [p["config"]["training"]["measured_steps"] for p in points] == [2, 2, 3]
+    assert [p["config"]["training"]["seq_length"] for p in points] == [128, 128, 64]
+
+
+@pytest.mark.parametrize("text, words", [
+    ("[[point]]\nrecompute_modules = [\n", "not valid TOML"),
+    ("workload = 'tiny'\n", "lists no [[point]]"),
+    ("[[point]]\nrecompute_moduls = ['mlp']\n", "unknown key(s) recompute_moduls"),
+    ("[[point]]\n[[point]]\n", "are the same setting"),
+    ("[[point]]\nname = 'a'\n[[point]]\nname = 'a'\nrecompute_modules = ['mlp']\n", "two points are named 'a'"),
+    ("[[point]]\nrecompute_granularity = 'full'\n", "point 1 of the grid: recompute_granularity full needs"),
+])
+def test_bad_grid_is_one_line_exit_2(tmp_path, text, words):
+    grid = tmp_path / "grid.toml"
+    grid.write_text(text)
+    result = invoke("sweep", "--grid", str(grid), "--dry-run")
+    assert result.exit_code == 2 and words in result.stderr and "Traceback" not in result.output
+
+
+@pytest.mark.parametrize("args, words", [
+    (["--modules", "[]"], "names no module"),
+    (["--modules", "moe"], "needs mixture-of-experts"),
+    (["--modules", "attn"], "unknown recompute module"),
+    (["--methods", "uniform"], "needs --num-layers-recompute"),
+    (["--methods", "diagonal", "--num-layers-recompute", "1"], "recompute_method 'diagonal'"),
+    (["--methods", "uniform", "--num-layers-recompute", "5"], "must lie between 1 and 4"),
+    (["--num-layers-recompute", "one"], "takes integers"),
+    (["--grid", "nope.toml"], "does not exist"),
+    (["--grid", "g.toml", "--modules", "mlp"], "drop --modules"),
+    (["--resume", "r1", "--modules", "mlp"], "drop --modules"),
+    (["--resume", "no-such-run"], "no sweep to resume"),
+    (["--run-id", "../escape"], "plain folder name"),
+    (["--timeout", "0"], "--timeout must be a positive"),
+    (["--tp", "2", "--baseline"], "without tensor, pipeline or data parallelism"),
+    (["--golden", "missing.csv"], "does not exist"),
+])
+def test_bad_sweep_input_is_one_line_exit_2(tmp_path, args, words):
+    (tmp_path / "g.toml").write_text("[[point]]\n")
+    (tmp_path / "r1").mkdir()
+    args = [str(tmp_path / a) if a == "g.toml" else a for a in args]
+    result = invoke("sweep", *args, "--results-dir", str(tmp_path), "--dry-run")
+    assert result.exit_code == 2, result.output
+    assert words in result.stderr and "Traceback" not in result.output
+
+
+# ----- isolated points -----------------------------------------------------------------------------
+def _records(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "results.jsonl").read_text().splitlines()]
+
+
+def test_error_hang_and_oom_are_recorded_and_the_sweep_goes_on(tmp_path, monkeypatch):
+    monkeypatch.setenv(launch.FAULT_POINTS_ENV, "Baseline=error:forward:0;Exp 1=hang:forward:0;Exp 2=oom:backward:0")
+    t0 = time.monotonic()
+    result = invoke("sweep", "--baseline", "--modules", "core_attn", "mlp", *SMALL, "--num-layers", "2",
+                    "--run-id", "faults", "--results-dir", str(tmp_path), "--timeout", "12", "--no-golden", "--json")
+    assert result.exit_code == 1, result.output
+    records = _records(tmp_path / "faults")
+    assert [(r["point"]["name"], r["status"]) for r in records] == [
+        ("Baseline", "error"), ("Exp 1", "timeout"), ("Exp 2", "oom"), ("Exp 3", "ok")]
+    error, hang, oom, ok = records
+    assert "injected failure" in error["failure"]["message"] and error["failure"]["phase"] == "forward"
+    assert "time limit of 12 s" in hang["failure"]["message"] and "in _fault" in hang["failure"]["message"]
+    assert hang["metrics"]["model_flops_per_step"] == ok["metrics"]["model_flops_per_step"]
+    assert (oom["failure"]["phase"], oom["failure"]["step"], oom["failure"]["rank"]) == ("backward", 0, 0)
+    assert ok["metrics"]["tflops_per_gpu"] > 0 and ok["ranks"][0]["status"] == "ok"
+    table = " ".join(result.stderr.split())
+    assert "OOM rank 0" in table and "Timeout" in table and "Error" in table
+    assert [row["status"] for row in json.loads(result.stdout)["rows"]] == ["error", "timeout", "oom", "ok"]
+    assert time.monotonic() - t0 < 60
+
+
+def test_a_worker_that_dies_or_hangs_becomes_a_record(tmp_path, monkeypatch):
+    cfg = config("tiny")
+    monkeypatch.setattr(launch, "WORKER_COMMAND", [sys.executable, "-c",
+                        "import os, signal, sys; sys.stderr.write('about to crash\\n'); sys.stderr.flush(); "
+                        "os.kill(os.getpid(), signal.SIGSEGV)"])
+    crashed = launch.run_isolated(cfg, name="c", out_path=tmp_path / "c.json", log_path=tmp_path / "c.log", timeout_s=30)
+    assert crashed["status"] == "error" and "signal SIGSEGV" in crashed["failure"]["message"]
+    assert "about to crash" in crashed["failure"]["message"]
+    assert crashed["ranks"][0]["status"] == "error" and crashed["metrics"]["activation_bytes"] is None
+
+    monkeypatch.setattr(launch, "WORKER_COMMAND", [sys.executable, "-c", "import time; time.sleep(60)"])
+    t0 = time.monotonic()
+    hung = launch.run_isolated(cfg, name="h", out_path=tmp_path / "h.json", log_path=tmp_path / "h.log", timeout_s=0.5)
+    assert hung["status"] == "timeout" and time.monotonic() - t0 < 10
+
+
+def _workers_of(run_dir: Path) -> list[int]:
+    """Processes whose command line names this run's folder (its workers)."""
+    pids = []
+    for proc in Path("/proc").iterdir():
+        if proc.name.isdigit():
+            try:
+                if str(run_dir) in (proc / "cmdline").read_bytes().decode(errors="replace"):
+                    pids.append(int(proc.name))
+            except OSError:
+                pass
+    return pids
+
+
+def test_resume_after_a_killed_sweep_measures_only_what_is_missing(tmp_path):
+    run = tmp_path / "killed"
+    command = [sys.executable, "-c", "from recompute_bench.cli import main; main()", "sweep", "--baseline",
+               "--modules", "core_attn", *SMALL, "--run-id", "killed", "--results-dir", str(tmp_path), "--no-golden"]
+    env = {**os.environ, "PYTHONPATH": str(Path(launch.PACKAGE_ROOT))}
+    sweep = subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    deadline = time.monotonic() + 60
+    while not ((run / "results.jsonl").exists() and (run / "results.jsonl").read_text().count("\n") >= 1):
+        assert sweep.poll() is None and time.monotonic() < deadline, "the sweep ended before its first record"
+        time.sleep(0.05)
+    sweep.send_signal(signal.SIGKILL)  # during the second point
+    sweep.wait()
+    first = (run / "results.jsonl").read_bytes()
+    assert first.count(b"\n") == 1
+    time.sleep(0.5)
+    assert _workers_of(run) == []  # the second point's worker died with the sweep
+
+    with RunLock(tmp_path / "another-run"):  # other run ids do not get in the way
+        result = invoke("sweep", "--resume", "killed", "--results-dir", str(tmp_path), "--no-golden")
+    assert result.exit_code == 0, result.output
+    assert "done before, skipped" in result.stderr
+    after = (run / "results.jsonl").read_bytes()
+    assert after.startswith(first) and after.count(b"\n") == 2
+    assert [r["point"]["name"] for r in _records(run)] == ["Baseline", "Exp 1"]
+    # Both points are default `tiny` settings, so the shipped CPU golden's deterministic metrics hold.
+    compare = invoke("compare", str(run), "--golden", str(SHIPPED_GOLDEN), "--tolerance", "tflops_per_gpu:off", "--json")
+    rows = json.loads(compare.stdout)["rows"]
+    assert compare.exit_code == 1 and {r["verdict"] for r in rows} == {"pass", "missing"}
+    assert all(m["outcome"] in ("pass", "n/m", "info") for r in rows for m in r["metrics"])
+
+
+def test_a_second_sweep_on_the_same_run_id_is_refused(tmp_path):
+    with RunLock(tmp_path / "busy"):
+        result = invoke("sweep", "--baseline", "--run-id", "busy", "--results-dir", str(tmp_path), "--no-golden")
+    assert result.exit_code == 2 and "being written by another sweep" in result.stderr
+    assert not (tmp_path / "busy" / "plan.json").exists()
+    (tmp_path / "used").mkdir()
+    (tmp_path / "used" / "results.jsonl").write_text("")
+    again = invoke("sweep", "--baseline", "--run-id", "used", "--results-dir", str(tmp_path), "--no-golden")
+    assert again.exit_code == 2 and "--resume used" in again.stderr
+
+
+def test_only_ok_and_oom_records_count_as_done(tmp_path):
+    from records import record, write_results
+    from recompute_bench.sweep import Point
+
+    path = write_results(tmp_path / "results.jsonl", [record(status="error"), record(["mlp"], status="oom"),
+                                                      record(["core_attn"])])
+    done = done_points(path)
+    ids = {name: point_record_id(Point(name, config("tiny", **kw))) for name, kw in (
+        ("none", {}), ("mlp", {"recompute__granularity": "selective", "recompute__modules": ["mlp"]}),
+        ("core_attn", {"recompute__granularity": "selective", "recompute__modules": ["core_attn"]}))}
+    assert ids["none"] not in done and ids["mlp"] in done and ids["core_attn"] in done
