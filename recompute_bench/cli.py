@@ -508,8 +508,9 @@ def sweep(
     json_out: Annotated[bool, typer.Option("--json", help="Print the plan (with --dry-run) or the comparison as JSON on stdout.",
                                            rich_help_panel="Output")] = False,
 ) -> None:
-    """Measure several recompute settings, each in its own process, into results/<run-id>/, and
-    compare them with the golden file of this device. No flag: every setting of the workload."""
+    """Measure several recompute settings, each in its own process, and compare them with the golden.
+
+    Results go to results/<run-id>/; with no flag every setting of the workload is measured."""
     from . import golden as gold
     from .results import record_row
     from .summary import details_table, experiment_table, headline, to_json

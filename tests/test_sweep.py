@@ -268,3 +268,20 @@ def test_only_ok_and_oom_records_count_as_done(tmp_path):
         ("none", {}), ("mlp", {"recompute__granularity": "selective", "recompute__modules": ["mlp"]}),
         ("core_attn", {"recompute__granularity": "selective", "recompute__modules": ["core_attn"]}))}
     assert ids["none"] not in done and ids["mlp"] in done and ids["core_attn"] in done
+
+
+def test_ctrl_c_stops_the_worker_and_says_how_to_resume(tmp_path):
+    run = tmp_path / "interrupted"
+    command = [sys.executable, "-c", "from recompute_bench.cli import main; main()", "sweep", "--baseline", *SMALL,
+               "--run-id", "interrupted", "--results-dir", str(tmp_path), "--no-golden"]
+    env = {**os.environ, "PYTHONPATH": str(Path(launch.PACKAGE_ROOT))}
+    sweep = subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 60
+    while not _workers_of(run):
+        assert sweep.poll() is None and time.monotonic() < deadline, "no worker started"
+        time.sleep(0.05)
+    sweep.send_signal(signal.SIGINT)
+    _, stderr = sweep.communicate(timeout=30)
+    assert sweep.returncode == 130
+    assert "recompute-bench sweep --resume interrupted" in " ".join(stderr.split())
+    assert _workers_of(run) == [] and not (run / "results.jsonl").exists()
