@@ -29,11 +29,9 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Any
 
-from . import flops
 from .config import Config
-from .measure import FAULT_ENV, SCHEMA, pick_device
+from .measure import FAULT_ENV, make_record, pick_device, unmeasured_metrics, unmeasured_rank
 from .telemetry import environment
 from .worker import config_to_dict
 
@@ -107,21 +105,10 @@ def _environment(device: str | None) -> dict:
 
 def failed_record(cfg: Config, status: str, failure: dict, device: str | None = None) -> dict:
     """A complete result record for a point whose worker left none: nothing measured (None), the
-    formula FLOPs filled in as `measure.run_point` does for any failed point."""
+    formula FLOPs and the estimate filled in as `measure.run_point` does for any failed point."""
     env = _environment(device)
-    rank = {"rank": 0, "status": status, "failure": failure, "device_name": env["device_name"],
-            "peak_allocated_bytes": None, "peak_reserved_bytes": None, "run_peak_allocated_bytes": None,
-            "run_peak_reserved_bytes": None, "alloc_retries": None, "num_ooms": None,
-            "nvml_used_bytes": None, "nvml_total_bytes": None}
-    metrics: dict[str, Any] = {
-        "step_time_s": None, "step_times_s": [], "tflops_per_gpu": None, "tokens_per_s_per_gpu": None,
-        "mfu": None, "hfu": None, "model_flops_per_step": flops.model_flops_per_step(cfg),
-        "hardware_flops_per_step": flops.hardware_flops_per_step(cfg), "measured_flops_per_step": None,
-        "activation_bytes": None, "activation_bytes_per_layer": None, "num_parameters": None, "loss": None,
-        "peak_allocated_bytes": None, "peak_reserved_bytes": None,
-    }
-    return {"schema": SCHEMA, "workload": cfg.workload, "config": cfg.to_dict(), "recompute": cfg.recompute_dict(),
-            "env": env, "status": status, "failure": failure, "ranks": [rank], "metrics": metrics}
+    return make_record(cfg, env, unmeasured_rank(0, env["device_name"], status, failure),
+                       unmeasured_metrics(cfg, env["device"]))
 
 
 def run_isolated(cfg: Config, *, name: str, out_path: Path, log_path: Path, timeout_s: float,

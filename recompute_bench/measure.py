@@ -193,19 +193,8 @@ def run_point(cfg: Config, *, device: torch.device | None = None, peak_tflops: f
     device = device or pick_device()
     m, t = cfg.model, cfg.training
     world_size = 1  # one rank; model parallelism is refused by validation before we get here
-    metrics: dict[str, Any] = {
-        "step_time_s": None, "step_times_s": [], "tflops_per_gpu": None, "tokens_per_s_per_gpu": None,
-        "mfu": None, "hfu": None,
-        "model_flops_per_step": flops.model_flops_per_step(cfg),
-        "hardware_flops_per_step": flops.hardware_flops_per_step(cfg),
-        "measured_flops_per_step": None,
-        "activation_bytes": None, "activation_bytes_per_layer": None,
-        "num_parameters": None, "loss": None,
-        **record_estimate(cfg, device.type),  # the analytical model's prediction beside each measurement
-    }
-    rank_entry: dict[str, Any] = {"rank": rank, "status": "ok", "failure": None, "device_name": device_name(device),
-                                  **cuda_memory(device), "run_peak_allocated_bytes": None,
-                                  "run_peak_reserved_bytes": None, "nvml_used_bytes": None, "nvml_total_bytes": None}
+    metrics = unmeasured_metrics(cfg, device.type)
+    rank_entry = {**unmeasured_rank(rank, device_name(device)), **cuda_memory(device)}
     stepper: Stepper | None = None
     try:
         if device.type == "cuda":
@@ -255,16 +244,45 @@ def run_point(cfg: Config, *, device: torch.device | None = None, peak_tflops: f
     if rank_entry["status"] != "ok":
         rank_entry.update({k: v for k, v in cuda_memory(device).items() if v is not None})
 
+    return make_record(cfg, environment(device), rank_entry, metrics)
+
+
+def unmeasured_metrics(cfg: Config, device_type: str) -> dict[str, Any]:
+    """A point's metrics before anything is measured: None (not measured), except what follows from
+    the config alone: the formula FLOPs and the analytical estimate."""
+    return {
+        "step_time_s": None, "step_times_s": [], "tflops_per_gpu": None, "tokens_per_s_per_gpu": None,
+        "mfu": None, "hfu": None,
+        "model_flops_per_step": flops.model_flops_per_step(cfg),
+        "hardware_flops_per_step": flops.hardware_flops_per_step(cfg),
+        "measured_flops_per_step": None,
+        "activation_bytes": None, "activation_bytes_per_layer": None,
+        "num_parameters": None, "loss": None,
+        **record_estimate(cfg, device_type),  # the analytical model's prediction beside each measurement
+    }
+
+
+def unmeasured_rank(rank: int, device_name: str, status: str = "ok", failure: dict | None = None) -> dict[str, Any]:
+    """A rank entry with every memory figure not measured (None)."""
+    return {"rank": rank, "status": status, "failure": failure, "device_name": device_name,
+            "peak_allocated_bytes": None, "peak_reserved_bytes": None, "alloc_retries": None, "num_ooms": None,
+            "run_peak_allocated_bytes": None, "run_peak_reserved_bytes": None,
+            "nvml_used_bytes": None, "nvml_total_bytes": None}
+
+
+def make_record(cfg: Config, env: dict, rank_entry: dict, metrics: dict) -> dict:
+    """The result record of one single-rank point (schema recompute-bench/result/v1)."""
     for key in ("peak_allocated_bytes", "peak_reserved_bytes"):
         metrics[key] = rank_entry[key]
+    failure = rank_entry["failure"]
     return {
         "schema": SCHEMA,
         "workload": cfg.workload,
         "config": cfg.to_dict(),
         "recompute": cfg.recompute_dict(),
-        "env": environment(device),
+        "env": env,
         "status": rank_entry["status"],
-        "failure": None if rank_entry["failure"] is None else {**rank_entry["failure"], "rank": rank},
+        "failure": None if failure is None else {**failure, "rank": rank_entry["rank"]},
         "ranks": [rank_entry],
         "metrics": metrics,
     }
