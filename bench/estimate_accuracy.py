@@ -15,10 +15,10 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from recompute_bench.config import RecomputeConfig  # noqa: E402
-from recompute_bench.measure import run_point  # noqa: E402
-from recompute_bench.verify import all_settings  # noqa: E402
-from recompute_bench.workloads import resolve  # noqa: E402
+from recompute_bench.spec.config import RecomputeConfig  # noqa: E402
+from recompute_bench.measure.point import run_point  # noqa: E402
+from recompute_bench.measure.verify import all_settings  # noqa: E402
+from recompute_bench.spec.presets import resolve  # noqa: E402
 
 SHAPES = {
     "tiny": {},

@@ -6,11 +6,11 @@ import torch
 from torch.utils.flop_counter import FlopCounterMode
 from typer.testing import CliRunner
 
-from recompute_bench.cli import app, normalize_argv
-from recompute_bench.measure import SavedTensorProbe
-from recompute_bench.model import build_model
-from recompute_bench.recompute import apply_recompute
-from recompute_bench.workloads import resolve
+from recompute_bench.cli.app import app, normalize_argv
+from recompute_bench.measure.point import SavedTensorProbe
+from recompute_bench.models.gpt import build_model
+from recompute_bench.recompute.apply import apply_recompute
+from recompute_bench.spec.presets import resolve
 
 FAST = ["training.warmup_steps=0", "training.measured_steps=1"]
 # A Llama-style layer small enough for a CPU test: RMSNorm, SwiGLU, GQA, RoPE, no biases.

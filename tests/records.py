@@ -6,9 +6,9 @@ import json
 from pathlib import Path
 
 from conftest import config
-from recompute_bench.golden import golden_row, write_golden
-from recompute_bench.measure import SCHEMA
-from recompute_bench.results import record_row
+from recompute_bench.gate.golden import golden_row, write_golden
+from recompute_bench.measure.point import SCHEMA
+from recompute_bench.results.records import record_row
 
 CPU = ("cpu", "2.13.0+cpu")
 H100 = ("NVIDIA H100 80GB HBM3", "2.13.0+cu128")

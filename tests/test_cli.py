@@ -5,7 +5,7 @@ import json
 import pytest
 
 from conftest import FAST, config, invoke
-from recompute_bench.cli import normalize_argv, resolve_cli
+from recompute_bench.cli.app import normalize_argv, resolve_cli
 
 
 def _recompute(*args):
@@ -151,7 +151,7 @@ def test_a_failing_step_is_a_recorded_result(monkeypatch, tmp_path, fault, statu
 
 def test_run_performance_workload_accepts_bridge_flags(tmp_path):
     from typer.testing import CliRunner
-    from recompute_bench.cli import app
+    from recompute_bench.cli.app import app
     args = ["run", *normalize_argv(["-w", "tiny", "--num_layers", "2", "--recompute_modules", "core_attn,layernorm",
                                     "--no-save", "--json", "--set", "training.warmup_steps=0",
                                     "--set", "training.measured_steps=1"])]
@@ -186,7 +186,7 @@ def test_workloads_lists_every_preset_with_its_shape():
 
 def test_per_gpu_recompute_table_and_user_preset_file(tmp_path):
     assert config("llama3-70b").recompute.granularity == "none"
-    from recompute_bench.workloads import resolve
+    from recompute_bench.spec.presets import resolve
     cfg, _ = resolve("llama3-70b", gpu="h100")
     assert (cfg.recompute.granularity, cfg.recompute.modules) == ("selective", ["core_attn"])
     cfg, _ = resolve("llama3-70b", gpu="h100", overrides={"recompute.granularity": "full", "recompute.method": "uniform",

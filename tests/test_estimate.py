@@ -10,13 +10,13 @@ import torch
 from torch.utils.flop_counter import FlopCounterMode
 
 from conftest import config, invoke
-from recompute_bench import estimate as E
-from recompute_bench import flops
-from recompute_bench.config import RecomputeConfig
-from recompute_bench.measure import DTYPES, SavedTensorProbe, synthetic_batches
-from recompute_bench.model import build_model
-from recompute_bench.recompute import apply_recompute, recomputed_layers
-from recompute_bench.verify import all_settings
+from recompute_bench.analysis import memory as E
+from recompute_bench.analysis import flops
+from recompute_bench.spec.config import RecomputeConfig
+from recompute_bench.measure.point import DTYPES, SavedTensorProbe, synthetic_batches
+from recompute_bench.models.gpt import build_model
+from recompute_bench.recompute.apply import apply_recompute, recomputed_layers
+from recompute_bench.measure.verify import all_settings
 
 MiB, GiB = 2**20, 2**30
 # Shrunken layers of the presets: a few layers, small hidden size and sequence, one micro-batch per step.

@@ -1,7 +1,7 @@
 """Megatron's model FLOPs against hand-computed values."""
 
 from conftest import config
-from recompute_bench.flops import model_flops_per_step, peak_flops
+from recompute_bench.analysis.flops import model_flops_per_step, peak_flops
 
 
 def test_gpt3_175b_matches_the_closed_form():

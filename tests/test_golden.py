@@ -8,9 +8,9 @@ import pytest
 
 from conftest import invoke
 from records import CPU, H100, record, write_golden_of, write_results
-from recompute_bench import golden as gold
-from recompute_bench.config import ConfigError
-from recompute_bench.results import record_row
+from recompute_bench.gate import golden as gold
+from recompute_bench.spec.config import ConfigError
+from recompute_bench.results.records import record_row
 
 
 def verdict(actual, golden_record, *, tolerances=None, strict=False, tolerance_column=""):

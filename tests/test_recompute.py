@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from conftest import SMALL_LLAMA, config, probe
-from recompute_bench.verify import all_settings, verify
+from recompute_bench.measure.verify import all_settings, verify
 
 SELECTIVE = lambda *mods: dict(recompute__granularity="selective", recompute__modules=list(mods))
 FULL = lambda method, n: dict(recompute__granularity="full", recompute__method=method, recompute__num_layers=n)
@@ -22,7 +22,7 @@ def test_every_setting_leaves_loss_and_gradients_bitwise_equal(workload, overrid
 def test_verify_would_notice_a_different_dropout_mask():
     # The check is only worth something if it can fail: a different seed for the variant must show.
     cfg = config()
-    from recompute_bench.verify import _loss_and_grads
+    from recompute_bench.measure.verify import _loss_and_grads
     tokens = torch.randint(0, cfg.model.vocab_size, (2, cfg.training.seq_length + 1))
     a, _ = _loss_and_grads(cfg, cfg.recompute, tokens, torch.device("cpu"))
     cfg.training.seed += 1
@@ -102,7 +102,7 @@ def test_full_recompute_adds_one_forward_of_the_checkpointed_layers(setting, lay
 
 @pytest.mark.parametrize("setting,attr", [(SELECTIVE("core_attn"), "core_attn"), (SELECTIVE("mlp"), "mlp")])
 def test_selective_recompute_flops_match_the_analytic_count(setting, attr):
-    from recompute_bench.flops import hardware_flops_per_step, layer_forward_flops
+    from recompute_bench.analysis.flops import hardware_flops_per_step, layer_forward_flops
     cfg = config(**setting)
     _, _, _, total = probe(cfg)
     _, _, _, total_none = probe(config())
@@ -111,7 +111,7 @@ def test_selective_recompute_flops_match_the_analytic_count(setting, attr):
 
 
 def test_two_builds_with_one_seed_are_identical():
-    from recompute_bench.model import build_model
+    from recompute_bench.models.gpt import build_model
     cfg = config("llama3-8b", **{k.replace(".", "__"): v for k, v in SMALL_LLAMA.items()})
     a, b = build_model(cfg.model, 7), build_model(cfg.model, 7)
     assert all(torch.equal(p, q) for p, q in zip(a.parameters(), b.parameters()))
@@ -120,10 +120,10 @@ def test_two_builds_with_one_seed_are_identical():
 
 
 def test_offloaded_layers_keep_gradients_equal_and_leave_the_device():
-    from recompute_bench.config import RecomputeConfig
-    from recompute_bench.measure import SavedTensorProbe
-    from recompute_bench.model import build_model
-    from recompute_bench.recompute import apply_recompute
+    from recompute_bench.spec.config import RecomputeConfig
+    from recompute_bench.measure.point import SavedTensorProbe
+    from recompute_bench.models.gpt import build_model
+    from recompute_bench.recompute.apply import apply_recompute
     cfg = config()
     grads = []
     for offload in (0, 2):

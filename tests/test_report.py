@@ -6,9 +6,9 @@ import pytest
 
 from conftest import invoke
 from records import CPU, record, write_results
-from recompute_bench.config import ConfigError
-from recompute_bench.plot import pareto_front
-from recompute_bench.results import KEY_COLUMNS, load_results
+from recompute_bench.spec.config import ConfigError
+from recompute_bench.render.plot import pareto_front
+from recompute_bench.results.records import KEY_COLUMNS, load_results
 
 GiB = 2**30
 

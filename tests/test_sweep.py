@@ -12,11 +12,11 @@ from pathlib import Path
 import pytest
 
 from conftest import config, invoke
-from recompute_bench import launch
-from recompute_bench.config import ConfigError
-from recompute_bench.store import RunLock
-from recompute_bench.sweep import done_points, expand, plan_from_flags, point_record_id
-from recompute_bench.verify import all_settings
+from recompute_bench.launch import process as launch
+from recompute_bench.spec.config import ConfigError
+from recompute_bench.results.store import RunLock
+from recompute_bench.launch.sweep import done_points, expand, plan_from_flags, point_record_id
+from recompute_bench.measure.verify import all_settings
 
 SHIPPED_GOLDEN = Path(__file__).resolve().parent.parent / "results" / "golden" / "cpu.csv"
 SMALL = ["--set", "training.warmup_steps=0", "--set", "training.measured_steps=1"]
@@ -35,7 +35,7 @@ def plan(*args):
 
 
 def _label(r):
-    from recompute_bench.config import recompute_label
+    from recompute_bench.spec.config import recompute_label
     return recompute_label(r["granularity"], r["modules"], r["method"], r["num_layers"], r["activation_offload_layers"])
 
 
@@ -94,8 +94,8 @@ def test_workload_overrides_apply_to_every_point():
 
 
 def test_default_plan_is_what_the_shipped_cpu_golden_covers():
-    from recompute_bench.golden import read_golden, row_key
-    from recompute_bench.results import config_hash, key_fields
+    from recompute_bench.gate.golden import read_golden, row_key
+    from recompute_bench.results.records import config_hash, key_fields
 
     points, _ = plan_from_flags("tiny", overrides={}, sets=[], gpu="cpu")
     golden = {row_key(g): g for g in read_golden(SHIPPED_GOLDEN)}
@@ -217,7 +217,7 @@ def _workers_of(run_dir: Path) -> list[int]:
 
 def test_resume_after_a_killed_sweep_measures_only_what_is_missing(tmp_path):
     run = tmp_path / "killed"
-    command = [sys.executable, "-c", "from recompute_bench.cli import main; main()", "sweep", "--baseline",
+    command = [sys.executable, "-c", "from recompute_bench.cli.app import main; main()", "sweep", "--baseline",
                "--modules", "core_attn", *SMALL, "--run-id", "killed", "--results-dir", str(tmp_path), "--no-golden"]
     env = {**os.environ, "PYTHONPATH": str(Path(launch.PACKAGE_ROOT))}
     sweep = subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
@@ -259,7 +259,7 @@ def test_a_second_sweep_on_the_same_run_id_is_refused(tmp_path):
 
 def test_only_ok_and_oom_records_count_as_done(tmp_path):
     from records import record, write_results
-    from recompute_bench.sweep import Point
+    from recompute_bench.launch.sweep import Point
 
     path = write_results(tmp_path / "results.jsonl", [record(status="error"), record(["mlp"], status="oom"),
                                                       record(["core_attn"])])
@@ -272,7 +272,7 @@ def test_only_ok_and_oom_records_count_as_done(tmp_path):
 
 def test_ctrl_c_stops_the_worker_and_says_how_to_resume(tmp_path):
     run = tmp_path / "interrupted"
-    command = [sys.executable, "-c", "from recompute_bench.cli import main; main()", "sweep", "--baseline", *SMALL,
+    command = [sys.executable, "-c", "from recompute_bench.cli.app import main; main()", "sweep", "--baseline", *SMALL,
                "--run-id", "interrupted", "--results-dir", str(tmp_path), "--no-golden"]
     env = {**os.environ, "PYTHONPATH": str(Path(launch.PACKAGE_ROOT))}
     sweep = subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from conftest import config
-from recompute_bench.measure import run_point
+from recompute_bench.measure.point import run_point
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 FAST = ["training.warmup_steps=1", "training.measured_steps=2"]

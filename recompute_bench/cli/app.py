@@ -19,8 +19,8 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
-from .config import ATTENTION_BACKENDS, ConfigError
-from .workloads import DEFAULT_WORKLOAD, load_preset, resolve, workload_names
+from recompute_bench.spec.config import ATTENTION_BACKENDS, ConfigError
+from recompute_bench.spec.presets import DEFAULT_WORKLOAD, load_preset, resolve, workload_names
 
 err = Console(stderr=True, width=None if sys.stderr.isatty() else 140)
 app = typer.Typer(no_args_is_help=True, add_completion=False, pretty_exceptions_enable=False,
@@ -111,7 +111,7 @@ OffloadLayers = Annotated[Optional[int], typer.Option(help="Keep saved activatio
 def _this_gpu() -> str:
     import torch
 
-    from .workloads import gpu_type
+    from recompute_bench.spec.presets import gpu_type
     return gpu_type(torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu")
 
 
@@ -209,9 +209,9 @@ def run(
         raise fail(str(e)) from None
     _show_notes(notes)
 
-    from .measure import pick_device, run_point
-    from .report import run_table
-    from .store import append_record
+    from recompute_bench.measure.point import pick_device, run_point
+    from recompute_bench.render.tables import run_table
+    from recompute_bench.results.store import append_record
 
     err.print(f"measuring {cfg.workload} with recompute {escape(cfg.recompute.label)} ...", highlight=False)
     record = run_point(cfg, device=pick_device(device), peak_tflops=peak_tflops)
@@ -258,7 +258,7 @@ def verify(
     unchanged: fp32, dropout on, same seed and inputs as the no-recompute baseline."""
     import torch
 
-    from .verify import all_settings, verify as run_verify
+    from recompute_bench.measure.verify import all_settings, verify as run_verify
 
     backends = attention_backend or ["sdpa", "math"]
     try:
@@ -328,8 +328,8 @@ def estimate(
 ) -> None:
     """Predict activation memory per layer, the whole-rank peak and FLOPs of every recompute setting,
     without running anything (the paper's Table 2 beside the layer built here)."""
-    from . import estimate as model
-    from .estimate_report import breakdown_table, layout_line, paper_notes, paper_table, settings_table
+    from recompute_bench.analysis import memory as model
+    from recompute_bench.render.estimate import breakdown_table, layout_line, paper_notes, paper_table, settings_table
 
     try:
         cfg, notes = resolve_cli(workload, num_layers=num_layers, seq_length=seq_length, micro_batch_size=micro_batch_size,
@@ -370,8 +370,8 @@ def plan(
 ) -> None:
     """List the recompute settings that fit a memory budget, fastest first, and recommend one;
     exit 1 when nothing fits (and say what would)."""
-    from . import estimate as model
-    from .estimate_report import plan_table, would_fit_table
+    from recompute_bench.analysis import memory as model
+    from recompute_bench.render.estimate import plan_table, would_fit_table
 
     try:
         cfg, notes = resolve_cli(workload, num_layers=num_layers, seq_length=seq_length, micro_batch_size=micro_batch_size,
@@ -413,7 +413,7 @@ def _device_kind(device: str | None, gpu: str | None) -> str:
 
 
 def _records_kind(rows: list[dict]) -> str:
-    from .workloads import gpu_type
+    from recompute_bench.spec.presets import gpu_type
     return gpu_type(str(rows[0].get("device_name") or "cpu")) if rows else "cpu"
 
 
@@ -511,11 +511,11 @@ def sweep(
     """Measure several recompute settings, each in its own process, and compare them with the golden.
 
     Results go to results/<run-id>/; with no flag every setting of the workload is measured."""
-    from . import golden as gold
-    from .results import record_row
-    from .summary import details_table, experiment_table, headline, to_json
-    from .sweep import load_grid, load_plan, plan_from_flags, plan_from_grid, plan_to_dict, run_sweep
-    from .store import check_run_id, new_run_id
+    from recompute_bench.gate import golden as gold
+    from recompute_bench.results.records import record_row
+    from recompute_bench.render.comparison import details_table, experiment_table, headline, to_json
+    from recompute_bench.launch.sweep import load_grid, load_plan, plan_from_flags, plan_from_grid, plan_to_dict, run_sweep
+    from recompute_bench.results.store import check_run_id, new_run_id
 
     plan_flags = [n for n, v in (("--modules", modules), ("--methods", methods), ("--num-layers-recompute", num_layers_recompute),
                                  ("--baseline", baseline or None), ("--grid", grid)) if v is not None]
@@ -633,10 +633,10 @@ def compare(
     """Compare results with a golden file: a verdict per row, exit 0 pass, 1 a failing verdict, 2 bad input."""
     import os
 
-    from . import golden as gold
-    from .results import load_result_records, record_row
-    from .store import resolve_results
-    from .summary import details_table, experiment_table, headline, junit_xml, markdown as to_markdown, to_json
+    from recompute_bench.gate import golden as gold
+    from recompute_bench.results.records import load_result_records, record_row
+    from recompute_bench.results.store import resolve_results
+    from recompute_bench.render.comparison import details_table, experiment_table, headline, junit_xml, markdown as to_markdown, to_json
 
     try:
         path = resolve_results(results, results_dir)
@@ -693,9 +693,9 @@ def golden_update(
 ) -> None:
     """Promote measured rows into a golden file: rows with the same key are replaced (their
     tolerance overrides kept), new rows added, every other row kept. Review the result with git diff."""
-    from . import golden as gold
-    from .results import load_result_records, record_row
-    from .store import resolve_results
+    from recompute_bench.gate import golden as gold
+    from recompute_bench.results.records import load_result_records, record_row
+    from recompute_bench.results.store import resolve_results
 
     try:
         rows = [record_row(r) for r in load_result_records(resolve_results(results, results_dir))]
@@ -721,9 +721,9 @@ def report(
     results_dir: ResultsDir = Path("results"),
 ) -> None:
     """Write a Markdown report and a Pareto plot (TFLOP/s/GPU against memory, one point per setting)."""
-    from .plot import write_report
-    from .results import load_results
-    from .store import resolve_results
+    from recompute_bench.render.plot import write_report
+    from recompute_bench.results.records import load_results
+    from recompute_bench.results.store import resolve_results
 
     try:
         path = resolve_results(results, results_dir)

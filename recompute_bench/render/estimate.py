@@ -7,7 +7,7 @@ from typing import Any
 from rich.markup import escape
 from rich.table import Table
 
-from .report import fmt_bytes, fmt_flops
+from recompute_bench.render.tables import fmt_bytes, fmt_flops
 
 PAPER_FORMULAS = {
     # (recompute, tensor parallel > 1, sequence parallel) -> Table 2's formula

@@ -21,12 +21,12 @@ from typing import Any, Callable, Iterator
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
-from . import flops
-from .config import Config
-from .estimate import record_estimate
-from .model import GPT, build_model
-from .recompute import apply_recompute
-from .telemetry import NvmlSampler, cuda_memory, device_name, environment
+from recompute_bench.analysis import flops
+from recompute_bench.spec.config import Config
+from recompute_bench.analysis.memory import record_estimate
+from recompute_bench.models.gpt import GPT, build_model
+from recompute_bench.recompute.apply import apply_recompute
+from recompute_bench.measure.telemetry import NvmlSampler, cuda_memory, device_name, environment
 
 SCHEMA = "recompute-bench/result/v1"
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}

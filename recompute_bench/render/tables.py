@@ -6,7 +6,7 @@ from __future__ import annotations
 from rich.markup import escape
 from rich.table import Table
 
-from .config import recompute_label
+from recompute_bench.spec.config import recompute_label
 
 NOT_MEASURED = "n/m"
 

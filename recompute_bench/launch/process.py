@@ -1,6 +1,6 @@
 """One isolated process per point, with a time limit; what happened becomes a result record.
 
-`run_isolated` starts `python -m recompute_bench.worker` in its own session (process group), hands
+`run_isolated` starts `python -m recompute_bench.launch.worker` in its own session (process group), hands
 it the resolved config as JSON on stdin and waits at most `timeout_s` seconds:
 
 - the worker wrote a record (status ok, oom or error as `measure.run_point` decided): that record;
@@ -30,16 +30,16 @@ import sys
 import time
 from pathlib import Path
 
-from .config import Config
-from .measure import FAULT_ENV, make_record, pick_device, unmeasured_metrics, unmeasured_rank
-from .telemetry import environment
-from .worker import config_to_dict
+from recompute_bench.spec.config import Config
+from recompute_bench.measure.point import FAULT_ENV, make_record, pick_device, unmeasured_metrics, unmeasured_rank
+from recompute_bench.measure.telemetry import environment
+from recompute_bench.launch.worker import config_to_dict
 
-WORKER_COMMAND = [sys.executable, "-m", "recompute_bench.worker"]
+WORKER_COMMAND = [sys.executable, "-m", "recompute_bench.launch.worker"]
 FAULT_POINTS_ENV = "RECOMPUTE_BENCH_FAULT_POINTS"
 STDERR_TAIL_LINES = 15
 STACK_DUMP_WAIT_S = 1.0
-PACKAGE_ROOT = Path(__file__).resolve().parent.parent
+PACKAGE_ROOT = Path(__file__).resolve().parents[2]
 
 
 def fault_for(name: str) -> str | None:

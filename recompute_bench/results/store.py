@@ -14,7 +14,7 @@ import os
 import secrets
 from pathlib import Path
 
-from .config import ConfigError
+from recompute_bench.spec.config import ConfigError
 
 DEFAULT_RUNS_FILE = Path("results") / "runs.jsonl"
 

@@ -34,8 +34,8 @@ from typing import Any
 
 import pandas as pd
 
-from .config import ConfigError
-from .results import KEY_COLUMNS
+from recompute_bench.spec.config import ConfigError
+from recompute_bench.results.records import KEY_COLUMNS
 
 GOLDEN_DIR = Path("results") / "golden"
 

@@ -13,9 +13,9 @@ from itertools import combinations
 
 import torch
 
-from .config import SUPPORTED_RECOMPUTE_MODULES, Config, RecomputeConfig, canonical_modules
-from .model import build_model
-from .recompute import apply_recompute
+from recompute_bench.spec.config import SUPPORTED_RECOMPUTE_MODULES, Config, RecomputeConfig, canonical_modules
+from recompute_bench.models.gpt import build_model
+from recompute_bench.recompute.apply import apply_recompute
 
 VERIFY_DROPOUT = 0.1
 

@@ -25,8 +25,8 @@ from dataclasses import dataclass, field
 from itertools import combinations
 from typing import Any, Iterable
 
-from . import flops
-from .config import SUPPORTED_RECOMPUTE_MODULES, Config, RecomputeConfig
+from recompute_bench.analysis import flops
+from recompute_bench.spec.config import SUPPORTED_RECOMPUTE_MODULES, Config, RecomputeConfig
 
 ELEMENT_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
 FP32_BYTES = 4

@@ -14,8 +14,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .config import Config
-from .recompute import recomputed_layers
+from recompute_bench.spec.config import Config
+from recompute_bench.recompute.apply import recomputed_layers
 
 
 @dataclass(frozen=True)

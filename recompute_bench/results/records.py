@@ -6,7 +6,7 @@ each rendered as a string, the way the golden CSV holds it). `config_hash` cover
 resolved field (dropout, seed, norm, ...) except the measurement protocol (warm-up and measured
 steps), so a preset whose definition changed is noticed instead of compared.
 
-    >>> from recompute_bench.results import load_results
+    >>> from recompute_bench.results.records import load_results
     >>> df = load_results("results/20250101-120000-ab12")   # a run folder, or a .jsonl file
     >>> df[["experiment", "setting", "status", "tflops_per_gpu", "activation_bytes"]]
 """
@@ -20,8 +20,8 @@ from typing import Any, Iterable
 
 import pandas as pd
 
-from .config import ConfigError, recompute_label
-from .store import load_records
+from recompute_bench.spec.config import ConfigError, recompute_label
+from recompute_bench.results.store import load_records
 
 KEY_COLUMNS = (
     "workload", "num_layers", "seq_length", "micro_batch_size", "global_batch_size", "precision",

@@ -1,4 +1,4 @@
-"""The process that measures one point: `python -m recompute_bench.worker --out FILE < config.json`.
+"""The process that measures one point: `python -m recompute_bench.launch.worker --out FILE < config.json`.
 
 The launcher starts one worker per point, so an out-of-memory error, a crash or a leaked allocation
 never reaches the next point, and the CUDA allocator starts fresh each time. The resolved config
@@ -17,7 +17,7 @@ import signal
 import sys
 from pathlib import Path
 
-from .config import Config, ConfigError, ModelConfig, ParallelConfig, RecomputeConfig, TrainingConfig, validate
+from recompute_bench.spec.config import Config, ConfigError, ModelConfig, ParallelConfig, RecomputeConfig, TrainingConfig, validate
 
 
 def config_to_dict(cfg: Config) -> dict:
@@ -43,7 +43,7 @@ def config_from_dict(data: dict) -> Config:
 
 def main(argv: list[str] | None = None) -> int:
     """Measure the point on stdin and write its record to --out; 0 when a record was written."""
-    parser = argparse.ArgumentParser(prog="python -m recompute_bench.worker", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m recompute_bench.launch.worker", description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, required=True, help="file the result record is written to")
     parser.add_argument("--device", default=None, help="torch device; default CUDA when present")
     parser.add_argument("--peak-tflops", type=float, default=None, help="device peak for MFU")
@@ -52,8 +52,8 @@ def main(argv: list[str] | None = None) -> int:
         faulthandler.register(signal.SIGUSR1, file=sys.stderr, all_threads=True)
 
     cfg = config_from_dict(json.load(sys.stdin))
-    from .measure import pick_device, run_point
-    from .store import write_json_atomic
+    from recompute_bench.measure.point import pick_device, run_point
+    from recompute_bench.results.store import write_json_atomic
 
     record = run_point(cfg, device=pick_device(args.device), peak_tflops=args.peak_tflops)
     write_json_atomic(args.out, record)

@@ -18,9 +18,9 @@ import tomllib
 from pathlib import Path
 from typing import Any
 
-from .config import SECTIONS, Config, ConfigError, canonical_modules, validate
+from recompute_bench.spec.config import SECTIONS, Config, ConfigError, canonical_modules, validate
 
-WORKLOADS_DIR = Path(os.environ.get("RECOMPUTE_BENCH_WORKLOADS", Path(__file__).resolve().parent.parent / "workloads"))
+WORKLOADS_DIR = Path(os.environ.get("RECOMPUTE_BENCH_WORKLOADS", Path(__file__).resolve().parents[2] / "workloads"))
 DEFAULT_WORKLOAD = "tiny"
 
 

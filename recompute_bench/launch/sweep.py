@@ -30,13 +30,13 @@ from itertools import combinations
 from pathlib import Path
 from typing import Any, Callable, Iterable
 
-from .config import SUPPORTED_RECOMPUTE_MODULES, Config, ConfigError, RecomputeConfig, canonical_modules
-from .launch import run_isolated
-from .results import point_id
-from .store import PLAN_FILE, RESULTS_FILE, RunLock, append_record, load_records, write_json_atomic
-from .verify import all_settings
-from .worker import config_from_dict, config_to_dict
-from .workloads import resolve
+from recompute_bench.spec.config import SUPPORTED_RECOMPUTE_MODULES, Config, ConfigError, RecomputeConfig, canonical_modules
+from recompute_bench.launch.process import run_isolated
+from recompute_bench.results.records import point_id
+from recompute_bench.results.store import PLAN_FILE, RESULTS_FILE, RunLock, append_record, load_records, write_json_atomic
+from recompute_bench.measure.verify import all_settings
+from recompute_bench.launch.worker import config_from_dict, config_to_dict
+from recompute_bench.spec.presets import resolve
 
 PLAN_SCHEMA = "recompute-bench/plan/v1"
 DONE_STATUSES = ("ok", "oom")

@@ -15,10 +15,10 @@ from pathlib import Path
 
 import pandas as pd
 
-from .config import ConfigError
-from .report import NOT_MEASURED, fmt_bytes, fmt_seconds
-from .results import KEY_COLUMNS
-from .summary import fmt_tflops
+from recompute_bench.spec.config import ConfigError
+from recompute_bench.render.tables import NOT_MEASURED, fmt_bytes, fmt_seconds
+from recompute_bench.results.records import KEY_COLUMNS
+from recompute_bench.render.comparison import fmt_tflops
 
 SHAPE_COLUMNS = tuple(c for c in KEY_COLUMNS if not c.startswith("recompute_") and c != "activation_offload_layers")
 

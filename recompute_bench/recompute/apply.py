@@ -21,8 +21,8 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from .config import RecomputeConfig
-from .model import GPT
+from recompute_bench.spec.config import RecomputeConfig
+from recompute_bench.models.gpt import GPT
 
 
 def _recomputing(module: nn.Module) -> bool:
