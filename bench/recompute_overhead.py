@@ -14,7 +14,7 @@ import time
 import torch
 
 from recompute_bench.measure.point import DTYPES, SavedTensorProbe, Stepper, make_optimizer, pick_device, synthetic_batches
-from recompute_bench.models.gpt import build_model
+from recompute_bench.models.dense.layers import build_model
 from recompute_bench.recompute.apply import apply_recompute
 from recompute_bench.spec.presets import resolve
 

@@ -8,7 +8,7 @@ from typer.testing import CliRunner
 
 from recompute_bench.cli.app import app, normalize_argv
 from recompute_bench.measure.point import SavedTensorProbe
-from recompute_bench.models.gpt import build_model
+from recompute_bench.models.dense.layers import build_model
 from recompute_bench.recompute.apply import apply_recompute
 from recompute_bench.spec.presets import resolve
 

@@ -14,7 +14,7 @@ from recompute_bench.analysis import memory as E
 from recompute_bench.analysis import flops
 from recompute_bench.spec.config import RecomputeConfig
 from recompute_bench.measure.point import DTYPES, SavedTensorProbe, synthetic_batches
-from recompute_bench.models.gpt import build_model
+from recompute_bench.models.dense.layers import build_model
 from recompute_bench.recompute.apply import apply_recompute, recomputed_layers
 from recompute_bench.measure.verify import all_settings
 

@@ -111,7 +111,7 @@ def test_selective_recompute_flops_match_the_analytic_count(setting, attr):
 
 
 def test_two_builds_with_one_seed_are_identical():
-    from recompute_bench.models.gpt import build_model
+    from recompute_bench.models.dense.layers import build_model
     cfg = config("llama3-8b", **{k.replace(".", "__"): v for k, v in SMALL_LLAMA.items()})
     a, b = build_model(cfg.model, 7), build_model(cfg.model, 7)
     assert all(torch.equal(p, q) for p, q in zip(a.parameters(), b.parameters()))
@@ -122,7 +122,7 @@ def test_two_builds_with_one_seed_are_identical():
 def test_offloaded_layers_keep_gradients_equal_and_leave_the_device():
     from recompute_bench.spec.config import RecomputeConfig
     from recompute_bench.measure.point import SavedTensorProbe
-    from recompute_bench.models.gpt import build_model
+    from recompute_bench.models.dense.layers import build_model
     from recompute_bench.recompute.apply import apply_recompute
     cfg = config()
     grads = []

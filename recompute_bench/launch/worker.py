@@ -17,7 +17,8 @@ import signal
 import sys
 from pathlib import Path
 
-from recompute_bench.spec.config import Config, ConfigError, ModelConfig, ParallelConfig, RecomputeConfig, TrainingConfig, validate
+from recompute_bench.spec.config import Config, ConfigError, ModelConfig, ParallelConfig, RecomputeConfig, TrainingConfig
+from recompute_bench.spec.rules import validate
 
 
 def config_to_dict(cfg: Config) -> dict:

@@ -24,7 +24,7 @@ from torch.utils.flop_counter import FlopCounterMode
 from recompute_bench.analysis import flops
 from recompute_bench.spec.config import Config
 from recompute_bench.analysis.memory import record_estimate
-from recompute_bench.models.gpt import GPT, build_model
+from recompute_bench.models.dense.layers import GPT, build_model
 from recompute_bench.recompute.apply import apply_recompute
 from recompute_bench.measure.telemetry import NvmlSampler, cuda_memory, device_name, environment
 

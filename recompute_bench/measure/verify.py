@@ -14,7 +14,7 @@ from itertools import combinations
 import torch
 
 from recompute_bench.spec.config import SUPPORTED_RECOMPUTE_MODULES, Config, RecomputeConfig, canonical_modules
-from recompute_bench.models.gpt import build_model
+from recompute_bench.models.dense.layers import build_model
 from recompute_bench.recompute.apply import apply_recompute
 
 VERIFY_DROPOUT = 0.1

@@ -22,7 +22,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from recompute_bench.spec.config import RecomputeConfig
-from recompute_bench.models.gpt import GPT
+from recompute_bench.models.dense.layers import GPT
 
 
 def _recomputing(module: nn.Module) -> bool:

@@ -1,4 +1,4 @@
-"""Settings of one measurement point, and Megatron Core's rules for them.
+"""Settings of one measurement point.
 
 Four dataclasses, one per TOML section of a workload preset: model shape, training, parallelism
 and recompute. Field names are Megatron's, and they are the same word in the TOML file, the CLI
@@ -51,7 +51,7 @@ class ModelConfig:
     ffn_hidden_size: int
     """MLP hidden size (4h for GPT-3; 3.5h for Llama 3 8B)."""
     vocab_size: int
-    """Vocabulary size (v), used as is (no padding)."""
+    """Vocabulary size of the tokenizer; the model is built with `padded_vocab_size` rows."""
     max_position_embeddings: int
     """Longest sequence the position embedding covers."""
     num_query_groups: Optional[int] = None
@@ -78,11 +78,19 @@ class ModelConfig:
     """Epsilon of every norm."""
     init_method_std: float = 0.02
     """Standard deviation of the seeded weight initialisation."""
+    make_vocab_size_divisible_by: int = 128
+    """Megatron pads the vocabulary to a multiple of this times the tensor-parallel size."""
 
     @property
     def groups(self) -> int:
         """Key/value heads (g)."""
         return self.num_query_groups or self.num_attention_heads
+
+    def padded_vocab_size(self, tensor_model_parallel_size: int = 1) -> int:
+        """Megatron's padded vocabulary: the embedding and output layer have this many rows, and
+        FLOPs and memory count them (tokens are drawn from the first `vocab_size` only)."""
+        multiple = self.make_vocab_size_divisible_by * tensor_model_parallel_size
+        return -(-self.vocab_size // multiple) * multiple
 
     @property
     def kv_channels(self) -> int:
@@ -216,137 +224,3 @@ def canonical_modules(modules: list[str]) -> list[str]:
     seen = dict.fromkeys(m.strip() for m in modules if m.strip())
     order = {m: i for i, m in enumerate(RECOMPUTE_MODULES)}
     return sorted(seen, key=lambda m: (order.get(m, len(order)), m))
-
-
-def _choice(name: str, value: Any, choices: tuple, fix: str) -> None:
-    if value not in choices:
-        raise ConfigError(f"{name} {value!r} is not one of {', '.join(map(str, choices))}; {fix}")
-
-
-def validate(cfg: Config) -> None:
-    """Apply Megatron Core's recompute rules and the model's own shape rules; raise ConfigError."""
-    m, t, p, r = cfg.model, cfg.training, cfg.parallel, cfg.recompute
-
-    for name, value in (("num_layers", m.num_layers), ("hidden_size", m.hidden_size),
-                        ("num_attention_heads", m.num_attention_heads), ("ffn_hidden_size", m.ffn_hidden_size),
-                        ("vocab_size", m.vocab_size), ("seq_length", t.seq_length),
-                        ("micro_batch_size", t.micro_batch_size), ("global_batch_size", t.global_batch_size),
-                        ("measured_steps", t.measured_steps)):
-        if not isinstance(value, int) or value < 1:
-            raise ConfigError(f"{name} must be a positive integer, got {value!r}; pass --{name.replace('_', '-')} N "
-                              f"or --set {_section_of(name)}.{name}=N")
-    if t.warmup_steps < 0:
-        raise ConfigError(f"warmup_steps must be 0 or more, got {t.warmup_steps}; pass --set training.warmup_steps=N")
-    if m.hidden_size % m.num_attention_heads:
-        raise ConfigError(f"hidden_size {m.hidden_size} is not divisible by num_attention_heads "
-                          f"{m.num_attention_heads}; change one with --set model.hidden_size=... or model.num_attention_heads=...")
-    if m.num_attention_heads % m.groups:
-        raise ConfigError(f"num_attention_heads {m.num_attention_heads} is not divisible by num_query_groups "
-                          f"{m.groups}; pass --set model.num_query_groups=G with G dividing the heads")
-    _choice("normalization", m.normalization, NORMALIZATIONS, "set model.normalization")
-    _choice("activation", m.activation, ACTIVATIONS, "set model.activation")
-    _choice("position_embedding_type", m.position_embedding_type, POSITION_EMBEDDINGS, "set model.position_embedding_type")
-    _choice("attention_backend", m.attention_backend, ATTENTION_BACKENDS, "pass --attention-backend sdpa or math")
-    _choice("precision", t.precision, PRECISIONS, "pass --precision bf16, fp16 or fp32")
-    if m.position_embedding_type == "rope" and m.kv_channels % 2:
-        raise ConfigError(f"RoPE needs an even head dimension, got {m.kv_channels}; change hidden_size or num_attention_heads")
-    if m.position_embedding_type == "learned_absolute" and t.seq_length > m.max_position_embeddings:
-        raise ConfigError(f"seq_length {t.seq_length} is longer than max_position_embeddings "
-                          f"{m.max_position_embeddings}; lower --seq-length or --set model.max_position_embeddings=N")
-    for name, value in (("hidden_dropout", m.hidden_dropout), ("attention_dropout", m.attention_dropout)):
-        if not 0.0 <= value < 1.0:
-            raise ConfigError(f"{name} must lie in [0, 1), got {value}; pass --set model.{name}=0.1")
-
-    for name in ("tensor_model_parallel_size", "pipeline_model_parallel_size", "data_parallel_size"):
-        if getattr(p, name) < 1:
-            raise ConfigError(f"{name} must be 1 or more, got {getattr(p, name)}")
-    if p.sequence_parallel and p.tensor_model_parallel_size <= 1:
-        raise ConfigError("sequence parallelism needs tensor parallelism; pass --tensor-model-parallel-size 2 or more, "
-                          "or drop --sequence-parallel")
-    tp = p.tensor_model_parallel_size
-    if m.num_attention_heads % tp or m.groups % tp:
-        raise ConfigError(f"tensor_model_parallel_size {tp} must divide num_attention_heads {m.num_attention_heads} and "
-                          f"num_query_groups {m.groups} (Megatron shards whole heads); change --tensor-model-parallel-size")
-    if m.num_layers % p.pipeline_model_parallel_size:
-        raise ConfigError(f"num_layers {m.num_layers} is not divisible by pipeline_model_parallel_size "
-                          f"{p.pipeline_model_parallel_size}; change --num-layers or --pipeline-model-parallel-size")
-    vpp = p.virtual_pipeline_model_parallel_size
-    if vpp is not None and (vpp < 1 or (m.num_layers // p.pipeline_model_parallel_size) % vpp):
-        raise ConfigError(f"virtual_pipeline_model_parallel_size {vpp} must divide the "
-                          f"{m.num_layers // p.pipeline_model_parallel_size} layers of each pipeline stage")
-    if t.global_batch_size % (t.micro_batch_size * p.data_parallel_size):
-        raise ConfigError(f"global_batch_size {t.global_batch_size} is not divisible by micro_batch_size "
-                          f"{t.micro_batch_size} x data_parallel_size {p.data_parallel_size}; "
-                          f"pass --global-batch-size as a multiple of it")
-
-    _validate_recompute(cfg)
-
-
-def _validate_recompute(cfg: Config) -> None:
-    m, p, r = cfg.model, cfg.parallel, cfg.recompute
-    layers_per_stage = m.num_layers // p.pipeline_model_parallel_size
-    _choice("recompute_granularity", r.granularity, GRANULARITIES, "pass --recompute-granularity none, selective or full")
-
-    # CPU offloading is checked first, as Megatron does.
-    if r.activation_offload_layers:
-        if not 0 < r.activation_offload_layers < m.num_layers:
-            raise ConfigError(f"activation_offload_layers must lie between 1 and {m.num_layers - 1} "
-                              f"(CPU offloading can be done only for layers less than num_layers), got {r.activation_offload_layers}")
-        if p.pipeline_model_parallel_size > 1:
-            raise ConfigError("CPU offloading is not supported with pipeline parallelism; drop --activation-offload-layers or use --pipeline-model-parallel-size 1")
-        if r.granularity != "none":
-            raise ConfigError("CPU offloading does not work when activation recomputation is enabled; "
-                              "pass --recompute-granularity none or drop --activation-offload-layers")
-
-    if r.method is not None:
-        _choice("recompute_method", r.method, METHODS, "pass --recompute-method uniform or block")
-    unknown = [x for x in r.modules if x not in RECOMPUTE_MODULES]
-    if unknown:
-        raise ConfigError(f"unknown recompute module(s) {', '.join(unknown)}; allowed: {', '.join(RECOMPUTE_MODULES)}")
-
-    if r.granularity == "full":
-        if r.method is None:
-            raise ConfigError('recompute_granularity full needs recompute_method "uniform" or "block"; pass --recompute-method uniform')
-        if r.num_layers is None:
-            raise ConfigError(f"recompute_granularity full needs recompute_num_layers between 1 and {layers_per_stage} "
-                              f"(layers per pipeline stage); pass --recompute-num-layers N")
-        if not 1 <= r.num_layers <= layers_per_stage:
-            raise ConfigError(f"recompute_num_layers {r.num_layers} must lie between 1 and {layers_per_stage} "
-                              f"(layers per pipeline stage); pass --recompute-num-layers N")
-        if r.modules:
-            raise ConfigError("recompute_modules apply to selective recompute only; drop --recompute-modules "
-                              "or pass --recompute-granularity selective")
-    elif r.granularity == "selective":
-        if r.num_layers is not None:
-            raise ConfigError("recompute_num_layers must be unset with recompute_granularity selective; "
-                              "drop --recompute-num-layers or pass --recompute-granularity full")
-        if r.method is not None:
-            raise ConfigError("recompute_method is not supported with recompute_granularity selective; "
-                              "drop --recompute-method or pass --recompute-granularity full")
-        for module in r.modules:
-            if module not in SUPPORTED_RECOMPUTE_MODULES:
-                raise ConfigError(f"recompute module {module} needs {_MODULE_NEEDS[module]}, which the model built here "
-                                  f"does not have yet; choose from {', '.join(SUPPORTED_RECOMPUTE_MODULES)}")
-    else:
-        for name, value in (("recompute_method", r.method), ("recompute_num_layers", r.num_layers)):
-            if value is not None:
-                raise ConfigError(f"{name} is set but recompute_granularity is none; pass --recompute-granularity full "
-                                  f"or drop --{name.replace('_', '-')}")
-        if r.modules:
-            raise ConfigError("recompute_modules are set but recompute_granularity is none; "
-                              "pass --recompute-granularity selective or drop --recompute-modules")
-
-    if r.distribute_saved_activations:
-        if p.tensor_model_parallel_size <= 1:
-            raise ConfigError("distribute_saved_activations needs tensor parallelism (TP > 1); drop it or raise --tensor-model-parallel-size")
-        if r.granularity != "full":
-            raise ConfigError("distribute_saved_activations applies to full recompute only; pass --recompute-granularity full")
-        if p.sequence_parallel:
-            raise ConfigError("distribute_saved_activations must be false when sequence parallelism is enabled; drop one of them")
-
-
-def _section_of(name: str) -> str:
-    for section, cls in SECTIONS.items():
-        if name in {f.name for f in dataclasses.fields(cls)}:
-            return section
-    return "model"

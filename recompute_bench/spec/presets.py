@@ -18,7 +18,8 @@ import tomllib
 from pathlib import Path
 from typing import Any
 
-from recompute_bench.spec.config import SECTIONS, Config, ConfigError, canonical_modules, validate
+from recompute_bench.spec.config import SECTIONS, Config, ConfigError, canonical_modules
+from recompute_bench.spec.rules import validate
 
 WORKLOADS_DIR = Path(os.environ.get("RECOMPUTE_BENCH_WORKLOADS", Path(__file__).resolve().parents[2] / "workloads"))
 DEFAULT_WORKLOAD = "tiny"
