@@ -19,15 +19,35 @@ def test_every_setting_leaves_loss_and_gradients_bitwise_equal(workload, overrid
     assert not bad
 
 
-def test_verify_would_notice_a_different_dropout_mask():
-    # The check is only worth something if it can fail: a different seed for the variant must show.
+@pytest.mark.parametrize("setting,backend", [(FULL("uniform", 1), "math"), (SELECTIVE("core_attn"), "math"),
+                                             (SELECTIVE("core_attn"), "sdpa")], ids=["full", "core_attn-math", "core_attn-sdpa"])
+def test_restoring_the_rng_state_is_what_keeps_recomputed_dropout_masks_equal(monkeypatch, setting, backend):
+    # Same weights, same inputs, same seed: the only change is whether the checkpoint restores the
+    # RNG state before re-running the forward. Without it the recomputed dropout masks differ, and
+    # verify must see that in the gradients.
+    from torch.utils.checkpoint import checkpoint as torch_checkpoint
+    from recompute_bench.backends import pytorch
+    cfg = config(**setting)
+    assert cfg.model.attention_dropout > 0 and cfg.model.hidden_dropout > 0
+    (kept,) = verify(cfg, [cfg.recompute], [backend], torch.device("cpu"))
+    assert kept.exact
+    monkeypatch.setattr(pytorch, "checkpoint",
+                        lambda fn, *args: torch_checkpoint(fn, *args, use_reentrant=True, preserve_rng_state=False))
+    (lost,) = verify(cfg, [cfg.recompute], [backend], torch.device("cpu"))
+    assert lost.loss_diff == 0.0  # the forward is untouched
+    assert lost.max_grad_diff > 1e-4  # the backward used other masks
+
+
+def test_recompute_keeps_every_parameter_name():
+    from recompute_bench.models.dense.layers import build_model
+    from recompute_bench.recompute.apply import apply_recompute
+    from recompute_bench.spec.config import RecomputeConfig
     cfg = config()
-    from recompute_bench.measure.verify import _loss_and_grads
-    tokens = torch.randint(0, cfg.model.vocab_size, (2, cfg.training.seq_length + 1))
-    a, _ = _loss_and_grads(cfg, cfg.recompute, tokens, torch.device("cpu"))
-    cfg.training.seed += 1
-    b, _ = _loss_and_grads(cfg, cfg.recompute, tokens, torch.device("cpu"))
-    assert a != b
+    names = [n for n, _ in build_model(cfg.model, 1).named_parameters()]
+    for setting in [RecomputeConfig()] + all_settings(cfg.model.num_layers):
+        model = apply_recompute(build_model(cfg.model, 1), setting)
+        assert [n for n, _ in model.named_parameters()] == names, setting.label
+        assert list(model.state_dict()) == list(build_model(cfg.model, 1).state_dict())
 
 
 @pytest.mark.parametrize("n", [1, 3])

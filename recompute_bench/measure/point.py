@@ -73,7 +73,8 @@ class SavedTensorProbe:
     """Counts the bytes autograd keeps for backward: storages, de-duplicated, parameters and buffers
     excluded, read when the forward is over (so storages freed in the meantime count as zero).
 
-    Bytes are attributed to the transformer layers while one of `model.layers` runs. An outer hook
+    Bytes are attributed to the transformer layers while the layer stack `model.layers` runs (a
+    full-recompute chunk's checkpoint saves its input there, outside any one layer). An outer hook
     sees what a re-entrant checkpoint saves (its inputs), which is what it really holds; tensors
     saved inside a CPU-offloaded layer are packed by that layer's own hooks and are not on the device.
     """
@@ -102,8 +103,8 @@ class SavedTensorProbe:
         def leave(*_):
             self.in_layers = False
 
-        handles = [h for layer in self.model.layers
-                   for h in (layer.register_forward_pre_hook(enter), layer.register_forward_hook(leave))]
+        stack = self.model.layers
+        handles = [stack.register_forward_pre_hook(enter), stack.register_forward_hook(leave)]
         try:
             with torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t):
                 yield self

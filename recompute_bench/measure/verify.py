@@ -2,32 +2,25 @@
 
 Every setting runs one micro-batch forward and backward against the no-recompute baseline, with
 the same seed, inputs and dropout masks, in fp32. On CPU the loss and every gradient must be
-bitwise equal; the largest absolute difference is reported per setting.
+bitwise equal; the largest absolute difference is reported per setting. Recompute keeps parameter
+names, so gradients are matched by name (a renamed or missing parameter is itself a failure).
 """
 
 from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from itertools import combinations
 
 import torch
 
-from recompute_bench.spec.config import SUPPORTED_RECOMPUTE_MODULES, Config, RecomputeConfig, canonical_modules
 from recompute_bench.models.dense.layers import build_model
 from recompute_bench.recompute.apply import apply_recompute
+from recompute_bench.recompute.settings import all_settings
+from recompute_bench.spec.config import Config, RecomputeConfig
 
 VERIFY_DROPOUT = 0.1
 
-
-def all_settings(num_layers: int) -> list[RecomputeConfig]:
-    """Every selective module subset, and full uniform/block with N in {1, 2, L-1, L}."""
-    settings = [RecomputeConfig("selective", canonical_modules(list(c)))
-                for k in range(1, len(SUPPORTED_RECOMPUTE_MODULES) + 1)
-                for c in combinations(SUPPORTED_RECOMPUTE_MODULES, k)]
-    counts = sorted({n for n in (1, 2, num_layers - 1, num_layers) if 1 <= n <= num_layers})
-    settings += [RecomputeConfig("full", method=method, num_layers=n) for method in ("uniform", "block") for n in counts]
-    return settings
+__all__ = ["Outcome", "all_settings", "fp32_with_dropout", "loss_and_grads", "verify"]
 
 
 @dataclass
@@ -43,14 +36,16 @@ class Outcome:
         return self.loss_diff == 0.0 and self.max_grad_diff == 0.0
 
 
-def _loss_and_grads(cfg: Config, recompute: RecomputeConfig, tokens: torch.Tensor, device: torch.device):
+def loss_and_grads(cfg: Config, recompute: RecomputeConfig, tokens: torch.Tensor,
+                   device: torch.device) -> tuple[torch.Tensor, dict[str, torch.Tensor | None]]:
+    """Loss and gradients by parameter name of one micro-batch (seeded weights and dropout)."""
     model = apply_recompute(build_model(cfg.model, cfg.training.seed, device, torch.float32), recompute)
     model.train()
     with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
         torch.manual_seed(cfg.training.seed)
         loss = model(tokens[:, :-1], tokens[:, 1:])
         loss.backward()
-    return loss.detach(), [(n, p.grad) for n, p in model.named_parameters()]
+    return loss.detach(), {n: p.grad for n, p in model.named_parameters()}
 
 
 def fp32_with_dropout(cfg: Config, attention_backend: str) -> Config:
@@ -62,6 +57,20 @@ def fp32_with_dropout(cfg: Config, attention_backend: str) -> Config:
     return dataclasses.replace(cfg, model=model, training=dataclasses.replace(cfg.training, precision="fp32"))
 
 
+def _max_diff(base: dict[str, torch.Tensor | None], other: dict[str, torch.Tensor | None]) -> tuple[float, str]:
+    """The largest |difference| of any gradient, and its parameter; inf where names or presence differ."""
+    worst, worst_name = -1.0, ""
+    for name in base.keys() | other.keys():
+        g0, g1 = base.get(name), other.get(name)
+        if g0 is None or g1 is None:
+            diff = 0.0 if g0 is None and g1 is None else float("inf")
+        else:
+            diff = (g0 - g1).abs().max().item()
+        if diff > worst:
+            worst, worst_name = diff, name
+    return worst, worst_name
+
+
 def verify(cfg: Config, settings: list[RecomputeConfig], backends: list[str], device: torch.device) -> list[Outcome]:
     """Compare each setting with no recompute, for each attention backend."""
     outcomes = []
@@ -70,13 +79,9 @@ def verify(cfg: Config, settings: list[RecomputeConfig], backends: list[str], de
         g = torch.Generator().manual_seed(run_cfg.training.seed)
         tokens = torch.randint(0, cfg.model.vocab_size,
                                (cfg.training.micro_batch_size, cfg.training.seq_length + 1), generator=g).to(device)
-        base_loss, base_grads = _loss_and_grads(run_cfg, RecomputeConfig(), tokens, device)
+        base_loss, base_grads = loss_and_grads(run_cfg, RecomputeConfig(), tokens, device)
         for setting in settings:
-            loss, grads = _loss_and_grads(run_cfg, setting, tokens, device)
-            worst, worst_name = -1.0, ""
-            for (name, g0), (_, g1) in zip(base_grads, grads):  # names of the unwrapped baseline
-                diff = (g0 - g1).abs().max().item()
-                if diff > worst:
-                    worst, worst_name = diff, name
+            loss, grads = loss_and_grads(run_cfg, setting, tokens, device)
+            worst, worst_name = _max_diff(base_grads, grads)
             outcomes.append(Outcome(setting.label, backend, (loss - base_loss).abs().item(), worst, worst_name))
     return outcomes

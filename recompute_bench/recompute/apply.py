@@ -1,181 +1,127 @@
-"""Recompute policies, applied to a built GPT by wrapping its modules (Megatron Core semantics).
+"""Install per-layer recompute policies on a built model, in place, keeping every parameter name.
 
-- full/uniform N: every chunk of N consecutive layers becomes one checkpoint (the last may be shorter).
-- full/block N: the first N layers are checkpointed one each; the others keep their activations.
-- selective `core_attn`: only QK^T, softmax, dropout and times V are recomputed; q, k, v are saved.
-- selective `mlp`: the whole MLP (fc1, activation, fc2) is recomputed from its input.
-- selective `layernorm`: the norm's output is freed once its consumer (QKV projection or MLP) has
-  saved it, and refilled from a gradient hook on the consumer's output just before backward needs
-  it. A plain checkpoint around the norm would save nothing, because the next linear keeps the
-  norm's output alive; this way the norm re-runs and the following matmul does not.
-- activation offload N: the first N layers save their activations to host memory.
+Nothing is wrapped or renamed (torchtitan registers a wrapped block under its old name; here the
+module itself stays and only its `forward` changes), so `named_parameters()` is the same for every
+setting: gradients compare by name, and name-keyed parallel plans apply after recompute.
 
-Checkpoints are re-entrant (`use_reentrant=True`), as Megatron's are: the forward runs under
-no_grad and only the inputs are saved through `save_for_backward`, which the saved-tensor probe in
-`measure.py` sees. CPU and CUDA RNG states are restored on recompute, so dropout masks match.
+- a full-recompute chunk: the layer stack's forward runs the chunk under one checkpoint;
+- selective `core_attn`: the core attention's forward is checkpointed (q, k, v are saved);
+- selective `mlp`: the MLP's forward is checkpointed (its input is saved);
+- selective `layernorm`: each norm runs without keeping its output, which is freed once the next
+  module (QKV projection, MLP) has saved it and recomputed from a gradient hook just before that
+  module's backward. A plain checkpoint around the norm would save nothing, because the next
+  linear keeps the norm's output alive; this way the norm re-runs and the following matmul does not;
+- offload: the layer's saved activations go to host memory.
+The primitives (checkpoint, discard-output) come from the model's backend.
 """
 
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 from torch import nn
-from torch.utils.checkpoint import checkpoint
 
+from recompute_bench.backends import get_backend
+from recompute_bench.recompute.policy import LayerPolicy, chunks, layer_policies
 from recompute_bench.spec.config import RecomputeConfig
-from recompute_bench.models.dense.layers import GPT
 
 
 def _recomputing(module: nn.Module) -> bool:
     return module.training and torch.is_grad_enabled()
 
 
-class Checkpointed(nn.Module):
-    """Save the inputs of `module`, drop everything inside it, re-run it in backward."""
+def _checkpoint_forward(module: nn.Module, backend) -> None:
+    """From now on `module(...)` saves only its inputs and re-runs in backward."""
+    inner = module.forward
 
-    def __init__(self, module: nn.Module):
-        super().__init__()
-        self.module = module
+    def forward(*args: torch.Tensor) -> torch.Tensor:
+        if not _recomputing(module):
+            return inner(*args)
+        return backend.checkpoint(inner, *args)
 
-    def forward(self, *args: torch.Tensor) -> torch.Tensor:
-        if not _recomputing(self):
-            return self.module(*args)
-        return checkpoint(self.module, *args, use_reentrant=True, preserve_rng_state=True)
-
-
-class CheckpointedLayers(nn.Module):
-    """A chunk of consecutive layers checkpointed as one: only the chunk's input is saved."""
-
-    def __init__(self, layers: list[nn.Module]):
-        super().__init__()
-        self.layers = nn.ModuleList(layers)
-
-    def _run(self, x: torch.Tensor, *rope: torch.Tensor) -> torch.Tensor:
-        for layer in self.layers:
-            x = layer(x, *rope)
-        return x
-
-    def forward(self, x: torch.Tensor, *rope: torch.Tensor) -> torch.Tensor:
-        if not _recomputing(self):
-            return self._run(x, *rope)
-        return checkpoint(self._run, x, *rope, use_reentrant=True, preserve_rng_state=True)
+    module.forward = forward
 
 
-class _WithoutOutput(torch.autograd.Function):
-    """Run `fn(x)` without a graph, save only x; backward uses what `_refill` recomputed."""
+def _discard_after(norm: nn.Module, consumer: nn.Module, backend) -> None:
+    """Run `norm` without keeping its output, and free that output once `consumer` has run on it."""
+    inner_norm, inner_consumer = norm.forward, consumer.forward
+    pending: list[torch.Tensor] = []
 
-    @staticmethod
-    def forward(ctx, fn, x):
-        with torch.no_grad():
-            y = fn(x)
-        ctx.fn = fn
-        ctx.recomputed = None
-        ctx.save_for_backward(x)
+    def norm_forward(x: torch.Tensor) -> torch.Tensor:
+        if not (_recomputing(norm) and x.requires_grad):
+            return inner_norm(x)
+        y = backend.without_output(inner_norm, x)
+        pending.append(y)
         return y
 
-    @staticmethod
-    def backward(ctx, grad):
-        if ctx.recomputed is None:  # the output was never discarded
-            _refill(ctx, None)
-        x, y = ctx.recomputed
-        ctx.recomputed = None
-        torch.autograd.backward(y, grad)
-        return None, x.grad
-
-
-def _refill(ctx, output: torch.Tensor | None) -> None:
-    """Re-run the function with a graph and, if its output was discarded, refill that storage."""
-    (x,) = ctx.saved_tensors
-    x = x.detach().requires_grad_(True)
-    with torch.enable_grad():
-        y = ctx.fn(x)
-    if output is not None:
-        storage = output.untyped_storage()
-        storage.resize_(y.untyped_storage().nbytes())
-        with torch.no_grad():
-            storage.copy_(y.untyped_storage())
-    ctx.recomputed = (x, y)
-
-
-class DiscardableNorm(nn.Module):
-    """A norm whose output can be freed after its consumer ran (Megatron's CheckpointWithoutOutput)."""
-
-    def __init__(self, norm: nn.Module):
-        super().__init__()
-        self.norm = norm
-        self._pending: torch.Tensor | None = None
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if not (_recomputing(self) and x.requires_grad):
-            return self.norm(x)
-        y = _WithoutOutput.apply(self.norm, x)
-        self._pending = y
-        return y
-
-    def discard(self, hook_tensor: torch.Tensor) -> None:
-        """Free the last output; recompute it when the gradient reaches `hook_tensor`."""
-        y, self._pending = self._pending, None
-        if y is None or not hook_tensor.requires_grad:
-            return
-        y.untyped_storage().resize_(0)
-        hook_tensor.register_hook(lambda _grad: _refill(y.grad_fn, y))
-
-
-class DiscardNormAfter(nn.Module):
-    """Run the consumer of a DiscardableNorm's output, then have the norm discard that output."""
-
-    def __init__(self, module: nn.Module, norm: DiscardableNorm):
-        super().__init__()
-        self.module = module
-        object.__setattr__(self, "_norm", norm)  # not a submodule: the layer already owns it
-
-    def forward(self, *args: torch.Tensor) -> torch.Tensor:
-        out = self.module(*args)
-        self._norm.discard(out)
+    def consumer_forward(*args: torch.Tensor) -> torch.Tensor:
+        out = inner_consumer(*args)
+        if pending:
+            backend.discard(pending.pop(), out)
         return out
 
+    norm.forward, consumer.forward = norm_forward, consumer_forward
 
-class OffloadedLayer(nn.Module):
-    """A layer whose saved activations live in host memory until backward needs them."""
 
-    def __init__(self, layer: nn.Module):
-        super().__init__()
-        self.layer = layer
+def _offload_forward(layer: nn.Module) -> None:
+    inner = layer.forward
 
-    def forward(self, x: torch.Tensor, *rope: torch.Tensor) -> torch.Tensor:
+    def forward(x: torch.Tensor, *rope: torch.Tensor) -> torch.Tensor:
         with torch.autograd.graph.save_on_cpu(pin_memory=x.is_cuda):
-            return self.layer(x, *rope)
+            return inner(x, *rope)
+
+    layer.forward = forward
 
 
-def apply_recompute(model: GPT, r: RecomputeConfig) -> GPT:
-    """Wrap the modules of `model` in place for the setting `r` (already validated); returns it."""
-    layers = list(model.layers)
-    if r.granularity == "full":
-        n = r.num_layers
-        if r.method == "uniform":
-            wrapped = [CheckpointedLayers(layers[i:i + n]) for i in range(0, len(layers), n)]
-        else:
-            wrapped = [CheckpointedLayers([layer]) if i < n else layer for i, layer in enumerate(layers)]
-        model.layers = nn.ModuleList(wrapped)
-    elif r.granularity == "selective":
-        for layer in layers:
-            if "core_attn" in r.modules:
-                attn = layer.self_attention
-                attn.core_attention = Checkpointed(attn.core_attention)
-            if "mlp" in r.modules:
-                layer.mlp = Checkpointed(layer.mlp)
-            if "layernorm" in r.modules:
-                layer.input_layernorm = DiscardableNorm(layer.input_layernorm)
-                layer.self_attention = DiscardNormAfter(layer.self_attention, layer.input_layernorm)
-                layer.pre_mlp_layernorm = DiscardableNorm(layer.pre_mlp_layernorm)
-                layer.mlp = DiscardNormAfter(layer.mlp, layer.pre_mlp_layernorm)
-    if r.activation_offload_layers:
-        model.layers = nn.ModuleList(OffloadedLayer(layer) if i < r.activation_offload_layers else layer
-                                     for i, layer in enumerate(model.layers))
+def _chunked_forward(stack: nn.Module, ranges: list[tuple[int, int]], full: list[bool], backend) -> None:
+    """The layer stack runs each full-recompute chunk under one checkpoint, the other layers as they are."""
+
+    def run(start: int, stop: int) -> Callable[..., torch.Tensor]:
+        def fn(x: torch.Tensor, *rope: torch.Tensor) -> torch.Tensor:
+            for i in range(start, stop):
+                x = stack[i](x, *rope)
+            return x
+        return fn
+
+    units = [(run(a, b), is_full) for (a, b), is_full in zip(ranges, full)]
+
+    def forward(x: torch.Tensor, *rope: torch.Tensor) -> torch.Tensor:
+        for fn, is_full in units:
+            x = backend.checkpoint(fn, x, *rope) if is_full and _recomputing(stack) else fn(x, *rope)
+        return x
+
+    stack.forward = forward
+
+
+def apply_policies(model: nn.Module, policies: list[LayerPolicy]) -> nn.Module:
+    """Install one policy per layer of `model.layers` (in place); returns the model."""
+    if len(policies) != len(model.layers):
+        raise ValueError(f"{len(policies)} policies for {len(model.layers)} layers")
+    backend = get_backend(getattr(model, "backend", "torch"))
+    for layer, policy in zip(model.layers, policies):
+        if "core_attn" in policy.modules:
+            _checkpoint_forward(layer.self_attention.core_attention, backend)
+        if "mlp" in policy.modules:
+            _checkpoint_forward(layer.mlp, backend)
+        if "layernorm" in policy.modules:
+            _discard_after(layer.input_layernorm, layer.self_attention, backend)
+            _discard_after(layer.pre_mlp_layernorm, layer.mlp, backend)
+        if policy.offload:
+            _offload_forward(layer)
+    ranges = chunks(policies)
+    full = [policies[a].chunk is not None for a, _ in ranges]
+    if any(full):
+        _chunked_forward(model.layers, ranges, full, backend)
     return model
+
+
+def apply_recompute(model: nn.Module, r: RecomputeConfig) -> nn.Module:
+    """Install the (validated) Megatron setting `r` on every layer of `model`; returns it."""
+    return apply_policies(model, layer_policies(r, len(model.layers)))
 
 
 def recomputed_layers(r: RecomputeConfig, num_layers: int) -> int:
     """How many layers full recompute re-runs in backward (0 unless full)."""
-    if r.granularity != "full":
-        return 0
-    return num_layers if r.method == "uniform" else min(r.num_layers, num_layers)
+    from recompute_bench.recompute.policy import recomputed_layers as count
+    return count(layer_policies(r, num_layers))

@@ -1,0 +1,192 @@
+"""The pure-PyTorch backend: the modules a layer is built from and the recompute primitives.
+
+A backend owns two things, so that another one (Transformer Engine, whose `LayerNormLinear`
+fuses the norm into the next linear) is one new file:
+
+- module factories: `linear`, `norm`, `dropout`, `core_attention` (the fused or the explicit
+  attention core);
+- recompute primitives: `checkpoint` (save the inputs, re-run the function in backward) and
+  `discard_output` (free a function's output once its consumer has saved it, refill it from a
+  gradient hook), which `recompute.apply` installs on the modules a policy names.
+
+Checkpoints are re-entrant (`use_reentrant=True`), as Megatron's are: the forward runs under
+no_grad and only the inputs are saved through `save_for_backward`, which the saved-tensor probe
+sees. CPU and CUDA RNG states are restored on recompute, so dropout masks match.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.checkpoint import checkpoint as _torch_checkpoint
+
+NAME = "torch"
+
+
+# ----- module factories -----------------------------------------------------------------------
+
+def linear(in_features: int, out_features: int, bias: bool) -> nn.Module:
+    """A dense linear layer."""
+    return nn.Linear(in_features, out_features, bias=bias)
+
+
+class _RMSNormFunction(torch.autograd.Function):
+    """y = x * rsqrt(mean(x^2) + eps) * w as one autograd node (statistics in fp32), saving x and rstd."""
+
+    @staticmethod
+    def forward(ctx, x, weight, eps):
+        acc = torch.promote_types(x.dtype, torch.float32)
+        rstd = torch.rsqrt(x.to(acc).pow(2).mean(-1, keepdim=True) + eps)
+        ctx.save_for_backward(x, rstd, weight)
+        return (x.to(acc) * rstd).to(x.dtype) * weight
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, rstd, weight = ctx.saved_tensors
+        x_hat = x.to(rstd.dtype) * rstd
+        g = grad.to(rstd.dtype) * weight.to(rstd.dtype)
+        grad_x = rstd * (g - x_hat * (g * x_hat).mean(-1, keepdim=True))
+        grad_w = (grad.to(rstd.dtype) * x_hat).reshape(-1, x.shape[-1]).sum(0)
+        return grad_x.to(x.dtype), grad_w.to(weight.dtype), None
+
+
+class RMSNorm(nn.Module):
+    """RMSNorm as fused kernels (Apex, Transformer Engine) run it: one node in the graph. torch's own
+    `rms_norm` decomposes into several ops on CPU, so the layer input's gradient would be a sum of
+    three contributions whose order changes when the norm is recomputed, breaking bitwise equality."""
+
+    def __init__(self, hidden_size: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(hidden_size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return _RMSNormFunction.apply(x, self.weight, self.eps)
+
+
+def norm(kind: str, hidden_size: int, eps: float) -> nn.Module:
+    """LayerNorm (with bias) or RMSNorm."""
+    if kind == "RMSNorm":
+        return RMSNorm(hidden_size, eps)
+    return nn.LayerNorm(hidden_size, eps=eps)
+
+
+class Dropout(nn.Module):
+    """Dropout that saves a 1-byte mask on every device, as the paper counts it. (`F.dropout` on a
+    CPU saves a mask of the activation's own dtype; `native_dropout` saves a bool mask everywhere.)"""
+
+    def __init__(self, p: float):
+        super().__init__()
+        self.p = p
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.native_dropout(x, self.p, True)[0] if self.training else x
+
+
+def dropout(p: float) -> nn.Module:
+    """Dropout with probability p; no module at all when p == 0, so no mask is ever saved."""
+    return Dropout(p) if p > 0 else nn.Identity()
+
+
+class CoreAttention(nn.Module):
+    """softmax(QK^T / sqrt(d) + causal mask) -> dropout -> times V: the part selective `core_attn`
+    recompute re-runs. Inputs [b, s, heads, d] (k and v with `groups` heads); output [b, s, heads * d].
+
+    `sdpa` calls torch's fused kernel; `math` is the explicit path the paper's memory formula
+    describes (QK^T, mask, softmax, dropout, times V, each saving what autograd needs)."""
+
+    def __init__(self, attention_backend: str, heads: int, groups: int, head_dim: int, attention_dropout: float):
+        super().__init__()
+        self.attention_backend = attention_backend
+        self.heads, self.groups = heads, groups
+        self.scale = 1.0 / math.sqrt(head_dim)
+        self.attention_dropout = attention_dropout
+        self.dropout = dropout(attention_dropout)
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        b, s = q.shape[:2]
+        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # [b, heads, s, d]
+        if self.attention_backend == "sdpa":
+            p = self.attention_dropout if self.training else 0.0
+            out = F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True,
+                                                 enable_gqa=self.groups != self.heads)
+        else:
+            if self.groups != self.heads:
+                k = k.repeat_interleave(self.heads // self.groups, dim=1)
+                v = v.repeat_interleave(self.heads // self.groups, dim=1)
+            # An additive -inf mask, built for this length: the add saves nothing for backward.
+            mask = torch.full((s, s), float("-inf"), device=q.device, dtype=q.dtype).triu(1)
+            scores = torch.matmul(q, k.transpose(-2, -1)) * self.scale + mask
+            probs = self.dropout(torch.softmax(scores, dim=-1))
+            out = torch.matmul(probs, v)
+        return out.transpose(1, 2).reshape(b, s, -1)
+
+
+def core_attention(attention_backend: str, heads: int, groups: int, head_dim: int,
+                   attention_dropout: float) -> nn.Module:
+    """The attention core (fused `sdpa` or explicit `math`). It calls no submodule on its inputs'
+    views: under a re-entrant checkpoint those views require grad without a grad_fn, which torch's
+    module tracker (used by FlopCounterMode) cannot hook."""
+    return CoreAttention(attention_backend, heads, groups, head_dim, attention_dropout)
+
+
+# ----- recompute primitives -------------------------------------------------------------------
+
+def checkpoint(fn: Callable[..., torch.Tensor], *args: torch.Tensor) -> torch.Tensor:
+    """Run fn saving only its tensor inputs; re-run it (same RNG state) when backward needs it."""
+    return _torch_checkpoint(fn, *args, use_reentrant=True, preserve_rng_state=True)
+
+
+class _WithoutOutput(torch.autograd.Function):
+    """Run `fn(x)` without a graph, save only x; backward uses what `_refill` recomputed."""
+
+    @staticmethod
+    def forward(ctx, fn, x):
+        with torch.no_grad():
+            y = fn(x)
+        ctx.fn = fn
+        ctx.recomputed = None
+        ctx.save_for_backward(x)
+        return y
+
+    @staticmethod
+    def backward(ctx, grad):
+        if ctx.recomputed is None:  # the output was never discarded
+            _refill(ctx, None)
+        x, y = ctx.recomputed
+        ctx.recomputed = None
+        torch.autograd.backward(y, grad)
+        return None, x.grad
+
+
+def _refill(ctx, output: torch.Tensor | None) -> None:
+    """Re-run the function with a graph and, if its output was discarded, refill that storage."""
+    (x,) = ctx.saved_tensors
+    x = x.detach().requires_grad_(True)
+    with torch.enable_grad():
+        y = ctx.fn(x)
+    if output is not None:
+        storage = output.untyped_storage()
+        storage.resize_(y.untyped_storage().nbytes())
+        with torch.no_grad():
+            storage.copy_(y.untyped_storage())
+    ctx.recomputed = (x, y)
+
+
+def without_output(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+    """fn(x) whose output may later be freed with `discard`: only x is saved for backward."""
+    return _WithoutOutput.apply(fn, x)
+
+
+def discard(output: torch.Tensor, hook_tensor: torch.Tensor) -> None:
+    """Free the storage of `output` (made by `without_output`, already saved by its consumer) and
+    recompute it when the gradient reaches `hook_tensor`, the consumer's output: just before the
+    consumer's backward reads it (Megatron's CheckpointWithoutOutput)."""
+    if not hook_tensor.requires_grad:
+        return
+    output.untyped_storage().resize_(0)
+    hook_tensor.register_hook(lambda _grad: _refill(output.grad_fn, output))

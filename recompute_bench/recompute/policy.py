@@ -1,0 +1,73 @@
+"""Recompute as a per-layer policy: what each transformer layer does with its activations.
+
+Megatron's settings are ways to write a list of per-layer policies:
+
+- none: every layer keeps everything;
+- selective [modules]: every layer recomputes the same modules;
+- full uniform N: layers are checkpointed in chunks of N consecutive layers (the last may be shorter);
+- full block N: the first N layers are checkpointed one each; the others keep everything;
+- activation offload N: the first N layers keep their saved activations in host memory.
+
+A policy list may also mix choices layer by layer, which no single Megatron setting can. Pure
+Python (no torch), so the analysis and the planner use the same policies the model runs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from recompute_bench.spec.config import RecomputeConfig
+
+
+@dataclass(frozen=True)
+class LayerPolicy:
+    """What one layer recomputes or offloads."""
+
+    modules: frozenset[str] = frozenset()
+    """Selective: the sub-modules of this layer that are recomputed."""
+    chunk: int | None = None
+    """Full: the checkpoint this layer belongs to; consecutive layers with the same chunk are
+    checkpointed together (only the chunk's input is saved). None: not checkpointed whole."""
+    offload: bool = False
+    """Keep this layer's saved activations in host memory."""
+
+    @property
+    def label(self) -> str:
+        """The choice in a few words: "none", "selective[core_attn,mlp]", "full", "offload"."""
+        if self.chunk is not None:
+            return "full"
+        if self.modules:
+            return "selective[" + ",".join(sorted(self.modules)) + "]"
+        return "offload" if self.offload else "none"
+
+
+def layer_policies(r: RecomputeConfig, num_layers: int) -> list[LayerPolicy]:
+    """The per-layer policies a (validated) Megatron setting means, for `num_layers` layers."""
+    offload = [i < r.activation_offload_layers for i in range(num_layers)]
+    if r.granularity == "full":
+        n = r.num_layers
+        if r.method == "uniform":
+            return [LayerPolicy(chunk=i // n, offload=offload[i]) for i in range(num_layers)]
+        return [LayerPolicy(chunk=i if i < n else None, offload=offload[i]) for i in range(num_layers)]
+    modules = frozenset(r.modules) if r.granularity == "selective" else frozenset()
+    return [LayerPolicy(modules=modules, offload=offload[i]) for i in range(num_layers)]
+
+
+def chunks(policies: list[LayerPolicy]) -> list[tuple[int, int]]:
+    """[start, stop) layer ranges run as one unit: each full-recompute chunk, and each other layer alone."""
+    out: list[tuple[int, int]] = []
+    i = 0
+    while i < len(policies):
+        j = i + 1
+        chunk = policies[i].chunk
+        if chunk is not None:
+            while j < len(policies) and policies[j].chunk == chunk:
+                j += 1
+        out.append((i, j))
+        i = j
+    return out
+
+
+def recomputed_layers(policies: list[LayerPolicy]) -> int:
+    """How many layers full recompute re-runs in backward."""
+    return sum(p.chunk is not None for p in policies)
