@@ -1,34 +1,22 @@
 """The command line: flag spellings, every validation rule (exit 2, one line, no traceback), run, verify."""
 
 import json
+from types import SimpleNamespace
 
 import pytest
 
 from conftest import FAST, config, invoke
-from recompute_bench.cli.app import normalize_argv, resolve_cli
+from recompute_bench.cli import run_performance_workload
+from recompute_bench.cli.app import normalize_argv
 
 
 def _recompute(*args):
-    cfg, notes = resolve_cli_from(args)
-    return cfg.recompute, notes
-
-
-def resolve_cli_from(args):
-    """Parse argv the way `run` does, without measuring: uses the Typer app with --help-free parsing."""
-    import typer
-    captured = {}
-    app = typer.Typer()
-
-    @app.command()
-    def probe(recompute_granularity: str = None, recompute_modules: list[str] = None, recompute_method: str = None,
-              recompute_num_layers: int = None):
-        captured.update(granularity=recompute_granularity, modules=recompute_modules, method=recompute_method,
-                        recompute_num_layers=recompute_num_layers)
-
-    from typer.testing import CliRunner
-    result = CliRunner().invoke(app, normalize_argv(list(args)))
+    """The recompute setting and notes `run` itself resolves from argv (one fast measured step)."""
+    result = invoke("run", "--no-save", "--json", *[a for s in FAST for a in ("--set", s)], *args)
     assert result.exit_code == 0, result.output
-    return resolve_cli("tiny", gpu="cpu", **captured)
+    r = json.loads(result.stdout)["recompute"]
+    notes = [line for line in result.stderr.splitlines() if line.startswith("note:")]
+    return SimpleNamespace(**r, recomputes=r["granularity"] == "full" or bool(r["modules"])), notes
 
 
 @pytest.mark.parametrize("argv", [
@@ -149,17 +137,23 @@ def test_a_failing_step_is_a_recorded_result(monkeypatch, tmp_path, fault, statu
     assert record["failure"]["rank"] == 0 and record["metrics"]["step_time_s"] is None
 
 
-def test_run_performance_workload_accepts_bridge_flags(tmp_path):
-    from typer.testing import CliRunner
-    from recompute_bench.cli.app import app
-    args = ["run", *normalize_argv(["-w", "tiny", "--num_layers", "2", "--recompute_modules", "core_attn,layernorm",
-                                    "--no-save", "--json", "--set", "training.warmup_steps=0",
-                                    "--set", "training.measured_steps=1"])]
-    result = CliRunner().invoke(app, args)
-    assert result.exit_code == 0, result.output
-    record = json.loads(result.stdout)
+def test_run_performance_workload_accepts_bridge_flags(capsys):
+    # The installed entry point itself, with Megatron Bridge's spellings.
+    with pytest.raises(SystemExit) as exit_:
+        run_performance_workload(["-w", "tiny", "--num_layers", "2", "--recompute_modules", "core_attn,layernorm",
+                                  "--no-save", "--json", "--set", "training.warmup_steps=0",
+                                  "--set", "training.measured_steps=1"])
+    assert exit_.value.code in (0, None)
+    record = json.loads(capsys.readouterr().out)
     assert record["config"]["model"]["num_layers"] == 2
     assert record["recompute"]["modules"] == ["core_attn", "layernorm"]
+
+
+def test_run_performance_workload_refuses_bad_input_in_one_line(capsys):
+    with pytest.raises(SystemExit) as exit_:
+        run_performance_workload(["-w", "tiny", "--recompute_modules", "attention", "--no-save"])
+    err = capsys.readouterr().err.strip()
+    assert exit_.value.code == 2 and err.startswith("error:") and len(err.splitlines()) == 1
 
 
 def test_verify_command_passes_on_tiny():
