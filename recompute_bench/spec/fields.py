@@ -1,0 +1,177 @@
+"""The field registry: every setting of a point declared once, with the one name it has everywhere.
+
+A field is a dataclass field of `spec.config` (its section and attribute) and its `key`: Megatron's
+argument name (`num_layers`, `tensor_model_parallel_size`, `recompute_granularity`, ...). That key is
+the CLI flag (`--num-layers`), the grid-file key of a `[[point]]`, the golden/DataFrame key column,
+and the override path `section.attribute` that `--set` takes. The help text of a flag is the
+docstring written under the field in `spec/config.py`.
+
+Commands take their options from here (`cli/options.py`), the golden key and the DataFrame columns
+come from here (`key_columns`, `key_values`), and a grid file's point keys are checked against it.
+Pure Python.
+"""
+
+from __future__ import annotations
+
+import ast
+import dataclasses
+import functools
+import inspect
+from dataclasses import dataclass
+from typing import Any
+
+from recompute_bench.spec.config import SECTIONS
+
+# How a point is measured, not what: left out of the golden key and the config hash.
+PROTOCOL_KEYS = ("warmup_steps", "measured_steps")
+# Recompute fields whose attribute is not already Megatron's argument name.
+_RECOMPUTE_PREFIXED = ("granularity", "modules", "method", "num_layers")
+
+
+@dataclass(frozen=True)
+class Flag:
+    """How a field appears on the command line (fields without one are set with --set)."""
+
+    panel: str
+    """The help panel: Workload, Parallelism or Recompute."""
+    aliases: tuple[str, ...] = ()
+    """Further long spellings (--tp)."""
+    short: str | None = None
+    """Megatron Bridge's short flag (-tp, -rl), rewritten before parsing."""
+
+
+# The fields with a dedicated flag. Every other field is reachable with --set section.key=value.
+FLAGS: dict[str, Flag] = {
+    "num_layers": Flag("Workload"),
+    "seq_length": Flag("Workload", short="-sl"),
+    "micro_batch_size": Flag("Workload", short="-mb"),
+    "global_batch_size": Flag("Workload", short="-gb"),
+    "precision": Flag("Workload"),
+    "attention_backend": Flag("Workload"),
+    "tensor_model_parallel_size": Flag("Parallelism", ("--tp",), "-tp"),
+    "pipeline_model_parallel_size": Flag("Parallelism", ("--pp",), "-pp"),
+    "data_parallel_size": Flag("Parallelism", ("--dp",), "-dp"),
+    "sequence_parallel": Flag("Parallelism"),
+    "recompute_granularity": Flag("Recompute"),
+    "recompute_modules": Flag("Recompute"),
+    "recompute_method": Flag("Recompute"),
+    "recompute_num_layers": Flag("Recompute", short="-rl"),
+    "activation_offload_layers": Flag("Recompute", short="-ol"),
+}
+
+
+@dataclass(frozen=True)
+class Field:
+    """One setting: where it lives in the Config, its Megatron name, its type and help."""
+
+    section: str
+    attribute: str
+    key: str
+    type: Any
+    default: Any
+    help: str
+
+    @property
+    def path(self) -> str:
+        """"section.attribute", as --set and `resolve` overrides spell it."""
+        return f"{self.section}.{self.attribute}"
+
+    @property
+    def option(self) -> str:
+        """The long CLI flag: --num-layers, --recompute-granularity."""
+        return "--" + self.key.replace("_", "-")
+
+    @property
+    def flag(self) -> Flag | None:
+        return FLAGS.get(self.key)
+
+    @property
+    def in_key(self) -> bool:
+        """Part of a point's identity (golden key column): everything but the measurement protocol."""
+        return self.key not in PROTOCOL_KEYS
+
+    @property
+    def is_list(self) -> bool:
+        return "list" in str(self.type)
+
+    @property
+    def value_type(self) -> type:
+        """The scalar Python type of a value (int, float, bool, str)."""
+        text = str(self.type).replace("Optional[", "").rstrip("]")
+        for name, t in (("list", str), ("bool", bool), ("int", int), ("float", float)):
+            if name in text:
+                return t
+        return str
+
+
+def key_of(section: str, attribute: str) -> str:
+    """Megatron's argument name of a field: recompute's own four take the `recompute_` prefix."""
+    if section == "recompute" and attribute in _RECOMPUTE_PREFIXED:
+        return f"recompute_{attribute}"
+    return attribute
+
+
+def _docstrings(cls: type) -> dict[str, str]:
+    """The string literal written under each field of a dataclass (its help text)."""
+    tree = ast.parse(inspect.getsource(cls))
+    body = tree.body[0].body  # type: ignore[attr-defined]
+    out = {}
+    for node, following in zip(body, body[1:]):
+        if (isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name)
+                and isinstance(following, ast.Expr) and isinstance(following.value, ast.Constant)):
+            out[node.target.id] = " ".join(str(following.value.value).split())
+    return out
+
+
+@functools.lru_cache(maxsize=None)
+def fields() -> tuple[Field, ...]:
+    """Every field of every section, in section order."""
+    out = []
+    for section, cls in SECTIONS.items():
+        docs = _docstrings(cls)
+        for f in dataclasses.fields(cls):
+            default = None if f.default is dataclasses.MISSING else f.default
+            out.append(Field(section, f.name, key_of(section, f.name), f.type, default, docs.get(f.name, "")))
+    keys = [f.key for f in out]
+    assert len(keys) == len(set(keys)), "two fields share a key"
+    return tuple(out)
+
+
+def field(key: str) -> Field:
+    """The field with this Megatron name (KeyError if there is none)."""
+    for f in fields():
+        if f.key == key:
+            return f
+    raise KeyError(key)
+
+
+def flagged() -> list[Field]:
+    """The fields with a dedicated CLI flag, in FLAGS order."""
+    return [field(k) for k in FLAGS]
+
+
+def short_flags() -> dict[str, str]:
+    """Megatron Bridge's short flags -> the long flag they mean."""
+    return {f.flag.short: f.option for f in flagged() if f.flag.short}
+
+
+def key_columns() -> tuple[str, ...]:
+    """The golden key: the workload name and every field that changes what is measured."""
+    return ("workload", *(f.key for f in fields() if f.in_key))
+
+
+def config_values(data: dict[str, Any]) -> dict[str, Any]:
+    """Field key -> value from a config as plain data (`Config.to_dict()`, or a result record,
+    whose `config` holds model/training/parallel and `recompute` sits beside it). A field the data
+    lacks (written before the field existed) takes its default."""
+    sections = {**(data.get("config") or {}), **{s: data[s] for s in SECTIONS if s in data}}
+    out = {}
+    for f in fields():
+        section = sections.get(f.section) or {}
+        out[f.key] = section.get(f.attribute, f.default)
+    return out
+
+
+def overrides_from_keys(values: dict[str, Any]) -> dict[str, Any]:
+    """{key: value} (CLI flags, grid keys) -> {"section.attribute": value} for `resolve`."""
+    return {field(k).path: v for k, v in values.items()}
