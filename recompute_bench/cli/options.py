@@ -91,7 +91,7 @@ def _option(f: registry.Field) -> inspect.Parameter:
     else:
         names = (f.option, *flag.aliases)
         annotation = Optional[list[str]] if f.is_list else Optional[f.value_type]
-    help_text = f.help + (f" [{f.path}]" if f.help else f"Override {f.path}.")
+    help_text = f"{f.help} Sets {f.path}." if f.help else f"Sets {f.path}."
     option = typer.Option(*names, help=help_text, rich_help_panel=flag.panel, show_default=False)
     return inspect.Parameter(f.key, inspect.Parameter.KEYWORD_ONLY, default=None, annotation=Annotated[annotation, option])
 

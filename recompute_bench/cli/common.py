@@ -1,0 +1,68 @@
+"""What every command shares: the stderr console, bad input as one line, notes, resolving a point."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+from rich.console import Console
+from rich.markup import escape
+
+from recompute_bench.cli.options import PointOptions
+from recompute_bench.spec.config import Config
+from recompute_bench.spec.presets import DEFAULT_WORKLOAD, resolve
+
+# People's output goes to stderr; stdout carries data (--json) only. Off a terminal the width is
+# fixed, so CI logs do not wrap tables at 80 columns.
+err = Console(stderr=True, width=None if sys.stderr.isatty() else 140)
+
+Workload = Annotated[str, typer.Option("--workload", "-w", help="Preset name (see `workloads`) or path to a .toml preset.",
+                                       rich_help_panel="Workload")]
+ResultsDir = Annotated[Path, typer.Option(help="Folder holding run folders (results/<run-id>/) and golden/.",
+                                          rich_help_panel="Output")]
+ResultsArg = Annotated[str, typer.Argument(help="A run id (folder under --results-dir), a results folder or a JSONL file.",
+                                           show_default=False)]
+GoldenFile = Annotated[Optional[Path], typer.Option(help="Golden CSV; default: <results-dir>/golden/<device kind>.csv "
+                                                    "(cpu.csv, h100.csv, ...).", rich_help_panel="Golden")]
+Strict = Annotated[bool, typer.Option(help="Also fail on unexpected improvements, now-fits and new rows (goldens stay honest).",
+                                      rich_help_panel="Golden")]
+JsonOut = Annotated[bool, typer.Option("--json", help="Print the result as JSON on stdout.", rich_help_panel="Output")]
+
+__all__ = ["DEFAULT_WORKLOAD", "err", "fail", "show_notes", "resolve_point", "this_gpu", "device_kind", "records_kind"]
+
+
+def fail(message: str, code: int = 2) -> typer.Exit:
+    """Print one line naming the problem and the fix; the caller raises what this returns."""
+    err.print(f"[bold red]error:[/] {escape(message)}", highlight=False, soft_wrap=True)
+    return typer.Exit(code)
+
+
+def show_notes(notes: list[str]) -> None:
+    for note in notes:
+        err.print(f"[yellow]note:[/] {escape(note)}", highlight=False, soft_wrap=True)
+
+
+def this_gpu() -> str:
+    """This machine's GPU kind (h100, ...) or "cpu"."""
+    import torch
+
+    from recompute_bench.spec.presets import gpu_type
+    return gpu_type(torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu")
+
+
+def device_kind(device: str | None, gpu: str | None) -> str:
+    """The hardware kind a run on `device` measures (golden file names)."""
+    return "cpu" if (device or "").startswith("cpu") else (gpu or this_gpu())
+
+
+def records_kind(rows: list[dict]) -> str:
+    """The hardware kind of result rows (golden file names)."""
+    from recompute_bench.spec.presets import gpu_type
+    return gpu_type(str(rows[0].get("device_name") or "cpu")) if rows else "cpu"
+
+
+def resolve_point(workload: str, point: PointOptions, gpu: str | None = None) -> tuple[Config, list[str]]:
+    """A command's workload and options -> (validated Config, notes); ConfigError on bad input."""
+    return resolve(workload, overrides=point.overrides, sets=point.sets, gpu=gpu or point.gpu or this_gpu())

@@ -1,0 +1,97 @@
+"""`recompute-bench estimate` and `plan`: the analytical model, nothing measured."""
+
+from __future__ import annotations
+
+import json
+from typing import Annotated, Optional
+
+import typer
+from rich.markup import escape
+
+from recompute_bench.cli.common import DEFAULT_WORKLOAD, JsonOut, Workload, err, fail, resolve_point, show_notes
+from recompute_bench.cli.options import PointOptions, point_options
+from recompute_bench.spec.config import ConfigError
+
+ModelDevice = Annotated[str, typer.Option("--device", help="What to model: cuda (the default; masks, norm statistics and "
+                                          "attention kernels as on a GPU) or cpu (as `run` measures on a CPU).",
+                                          rich_help_panel="Estimate")]
+AllowanceFraction = Annotated[float, typer.Option(help="Allocator allowance: fraction of the allocated peak added for "
+                                                  "fragmentation (reserved minus allocated).", rich_help_panel="Estimate")]
+AllowanceGb = Annotated[float, typer.Option(help="Fixed allowance in GiB: CUDA context, cuBLAS/cuDNN workspaces, NCCL buffers.",
+                                            rich_help_panel="Estimate")]
+
+
+def _check_inputs(device: str, allowance_fraction: float, allowance_gb: float) -> None:
+    if device.split(":")[0] not in ("cuda", "cpu"):
+        raise ConfigError(f"--device {device!r} is not cuda or cpu; pass --device cuda (a GPU) or --device cpu")
+    if allowance_fraction < 0 or allowance_gb < 0:
+        raise ConfigError("the allowance cannot be negative; pass --allowance-fraction 0.1 --allowance-gb 1")
+
+
+@point_options()
+def estimate(
+    *,
+    workload: Workload = DEFAULT_WORKLOAD,
+    point: PointOptions,
+    device: ModelDevice = "cuda",
+    allowance_fraction: AllowanceFraction = 0.10, allowance_gb: AllowanceGb = 1.0,
+    json_out: JsonOut = False,
+) -> None:
+    """Predict activation memory per layer, the whole-rank peak and FLOPs of every recompute setting,
+    without running anything (the paper's Table 2 beside the layer built here)."""
+    from recompute_bench.analysis import memory as model
+    from recompute_bench.render.estimate import breakdown_table, layout_line, paper_notes, paper_table, settings_table
+
+    try:
+        cfg, notes = resolve_point(workload, point)
+        _check_inputs(device, allowance_fraction, allowance_gb)
+    except ConfigError as e:
+        raise fail(str(e)) from None
+    show_notes(notes)
+    report = model.estimate_report(cfg, device, allowance_fraction, allowance_gb * 2**30)
+    err.print(escape(layout_line(report)), highlight=False)
+    err.print(settings_table(report["settings"], "every setting: activations per micro-batch, whole-rank peak, FLOPs",
+                             current=cfg.recompute.label))
+    err.print(paper_table(report))
+    for note in paper_notes(report):
+        err.print(f"[dim]note:[/] {escape(note)}", highlight=False)
+    err.print(breakdown_table(report))
+    if json_out:
+        typer.echo(json.dumps(report, indent=2))
+
+
+@point_options(panels=("Workload", "Parallelism"), gpu=False)
+def plan(
+    *,
+    workload: Workload = DEFAULT_WORKLOAD,
+    point: PointOptions,
+    memory_gb: Annotated[Optional[float], typer.Option(help="Device memory per GPU in GiB, e.g. 80.",
+                                                       rich_help_panel="Estimate")] = None,
+    device: ModelDevice = "cuda",
+    allowance_fraction: AllowanceFraction = 0.10, allowance_gb: AllowanceGb = 1.0,
+    json_out: JsonOut = False,
+) -> None:
+    """List the recompute settings that fit a memory budget, fastest first, and recommend one;
+    exit 1 when nothing fits (and say what would)."""
+    from recompute_bench.analysis import memory as model
+    from recompute_bench.render.estimate import plan_table, would_fit_table
+
+    try:
+        cfg, notes = resolve_point(workload, point, gpu="cpu")
+        _check_inputs(device, allowance_fraction, allowance_gb)
+        if memory_gb is None or memory_gb <= 0:
+            raise ConfigError(f"plan needs the device memory per GPU; pass --memory-gb 80 (got {memory_gb})")
+    except ConfigError as e:
+        raise fail(str(e)) from None
+    show_notes(notes)
+    result = model.plan(cfg, memory_gb * 2**30, device, allowance_fraction, allowance_gb * 2**30)
+    if result["fits"]:
+        err.print(plan_table(result))
+        err.print(f"[green]recommended:[/] {escape(result['recommended'])}: {escape(result['reason'])}", highlight=False)
+    else:
+        err.print(f"[red]{escape(result['reason'])}[/]", highlight=False)
+        err.print(would_fit_table(result))
+    if json_out:
+        typer.echo(json.dumps(result, indent=2))
+    if not result["fits"]:
+        raise typer.Exit(1)

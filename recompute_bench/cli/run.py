@@ -1,0 +1,71 @@
+"""`recompute-bench run` (and `run_performance_workload`): measure one point on this machine."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+from rich.markup import escape
+
+from recompute_bench.cli.common import DEFAULT_WORKLOAD, JsonOut, Workload, err, fail, resolve_point, show_notes
+from recompute_bench.cli.options import PointOptions, point_options
+from recompute_bench.spec.config import Config, ConfigError
+
+Device = Annotated[Optional[str], typer.Option(help="torch device, e.g. cuda:1 or cpu; default: CUDA if present.",
+                                               rich_help_panel="Output")]
+PeakTflops = Annotated[Optional[float], typer.Option(help="Peak TFLOP/s of the device for MFU, overriding the built-in "
+                                                     "table.", rich_help_panel="Output")]
+
+
+@point_options()
+def run(
+    *,
+    workload: Workload = DEFAULT_WORKLOAD,
+    point: PointOptions,
+    device: Device = None,
+    peak_tflops: PeakTflops = None,
+    json_out: JsonOut = False,
+    save: Annotated[bool, typer.Option("--save/--no-save", help="Append the record to --results.", rich_help_panel="Output")] = True,
+    results: Annotated[Path, typer.Option(help="JSONL file the record is appended to.", rich_help_panel="Output")] = Path("results/runs.jsonl"),
+) -> None:
+    """Measure one recompute setting of a workload on this machine and record the result."""
+    try:
+        cfg, notes = resolve_point(workload, point)
+        check_runnable(cfg, device)
+    except ConfigError as e:
+        raise fail(str(e)) from None
+    show_notes(notes)
+
+    from recompute_bench.measure.point import pick_device, run_point
+    from recompute_bench.render.tables import run_table
+    from recompute_bench.results.store import append_record
+
+    err.print(f"measuring {cfg.workload} with recompute {escape(cfg.recompute.label)} ...", highlight=False)
+    record = run_point(cfg, device=pick_device(device), peak_tflops=peak_tflops)
+    err.print(run_table(record))
+    if save:
+        append_record(results, record)
+        err.print(f"appended to {results}", highlight=False)
+    if json_out:
+        typer.echo(json.dumps(record, indent=2, default=str))
+    if record["status"] != "ok":
+        raise typer.Exit(1)
+
+
+def check_runnable(cfg: Config, device: str | None) -> None:
+    """What `run` can measure on one process: no model parallelism, and offload only on CUDA."""
+    import torch
+
+    p = cfg.parallel
+    if p.tensor_model_parallel_size > 1 or p.pipeline_model_parallel_size > 1 or p.data_parallel_size > 1:
+        raise ConfigError("run measures one rank without tensor, pipeline or data parallelism; pass "
+                          "--tensor-model-parallel-size 1 --pipeline-model-parallel-size 1 --data-parallel-size 1 "
+                          "(use `estimate` for parallel layouts)")
+    on_cuda = (device or ("cuda" if torch.cuda.is_available() else "cpu")).startswith("cuda")
+    if cfg.recompute.activation_offload_layers and not on_cuda:
+        raise ConfigError("activation offload moves saved tensors from a CUDA device to host memory and there is "
+                          "no CUDA device here; drop --activation-offload-layers")
+    if device and device.startswith("cuda") and not torch.cuda.is_available():
+        raise ConfigError(f"--device {device} asks for CUDA but torch sees no CUDA device; pass --device cpu")

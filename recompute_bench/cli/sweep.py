@@ -1,0 +1,203 @@
+"""`recompute-bench sweep`: several recompute settings, each measured in its own process."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+from rich.markup import escape
+from rich.table import Table
+
+from recompute_bench.cli.common import (DEFAULT_WORKLOAD, GoldenFile, ResultsDir, Strict, device_kind, err, fail,
+                                        show_notes)
+from recompute_bench.cli.hints import command_line, print_command, run_locator, update_command
+from recompute_bench.cli.options import PointOptions, point_options, split_list
+from recompute_bench.cli.run import check_runnable
+from recompute_bench.spec.config import ConfigError
+
+
+@point_options(panels=("Workload", "Parallelism"))
+def sweep(
+    *,
+    workload: Annotated[Optional[str], typer.Option("--workload", "-w", help="Preset name or .toml path; default tiny "
+                                                   "(or the grid file's workload).", rich_help_panel="Workload")] = None,
+    point: PointOptions,
+    modules: Annotated[Optional[list[str]], typer.Option(help="Each non-empty subset of these modules as a selective "
+                                                         "setting (space or comma separated).", rich_help_panel="Sweep")] = None,
+    methods: Annotated[Optional[list[str]], typer.Option(help="Full recompute methods (uniform, block), crossed with "
+                                                         "--num-layers-recompute.", rich_help_panel="Sweep")] = None,
+    num_layers_recompute: Annotated[Optional[list[str]], typer.Option(help="Full recompute layer counts N; alone they "
+                                                                      "mean method block.", rich_help_panel="Sweep")] = None,
+    baseline: Annotated[bool, typer.Option(help="Add the point without recompute (Baseline).", rich_help_panel="Sweep")] = False,
+    grid: Annotated[Optional[Path], typer.Option(help="TOML file listing the points ([[point]] tables) instead of the flags.",
+                                                 rich_help_panel="Sweep")] = None,
+    dry_run: Annotated[bool, typer.Option(help="Print the plan and exit without measuring.", rich_help_panel="Sweep")] = False,
+    run_id: Annotated[Optional[str], typer.Option(help="Name of the run folder; default: UTC time and 4 hex digits.",
+                                                  rich_help_panel="Sweep")] = None,
+    resume: Annotated[Optional[str], typer.Option(help="Continue the sweep RUN_ID with its saved plan; points with an ok "
+                                                  "or oom record are skipped.", rich_help_panel="Sweep")] = None,
+    timeout: Annotated[float, typer.Option(help="Time limit of one point in seconds (process start included).",
+                                           rich_help_panel="Sweep")] = 600.0,
+    device: Annotated[Optional[str], typer.Option(help="torch device of every point; default CUDA if present.",
+                                                  rich_help_panel="Sweep")] = None,
+    peak_tflops: Annotated[Optional[float], typer.Option(help="Peak TFLOP/s of the device for MFU.", rich_help_panel="Sweep")] = None,
+    golden: GoldenFile = None,
+    no_golden: Annotated[bool, typer.Option("--no-golden", help="Do not compare with a golden file.", rich_help_panel="Golden")] = False,
+    strict: Strict = False,
+    results_dir: ResultsDir = Path("results"),
+    json_out: Annotated[bool, typer.Option("--json", help="Print the plan (with --dry-run) or the comparison as JSON on stdout.",
+                                           rich_help_panel="Output")] = False,
+) -> None:
+    """Measure several recompute settings, each in its own process, and compare them with the golden.
+
+    Results go to results/<run-id>/; with no flag every setting of the workload is measured."""
+    from recompute_bench.gate import golden as gold
+    from recompute_bench.results.records import record_row
+    from recompute_bench.render.comparison import details_table, experiment_table, headline, to_json
+    from recompute_bench.launch.sweep import load_grid, load_plan, plan_from_flags, plan_from_grid, plan_to_dict, run_sweep
+    from recompute_bench.results.store import check_run_id, new_run_id
+
+    plan_flags = [n for n, v in (("--modules", modules), ("--methods", methods), ("--num-layers-recompute", num_layers_recompute),
+                                 ("--baseline", baseline or None), ("--grid", grid)) if v is not None]
+    try:
+        if timeout <= 0:
+            raise ConfigError(f"--timeout must be a positive number of seconds, got {timeout:g}")
+        counts = None
+        if num_layers_recompute is not None:
+            try:
+                counts = [int(n) for n in split_list(num_layers_recompute)]
+            except ValueError:
+                raise ConfigError(f"--num-layers-recompute takes integers, got {' '.join(num_layers_recompute)}; "
+                                  "pass for example --num-layers-recompute 1 2") from None
+        overrides, sets, gpu = point.overrides, point.sets, point.gpu
+        kind = gpu or device_kind(device, None)
+        notes: list[str] = []
+        if resume:
+            given = plan_flags + [n for n, v in (("--workload", workload), ("--set", sets), ("--run-id", run_id)) if v]
+            given += [f"--{k.split('.')[1].replace('_', '-')}" for k, v in overrides.items() if v is not None]
+            if given:
+                raise ConfigError(f"--resume reruns the plan saved in {results_dir / resume}/plan.json; "
+                                  f"drop {', '.join(given)}")
+            points = load_plan(results_dir / check_run_id(resume))
+        elif grid is not None:
+            if len(plan_flags) > 1:
+                raise ConfigError(f"--grid lists the points itself; drop {', '.join(f for f in plan_flags if f != '--grid')}")
+            spec = load_grid(grid)
+            points, notes = plan_from_grid(spec, workload or spec.workload or DEFAULT_WORKLOAD, overrides=overrides,
+                                           sets=list(sets or ()), gpu=kind)
+        else:
+            points, notes = plan_from_flags(workload or DEFAULT_WORKLOAD, overrides=overrides, sets=list(sets or ()), gpu=kind,
+                                            modules=split_list(modules), methods=split_list(methods),
+                                            num_layers_recompute=counts, baseline=baseline)
+        for p in points:
+            check_runnable(p.cfg, device)
+        golden_file = None if no_golden else (golden or gold.golden_path_for(device_kind(device, gpu), results_dir))
+        golden_rows = None
+        if golden_file is not None and (golden is not None or golden_file.is_file()):
+            golden_rows = gold.read_golden(golden_file)
+        run = check_run_id(resume or run_id or new_run_id())
+    except ConfigError as e:
+        raise fail(str(e)) from None
+    show_notes(notes)
+
+    if dry_run:
+        err.print(plan_table(points, f"plan: {len(points)} points, each in its own process "
+                                      f"(time limit {timeout:g} s); nothing is measured with --dry-run"))
+        if golden_rows is not None:
+            err.print(f"would compare with {golden_file}", highlight=False)
+        if json_out:
+            typer.echo(json.dumps(plan_to_dict(points), indent=2))
+        return
+
+    run_dir = results_dir / run
+    err.print(f"sweep {run}: {len(points)} points into {run_dir}/", highlight=False)
+    try:
+        with SweepProgress(len(points)) as progress:
+            records = run_sweep(points, run_dir, timeout_s=timeout, device=device, peak_tflops=peak_tflops,
+                                resume=bool(resume), on_start=progress.start, on_done=progress.done)
+    except ConfigError as e:
+        raise fail(str(e)) from None
+    except KeyboardInterrupt:
+        same = [*(["--gpu", gpu] if gpu else []), *(["--device", device] if device else []),
+                *(["--timeout", f"{timeout:g}"] if timeout != 600.0 else []),
+                *(["--peak-tflops", f"{peak_tflops:g}"] if peak_tflops else []),
+                *(["--no-golden"] if no_golden else ["--golden", golden] if golden else []), *(["--strict"] if strict else [])]
+        print_command(f"interrupted: finished points are in {run_dir}/results.jsonl; continue with",
+                       command_line("recompute-bench", "sweep", "--resume", run, *run_locator(results_dir), *same))
+        raise typer.Exit(130) from None
+
+    rows = [record_row(r) for r in records]
+    planned = {gold.row_key(r) for r in rows}
+    comparison = gold.compare(rows, golden_rows, strict=strict, only_keys=planned, golden_path=golden_file)
+    title = f"sweep {run}: {points[0].cfg.workload} on {rows[0].get('device_name') if rows else '?'}"
+    if golden_rows is not None:
+        title += f" vs {golden_file}"
+    err.print(experiment_table(comparison, title))
+    details = details_table(comparison)
+    if details is not None and golden_rows is not None:
+        err.print(details)
+    if golden_rows is None:
+        err.print(f"no golden compared ({'--no-golden' if no_golden else f'{golden_file} does not exist'})", highlight=False)
+    else:
+        err.print(headline(comparison), highlight=False)
+    err.print(f"results: {run_dir / 'results.jsonl'}; logs: {run_dir / 'logs'}/", highlight=False, soft_wrap=True)
+    print_command("report:", command_line("recompute-bench", "report", run, *run_locator(results_dir)))
+    selection = comparison.update_selection() if golden_rows is not None and not comparison.passed else []
+    if selection != []:
+        print_command("to accept these numbers as the new golden (then review the git diff):",
+                       update_command(run, golden_file, selection, results_dir))
+    if json_out:
+        typer.echo(json.dumps(to_json(comparison, run_id=run, results=str(run_dir / "results.jsonl"),
+                                      golden=str(golden_file) if golden_rows is not None else None), indent=2))
+    if not comparison.passed:
+        raise typer.Exit(1)
+
+
+def plan_table(points, title: str) -> Table:
+    table = Table(title=escape(title), header_style="bold")
+    for col in ("Experiment", "recompute setting", "workload", "L", "s", "b/B", "precision", "tp/pp/dp"):
+        table.add_column(col, justify="right" if col in ("L", "s", "b/B", "tp/pp/dp") else "left")
+    for p in points:
+        c = p.cfg
+        table.add_row(escape(p.name), escape(p.setting), c.workload, str(c.model.num_layers), str(c.training.seq_length),
+                      f"{c.training.micro_batch_size}/{c.training.global_batch_size}", c.training.precision,
+                      f"{c.parallel.tensor_model_parallel_size}/{c.parallel.pipeline_model_parallel_size}/"
+                      f"{c.parallel.data_parallel_size}")
+    return table
+
+
+class SweepProgress:
+    """A rich progress bar (point, elapsed, ETA) on a terminal; one line per point otherwise."""
+
+    def __init__(self, total: int):
+        from rich.progress import (BarColumn, MofNCompleteColumn, Progress, SpinnerColumn, TextColumn,
+                                   TimeElapsedColumn, TimeRemainingColumn)
+        self.total, self.finished = total, 0
+        self.progress = Progress(SpinnerColumn(), TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
+                                 TimeElapsedColumn(), TextColumn("ETA"), TimeRemainingColumn(), console=err,
+                                 transient=True, disable=not err.is_terminal)
+        self.task = self.progress.add_task("starting", total=total)
+
+    def __enter__(self):
+        self.progress.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        self.progress.__exit__(*exc)
+
+    def start(self, point, index: int) -> None:
+        self.progress.update(self.task, description=escape(f"{point.name} {point.setting}"))
+
+    def done(self, point, record: dict, seconds: float, skipped: bool) -> None:
+        self.finished += 1
+        if skipped:
+            self.progress.update(self.task, total=self.progress.tasks[0].total - 1)
+            line = f"[{self.finished}/{self.total}] {point.name} {point.setting}: {record['status']} (done before, skipped)"
+        else:
+            self.progress.advance(self.task)
+            failure = record.get("failure") or {}
+            why = f" ({failure.get('message')})" if failure else ""
+            line = f"[{self.finished}/{self.total}] {point.name} {point.setting}: {record['status']} in {seconds:.1f} s{why}"
+        self.progress.console.print(escape(line), highlight=False, soft_wrap=True)

@@ -1,0 +1,63 @@
+"""`recompute-bench verify`: every setting leaves the loss and every gradient unchanged."""
+
+from __future__ import annotations
+
+import json
+from typing import Annotated, Optional
+
+import typer
+from rich.markup import escape
+from rich.table import Table
+
+from recompute_bench.cli.common import DEFAULT_WORKLOAD, JsonOut, Workload, err, fail, resolve_point, show_notes
+from recompute_bench.cli.options import PointOptions, point_options
+from recompute_bench.spec.config import ATTENTION_BACKENDS, ConfigError
+
+
+@point_options(panels=("Workload", "Recompute"), exclude=("global_batch_size", "precision", "attention_backend",
+                                                          "activation_offload_layers"), gpu=False)
+def verify(
+    *,
+    workload: Workload = DEFAULT_WORKLOAD,
+    point: PointOptions,
+    attention_backend: Annotated[Optional[list[str]], typer.Option(help="Backends to check (repeatable); default both.",
+                                                                   rich_help_panel="Workload")] = None,
+    device: Annotated[str, typer.Option(help="torch device; default cpu, where equality is exact.")] = "cpu",
+    json_out: JsonOut = False,
+) -> None:
+    """Prove that every recompute setting (or the one given) leaves the loss and every gradient
+    unchanged: fp32, dropout on, same seed and inputs as the no-recompute baseline."""
+    import torch
+
+    from recompute_bench.measure.verify import verify as run_verify
+    from recompute_bench.recompute.settings import all_settings
+
+    backends = attention_backend or ["sdpa", "math"]
+    try:
+        for b in backends:
+            if b not in ATTENTION_BACKENDS:
+                raise ConfigError(f"attention_backend {b!r} is not one of {', '.join(ATTENTION_BACKENDS)}; "
+                                  "pass --attention-backend sdpa or math")
+        cfg, notes = resolve_point(workload, point, gpu="cpu")
+        if device.startswith("cuda") and not torch.cuda.is_available():
+            raise ConfigError(f"--device {device} asks for CUDA but torch sees no CUDA device; pass --device cpu")
+    except ConfigError as e:
+        raise fail(str(e)) from None
+    show_notes(notes)
+    settings = [cfg.recompute] if point.given("recompute") else all_settings(cfg.model.num_layers)
+    outcomes = run_verify(cfg, settings, backends, torch.device(device))
+
+    table = Table(title=f"verify {cfg.workload}: fp32, dropout on, against no recompute")
+    for col in ("setting", "attention", "|loss diff|", "max |grad diff|", "worst parameter", "result"):
+        table.add_column(col, justify="right" if "diff" in col else "left")
+    for o in outcomes:
+        table.add_row(escape(o.setting), o.attention_backend, f"{o.loss_diff:.3g}", f"{o.max_grad_diff:.3g}",
+                      o.worst_parameter, "[green]exact[/]" if o.exact else "[red]DIFFERS[/]")
+    err.print(table)
+    if json_out:
+        typer.echo(json.dumps([{**o.__dict__, "exact": o.exact} for o in outcomes], indent=2))
+    bad = [o for o in outcomes if not o.exact]
+    if bad:
+        err.print(f"[red]{len(bad)} of {len(outcomes)} settings change the loss or a gradient[/]")
+        raise typer.Exit(1)
+    err.print(f"[green]all {len(outcomes)} settings leave the loss and every gradient bitwise equal[/]")
