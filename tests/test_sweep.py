@@ -285,3 +285,30 @@ def test_ctrl_c_stops_the_worker_and_says_how_to_resume(tmp_path):
     assert sweep.returncode == 130
     assert "recompute-bench sweep --resume interrupted" in " ".join(stderr.split())
     assert _workers_of(run) == [] and not (run / "results.jsonl").exists()
+
+
+# ----- corrupt results ----------------------------------------------------------------------------
+@pytest.mark.parametrize("junk, words", [(b"\xff\xfe\n", "is not UTF-8 text"), (b"42\n", "is a JSON number, not a record")])
+def test_corrupt_results_are_one_line_exit_2_in_resume_compare_and_report(tmp_path, junk, words):
+    """`printf '\\xff\\xfe\\n' >> results.jsonl` and `echo 42 >> results.jsonl`: every reader names file:line,
+    exits 2 without a traceback, and writes nothing (no point measured, no report)."""
+    from records import record
+    from recompute_bench.launch.sweep import plan_to_dict
+    from recompute_bench.results.store import write_json_atomic
+
+    run = tmp_path / "corrupt"
+    points, _ = plan_from_flags("tiny", overrides={}, sets=[], gpu="cpu", baseline=True, modules=["mlp"])
+    write_json_atomic(run / "plan.json", plan_to_dict(points))
+    results = run / "results.jsonl"
+    results.write_bytes(json.dumps(record(name="Baseline", device=("cpu", "2.13.0+cpu"))).encode() + b"\n" + junk)
+    before = results.read_bytes()
+    golden = tmp_path / "golden.csv"
+    for args in (["sweep", "--resume", "corrupt", "--no-golden"], ["compare", "corrupt", "--golden", str(golden)],
+                 ["report", "corrupt"]):
+        result = invoke(*args, "--results-dir", str(tmp_path))
+        assert result.exit_code == 2, (args, result.output)
+        errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
+        assert len(errors) == 1 and errors[0].startswith(f"error: {results}:2 {words}"), result.stderr
+        assert "remove or repair that line" in errors[0] and "Traceback" not in result.output
+        assert results.read_bytes() == before
+    assert sorted(p.name for p in run.iterdir()) == [".lock", "plan.json", "results.jsonl"]
