@@ -39,11 +39,35 @@ def test_peak_memory_is_lower_is_better(factor, expected):
 
 def test_deterministic_metrics_are_exact():
     assert verdict(record(activation_bytes=10**9 + 1), record())[0].verdict == gold.MEMORY
-    assert verdict(record(activation_bytes=10**9 - 1), record())[0].verdict == gold.IMPROVED
     assert verdict(record(measured_flops_per_step=4 * 10**15 + 2), record())[0].verdict == gold.PERF
     assert verdict(record(num_parameters=10**9 + 1), record())[0].verdict == gold.CHANGED
     assert verdict(record(loss=6.0 * 1.009), record())[0].verdict == gold.PASS
     assert verdict(record(loss=6.0 * 1.011), record())[0].verdict == gold.CHANGED
+
+
+@pytest.mark.parametrize("metric, golden_value", [
+    ("activation_bytes", 10**9), ("measured_flops_per_step", 4 * 10**15), ("hardware_flops_per_step", 4 * 10**15),
+    ("model_flops_per_step", 3 * 10**15), ("num_parameters", 10**9)])
+def test_a_deterministic_metric_that_drops_is_a_changed_program_and_fails(metric, golden_value):
+    row, comparison = verdict(record(**{metric: golden_value - 1}), record())
+    assert (row.verdict, row.metric(metric).outcome, comparison.passed) == (gold.CHANGED, "changed", False)
+    percent = f"{-100 / golden_value:+.2g}%"  # -1e-07% for one byte of a gigabyte: never "±0.0%"
+    assert row.reasons == [f"{metric} {golden_value - 1} vs golden {golden_value} ({percent}, tolerance 0%): changed "
+                           "(the program computes something else; if that is intended, update the golden)"]
+    # TFLOP/s and peak memory are not deterministic: beyond tolerance they stay an improvement (strict only).
+    assert verdict(record(tflops_per_gpu=200.0), record())[0].verdict == gold.IMPROVED
+
+
+def test_compare_fails_on_fewer_activation_bytes_and_prints_the_update_command(tmp_path):
+    g, r = _files(tmp_path, [record(name="Baseline")], [record(name="Baseline", activation_bytes=9 * 10**8)])
+    result = invoke("compare", str(r), "--golden", str(g))
+    assert result.exit_code == 1, result.output
+    lines = result.stderr.splitlines()
+    assert any(line.split() == ["│", "Baseline", "│", "activation_bytes", "│", "953.67", "MiB", "│", "858.31", "MiB", "│",
+                                "-10.0%", "│", "0%", "│", "changed", "│"] for line in lines), result.stderr
+    assert "FAIL: 1 of 1 rows failing; 1 changed" in lines
+    hint = lines.index("if the change is intended, update the golden (then review the git diff):")
+    assert lines[hint + 1] == f"  recompute-bench golden update {r} --golden {g}"
 
 
 def test_cpu_rows_report_timing_and_gate_the_deterministic_metrics():

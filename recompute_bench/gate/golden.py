@@ -13,8 +13,8 @@ Verdicts, and which of them fail (`--strict` also fails the ones marked "strict"
 | pass | every gated metric within tolerance | no |
 | perf regression | a perf metric worse than its tolerance (TFLOP/s lower, FLOPs executed higher) | yes |
 | memory regression | a memory metric higher than its tolerance | yes |
-| unexpected improvement | a metric better than its tolerance: the golden is stale | strict |
-| changed | a metric without a better direction (loss, model FLOPs, parameters) differs | yes |
+| unexpected improvement | TFLOP/s or peak memory better than its tolerance: the golden is stale | strict |
+| changed | loss beyond its tolerance, or a deterministic metric (activation bytes, FLOPs, parameters) lower or otherwise different | yes |
 | expected OOM | golden oom, result oom | no |
 | unexpected OOM | golden ok, result oom | yes |
 | now fits | golden oom, result ok: the golden needs an update | strict |
@@ -52,6 +52,9 @@ class Metric:
     """Relative tolerance; 0 is exact; None reports the difference without gating it."""
     wall_clock: bool = False
     """A wall-clock metric: reported but not gated on golden rows measured on a CPU."""
+    deterministic: bool = False
+    """The same program on the same config gives the same value, so a difference in either direction
+    means the program changed: worse is a regression, better is "changed" (it fails too)."""
 
 
 # Wall-clock numbers on a CPU swing with whatever else runs there: on the shared 2-core machine the
@@ -64,11 +67,11 @@ METRICS = {m.name: m for m in (
     Metric("step_time_s", "perf", False, None, wall_clock=True),  # same information as TFLOP/s: reported only
     Metric("peak_allocated_bytes", "memory", False, 0.05),
     Metric("peak_reserved_bytes", "memory", False, 0.05),
-    Metric("activation_bytes", "memory", False, 0.0),
-    Metric("measured_flops_per_step", "perf", False, 0.0),
-    Metric("hardware_flops_per_step", "perf", False, 0.0),
-    Metric("model_flops_per_step", "exact", None, 0.0),
-    Metric("num_parameters", "exact", None, 0.0),
+    Metric("activation_bytes", "memory", False, 0.0, deterministic=True),
+    Metric("measured_flops_per_step", "perf", False, 0.0, deterministic=True),
+    Metric("hardware_flops_per_step", "perf", False, 0.0, deterministic=True),
+    Metric("model_flops_per_step", "exact", None, 0.0, deterministic=True),
+    Metric("num_parameters", "exact", None, 0.0, deterministic=True),
     Metric("loss", "exact", None, 0.01),  # kernels differ slightly between CPUs in bf16
 )}
 PROVENANCE_COLUMNS = ("device_name", "torch_version", "package_version", "git_sha", "measured_at", "run_id")
@@ -243,8 +246,12 @@ def _compare_metric(metric: Metric, golden: Any, actual: Any, tolerance: float |
         outcome = "pass"
     elif metric.higher_is_better is None:
         outcome = "changed"
+    elif (rel > 0) != metric.higher_is_better:
+        outcome = "worse"
     else:
-        outcome = "better" if (rel > 0) == metric.higher_is_better else "worse"
+        # Fewer bytes or FLOPs than a deterministic golden is no speed-up to wave through: the
+        # program now computes something else (a recompute that stopped recomputing, a lost layer).
+        outcome = "changed" if metric.deterministic else "better"
     return MetricResult(metric.name, golden, actual, rel, tolerance, outcome)
 
 
@@ -299,17 +306,24 @@ def describe_metric(m: MetricResult) -> str:
     if m.outcome == "absent":
         return f"{m.name} measured on one side only (golden {m.golden}, result {m.actual})"
     tol = "not gated" if m.tolerance is None else f"tolerance {100 * m.tolerance:g}%"
-    return f"{m.name} {m.actual} vs golden {m.golden} ({signed_percent(m.rel_diff)}, {tol}): {m.outcome}"
+    text = f"{m.name} {m.actual} vs golden {m.golden} ({signed_percent(m.rel_diff)}, {tol}): {m.outcome}"
+    if m.outcome == "changed":
+        text += " (the program computes something else; if that is intended, update the golden)"
+    return text
 
 
 def signed_percent(rel: float | None) -> str:
-    """+3.1%, -0.4%, ±0.0%; "n/a" when there is nothing to compare."""
+    """+3.1%, -0.4%, ±0.0% (equal), -1e-07% (a change too small for one decimal); "n/a" when there is
+    nothing to compare."""
     if rel is None:
         return "n/a"
     if math.isinf(rel):
         return "+inf%" if rel > 0 else "-inf%"
+    if rel == 0:
+        return "±0.0%"
     text = f"{100 * rel:+.1f}%"
-    return "±0.0%" if text in ("+0.0%", "-0.0%") else text
+    # One byte off a gigabyte must not read as no difference: show such a change in two digits.
+    return f"{100 * rel:+.2g}%" if text in ("+0.0%", "-0.0%") else text
 
 
 def compare(results: list[dict], golden: list[dict] | None, *, tolerances: dict[str, float | None] | None = None,
