@@ -709,6 +709,9 @@ def golden_update(
     if not (summary.added or summary.replaced):
         err.print(f"[red]nothing promoted[/]; {golden_file} is unchanged", highlight=False)
         raise typer.Exit(1)
+    if summary.migrated_columns:
+        err.print(f"migrated the key: every row now has the column(s) {escape(', '.join(summary.migrated_columns))}",
+                  highlight=False, soft_wrap=True)
     err.print(f"wrote {golden_file}: {len(summary.added)} added, {len(summary.replaced)} replaced, {summary.kept} kept; "
               f"review with `git diff {golden_file}`", highlight=False)
 

@@ -17,10 +17,8 @@ import pandas as pd
 
 from recompute_bench.spec.config import ConfigError
 from recompute_bench.render.tables import NOT_MEASURED, fmt_bytes, fmt_seconds
-from recompute_bench.results.records import KEY_COLUMNS
+from recompute_bench.results.records import SHAPE_COLUMNS
 from recompute_bench.render.comparison import fmt_tflops
-
-SHAPE_COLUMNS = tuple(c for c in KEY_COLUMNS if not c.startswith("recompute_") and c != "activation_offload_layers")
 
 
 def _num(x) -> float | None:
