@@ -2,6 +2,7 @@
 tolerance edges, overrides, CI outputs, exit codes and corrupt inputs."""
 
 import json
+import shlex
 import xml.etree.ElementTree as ET
 
 import pytest
@@ -200,6 +201,24 @@ def test_compare_exit_1_names_the_regression_and_the_update_command(tmp_path):
     failures = [c for c in ET.parse(tmp_path / "junit.xml").getroot().iter("testcase") if c.find("failure") is not None]
     assert [c.get("name") for c in failures] == ["selective[mlp] :: tflops_per_gpu"]
     assert "-20.0%" in failures[0].find("failure").get("message")
+
+
+def test_the_printed_update_command_runs_as_printed(tmp_path):
+    """compare RUN --results-dir DIR: the update command it prints names the folder too, stays on one line
+    however long the paths, and promotes the rows when run as printed."""
+    results_dir = tmp_path / ("a results folder with a name long enough to wrap any console " * 2).strip()
+    g = write_golden_of(tmp_path / "golden" / "h100.csv", [record(), record(["mlp"])])
+    write_results(results_dir / "nightly 7" / "results.jsonl", [record(name="Baseline"),
+                                                                record(["mlp"], name="Exp 1", tflops_per_gpu=80.0)])
+    result = invoke("compare", "nightly 7", "--golden", str(g), "--results-dir", str(results_dir))
+    assert result.exit_code == 1, result.output
+    lines = result.stderr.splitlines()
+    command = lines[lines.index("if the change is intended, update the golden (then review the git diff):") + 1]
+    assert shlex.split(command) == ["recompute-bench", "golden", "update", "nightly 7", "--golden", str(g),
+                                    "--results-dir", str(results_dir), "--select", "Exp 1"]
+    update = invoke(*shlex.split(command)[1:])
+    assert update.exit_code == 0 and "0 added, 1 replaced, 1 kept" in update.stderr, update.output
+    assert invoke("compare", "nightly 7", "--golden", str(g), "--results-dir", str(results_dir)).exit_code == 0
 
 
 def test_strict_fails_on_unexpected_improvement(tmp_path):

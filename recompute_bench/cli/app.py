@@ -417,12 +417,29 @@ def _records_kind(rows: list[dict]) -> str:
     return gpu_type(str(rows[0].get("device_name") or "cpu")) if rows else "cpu"
 
 
-def _update_command(results: str, golden_file: Path, selection: list[str] | None) -> str:
+def _command_line(*words: Any) -> str:
+    """Words as one shell command line, each quoted where the shell needs it."""
     import shlex
-    words = ["recompute-bench", "golden", "update", results, "--golden", str(golden_file)]
+    return " ".join(shlex.quote(str(w)) for w in words)
+
+
+def _run_locator(results_dir: Path) -> list[str]:
+    """The options that find a run id again besides the id: --results-dir unless it is the default."""
+    return [] if Path(results_dir) == Path("results") else ["--results-dir", str(results_dir)]
+
+
+def _print_command(lead: str, command: str) -> None:
+    """A hint and the command it names. The command has a line of its own that rich never wraps
+    (a CI log is no terminal, and wrapping there splits the command), so it runs as printed."""
+    err.print(escape(lead), highlight=False, soft_wrap=True)
+    err.print(f"  {command}", highlight=False, soft_wrap=True, markup=False)
+
+
+def _update_command(results: str, golden_file: Path, selection: list[str] | None, results_dir: Path) -> str:
+    words = ["recompute-bench", "golden", "update", results, "--golden", str(golden_file), *_run_locator(results_dir)]
     for name in selection or []:
         words += ["--select", name]
-    return " ".join(shlex.quote(w) for w in words)
+    return _command_line(*words)
 
 
 def _plan_table(points, title: str) -> Table:
@@ -581,8 +598,12 @@ def sweep(
     except ConfigError as e:
         raise fail(str(e)) from None
     except KeyboardInterrupt:
-        err.print(f"[yellow]interrupted[/]: finished points are in {run_dir}/results.jsonl; continue with "
-                  f"`recompute-bench sweep --resume {run}`", highlight=False)
+        same = [*(["--gpu", gpu] if gpu else []), *(["--device", device] if device else []),
+                *(["--timeout", f"{timeout:g}"] if timeout != 600.0 else []),
+                *(["--peak-tflops", f"{peak_tflops:g}"] if peak_tflops else []),
+                *(["--no-golden"] if no_golden else ["--golden", golden] if golden else []), *(["--strict"] if strict else [])]
+        _print_command(f"interrupted: finished points are in {run_dir}/results.jsonl; continue with",
+                       _command_line("recompute-bench", "sweep", "--resume", run, *_run_locator(results_dir), *same))
         raise typer.Exit(130) from None
 
     rows = [record_row(r) for r in records]
@@ -599,12 +620,12 @@ def sweep(
         err.print(f"no golden compared ({'--no-golden' if no_golden else f'{golden_file} does not exist'})", highlight=False)
     else:
         err.print(headline(comparison), highlight=False)
-    err.print(f"results: {run_dir / 'results.jsonl'}; logs: {run_dir / 'logs'}/; "
-              f"report: recompute-bench report {run}", highlight=False)
+    err.print(f"results: {run_dir / 'results.jsonl'}; logs: {run_dir / 'logs'}/", highlight=False, soft_wrap=True)
+    _print_command("report:", _command_line("recompute-bench", "report", run, *_run_locator(results_dir)))
     selection = comparison.update_selection() if golden_rows is not None and not comparison.passed else []
     if selection != []:
-        err.print("to accept these numbers as the new golden (then review the git diff):\n  "
-                  + _update_command(run, golden_file, selection), highlight=False, soft_wrap=True)
+        _print_command("to accept these numbers as the new golden (then review the git diff):",
+                       _update_command(run, golden_file, selection, results_dir))
     if json_out:
         typer.echo(json.dumps(to_json(comparison, run_id=run, results=str(run_dir / "results.jsonl"),
                                       golden=str(golden_file) if golden_rows is not None else None), indent=2))
@@ -653,12 +674,12 @@ def compare(
     if table is not None:
         err.print(table)
     selection = comparison.update_selection()
-    command = _update_command(results, golden_file, selection) if not comparison.passed and selection != [] else None
+    command = (_update_command(results, golden_file, selection, results_dir)
+               if not comparison.passed and selection != [] else None)
     style = "green" if comparison.passed else "red"
     err.print(f"[{style}]{escape(headline(comparison))}[/]", highlight=False)
     if command:
-        err.print("if the change is intended, update the golden (then review the git diff):\n  " + command,
-                  highlight=False, soft_wrap=True)
+        _print_command("if the change is intended, update the golden (then review the git diff):", command)
 
     md = to_markdown(comparison, title, command)
     for target in (junit, markdown):
