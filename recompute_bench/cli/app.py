@@ -23,9 +23,22 @@ from recompute_bench.spec.config import ATTENTION_BACKENDS, ConfigError
 from recompute_bench.spec.presets import DEFAULT_WORKLOAD, load_preset, resolve, workload_names
 
 err = Console(stderr=True, width=None if sys.stderr.isatty() else 140)
-app = typer.Typer(no_args_is_help=True, add_completion=False, pretty_exceptions_enable=False,
+app = typer.Typer(no_args_is_help=True, add_completion=True, pretty_exceptions_enable=False,
                   context_settings={"help_option_names": ["-h", "--help"]},
                   help="Measure, predict and gate activation-recomputation settings of GPT training.")
+
+def _print_version(value: bool) -> None:
+    if value:
+        from recompute_bench import __version__
+        typer.echo(f"recompute-bench {__version__}")
+        raise typer.Exit()
+
+
+@app.callback()
+def _root(version: Annotated[bool, typer.Option("--version", callback=_print_version, is_eager=True,
+                                                help="Print the package version and exit.")] = False) -> None:
+    """Measure, predict and gate activation-recomputation settings of GPT training."""
+
 
 # Options that take a list: each following word up to the next flag is one more value.
 LIST_OPTIONS = {"--recompute-modules", "--modules", "--methods", "--num-layers-recompute"}
