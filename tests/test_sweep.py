@@ -256,7 +256,8 @@ def test_a_second_sweep_on_the_same_run_id_is_refused(tmp_path):
     (tmp_path / "used").mkdir()
     (tmp_path / "used" / "results.jsonl").write_text("")
     again = invoke("sweep", "--baseline", "--run-id", "used", "--results-dir", str(tmp_path), "--no-golden")
-    assert again.exit_code == 2 and "--resume used" in again.stderr
+    assert again.exit_code == 2
+    assert f"continue it with `recompute-bench sweep --resume used --results-dir {tmp_path}`" in again.stderr
 
 
 def test_only_ok_and_oom_records_count_as_done(tmp_path):

@@ -433,7 +433,7 @@ def _records_kind(rows: list[dict]) -> str:
 def _command_line(*words: Any) -> str:
     """Words as one shell command line, each quoted where the shell needs it."""
     import shlex
-    return " ".join(shlex.quote(str(w)) for w in words)
+    return shlex.join(str(w) for w in words)
 
 
 def _run_locator(results_dir: Path) -> list[str]:
@@ -544,7 +544,8 @@ def sweep(
     from recompute_bench.gate import golden as gold
     from recompute_bench.results.records import record_row
     from recompute_bench.render.comparison import details_table, experiment_table, headline, to_json
-    from recompute_bench.launch.sweep import load_grid, load_plan, plan_from_flags, plan_from_grid, plan_to_dict, run_sweep
+    from recompute_bench.launch.sweep import (load_grid, load_plan, plan_from_flags, plan_from_grid, plan_to_dict,
+                                              resume_command, run_sweep)
     from recompute_bench.results.store import check_run_id, new_run_id
 
     plan_flags = [n for n, v in (("--modules", modules), ("--methods", methods), ("--num-layers-recompute", num_layers_recompute),
@@ -616,7 +617,7 @@ def sweep(
                 *(["--peak-tflops", f"{peak_tflops:g}"] if peak_tflops else []),
                 *(["--no-golden"] if no_golden else ["--golden", golden] if golden else []), *(["--strict"] if strict else [])]
         _print_command(f"interrupted: finished points are in {run_dir}/results.jsonl; continue with",
-                       _command_line("recompute-bench", "sweep", "--resume", run, *_run_locator(results_dir), *same))
+                       resume_command(run_dir, *map(str, same)))
         raise typer.Exit(130) from None
 
     rows = [record_row(r) for r in records]

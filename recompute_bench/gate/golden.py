@@ -15,7 +15,7 @@ Verdicts, and which of them fail (`--strict` also fails the ones marked "strict"
 | perf regression | a perf metric worse than its tolerance (TFLOP/s lower, FLOPs executed higher) | yes |
 | memory regression | a memory metric higher than its tolerance | yes |
 | unexpected improvement | TFLOP/s or peak memory better than its tolerance: the golden is stale | strict |
-| changed | loss beyond its tolerance, or a deterministic metric (activation bytes, FLOPs, parameters) lower or otherwise different | yes |
+| changed | loss beyond tolerance; a deterministic metric (bytes, FLOPs, parameters) lower or different | yes |
 | expected OOM | golden oom, result oom | no |
 | unexpected OOM | golden ok, result oom | yes |
 | now fits | golden oom, result ok: the golden needs an update | strict |

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import shlex
 import signal
 import threading
 import time
@@ -261,6 +262,14 @@ def done_points(results_file: Path) -> dict[tuple[str, ...], dict]:
     return {point_id(r): r for r in load_records(results_file) if r.get("status") in DONE_STATUSES}
 
 
+def resume_command(run_dir: Path, *options: str) -> str:
+    """The command that continues the sweep in `run_dir`, as a user types it: the run id, then
+    --results-dir unless the run lies in the default results/, then `options`; shell-quoted."""
+    run_dir = Path(run_dir)
+    where = [] if run_dir.parent == Path("results") else ["--results-dir", str(run_dir.parent)]
+    return shlex.join(["recompute-bench", "sweep", "--resume", run_dir.name, *where, *options])
+
+
 @contextlib.contextmanager
 def ctrl_c_interrupts():
     """While the sweep runs, Ctrl-C (SIGINT) raises KeyboardInterrupt, whatever the process was
@@ -293,8 +302,8 @@ def run_sweep(points: list[Point], run_dir: Path, *, timeout_s: float, device: s
     results_file = run_dir / RESULTS_FILE
     with ctrl_c_interrupts(), RunLock(run_dir):
         if not resume and (results_file.exists() or (run_dir / PLAN_FILE).exists()):
-            raise ConfigError(f"run {run_dir.name} already exists in {run_dir.parent}; pass --resume {run_dir.name} "
-                              "to continue it or another --run-id")
+            raise ConfigError(f"run {run_dir.name} already exists in {run_dir.parent}; continue it with "
+                              f"`{resume_command(run_dir)}` or pass another --run-id")
         if not (run_dir / PLAN_FILE).exists():
             write_json_atomic(run_dir / PLAN_FILE, plan_to_dict(points))
         done = done_points(results_file) if resume else {}
