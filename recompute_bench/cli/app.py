@@ -27,6 +27,7 @@ app = typer.Typer(no_args_is_help=True, add_completion=True, pretty_exceptions_e
                   context_settings={"help_option_names": ["-h", "--help"]},
                   help="Measure, predict and gate activation-recomputation settings of GPT training.")
 
+
 def _print_version(value: bool) -> None:
     if value:
         from recompute_bench import __version__
