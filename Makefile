@@ -19,7 +19,7 @@ $(STAMP): pyproject.toml
 	# Users bring their own CUDA torch; without an NVIDIA GPU take the CPU build (it lies on disk here).
 	if ! command -v nvidia-smi >/dev/null 2>&1 && ! $(PY) -c 'import torch' 2>/dev/null; then \
 		$(PY) -m pip install -q torch==2.13.0; fi
-	$(PY) -m pip install -q -e '.[test,report]'
+	$(PY) -m pip install -q -e '.[test]'
 	touch $(STAMP)
 
 # The default sweep (every recompute setting of `tiny`, each in its own process), compared with the

@@ -2,6 +2,7 @@
 tolerance edges, overrides, CI outputs, exit codes and corrupt inputs."""
 
 import json
+import shlex
 import xml.etree.ElementTree as ET
 
 import pytest
@@ -39,11 +40,35 @@ def test_peak_memory_is_lower_is_better(factor, expected):
 
 def test_deterministic_metrics_are_exact():
     assert verdict(record(activation_bytes=10**9 + 1), record())[0].verdict == gold.MEMORY
-    assert verdict(record(activation_bytes=10**9 - 1), record())[0].verdict == gold.IMPROVED
     assert verdict(record(measured_flops_per_step=4 * 10**15 + 2), record())[0].verdict == gold.PERF
     assert verdict(record(num_parameters=10**9 + 1), record())[0].verdict == gold.CHANGED
     assert verdict(record(loss=6.0 * 1.009), record())[0].verdict == gold.PASS
     assert verdict(record(loss=6.0 * 1.011), record())[0].verdict == gold.CHANGED
+
+
+@pytest.mark.parametrize("metric, golden_value", [
+    ("activation_bytes", 10**9), ("measured_flops_per_step", 4 * 10**15), ("hardware_flops_per_step", 4 * 10**15),
+    ("model_flops_per_step", 3 * 10**15), ("num_parameters", 10**9)])
+def test_a_deterministic_metric_that_drops_is_a_changed_program_and_fails(metric, golden_value):
+    row, comparison = verdict(record(**{metric: golden_value - 1}), record())
+    assert (row.verdict, row.metric(metric).outcome, comparison.passed) == (gold.CHANGED, "changed", False)
+    percent = f"{-100 / golden_value:+.2g}%"  # -1e-07% for one byte of a gigabyte: never "±0.0%"
+    assert row.reasons == [f"{metric} {golden_value - 1} vs golden {golden_value} ({percent}, tolerance 0%): changed "
+                           "(the program computes something else; if that is intended, update the golden)"]
+    # TFLOP/s and peak memory are not deterministic: beyond tolerance they stay an improvement (strict only).
+    assert verdict(record(tflops_per_gpu=200.0), record())[0].verdict == gold.IMPROVED
+
+
+def test_compare_fails_on_fewer_activation_bytes_and_prints_the_update_command(tmp_path):
+    g, r = _files(tmp_path, [record(name="Baseline")], [record(name="Baseline", activation_bytes=9 * 10**8)])
+    result = invoke("compare", str(r), "--golden", str(g))
+    assert result.exit_code == 1, result.output
+    lines = result.stderr.splitlines()
+    assert any(line.split() == ["│", "Baseline", "│", "activation_bytes", "│", "953.67", "MiB", "│", "858.31", "MiB", "│",
+                                "-10.0%", "│", "0%", "│", "changed", "│"] for line in lines), result.stderr
+    assert "FAIL: 1 of 1 rows failing; 1 changed" in lines
+    hint = lines.index("if the change is intended, update the golden (then review the git diff):")
+    assert lines[hint + 1] == f"  recompute-bench golden update {r} --golden {g}"
 
 
 def test_cpu_rows_report_timing_and_gate_the_deterministic_metrics():
@@ -95,7 +120,12 @@ def test_not_comparable_device_software_or_definition():
     assert verdict(record(device=CPU), record())[0].verdict == gold.NOT_COMPARABLE
     assert verdict(record(device=(H100[0], "2.12.1+cu128")), record())[0].verdict == gold.NOT_COMPARABLE
     assert verdict(record(device=(H100[0], "2.13.1+cu130")), record())[0].verdict == gold.PASS
-    row, _ = verdict(record(sets=["model.hidden_dropout=0.0"]), record())
+    # A v1 record written before ModelConfig had make_vocab_size_divisible_by: it keeps its key (the
+    # field's default) but was measured by another program (the vocabulary was not padded).
+    older = record()
+    del older["config"]["model"]["make_vocab_size_divisible_by"]
+    assert gold.row_key(record_row(older)) == gold.row_key(record_row(record()))
+    row, _ = verdict(older, record())
     assert row.verdict == gold.NOT_COMPARABLE and "config_hash" in row.reasons[0]
 
 
@@ -171,6 +201,24 @@ def test_compare_exit_1_names_the_regression_and_the_update_command(tmp_path):
     failures = [c for c in ET.parse(tmp_path / "junit.xml").getroot().iter("testcase") if c.find("failure") is not None]
     assert [c.get("name") for c in failures] == ["selective[mlp] :: tflops_per_gpu"]
     assert "-20.0%" in failures[0].find("failure").get("message")
+
+
+def test_the_printed_update_command_runs_as_printed(tmp_path):
+    """compare RUN --results-dir DIR: the update command it prints names the folder too, stays on one line
+    however long the paths, and promotes the rows when run as printed."""
+    results_dir = tmp_path / ("a results folder with a name long enough to wrap any console " * 2).strip()
+    g = write_golden_of(tmp_path / "golden" / "h100.csv", [record(), record(["mlp"])])
+    write_results(results_dir / "nightly 7" / "results.jsonl", [record(name="Baseline"),
+                                                                record(["mlp"], name="Exp 1", tflops_per_gpu=80.0)])
+    result = invoke("compare", "nightly 7", "--golden", str(g), "--results-dir", str(results_dir))
+    assert result.exit_code == 1, result.output
+    lines = result.stderr.splitlines()
+    command = lines[lines.index("if the change is intended, update the golden (then review the git diff):") + 1]
+    assert shlex.split(command) == ["recompute-bench", "golden", "update", "nightly 7", "--golden", str(g),
+                                    "--results-dir", str(results_dir), "--select", "Exp 1"]
+    update = invoke(*shlex.split(command)[1:])
+    assert update.exit_code == 0 and "0 added, 1 replaced, 1 kept" in update.stderr, update.output
+    assert invoke("compare", "nightly 7", "--golden", str(g), "--results-dir", str(results_dir)).exit_code == 0
 
 
 def test_strict_fails_on_unexpected_improvement(tmp_path):
@@ -282,3 +330,109 @@ def test_golden_update_creates_a_golden_that_then_passes(tmp_path):
     result = invoke("compare", str(r), "--golden", str(g), "--strict", "--json")
     assert result.exit_code == 0
     assert [row["verdict"] for row in json.loads(result.stdout)["rows"]] == ["expected OOM", "pass"]
+
+
+# ----- the key of a point ---------------------------------------------------------------------------
+def test_every_config_field_but_the_measurement_protocol_is_in_the_key():
+    import dataclasses
+
+    from recompute_bench.results.records import PROTOCOL_FIELDS, key_fields, point_id
+    from recompute_bench.spec.config import SECTIONS
+
+    base = record()
+    changed_by = {}
+    for section, cls in SECTIONS.items():
+        for f in dataclasses.fields(cls):
+            other = json.loads(json.dumps(base))
+            table = other["recompute"] if section == "recompute" else other["config"][section]
+            value = table.get(f.name, f.default)
+            table[f.name] = (not value if isinstance(value, bool) else value + 1 if isinstance(value, (int, float))
+                             else value + "x" if isinstance(value, str) else ["mlp"] if isinstance(value, list) else 3)
+            differs = [c for c, v in key_fields(other).items() if v != key_fields(base)[c]]
+            changed_by[f"{section}.{f.name}"] = differs
+            if f.name in PROTOCOL_FIELDS:
+                assert differs == [] and point_id(other) == point_id(base)
+            else:
+                assert len(differs) == 1, (section, f.name, differs)
+    assert sorted(c for cs in changed_by.values() for c in cs) == sorted(gold.KEY_COLUMNS[1:])
+    assert changed_by["model.hidden_size"] == ["hidden_size"] and changed_by["recompute.num_layers"] == ["recompute_num_layers"]
+
+
+def test_an_integer_in_a_float_field_gives_the_same_key():
+    a, b = record(), record()
+    b["config"]["model"]["rotary_base"] = 10000
+    a["config"]["model"]["rotary_base"] = 10000.0
+    assert gold.row_key(record_row(a)) == gold.row_key(record_row(b))
+
+
+def test_points_that_differ_only_in_hidden_size_are_two_golden_rows(tmp_path):
+    """--set model.hidden_size=128 and the preset's 64: two points, two rows, both compared."""
+    g, _ = _files(tmp_path, [record(name="Baseline")], [])
+    r = write_results(tmp_path / "new" / "results.jsonl",
+                      [record(name="Baseline", tflops_per_gpu=90.0), record(name="wide", sets=["model.hidden_size=128"])])
+    update = invoke("golden", "update", str(r), "--golden", str(g))
+    assert update.exit_code == 0, update.output
+    assert f"wrote {g}: 1 added, 1 replaced, 0 kept;" in update.stderr
+    assert [(row["setting"], row["hidden_size"]) for row in gold.read_golden(g)] == [("none", "64"), ("none", "128")]
+    result = invoke("compare", str(r), "--golden", str(g), "--strict", "--json")
+    assert result.exit_code == 0, result.output
+    assert [row["verdict"] for row in json.loads(result.stdout)["rows"]] == ["pass", "pass"]
+
+
+def test_kept_is_never_negative_when_two_results_share_a_key(tmp_path):
+    g, _ = _files(tmp_path, [record(), record(["mlp"])], [])
+    older = record(tflops_per_gpu=80.0)  # a v1 record of before the padded vocabulary: same key, other config_hash
+    del older["config"]["model"]["make_vocab_size_divisible_by"]
+    results = [record_row(older), record_row(record(tflops_per_gpu=90.0))]
+    summary = gold.update_golden(g, results)
+    assert (summary.added, summary.replaced, summary.kept) == ([], ["none"], 1)
+    rows = gold.read_golden(g)
+    assert [(row["setting"], row["tflops_per_gpu"]) for row in rows] == [("none", 90.0), ("selective[mlp]", 100.0)]
+
+
+# The key columns of goldens written before the key covered every config field (4d9e33f and earlier).
+OLDER_KEY_COLUMNS = (
+    "workload", "num_layers", "seq_length", "micro_batch_size", "global_batch_size", "precision",
+    "attention_backend", "tensor_model_parallel_size", "pipeline_model_parallel_size", "data_parallel_size",
+    "sequence_parallel", "recompute_granularity", "recompute_modules", "recompute_method", "recompute_num_layers",
+    "activation_offload_layers")
+
+
+def _older_golden(path, records, tolerance=None):
+    """A golden in the format of 4d9e33f: the same rows without the key columns added since."""
+    import pandas as pd
+
+    write_golden_of(path, records, tolerance)
+    frame = pd.read_csv(path, dtype=str, keep_default_na=False)
+    frame.drop(columns=[c for c in gold.KEY_COLUMNS if c not in OLDER_KEY_COLUMNS]).to_csv(path, index=False)
+    return path
+
+
+def test_an_older_golden_is_refused_by_compare_and_migrated_by_golden_update(tmp_path):
+    g = _older_golden(tmp_path / "golden" / "h100.csv", [record(), record(["mlp"]), record(["core_attn"])],
+                      tolerance={1: "tflops_per_gpu:9%"})
+    before = g.read_bytes()
+    r = write_results(tmp_path / "run" / "results.jsonl", [record(name="Baseline"), record(["mlp"], name="Exp 1")])
+    refused = invoke("compare", str(r), "--golden", str(g))
+    assert refused.exit_code == 2 and "Traceback" not in refused.output
+    assert refused.stderr.startswith(f"error: golden file {g} has the key of an older recompute-bench (no hidden_size, "
+                                     "num_attention_heads, ffn_hidden_size, vocab_size, ... (21 in all) column); migrate it:")
+    assert f"then `recompute-bench golden update RUN --golden {g}`" in refused.stderr and g.read_bytes() == before
+
+    # These results lack the core_attn row: its new key is unknown, so nothing is written.
+    partial = invoke("golden", "update", str(r), "--golden", str(g))
+    assert partial.exit_code == 2 and "do not measure 1 of its rows (selective[core_attn])" in partial.stderr
+    assert g.read_bytes() == before
+
+    every = write_results(tmp_path / "all" / "results.jsonl",
+                          [record(name="Baseline"), record(["mlp"], name="Exp 1", tflops_per_gpu=95.0),
+                           record(["core_attn"], name="Exp 2"), record(["layernorm"], name="Exp 3")])
+    update = invoke("golden", "update", str(every), "--golden", str(g))
+    assert update.exit_code == 0, update.output
+    assert "migrated the key: every row now has the column(s) hidden_size, num_attention_heads," in update.stderr
+    assert f"wrote {g}: 1 added, 3 replaced, 0 kept;" in update.stderr
+    header = g.read_text().splitlines()[0].split(",")
+    assert [c for c in gold.KEY_COLUMNS if c not in header] == []
+    rows = {row["setting"]: row for row in gold.read_golden(g)}
+    assert rows["selective[mlp]"]["tolerance"] == "tflops_per_gpu:9%" and rows["selective[mlp]"]["tflops_per_gpu"] == 95.0
+    assert invoke("compare", str(every), "--golden", str(g), "--strict").exit_code == 0

@@ -74,3 +74,19 @@ def test_report_of_nothing_is_bad_input(tmp_path):
     (tmp_path / "empty.jsonl").write_text("")
     result = invoke("report", str(tmp_path / "empty.jsonl"))
     assert result.exit_code == 2 and "no record" in result.stderr
+
+
+def test_report_header_names_the_versions_that_measured_and_wrote_it(tmp_path):
+    from importlib import metadata
+
+    version = metadata.version("recompute-bench")
+
+    older = [record(name="Baseline"), record(["mlp"], name="Exp 1")]
+    for r in older:
+        r["env"]["package_version"] = "0.0.9"
+    path = write_results(tmp_path / "run" / "results.jsonl", older)
+    assert invoke("report", str(path.parent)).exit_code == 0
+    header = (path.parent / "report.md").read_text().splitlines()[2]
+    assert version != "0.0.9"
+    assert header == (f"device `NVIDIA H100 80GB HBM3`, torch 2.13.0+cu128, measured with recompute-bench 0.0.9 "
+                      f"(git abc), 2 points; report written by recompute-bench {version}")

@@ -3,6 +3,7 @@ OOM, crash) recorded while the sweep goes on, resume after a killed sweep, the r
 
 import json
 import os
+import shlex
 import signal
 import subprocess
 import sys
@@ -12,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from conftest import config, invoke
+from recompute_bench.gate.golden import read_golden, write_golden
 from recompute_bench.launch import process as launch
 from recompute_bench.spec.config import ConfigError
 from recompute_bench.results.store import RunLock
@@ -254,7 +256,8 @@ def test_a_second_sweep_on_the_same_run_id_is_refused(tmp_path):
     (tmp_path / "used").mkdir()
     (tmp_path / "used" / "results.jsonl").write_text("")
     again = invoke("sweep", "--baseline", "--run-id", "used", "--results-dir", str(tmp_path), "--no-golden")
-    assert again.exit_code == 2 and "--resume used" in again.stderr
+    assert again.exit_code == 2
+    assert f"continue it with `recompute-bench sweep --resume used --results-dir {tmp_path}`" in again.stderr
 
 
 def test_only_ok_and_oom_records_count_as_done(tmp_path):
@@ -270,18 +273,101 @@ def test_only_ok_and_oom_records_count_as_done(tmp_path):
     assert ids["none"] not in done and ids["mlp"] in done and ids["core_attn"] in done
 
 
-def test_ctrl_c_stops_the_worker_and_says_how_to_resume(tmp_path):
-    run = tmp_path / "interrupted"
-    command = [sys.executable, "-c", "from recompute_bench.cli.app import main; main()", "sweep", "--baseline", *SMALL,
-               "--run-id", "interrupted", "--results-dir", str(tmp_path), "--no-golden"]
+def _sweep_process(args: list[str], sigint) -> subprocess.Popen:
+    """`recompute-bench sweep ARGS` in a child process whose SIGINT disposition is `sigint` when it
+    starts, whatever this test run inherited (a background job or `nohup` runs pytest with SIGINT
+    ignored, and a child inherits that). A small Python sets it and then execs the sweep."""
+    start = ("import os, signal, sys; signal.signal(signal.SIGINT, signal.%s); "
+             "os.execv(sys.executable, [sys.executable, '-c', 'from recompute_bench.cli.app import main; main()', "
+             "*sys.argv[1:]])" % sigint.name)
     env = {**os.environ, "PYTHONPATH": str(Path(launch.PACKAGE_ROOT))}
-    sweep = subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    return subprocess.Popen([sys.executable, "-c", start, "sweep", *args], env=env, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.PIPE, text=True)
+
+
+def _interrupt_at_first_worker(sweep: subprocess.Popen, run: Path) -> str:
+    """Send SIGINT once the first point's worker runs; the sweep's stderr."""
     deadline = time.monotonic() + 60
     while not _workers_of(run):
         assert sweep.poll() is None and time.monotonic() < deadline, "no worker started"
         time.sleep(0.05)
     sweep.send_signal(signal.SIGINT)
     _, stderr = sweep.communicate(timeout=30)
-    assert sweep.returncode == 130
-    assert "recompute-bench sweep --resume interrupted" in " ".join(stderr.split())
+    return stderr
+
+
+def _printed_command(stderr: str, lead: str) -> list[str]:
+    """The command printed on the line after `lead`, split as a shell would; it must be that one line."""
+    lines = stderr.splitlines()
+    assert lead in lines, stderr
+    command = lines[lines.index(lead) + 1]
+    assert command.startswith("  recompute-bench "), stderr
+    return shlex.split(command)[1:]
+
+
+def test_ctrl_c_stops_the_worker_and_says_how_to_resume(tmp_path):
+    """Ctrl-C kills the running worker and exits 130; each printed command (resume, then report and
+    golden update) is one line and runs as printed, --results-dir and --golden included."""
+    run = tmp_path / "a long folder name, as CI workspaces have" / "interrupted"
+    golden = tmp_path / "golden with spaces.csv"
+    rows = read_golden(SHIPPED_GOLDEN)
+    rows[0]["activation_bytes"] += 1  # the Baseline's golden: one byte more than any honest run saves
+    write_golden(golden, rows)
+    sweep = _sweep_process(["--baseline", *SMALL, "--run-id", "interrupted", "--results-dir", str(run.parent),
+                            "--golden", str(golden)], signal.SIG_DFL)
+    stderr = _interrupt_at_first_worker(sweep, run)
+    assert sweep.returncode == 130, stderr
     assert _workers_of(run) == [] and not (run / "results.jsonl").exists()
+    resume = _printed_command(stderr, f"interrupted: finished points are in {run}/results.jsonl; continue with")
+    assert resume == ["sweep", "--resume", "interrupted", "--results-dir", str(run.parent), "--golden", str(golden)]
+
+    resumed = invoke(*resume)
+    assert resumed.exit_code == 1, resumed.output  # the tampered golden row: a changed program
+    assert [r["point"]["name"] for r in _records(run)] == ["Baseline"]
+    report = invoke(*_printed_command(resumed.stderr, "report:"))
+    assert report.exit_code == 0 and (run / "report.md").is_file(), report.output
+    update = _printed_command(resumed.stderr, "to accept these numbers as the new golden (then review the git diff):")
+    assert update == ["golden", "update", "interrupted", "--golden", str(golden), "--results-dir", str(run.parent)]
+    assert invoke(*update).exit_code == 0
+    assert read_golden(golden)[0]["activation_bytes"] == rows[0]["activation_bytes"] - 1
+    again = invoke(*resume)  # every point done: nothing measured, and the updated golden passes
+    assert again.exit_code == 0 and "done before, skipped" in again.stderr, again.output
+
+
+def test_ctrl_c_stops_a_sweep_started_with_sigint_ignored(tmp_path):
+    """`nohup recompute-bench sweep ... &` starts with SIGINT ignored; a SIGINT still stops it cleanly."""
+    run = tmp_path / "ignored"
+    sweep = _sweep_process(["--baseline", *SMALL, "--run-id", "ignored", "--results-dir", str(tmp_path),
+                            "--no-golden"], signal.SIG_IGN)
+    stderr = _interrupt_at_first_worker(sweep, run)
+    assert sweep.returncode == 130, stderr
+    assert _workers_of(run) == [] and not (run / "results.jsonl").exists()
+    assert _printed_command(stderr, f"interrupted: finished points are in {run}/results.jsonl; continue with") == [
+        "sweep", "--resume", "ignored", "--results-dir", str(tmp_path), "--no-golden"]
+
+
+# ----- corrupt results ----------------------------------------------------------------------------
+@pytest.mark.parametrize("junk, words", [(b"\xff\xfe\n", "is not UTF-8 text"), (b"42\n", "is a JSON number, not a record")])
+def test_corrupt_results_are_one_line_exit_2_in_resume_compare_and_report(tmp_path, junk, words):
+    """`printf '\\xff\\xfe\\n' >> results.jsonl` and `echo 42 >> results.jsonl`: every reader names file:line,
+    exits 2 without a traceback, and writes nothing (no point measured, no report)."""
+    from records import record
+    from recompute_bench.launch.sweep import plan_to_dict
+    from recompute_bench.results.store import write_json_atomic
+
+    run = tmp_path / "corrupt"
+    points, _ = plan_from_flags("tiny", overrides={}, sets=[], gpu="cpu", baseline=True, modules=["mlp"])
+    write_json_atomic(run / "plan.json", plan_to_dict(points))
+    results = run / "results.jsonl"
+    results.write_bytes(json.dumps(record(name="Baseline", device=("cpu", "2.13.0+cpu"))).encode() + b"\n" + junk)
+    before = results.read_bytes()
+    golden = tmp_path / "golden.csv"
+    for args in (["sweep", "--resume", "corrupt", "--no-golden"], ["compare", "corrupt", "--golden", str(golden)],
+                 ["report", "corrupt"]):
+        result = invoke(*args, "--results-dir", str(tmp_path))
+        assert result.exit_code == 2, (args, result.output)
+        errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
+        assert len(errors) == 1 and errors[0].startswith(f"error: {results}:2 {words}"), result.stderr
+        assert "remove or repair that line" in errors[0] and "Traceback" not in result.output
+        assert results.read_bytes() == before
+    assert sorted(p.name for p in run.iterdir()) == [".lock", "plan.json", "results.jsonl"]

@@ -56,7 +56,8 @@ def sweep(
     from recompute_bench.gate import golden as gold
     from recompute_bench.results.records import record_row
     from recompute_bench.render.comparison import details_table, experiment_table, headline, to_json
-    from recompute_bench.launch.sweep import load_grid, load_plan, plan_from_flags, plan_from_grid, plan_to_dict, run_sweep
+    from recompute_bench.launch.sweep import (load_grid, load_plan, plan_from_flags, plan_from_grid, plan_to_dict,
+                                              resume_command, run_sweep)
     from recompute_bench.results.store import check_run_id, new_run_id
 
     plan_flags = [n for n, v in (("--modules", modules), ("--methods", methods), ("--num-layers-recompute", num_layers_recompute),
@@ -125,7 +126,7 @@ def sweep(
                 *(["--peak-tflops", f"{peak_tflops:g}"] if peak_tflops else []),
                 *(["--no-golden"] if no_golden else ["--golden", golden] if golden else []), *(["--strict"] if strict else [])]
         print_command(f"interrupted: finished points are in {run_dir}/results.jsonl; continue with",
-                       command_line("recompute-bench", "sweep", "--resume", run, *run_locator(results_dir), *same))
+                      resume_command(run_dir, *map(str, same)))
         raise typer.Exit(130) from None
 
     rows = [record_row(r) for r in records]

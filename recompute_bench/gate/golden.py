@@ -1,7 +1,8 @@
 """Golden files (one CSV per hardware kind), tolerances, and the verdict of every row.
 
-A golden row is keyed by `results.KEY_COLUMNS` (workload, shape overrides, precision, parallelism,
-recompute setting) and carries `config_hash` (every other resolved field), `status` (ok or oom),
+A golden row is keyed by `results.KEY_COLUMNS` (the workload and every resolved model, training,
+parallel and recompute field except warm-up and measured steps) and carries `config_hash` (a hash
+of the record's config as written), `status` (ok or oom),
 the metrics of `METRICS`, an optional `tolerance` column of per-row overrides
 ("tflops_per_gpu:10%;loss:2%") and provenance (`device_name`, `torch_version`,
 `package_version`, `git_sha`, `measured_at`, `run_id`).
@@ -13,8 +14,8 @@ Verdicts, and which of them fail (`--strict` also fails the ones marked "strict"
 | pass | every gated metric within tolerance | no |
 | perf regression | a perf metric worse than its tolerance (TFLOP/s lower, FLOPs executed higher) | yes |
 | memory regression | a memory metric higher than its tolerance | yes |
-| unexpected improvement | a metric better than its tolerance: the golden is stale | strict |
-| changed | a metric without a better direction (loss, model FLOPs, parameters) differs | yes |
+| unexpected improvement | TFLOP/s or peak memory better than its tolerance: the golden is stale | strict |
+| changed | loss beyond tolerance; a deterministic metric (bytes, FLOPs, parameters) lower or different | yes |
 | expected OOM | golden oom, result oom | no |
 | unexpected OOM | golden ok, result oom | yes |
 | now fits | golden oom, result ok: the golden needs an update | strict |
@@ -52,6 +53,9 @@ class Metric:
     """Relative tolerance; 0 is exact; None reports the difference without gating it."""
     wall_clock: bool = False
     """A wall-clock metric: reported but not gated on golden rows measured on a CPU."""
+    deterministic: bool = False
+    """The same program on the same config gives the same value, so a difference in either direction
+    means the program changed: worse is a regression, better is "changed" (it fails too)."""
 
 
 # Wall-clock numbers on a CPU swing with whatever else runs there: on the shared 2-core machine the
@@ -64,16 +68,19 @@ METRICS = {m.name: m for m in (
     Metric("step_time_s", "perf", False, None, wall_clock=True),  # same information as TFLOP/s: reported only
     Metric("peak_allocated_bytes", "memory", False, 0.05),
     Metric("peak_reserved_bytes", "memory", False, 0.05),
-    Metric("activation_bytes", "memory", False, 0.0),
-    Metric("measured_flops_per_step", "perf", False, 0.0),
-    Metric("hardware_flops_per_step", "perf", False, 0.0),
-    Metric("model_flops_per_step", "exact", None, 0.0),
-    Metric("num_parameters", "exact", None, 0.0),
+    Metric("activation_bytes", "memory", False, 0.0, deterministic=True),
+    Metric("measured_flops_per_step", "perf", False, 0.0, deterministic=True),
+    Metric("hardware_flops_per_step", "perf", False, 0.0, deterministic=True),
+    Metric("model_flops_per_step", "exact", None, 0.0, deterministic=True),
+    Metric("num_parameters", "exact", None, 0.0, deterministic=True),
     Metric("loss", "exact", None, 0.01),  # kernels differ slightly between CPUs in bf16
 )}
 PROVENANCE_COLUMNS = ("device_name", "torch_version", "package_version", "git_sha", "measured_at", "run_id")
 GOLDEN_COLUMNS = ("setting", *KEY_COLUMNS, "config_hash", "status", *METRICS, "tolerance", *PROVENANCE_COLUMNS)
-REQUIRED_COLUMNS = (*KEY_COLUMNS, "config_hash", "status", "device_name", "torch_version")
+# Without these a file is no golden at all; key columns it lacks make it a golden of an older key.
+REQUIRED_COLUMNS = ("workload", "config_hash", "status", "device_name", "torch_version")
+# Marks a row read from a golden written with fewer key columns: the key columns that file has.
+OLDER_KEY = "older_key_columns"
 GOLDEN_STATUSES = ("ok", "oom")
 
 PASS, PERF, MEMORY, IMPROVED, CHANGED = "pass", "perf regression", "memory regression", "unexpected improvement", "changed"
@@ -221,7 +228,14 @@ class Comparison:
 
 
 def row_key(row: dict) -> tuple[str, ...]:
+    """The key of a result or golden row: its KEY_COLUMNS as strings."""
     return tuple(str(row[c]) for c in KEY_COLUMNS)
+
+
+def _older_row_key(row: dict, columns: tuple[str, ...]) -> tuple[str, ...]:
+    """The key of a row as a golden with only `columns` of KEY_COLUMNS sees it. With `config_hash`
+    (every model, training and parallel field as written) it still names one point exactly."""
+    return (*(str(row[c]) for c in columns), str(row["config_hash"]))
 
 
 def _torch_minor(version: Any) -> str:
@@ -243,8 +257,12 @@ def _compare_metric(metric: Metric, golden: Any, actual: Any, tolerance: float |
         outcome = "pass"
     elif metric.higher_is_better is None:
         outcome = "changed"
+    elif (rel > 0) != metric.higher_is_better:
+        outcome = "worse"
     else:
-        outcome = "better" if (rel > 0) == metric.higher_is_better else "worse"
+        # Fewer bytes or FLOPs than a deterministic golden is no speed-up to wave through: the
+        # program now computes something else (a recompute that stopped recomputing, a lost layer).
+        outcome = "changed" if metric.deterministic else "better"
     return MetricResult(metric.name, golden, actual, rel, tolerance, outcome)
 
 
@@ -299,17 +317,24 @@ def describe_metric(m: MetricResult) -> str:
     if m.outcome == "absent":
         return f"{m.name} measured on one side only (golden {m.golden}, result {m.actual})"
     tol = "not gated" if m.tolerance is None else f"tolerance {100 * m.tolerance:g}%"
-    return f"{m.name} {m.actual} vs golden {m.golden} ({signed_percent(m.rel_diff)}, {tol}): {m.outcome}"
+    text = f"{m.name} {m.actual} vs golden {m.golden} ({signed_percent(m.rel_diff)}, {tol}): {m.outcome}"
+    if m.outcome == "changed":
+        text += " (the program computes something else; if that is intended, update the golden)"
+    return text
 
 
 def signed_percent(rel: float | None) -> str:
-    """+3.1%, -0.4%, ±0.0%; "n/a" when there is nothing to compare."""
+    """+3.1%, -0.4%, ±0.0% (equal), -1e-07% (a change too small for one decimal); "n/a" when there is
+    nothing to compare."""
     if rel is None:
         return "n/a"
     if math.isinf(rel):
         return "+inf%" if rel > 0 else "-inf%"
+    if rel == 0:
+        return "±0.0%"
     text = f"{100 * rel:+.1f}%"
-    return "±0.0%" if text in ("+0.0%", "-0.0%") else text
+    # One byte off a gigabyte must not read as no difference: show such a change in two digits.
+    return f"{100 * rel:+.2g}%" if text in ("+0.0%", "-0.0%") else text
 
 
 def compare(results: list[dict], golden: list[dict] | None, *, tolerances: dict[str, float | None] | None = None,
@@ -351,9 +376,15 @@ def _number(text: str, where: str) -> int | float | None:
                           "`recompute-bench golden update`") from None
 
 
-def read_golden(path: Path) -> list[dict]:
+def read_golden(path: Path, *, migrate: bool = False) -> list[dict]:
     """The rows of a golden CSV with metrics as numbers; ConfigError (one line) for a missing or
-    corrupt file."""
+    corrupt file.
+
+    A golden written by an older version may lack key columns that are part of `KEY_COLUMNS` now.
+    Comparing with it is refused (its rows cannot be matched by key); with `migrate=True`
+    (`update_golden`) its rows are returned marked with `OLDER_KEY`, the key columns the file
+    has, so that results of the same points can give them their full key.
+    """
     path = Path(path)
     if not path.is_file():
         raise ConfigError(f"golden file {path} does not exist; create it with "
@@ -368,6 +399,12 @@ def read_golden(path: Path) -> list[dict]:
     if missing:
         raise ConfigError(f"golden file {path} lacks the column(s) {', '.join(missing)}; restore it from git "
                           "or regenerate it with `recompute-bench golden update`")
+    absent = [c for c in KEY_COLUMNS if c not in frame.columns]
+    if absent and not migrate:
+        raise ConfigError(f"golden file {path} has the key of an older recompute-bench (no {_some(absent)} column); "
+                          "migrate it: measure its points (e.g. `recompute-bench sweep --no-golden --run-id RUN`), "
+                          f"then `recompute-bench golden update RUN --golden {path}`")
+    present = tuple(c for c in KEY_COLUMNS if c in frame.columns)
     rows, seen = [], {}
     for n, raw in enumerate(frame.to_dict("records"), 2):  # line 1 is the header
         row: dict[str, Any] = dict(raw)
@@ -377,13 +414,20 @@ def read_golden(path: Path) -> list[dict]:
             if name in row:
                 row[name] = _number(row[name], f"{path}:{n} column {name}")
         row["tolerance_parsed"] = parse_tolerances([row.get("tolerance", "")], f"{path}:{n} tolerance")
-        key = row_key(row)
+        if absent:
+            row[OLDER_KEY] = present
+        key = _older_row_key(row, present) if absent else row_key(row)
         if key in seen:
             raise ConfigError(f"{path}:{n} repeats the key of line {seen[key]} ({row.get('setting')}); "
                               "delete one of the two rows")
         seen[key] = n
         rows.append(row)
     return rows
+
+
+def _some(names: list[str], shown: int = 4) -> str:
+    """"hidden_size, ffn_hidden_size, ... (21 in all)": a long list of names kept to one line."""
+    return ", ".join(names) if len(names) <= shown else f"{', '.join(names[:shown])}, ... ({len(names)} in all)"
 
 
 def _cell(value: Any) -> str:
@@ -402,7 +446,7 @@ def write_golden(path: Path, rows: list[dict]) -> None:
     """Write golden rows (GOLDEN_COLUMNS first, any extra columns after) through a temporary file
     and a rename, so a failure never leaves half a golden."""
     path = Path(path)
-    extra = [c for r in rows for c in r if c not in GOLDEN_COLUMNS and c != "tolerance_parsed"]
+    extra = [c for r in rows for c in r if c not in GOLDEN_COLUMNS and c not in ("tolerance_parsed", OLDER_KEY)]
     columns = [*GOLDEN_COLUMNS, *dict.fromkeys(extra)]
     frame = pd.DataFrame([[_cell(r.get(c)) for c in columns] for r in rows], columns=columns, dtype=str)
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -428,7 +472,10 @@ class UpdateSummary:
     added: list[str] = field(default_factory=list)
     replaced: list[str] = field(default_factory=list)
     kept: int = 0
+    """Rows of the file left as they were (never negative: a row replaced twice counts once)."""
     skipped: list[str] = field(default_factory=list)
+    migrated_columns: list[str] = field(default_factory=list)
+    """Key columns the file lacked (it came from an older version) and every row now has."""
 
 
 def select_rows(results: list[dict], select: list[str] | None) -> list[dict]:
@@ -446,14 +493,25 @@ def select_rows(results: list[dict], select: list[str] | None) -> list[dict]:
 def update_golden(path: Path, results: list[dict], select: list[str] | None = None) -> UpdateSummary:
     """Promote result rows into the golden file: replace the rows with the same key (keeping their
     `tolerance` overrides), append new ones, keep every other row. Points that ended with error or
-    timeout are skipped. Refuses rows from another device than the file's."""
+    timeout are skipped. Refuses rows from another device than the file's. Of two results with one
+    key the later wins, as when results are read.
+
+    A golden with the key of an older version is migrated: each of its rows takes the full key of
+    the result that matches it on the key columns the file has plus `config_hash`. Every row must
+    find its result (else ConfigError and the file is untouched), since no other source knows the
+    new columns' values.
+    """
     path = Path(path)
-    existing = read_golden(path) if path.exists() else []
+    existing = read_golden(path, migrate=True) if path.exists() else []
     chosen = select_rows(results, select)
     devices = {g.get("device_name") for g in existing}
+    older_columns = existing[0].get(OLDER_KEY) if existing else None
+    index = {} if older_columns else {row_key(g): i for i, g in enumerate(existing)}
+    unmigrated = {_older_row_key(g, older_columns): i for i, g in enumerate(existing)} if older_columns else {}
+    rows: list[dict] = list(existing)
+    added: dict[int, str] = {}
+    replaced: dict[int, str] = {}
     summary = UpdateSummary()
-    index = {row_key(g): i for i, g in enumerate(existing)}
-    rows = list(existing)
     for r in chosen:
         label = r.get("experiment") or r["setting"]
         if r["status"] not in GOLDEN_STATUSES:
@@ -464,15 +522,30 @@ def update_golden(path: Path, results: list[dict], select: list[str] | None = No
                               f"but {label} was measured on {r.get('device_name')!r}; pass the golden file of that "
                               "device, e.g. --golden results/golden/<kind>.csv")
         key = row_key(r)
-        if key in index:
-            old = rows[index[key]]
-            rows[index[key]] = golden_row(r, old.get("tolerance", ""))
-            summary.replaced.append(label)
+        i = index.get(key)
+        if i is None and older_columns:
+            i = unmigrated.pop(_older_row_key(r, older_columns), None)  # each old row takes one full key
+        if i is None:
+            i = len(rows)
+            rows.append({})
+            added[i] = label
+        elif i in added:
+            added[i] = label
         else:
-            index[key] = len(rows)
-            rows.append(golden_row(r))
-            summary.added.append(label)
-    summary.kept = len(existing) - len(summary.replaced)
+            replaced[i] = label
+        rows[i] = golden_row(r, rows[i].get("tolerance", ""))
+        index[key] = i
+    if unmigrated:
+        left = [existing[i].get("setting") or str(i + 2) for i in unmigrated.values()]
+        raise ConfigError(f"golden file {path} has the key of an older recompute-bench (no "
+                          f"{_some([c for c in KEY_COLUMNS if c not in older_columns])} column) and these results do "
+                          f"not measure {len(left)} of its rows ({_some(left)}), whose full key is therefore unknown; "
+                          "pass results that measured every row (for a default golden: `recompute-bench sweep "
+                          "--no-golden`) or delete those rows")
+    summary.added, summary.replaced = list(added.values()), list(replaced.values())
+    summary.kept = len(existing) - len(replaced)
+    if older_columns:
+        summary.migrated_columns = [c for c in KEY_COLUMNS if c not in older_columns]
     if summary.added or summary.replaced:
         write_golden(path, rows)
     return summary

@@ -22,7 +22,11 @@ timeout points are tried again). A lock refuses a second sweep on the same run i
 
 from __future__ import annotations
 
+import contextlib
 import json
+import shlex
+import signal
+import threading
 import time
 import tomllib
 from dataclasses import dataclass
@@ -258,6 +262,30 @@ def done_points(results_file: Path) -> dict[tuple[str, ...], dict]:
     return {point_id(r): r for r in load_records(results_file) if r.get("status") in DONE_STATUSES}
 
 
+def resume_command(run_dir: Path, *options: str) -> str:
+    """The command that continues the sweep in `run_dir`, as a user types it: the run id, then
+    --results-dir unless the run lies in the default results/, then `options`; shell-quoted."""
+    run_dir = Path(run_dir)
+    where = [] if run_dir.parent == Path("results") else ["--results-dir", str(run_dir.parent)]
+    return shlex.join(["recompute-bench", "sweep", "--resume", run_dir.name, *where, *options])
+
+
+@contextlib.contextmanager
+def ctrl_c_interrupts():
+    """While the sweep runs, Ctrl-C (SIGINT) raises KeyboardInterrupt, whatever the process was
+    started with. A process started with SIGINT ignored (`nohup`, a background job of a script)
+    inherits that, and Python then installs no handler of its own: the sweep would run on and never
+    kill its worker. A handler the caller installed (any Python callable) is left alone."""
+    if threading.current_thread() is not threading.main_thread() or callable(signal.getsignal(signal.SIGINT)):
+        yield
+        return
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
 def run_sweep(points: list[Point], run_dir: Path, *, timeout_s: float, device: str | None = None,
               peak_tflops: float | None = None, resume: bool = False,
               on_start: Callable[[Point, int], None] | None = None,
@@ -266,14 +294,16 @@ def run_sweep(points: list[Point], run_dir: Path, *, timeout_s: float, device: s
 
     Holds the run's lock throughout (ConfigError when another sweep holds it). A new run saves the
     plan; a run that already has results is only continued with `resume=True`. `on_start(point,
-    index)` and `on_done(point, record, seconds, skipped)` let the caller show progress.
+    index)` and `on_done(point, record, seconds, skipped)` let the caller show progress. Ctrl-C
+    raises KeyboardInterrupt (even when SIGINT was ignored at start) once the running point's
+    worker is killed; every finished record is already in `results.jsonl`.
     """
     run_dir = Path(run_dir)
     results_file = run_dir / RESULTS_FILE
-    with RunLock(run_dir):
+    with ctrl_c_interrupts(), RunLock(run_dir):
         if not resume and (results_file.exists() or (run_dir / PLAN_FILE).exists()):
-            raise ConfigError(f"run {run_dir.name} already exists in {run_dir.parent}; pass --resume {run_dir.name} "
-                              "to continue it or another --run-id")
+            raise ConfigError(f"run {run_dir.name} already exists in {run_dir.parent}; continue it with "
+                              f"`{resume_command(run_dir)}` or pass another --run-id")
         if not (run_dir / PLAN_FILE).exists():
             write_json_atomic(run_dir / PLAN_FILE, plan_to_dict(points))
         done = done_points(results_file) if resume else {}

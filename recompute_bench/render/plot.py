@@ -15,12 +15,11 @@ from pathlib import Path
 
 import pandas as pd
 
+from recompute_bench import __version__
 from recompute_bench.spec.config import ConfigError
 from recompute_bench.render.tables import NOT_MEASURED, fmt_bytes, fmt_seconds
-from recompute_bench.results.records import KEY_COLUMNS
+from recompute_bench.results.records import SHAPE_COLUMNS
 from recompute_bench.render.comparison import fmt_tflops
-
-SHAPE_COLUMNS = tuple(c for c in KEY_COLUMNS if not c.startswith("recompute_") and c != "activation_offload_layers")
 
 
 def _num(x) -> float | None:
@@ -122,10 +121,11 @@ def markdown_report(df: pd.DataFrame, title: str, image: str | None) -> str:
     front = set(pareto_front(df, memory))
     baselines = _baselines(df)
     env = df.iloc[0]
+    measured_with = ", ".join(dict.fromkeys(str(v) for v in df.get("package_version", pd.Series(dtype=str)).dropna()))
     lines = [f"# {title}", "",
              f"device `{env.get('device_name')}`, torch {env.get('torch_version')}, "
-             f"recompute-bench {env.get('package_version')} (git {str(env.get('git_sha') or 'n/a')[:10]}), "
-             f"{len(df)} points", "",
+             f"measured with recompute-bench {measured_with or 'n/a'} (git {str(env.get('git_sha') or 'n/a')[:10]}), "
+             f"{len(df)} points; report written by recompute-bench {__version__}", "",
              "| Experiment | recompute setting | status | TFLOP/s/GPU | step time | Peak Mem | Activations "
              "| activations vs baseline | FLOPs run vs baseline | Pareto |",
              "|---|---|---|---|---|---|---|---|---|---|"]

@@ -1,10 +1,12 @@
 """Result records as rows: the key of a point, and one DataFrame for your own analysis.
 
-A point's key is what makes two measurements comparable: the workload, the shape overrides a user
-can pass on the command line, precision, parallelism and the recompute setting (`KEY_COLUMNS`,
-each rendered as a string, the way the golden CSV holds it). `config_hash` covers every other
-resolved field (dropout, seed, norm, ...) except the measurement protocol (warm-up and measured
-steps), so a preset whose definition changed is noticed instead of compared.
+A point's key is what makes two measurements comparable: the workload and every resolved field
+that changes what is measured: each field of the model, training, parallel and recompute
+dataclasses of `spec/config.py` except the measurement protocol (warm-up and measured steps).
+`KEY_COLUMNS` is derived from those dataclasses in `key_fields_of_config()`, so a new config field
+becomes a key column by itself; each value is rendered as a string, the way the golden CSV holds
+it. `config_hash` hashes the record's model/training/parallel tables as written, so a record whose
+config has fields this version does not know (or lacks ones it does) is noticed instead of compared.
 
     >>> from recompute_bench.results.records import load_results
     >>> df = load_results("results/20250101-120000-ab12")   # a run folder, or a .jsonl file
@@ -13,25 +15,73 @@ steps), so a preset whose definition changed is noticed instead of compared.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
+import typing
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterable
 
 import pandas as pd
 
-from recompute_bench.spec.config import ConfigError, recompute_label
+from recompute_bench.spec.config import SECTIONS, ConfigError, recompute_label
 from recompute_bench.results.store import load_records
 
-KEY_COLUMNS = (
-    "workload", "num_layers", "seq_length", "micro_batch_size", "global_batch_size", "precision",
-    "attention_backend", "tensor_model_parallel_size", "pipeline_model_parallel_size", "data_parallel_size",
-    "sequence_parallel", "recompute_granularity", "recompute_modules", "recompute_method", "recompute_num_layers",
-    "activation_offload_layers",
-)
 # Fields that describe how long a point is measured, not what is measured.
 PROTOCOL_FIELDS = ("warmup_steps", "measured_steps")
+# RecomputeConfig shortens Megatron's argument names inside its own section; a column spells them
+# out as Megatron (and the CLI flag) does.
+RECOMPUTE_COLUMN_NAMES = {"granularity": "recompute_granularity", "modules": "recompute_modules",
+                          "method": "recompute_method", "num_layers": "recompute_num_layers"}
 ENV_COLUMNS = ("device", "device_name", "torch_version", "package_version", "git_sha", "hostname", "time")
+_REQUIRED = object()
+
+
+@dataclass(frozen=True)
+class KeyField:
+    """One key column: which field of a result record it holds and how that value is written."""
+
+    column: str
+    """Column name in frames and golden CSVs (the config field's own name)."""
+    section: str
+    """model, training, parallel (in the record's `config`) or recompute (the record's `recompute`)."""
+    name: str
+    """The dataclass field."""
+    default: Any
+    """What a record written before the field existed means by leaving it out (`_REQUIRED`: no default)."""
+    is_float: bool
+    """A float field: 10000 and 10000.0 are the same value and must give the same key."""
+
+
+def key_fields_of_config() -> tuple[KeyField, ...]:
+    """The key: every field of the config dataclasses that changes what is measured, in section and
+    field order. This is the one place that decides what identifies a point."""
+    out = []
+    for section, cls in SECTIONS.items():
+        hints = typing.get_type_hints(cls)
+        for f in dataclasses.fields(cls):
+            if f.name in PROTOCOL_FIELDS:
+                continue
+            if f.default is not dataclasses.MISSING:
+                default = f.default
+            elif f.default_factory is not dataclasses.MISSING:
+                default = f.default_factory()
+            else:
+                default = _REQUIRED
+            column = RECOMPUTE_COLUMN_NAMES.get(f.name, f.name) if section == "recompute" else f.name
+            out.append(KeyField(column, section, f.name, default, hints[f.name] in (float, typing.Optional[float])))
+    columns = [k.column for k in out]
+    if len(set(columns)) != len(columns) or "workload" in columns:
+        raise RuntimeError(f"two config fields share a key column name: {columns}; rename one")  # a programming error
+    return tuple(out)
+
+
+KEY_FIELDS = key_fields_of_config()
+KEY_COLUMNS = ("workload", *(k.column for k in KEY_FIELDS))
+# The columns that say which model and batch were measured, i.e. everything but the recompute setting:
+# points with equal shape columns share a baseline.
+SHAPE_COLUMNS = ("workload", *(k.column for k in KEY_FIELDS if k.section != "recompute"))
 
 
 def key_text(value: Any) -> str:
@@ -46,23 +96,17 @@ def key_text(value: Any) -> str:
 
 
 def key_fields(record: dict) -> dict[str, str]:
-    """The KEY_COLUMNS of a result record, as strings."""
+    """The KEY_COLUMNS of a result record, as strings. A field the record predates takes its
+    default, so records written by earlier versions of the v1 schema keep their key."""
     try:
-        model, training, parallel = (record["config"][s] for s in ("model", "training", "parallel"))
-        r = record["recompute"]
-        values = {
-            "workload": record["workload"],
-            "num_layers": model["num_layers"], "seq_length": training["seq_length"],
-            "micro_batch_size": training["micro_batch_size"], "global_batch_size": training["global_batch_size"],
-            "precision": training["precision"], "attention_backend": model["attention_backend"],
-            "tensor_model_parallel_size": parallel["tensor_model_parallel_size"],
-            "pipeline_model_parallel_size": parallel["pipeline_model_parallel_size"],
-            "data_parallel_size": parallel["data_parallel_size"], "sequence_parallel": parallel["sequence_parallel"],
-            "recompute_granularity": r["granularity"], "recompute_modules": r["modules"],
-            "recompute_method": r["method"], "recompute_num_layers": r["num_layers"],
-            "activation_offload_layers": r.get("activation_offload_layers", 0),
-        }
-    except (KeyError, TypeError) as e:
+        tables = {s: (record["recompute"] if s == "recompute" else record["config"][s]) for s in SECTIONS}
+        values = {"workload": record["workload"]}
+        for k in KEY_FIELDS:
+            value = tables[k.section][k.name] if k.default is _REQUIRED else tables[k.section].get(k.name, k.default)
+            if k.is_float and isinstance(value, int) and not isinstance(value, bool):
+                value = float(value)
+            values[k.column] = value
+    except (KeyError, TypeError, AttributeError) as e:
         raise ConfigError(f"a record lacks {e} and is not a recompute-bench/result/v1 record; "
                           "pass results written by `recompute-bench run` or `sweep`") from None
     return {k: key_text(v) for k, v in values.items()}
@@ -158,11 +202,12 @@ def load_results(path: str | Path, *, latest: bool = True) -> pd.DataFrame:
     a repeated `run`) keeps its last record; `latest=False` keeps every record.
 
     Columns: `run_id`, `experiment` (Baseline, Exp 1, ...; None for `run` records), `setting`,
-    the key columns (`workload`, `num_layers`, `seq_length`, `micro_batch_size`, `global_batch_size`,
-    `precision`, `attention_backend`, `tensor_model_parallel_size`, `pipeline_model_parallel_size`,
-    `data_parallel_size`, `sequence_parallel`, `recompute_granularity`, `recompute_modules`
-    ("+"-joined), `recompute_method`, `recompute_num_layers`, `activation_offload_layers`; all
-    strings), `config_hash`, `status`, `failure_rank`, `failure_step`, `failure_phase`,
+    the key columns (`KEY_COLUMNS`, all strings: `workload`, then every field of the model,
+    training and parallel config except `warmup_steps`/`measured_steps`, under the field's name
+    (`num_layers`, `hidden_size`, ..., `seq_length`, ..., `tensor_model_parallel_size`, ...), then
+    the recompute setting (`recompute_granularity`, `recompute_modules` ("+"-joined),
+    `recompute_method`, `recompute_num_layers`, `activation_offload_layers`,
+    `distribute_saved_activations`)), `config_hash`, `status`, `failure_rank`, `failure_step`, `failure_phase`,
     `failure_message`, `num_ranks`, `memory_limit_bytes` (device memory per rank from NVML, None
     where unknown), every metric of the record under its own name (`tflops_per_gpu`,
     `step_time_s`, `peak_allocated_bytes`, `activation_bytes`, ...; None where not measured), and

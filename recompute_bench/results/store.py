@@ -17,6 +17,8 @@ from pathlib import Path
 from recompute_bench.spec.config import ConfigError
 
 DEFAULT_RUNS_FILE = Path("results") / "runs.jsonl"
+# What json.loads returns, in JSON's own words, for the message about a line that is not an object.
+_JSON_TYPES = {int: "number", float: "number", str: "string", list: "array", bool: "boolean", type(None): "null"}
 
 
 def append_record(path: Path, record: dict) -> None:
@@ -33,18 +35,29 @@ def append_record(path: Path, record: dict) -> None:
 
 
 def load_records(path: Path) -> list[dict]:
-    """Every record of a JSONL file; a corrupt line is bad input (ConfigError), naming file and line."""
+    """Every record of a JSONL file, one JSON object per line. A line that is not UTF-8, not JSON or
+    not an object is bad input (ConfigError naming file:line); the file is only read."""
     if not path.is_file():
         raise ConfigError(f"results file {path} does not exist; pass a JSONL file written by `recompute-bench run`")
     records = []
-    with path.open() as f:
-        for n, line in enumerate(f, 1):
+    # Bytes, decoded line by line: one bad byte must name its line, not end in a UnicodeDecodeError.
+    with path.open("rb") as f:
+        for n, raw in enumerate(f, 1):
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as e:
+                raise ConfigError(f"{path}:{n} is not UTF-8 text (byte {raw[e.start]:#04x} at column {e.start + 1}); "
+                                  "remove or repair that line") from None
             if not line.strip():
                 continue
             try:
-                records.append(json.loads(line))
+                record = json.loads(line)
             except json.JSONDecodeError as e:
                 raise ConfigError(f"{path}:{n} is not a JSON record ({e.msg}); remove or repair that line") from None
+            if not isinstance(record, dict):
+                raise ConfigError(f"{path}:{n} is a JSON {_JSON_TYPES.get(type(record), 'value')}, not a record "
+                                  "(a JSON object); remove or repair that line")
+            records.append(record)
     return records
 
 

@@ -21,7 +21,11 @@ from typing import Any
 from recompute_bench.spec.config import SECTIONS, Config, ConfigError, canonical_modules
 from recompute_bench.spec.rules import validate
 
-WORKLOADS_DIR = Path(os.environ.get("RECOMPUTE_BENCH_WORKLOADS", Path(__file__).resolve().parents[2] / "workloads"))
+# A checkout keeps the presets at the top level (workloads/); a wheel carries them inside the
+# package (recompute_bench/workloads/, mapped in pyproject.toml).
+_PACKAGED_WORKLOADS = Path(__file__).resolve().parents[1] / "workloads"
+WORKLOADS_DIR = Path(os.environ.get("RECOMPUTE_BENCH_WORKLOADS") or (
+    _PACKAGED_WORKLOADS if _PACKAGED_WORKLOADS.is_dir() else Path(__file__).resolve().parents[2] / "workloads"))
 DEFAULT_WORKLOAD = "tiny"
 
 
