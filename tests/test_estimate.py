@@ -4,6 +4,8 @@ against the paper's Table 2, Eq. 7/8 and Table 5, and the `estimate` / `plan` co
 import contextlib
 import dataclasses
 import json
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -63,6 +65,16 @@ def every_setting(workload, backend, dropout):
     return [dataclasses.replace(base, recompute=r) for r in [RecomputeConfig()] + all_settings(base.model.num_layers)]
 
 
+def test_the_analysis_imports_no_torch():
+    # estimate and plan must start at once and run where torch is absent: a fresh interpreter
+    # imports the analysis and the model spec and must not have loaded torch on the way.
+    code = ("import sys, recompute_bench.analysis.memory, recompute_bench.analysis.flops, "
+            "recompute_bench.models.dense.spec, recompute_bench.spec.rules; "
+            "assert 'torch' not in sys.modules, sorted(m for m in sys.modules if m.startswith('torch'))")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+
+
 def _error(estimate, measured):
     return abs(estimate - measured) / measured
 
@@ -87,13 +99,13 @@ def test_every_setting_hardware_flops_match_the_flop_counter(workload, backend, 
     for cfg in every_setting(workload, backend, dropout):
         r = cfg.recompute
         _, _, measured_flops, _ = measure(cfg, count_flops=True)
-        hardware = flops.hardware_flops_per_step(cfg)
+        hardware = flops.hardware_flops_per_step(cfg, "cpu")
         if E.attention_kernel(cfg, "cpu") == "fused":
             # torch's CPU flash kernel has no FlopCounterMode formula: the count misses exactly its
             # forward and backward (3x the forward) and its recompute, which the estimate includes.
             L = cfg.model.num_layers
             rerun = recomputed_layers(r, L) + (L if "core_attn" in r.modules else 0)
-            blind = (3 * L + rerun) * flops.layer_forward_flops(cfg).core_attn
+            blind = (3 * L + rerun) * flops.layer_forward_flops(cfg, device="cpu")["core_attn"]
             assert measured_flops == hardware - blind, r.label
         else:
             assert _error(hardware, measured_flops) <= 0.01, (r.label, hardware, measured_flops)

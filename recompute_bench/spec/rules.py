@@ -9,9 +9,10 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+from recompute_bench.models import spec_for
 from recompute_bench.spec.config import (ACTIVATIONS, ATTENTION_BACKENDS, GRANULARITIES, METHODS, NORMALIZATIONS,
                                          POSITION_EMBEDDINGS, PRECISIONS, RECOMPUTE_MODULES, SECTIONS,
-                                         SUPPORTED_RECOMPUTE_MODULES, _MODULE_NEEDS, Config, ConfigError)
+                                         _MODULE_NEEDS, Config, ConfigError)
 
 
 def _choice(name: str, value: Any, choices: tuple, fix: str) -> None:
@@ -81,6 +82,7 @@ def validate(cfg: Config) -> None:
 def _validate_recompute(cfg: Config) -> None:
     m, p, r = cfg.model, cfg.parallel, cfg.recompute
     layers_per_stage = m.num_layers // p.pipeline_model_parallel_size
+    offered = spec_for(m).recompute_targets
     _choice("recompute_granularity", r.granularity, GRANULARITIES, "pass --recompute-granularity none, selective or full")
 
     # CPU offloading is checked first, as Megatron does.
@@ -120,9 +122,9 @@ def _validate_recompute(cfg: Config) -> None:
             raise ConfigError("recompute_method is not supported with recompute_granularity selective; "
                               "drop --recompute-method or pass --recompute-granularity full")
         for module in r.modules:
-            if module not in SUPPORTED_RECOMPUTE_MODULES:
+            if module not in offered:
                 raise ConfigError(f"recompute module {module} needs {_MODULE_NEEDS[module]}, which the model built here "
-                                  f"does not have yet; choose from {', '.join(SUPPORTED_RECOMPUTE_MODULES)}")
+                                  f"does not have yet; choose from {', '.join(offered)}")
     else:
         for name, value in (("recompute_method", r.method), ("recompute_num_layers", r.num_layers)):
             if value is not None:
