@@ -6,8 +6,9 @@ GQA's smaller K/V projections, SwiGLU's third matrix, the output layer over the 
 recompute. TFLOP/s/GPU and MFU are built on it, so recompute shows up as lower TFLOP/s/GPU.
 
 Hardware FLOPs count what the implementation runs, the way `torch.utils.flop_counter` counts it:
-attention over the full s x s square (no kernel's formula skips the masked half), backward twice the
-forward, plus the forward work each recompute setting repeats in backward. The per-layer terms come from the model's spec
+attention over the full s x s square (no kernel's formula skips the masked half), each kernel's own
+backward (a fused attention kernel recomputes QK^T in its backward), plus the forward work each
+recompute setting repeats in backward. The per-layer terms come from the model's spec
 (`recompute_bench.models`); this module adds them up over layers, pipeline stages and the batch.
 """
 

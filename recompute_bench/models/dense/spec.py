@@ -24,9 +24,9 @@ from recompute_bench.models import ELEMENT_BYTES, FP32_BYTES, MASK_BYTES, SavedB
 from recompute_bench.spec.config import Config
 
 # Matmuls core attention runs per pass, each of 2·b·s²·(a·d) FLOPs: QK^T and times V forward; the
-# backward's gradients of both (4).
+# backward's gradients of both (4), plus, for a kernel that kept no scores, QK^T once more.
 _CORE_ATTN_FORWARD_MATMULS = 2
-_CORE_ATTN_BACKWARD_MATMULS = {"math": 4, "sdpa_math": 4, "fused": 4}
+_CORE_ATTN_BACKWARD_MATMULS = {"math": 4, "sdpa_math": 4, "fused": 5}
 
 
 class DenseSpec:
@@ -44,8 +44,13 @@ class DenseSpec:
         backward computes:
 
         - "math": the model's explicit QK^T, softmax, dropout, times V (`--attention-backend math`);
-        - "fused": torch's flash / memory-efficient / cuDNN kernel, which saves q, k, v, its output and
-          an fp32 log-sum-exp per query;
+        - "fused": torch's flash / memory-efficient / cuDNN kernel on CUDA, or its flash kernel on a
+          CPU. It saves q, k, v, its output and an fp32 log-sum-exp per query, no s² tensor, so its
+          backward recomputes QK^T before the four gradient matmuls: five matmuls, where the others
+          run four (torch/utils/flop_counter.py `sdpa_backward_flop_count`, registered for
+          `_scaled_dot_product_{flash,efficient,cudnn}_attention_backward`). The CPU flash kernel
+          (`cpu_flash_attention_backward`) runs the same five GEMMs per block, but has no formula
+          registered, so `FlopCounterMode` on a CPU counts none of its FLOPs;
         - "sdpa_math": torch's own math fallback inside `scaled_dot_product_attention`, which upcasts
           16-bit inputs to fp32 and keeps the s² tensors in fp32. torch's CPU flash kernel has no
           dropout, so sdpa with attention dropout on a CPU lands here; on CUDA only fp32 with grouped
