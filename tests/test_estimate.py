@@ -216,10 +216,28 @@ def test_parameter_count_matches_the_built_model(workload):
     assert E.stage_parameters(cfg, 0) == sum(p.numel() for p in model.parameters())
 
 
+def test_memory_counts_megatron_s_padded_vocabulary():
+    # Llama 3's 128256 ids at tp 8: Megatron pads to a multiple of 128 x 8 = 1024, ceil(128256 / 1024)
+    # = 126, so 126 x 1024 = 129024 rows: 768 more than the tokenizer's (none at tp 1: 128256 = 1002 x 128).
+    cfg = config("llama3-8b", parallel__tensor_model_parallel_size=8)
+    s, b, h, t, rows = 8192, 1, 4096, 8, 129024
+    loss = E.loss_saved_bytes(cfg)
+    assert loss["loss.log_probs"] == 4 * s * b * rows / t  # fp32 log-probabilities of this rank's vocab shard
+    assert E.loss_workspace_bytes(cfg) == 2 * 4 * s * b * rows / t  # their gradient and the logits' gradient
+    # Word embedding and the untied output layer: 768 padded rows of h each, sharded over the 8 ranks.
+    # make_vocab_size_divisible_by = 1 leaves 128256 as it is (it divides by 8).
+    unpadded = config("llama3-8b", parallel__tensor_model_parallel_size=8, model__make_vocab_size_divisible_by=1)
+    assert E.stage_parameters(cfg, 0) - E.stage_parameters(unpadded, 0) == 2 * 768 * h / t
+    # A vocabulary that is not a multiple of 128 pads at tp 1 too: GPT-2's 50257 -> 393 x 128 = 50304.
+    gpt2_vocab = config("tiny", model__vocab_size=50257)
+    tokens = 128 * 2  # tiny: s = 128, b = 2
+    assert E.loss_saved_bytes(gpt2_vocab, "cpu")["loss.log_probs"] == 4 * tokens * 50304
+
+
 def test_pipeline_stages_split_the_layers_and_keep_an_embedding_copy_when_tied():
     cfg = config("gpt3-175b", parallel__pipeline_model_parallel_size=2)
     one = config("gpt3-175b")
-    vocab = cfg.model.vocab_size * cfg.model.hidden_size
+    vocab = 51200 * 12288  # GPT-3's vocabulary needs no padding: 51200 = 400 x 128
     assert E.stage_parameters(cfg, 0) + E.stage_parameters(cfg, 1) == E.stage_parameters(one, 0) + vocab
 
 

@@ -1,7 +1,7 @@
 """Megatron's model FLOPs against hand-computed values."""
 
 from conftest import config
-from recompute_bench.analysis.flops import model_flops_per_step, peak_flops
+from recompute_bench.analysis.flops import hardware_flops_per_step, model_flops_per_step, peak_flops
 
 
 def test_gpt3_175b_matches_the_closed_form():
@@ -31,3 +31,21 @@ def test_peak_table():
     assert peak_flops("NVIDIA H100 80GB HBM3", "bf16") == 989.4e12
     assert peak_flops("NVIDIA H100 PCIe", "bf16") == 756e12
     assert peak_flops("cpu", "bf16") is None
+
+
+def test_model_flops_count_megatron_s_padded_vocabulary():
+    # GPT-2's tokenizer has 50257 ids, not a multiple of 128: Megatron pads the vocabulary to a
+    # multiple of make_vocab_size_divisible_by x tp = 128: ceil(50257 / 128) = 393 rows of 128,
+    # 393 x 128 = 50304 (nanoGPT pads GPT-2 to the same 50304). Megatron's closed form with V = 50304:
+    cfg = config("gpt3-175b", model__vocab_size=50257)
+    B, s, L, h, V = 64, 2048, 96, 12288, 50304
+    expected = 72 * B * s * L * h**2 * (1 + s / (12 * h) + V / (12 * L * h))
+    assert abs(model_flops_per_step(cfg) - expected) / expected < 1e-12
+    # Llama 3's 128256 = 1002 x 128 needs no padding at tp 1; at tp 8 the multiple is 1024:
+    # ceil(128256 / 1024) = 126, 126 x 1024 = 129024 rows, 768 more. The logits term is
+    # 3 passes x 2 x h x V per token, so tp 8 adds 6 x B x s x h x 768 FLOPs per step.
+    one = config("llama3-8b")
+    eight = config("llama3-8b", parallel__tensor_model_parallel_size=8)
+    assert model_flops_per_step(eight) - model_flops_per_step(one) == 6 * 128 * 8192 * 4096 * 768
+    # What the output layer executes (forward + both gradients) grows by the same.
+    assert hardware_flops_per_step(eight) - hardware_flops_per_step(one) == 6 * 128 * 8192 * 4096 * 768

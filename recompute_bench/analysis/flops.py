@@ -2,8 +2,8 @@
 
 Model FLOPs follow Megatron Core's `num_floating_point_operations` (main, 2026): GEMMs only, 3
 passes (forward, data gradient, weight gradient) x 2 (multiply-add), the causal half of attention,
-GQA's smaller K/V projections, SwiGLU's third matrix, the output layer over the vocabulary, and no
-recompute. TFLOP/s/GPU and MFU are built on it, so recompute shows up as lower TFLOP/s/GPU.
+GQA's smaller K/V projections, SwiGLU's third matrix, the output layer over the padded vocabulary,
+and no recompute. TFLOP/s/GPU and MFU are built on it, so recompute shows up as lower TFLOP/s/GPU.
 
 Hardware FLOPs count what the implementation runs, the way `torch.utils.flop_counter` counts it:
 attention over the full s x s square (no kernel's formula skips the masked half), each kernel's own
@@ -24,7 +24,7 @@ def layer_forward_flops(cfg: Config, samples: int | None = None, device: str = "
 
 
 def logits_forward_flops(cfg: Config, samples: int | None = None) -> float:
-    """Forward FLOPs of the output layer."""
+    """Forward FLOPs of the output layer (over the padded vocabulary)."""
     return spec_for(cfg.model).output_layer_flops(cfg, samples).forward
 
 

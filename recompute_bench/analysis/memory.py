@@ -15,7 +15,8 @@ For the paper's layer the two differ by the LayerNorm statistics only (mean and 
 per norm, fp32 on CUDA), which the paper leaves out as small. Under tensor parallelism t the built
 terms are split the paper's way: what lies inside the column/row-parallel region (q, k, v, the
 attention scores, the MLP's wide activations) divides by t; what lies outside (norm inputs and
-outputs, dropout masks, norm statistics) divides by t only with sequence parallelism.
+outputs, dropout masks, norm statistics) divides by t only with sequence parallelism. The word
+embedding, the output layer and the loss count Megatron's padded vocabulary (`vocab_rows`).
 
 Bytes everywhere; a "token" is one of the s x b positions of a micro-batch.
 """
@@ -29,7 +30,7 @@ from typing import Any, Iterable
 
 from recompute_bench.analysis import flops
 from recompute_bench.models import (ELEMENT_BYTES, FP32_BYTES, INDEX_BYTES, MASK_BYTES, device_kind,  # noqa: F401
-                                    spec_for)
+                                    spec_for, vocab_rows)
 from recompute_bench.spec.config import Config, RecomputeConfig
 
 ALLOWANCE_FRACTION = 0.10
@@ -145,7 +146,7 @@ def loss_saved_bytes(cfg: Config, device: str = "cuda") -> dict[str, float]:
         "final_layernorm.input": e * tokens * m.hidden_size / t_sp,
         "final_layernorm.stats": spec_for(m).norm_stats_bytes(cfg, device, tokens) / t_sp,
         "output_layer.input": e * tokens * m.hidden_size / t_sp,
-        "loss.log_probs": FP32_BYTES * tokens * m.vocab_size / t,  # log-softmax output, fp32, vocab-parallel
+        "loss.log_probs": FP32_BYTES * tokens * vocab_rows(cfg) / t,  # log-softmax output, fp32, vocab-parallel
         "loss.total_weight": FP32_BYTES,
     }
     if tr.micro_batch_size > 1:  # labels are a strided view of the token tensor; flattening copies them
@@ -162,9 +163,9 @@ def token_bytes(cfg: Config) -> float:
 
 def loss_workspace_bytes(cfg: Config) -> float:
     """Transient in the loss's backward: the fp32 gradients of the log-probabilities and of the
-    logits, [s, b, v/t] each, while the saved log-probabilities are still held."""
+    logits, [s, b, v/t] each (v padded), while the saved log-probabilities are still held."""
     tr = cfg.training
-    return 2 * FP32_BYTES * tr.seq_length * tr.micro_batch_size * cfg.model.vocab_size / cfg.parallel.tensor_model_parallel_size
+    return 2 * FP32_BYTES * tr.seq_length * tr.micro_batch_size * vocab_rows(cfg) / cfg.parallel.tensor_model_parallel_size
 
 
 def layer_workspace_bytes(cfg: Config, device: str = "cuda") -> float:
@@ -198,7 +199,7 @@ def stage_parameters(cfg: Config, stage: int) -> float:
     p, t = par.pipeline_model_parallel_size, par.tensor_model_parallel_size
     per_layer = sum(layer_parameters(cfg).values())
     n = m.num_layers // p * per_layer
-    vocab = m.vocab_size * m.hidden_size / t
+    vocab = vocab_rows(cfg) * m.hidden_size / t  # the padded vocabulary's rows, sharded over TP
     if stage == 0:
         n += vocab
         if m.position_embedding_type == "learned_absolute":
@@ -344,6 +345,7 @@ def paper_first_stage_bytes(cfg: Config, recompute: str = "none") -> float:
     both times the interleave factor, and with p = 1 the final norm, output-layer input and fp32
     logits, 4sbh/t (1 + v/h)."""
     m, tr, par = cfg.model, cfg.training, cfg.parallel
+    # the paper's v, the tokenizer's vocabulary (its models' 51200 needs no padding)
     s, b, h, L, v = tr.seq_length, tr.micro_batch_size, m.hidden_size, m.num_layers, m.vocab_size
     t, p, vpp = par.tensor_model_parallel_size, par.pipeline_model_parallel_size, par.virtual_pipeline_model_parallel_size or 1
     # The first stage's p micro-batches in flight hold L layers' worth, and p embedding dropout masks;

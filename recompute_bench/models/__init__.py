@@ -13,8 +13,8 @@ anywhere. Its methods take a resolved `Config` and answer, for one layer of the 
 - `build()`: the torch model, imported only when called.
 
 Adding an architecture (MoE, MLA) is one new module with a class like `dense.spec.DenseSpec` and a
-line in `spec_for`. What is the same for every architecture (units, the `SavedBytes` bookkeeping)
-lives here.
+line in `spec_for`. What is the same for every architecture (units, the vocabulary's padding, the
+`SavedBytes` bookkeeping) lives here.
 """
 
 from __future__ import annotations
@@ -33,6 +33,12 @@ INDEX_BYTES = 8     # int64 token ids and labels
 def device_kind(device: str) -> str:
     """"cuda" or "cpu" from a torch device string ("cuda:1" -> "cuda")."""
     return "cpu" if str(device).split(":")[0] == "cpu" else "cuda"
+
+
+def vocab_rows(cfg: Config) -> int:
+    """Rows of the word embedding and the output layer: Megatron's padded vocabulary (a multiple of
+    make_vocab_size_divisible_by x tensor-parallel size), which its FLOPs and memory count."""
+    return cfg.model.padded_vocab_size(cfg.parallel.tensor_model_parallel_size)
 
 
 @dataclass(frozen=True)

@@ -20,7 +20,8 @@ from __future__ import annotations
 
 from typing import Any, Iterable
 
-from recompute_bench.models import ELEMENT_BYTES, FP32_BYTES, MASK_BYTES, SavedBytes, Work, device_kind
+from recompute_bench.models import (ELEMENT_BYTES, FP32_BYTES, MASK_BYTES, SavedBytes, Work, device_kind,
+                                    vocab_rows)
 from recompute_bench.spec.config import Config
 
 # Matmuls core attention runs per pass, each of 2·b·s²·(a·d) FLOPs: QK^T and times V forward; the
@@ -110,15 +111,15 @@ class DenseSpec:
         return b * s * per_token + b * s * s * core
 
     def output_layer_flops(self, cfg: Config, samples: int | None = None) -> Work:
-        """The output layer over the vocabulary (a linear: backward twice forward)."""
+        """The output layer over Megatron's padded vocabulary (a linear: backward twice forward)."""
         b = cfg.training.micro_batch_size if samples is None else samples
-        forward = 2 * b * cfg.training.seq_length * cfg.model.hidden_size * cfg.model.vocab_size
+        forward = 2 * b * cfg.training.seq_length * cfg.model.hidden_size * vocab_rows(cfg)
         return Work(forward, 2 * forward)
 
     def logits_model_flops(self, cfg: Config, samples: int | None = None) -> float:
-        """The logits term of Megatron's model FLOPs: 3 x 2 x h x vocabulary per token."""
+        """The logits term of Megatron's model FLOPs: 3 x 2 x h x padded vocabulary per token."""
         b = cfg.training.micro_batch_size if samples is None else samples
-        return 3 * 2 * b * cfg.training.seq_length * cfg.model.hidden_size * cfg.model.vocab_size
+        return 3 * 2 * b * cfg.training.seq_length * cfg.model.hidden_size * vocab_rows(cfg)
 
     # ----- bytes ----------------------------------------------------------------------------------
 
