@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from recompute_bench.models import spec_for
 from recompute_bench.spec.config import Config
+from recompute_bench.spec.rules import layers_per_model_chunk
 
 
 def layer_forward_flops(cfg: Config, samples: int | None = None, device: str = "cuda") -> dict[str, float]:
@@ -35,11 +36,16 @@ def model_flops_per_step(cfg: Config) -> float:
 
 
 def recomputed_layers(cfg: Config) -> int:
-    """How many layers full recompute re-runs in backward (0 unless full)."""
+    """How many layers of the whole model full recompute re-runs in backward (0 unless full).
+    Megatron applies the method within each model chunk (a pipeline stage, or with virtual stages
+    each of its chunks): uniform re-runs every layer, block the first N layers of every chunk."""
     r, layers = cfg.recompute, cfg.model.num_layers
     if r.granularity != "full":
         return 0
-    return layers if r.method == "uniform" else min(r.num_layers, layers)
+    if r.method == "uniform":
+        return layers
+    per_chunk = layers_per_model_chunk(cfg)
+    return layers // per_chunk * min(r.num_layers, per_chunk)
 
 
 def recompute_forward_flops(cfg: Config, samples: int | None = None, device: str = "cuda") -> float:

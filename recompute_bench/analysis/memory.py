@@ -32,6 +32,7 @@ from recompute_bench.analysis import flops
 from recompute_bench.models import (ELEMENT_BYTES, FP32_BYTES, INDEX_BYTES, MASK_BYTES, device_kind,  # noqa: F401
                                     spec_for, vocab_rows)
 from recompute_bench.spec.config import Config, RecomputeConfig
+from recompute_bench.spec.rules import layers_per_model_chunk
 
 ALLOWANCE_FRACTION = 0.10
 """Allocator allowance: reserved minus allocated (fragmentation of the caching allocator), as a
@@ -98,25 +99,29 @@ def stage_activations(cfg: Config, device: str = "cuda", layers: int | None = No
     """Stored and backward-peak activation bytes of `layers` layers (default: one pipeline stage)
     for one micro-batch, under cfg.recompute.
 
-    Full uniform N keeps every chunk's input; while chunk c is recomputed in backward, it holds the
-    inputs of the c earlier chunks plus chunk c's full activations. Full block N keeps N inputs plus
-    the full activations of the other layers; rebuilding checkpointed layer c holds c inputs and one
-    layer's full activations. Offloaded layers keep nothing on the device and bring one layer back
-    at a time in backward."""
+    Megatron applies full recompute within each model chunk (the stage, or each of its virtual
+    stages). Full uniform N keeps every chunk of N layers' input; while chunk c is recomputed in
+    backward, it holds the inputs of the c earlier chunks plus chunk c's full activations. Full
+    block N keeps N inputs plus the full activations of the model chunk's other layers; rebuilding
+    checkpointed layer c holds c inputs and one layer's full activations. A stage of several model
+    chunks holds all of them and rebuilds one at a time. Offloaded layers keep nothing on the device
+    and bring one layer back at a time in backward."""
     r = cfg.recompute
     n_layers = layers if layers is not None else cfg.model.num_layers // cfg.parallel.pipeline_model_parallel_size
     full = layer_activation_bytes(cfg, (), device)
     ckpt = checkpoint_input_bytes(cfg)
     if r.granularity == "full":
-        n = min(r.num_layers, n_layers)
+        per_chunk = min(layers_per_model_chunk(cfg), n_layers)
+        chunks = n_layers // per_chunk
+        n = min(r.num_layers, per_chunk)
         if r.method == "uniform":
-            sizes = [min(n, n_layers - i) for i in range(0, n_layers, n)]
+            sizes = [min(n, per_chunk - i) for i in range(0, per_chunk, n)]
             stored = len(sizes) * ckpt
             peak = max(c * ckpt + size * full for c, size in enumerate(sizes))
         else:
-            stored = n * ckpt + (n_layers - n) * full
+            stored = n * ckpt + (per_chunk - n) * full
             peak = max(stored, (n - 1) * ckpt + full)
-        return StageActivations(n_layers, stored, peak)
+        return StageActivations(n_layers, chunks * stored, (chunks - 1) * stored + peak)
     if r.granularity == "selective":
         per_layer = layer_activation_bytes(cfg, r.modules, device)
         return StageActivations(n_layers, n_layers * per_layer, n_layers * per_layer)
@@ -439,8 +444,8 @@ def setting_estimate(cfg: Config, device: str = "cuda") -> dict[str, Any]:
 
 def listed_settings(cfg: Config, device: str = "cuda") -> list[RecomputeConfig]:
     """The settings `estimate` tabulates: none, every selective subset, full uniform 1 and the
-    uniform chunk with the lowest peak, and full block at a few layer counts."""
-    n_layers = cfg.model.num_layers // cfg.parallel.pipeline_model_parallel_size
+    uniform chunk with the lowest peak, and full block at a few layer counts (of a model chunk)."""
+    n_layers = layers_per_model_chunk(cfg)
     out = [RecomputeConfig()] + selective_settings(cfg) + [RecomputeConfig("full", [], "uniform", 1)]
     best = _best_uniform(cfg, n_layers, device)
     if best != 1:
@@ -508,7 +513,7 @@ def estimate_report(cfg: Config, device: str = "cuda", allowance_fraction: float
 def _candidates(cfg: Config, device: str) -> list[dict[str, Any]]:
     """Every setting worth planning with: none, each selective subset, the best uniform chunk and
     every block count (uniform chunks all cost the same FLOPs; block trades FLOPs for memory)."""
-    n_layers = cfg.model.num_layers // cfg.parallel.pipeline_model_parallel_size
+    n_layers = layers_per_model_chunk(cfg)
     settings = [RecomputeConfig()] + selective_settings(cfg)
     settings.append(RecomputeConfig("full", [], "uniform", _best_uniform(cfg, n_layers, device)))
     settings += [RecomputeConfig("full", [], "block", n) for n in range(1, n_layers + 1)]
