@@ -198,15 +198,16 @@ def test_full_recompute_rebuilds_a_whole_layer_per_recomputed_layer_in_backward(
     *_, recomputed = measure(cfg, backward=True)
     layers = cfg.model.num_layers if method == "uniform" else n
     assert recomputed == layers * E.layer_activation_bytes(cfg, (), "cpu")
+    # Stored and backward peak of the 3 layers, by hand, with c one checkpointed input and f one
+    # layer's full activations (its own input among them); backward runs the last chunk first.
     acts = E.stage_activations(cfg, "cpu")
-    full, ckpt = E.layer_activation_bytes(cfg, (), "cpu"), E.checkpoint_input_bytes(cfg)
-    if method == "uniform":  # 3 layers in chunks of n: the last chunk is rebuilt with the earlier inputs held
-        chunks = [min(n, 3 - i) for i in range(0, 3, n)]
-        assert acts.stored_bytes == len(chunks) * ckpt
-        assert acts.peak_bytes == max(c * ckpt + size * full for c, size in enumerate(chunks))
-    else:
-        assert acts.stored_bytes == n * ckpt + (3 - n) * full
-        assert acts.peak_bytes == acts.stored_bytes
+    f, c = E.layer_activation_bytes(cfg, (), "cpu"), E.checkpoint_input_bytes(cfg)
+    expected = {
+        ("uniform", 1): (3 * c, 2 * c + f),  # chunks [1][1][1]: the last rebuilt beside 2 inputs
+        ("uniform", 2): (2 * c, 2 * f),      # chunks [2][1]: [1] beside one input (c + f), then [2] (2f)
+        ("block", 2): (2 * c + f, 2 * c + f),  # layers 1, 2 checkpointed, layer 3 kept; one rebuilt at a time
+    }[method, n]
+    assert (acts.stored_bytes, acts.peak_bytes) == expected
 
 
 @pytest.mark.parametrize("workload", list(SHRUNK))
@@ -232,6 +233,22 @@ def test_memory_counts_megatron_s_padded_vocabulary():
     gpt2_vocab = config("tiny", model__vocab_size=50257)
     tokens = 128 * 2  # tiny: s = 128, b = 2
     assert E.loss_saved_bytes(gpt2_vocab, "cpu")["loss.log_probs"] == 4 * tokens * 50304
+
+
+def test_parameters_match_published_counts():
+    # Llama 3 8B: 8,030,261,248 parameters (Meta's release); untied output layer, no biases.
+    assert E.stage_parameters(config("llama3-8b"), 0) == 8_030_261_248
+    # GPT-3 175B by Narayanan et al. 2021 (§5.1): P = 12 l h^2 (1 + 13/(12h) + (V + s)/(12 l h)),
+    # which leaves out the final LayerNorm's 2h.
+    l, h, V, s = 96, 12288, 51200, 2048
+    published = 12 * l * h**2 + 13 * l * h + (V + s) * h
+    assert E.stage_parameters(config("gpt3-175b"), 0) == published + 2 * h
+    # Tensor parallelism shards everything but the norms, the row-parallel biases (2 norms of 2h and
+    # 2 biases of h per layer, and the final norm) and Megatron's position embedding (s x h).
+    t = 8
+    replicated = l * (4 * h + 2 * h) + 2 * h + s * h
+    sharded_t8 = E.stage_parameters(config("gpt3-175b", parallel__tensor_model_parallel_size=t), 0)
+    assert sharded_t8 == (published + 2 * h - replicated) / t + replicated
 
 
 def test_pipeline_stages_split_the_layers_and_keep_an_embedding_copy_when_tied():

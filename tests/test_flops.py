@@ -1,4 +1,4 @@
-"""Megatron's model FLOPs against hand-computed values."""
+"""Megatron's model FLOPs against its closed forms, published parameter counts and hand-derived values."""
 
 from conftest import config
 from recompute_bench.analysis.flops import hardware_flops_per_step, model_flops_per_step, peak_flops
@@ -12,14 +12,18 @@ def test_gpt3_175b_matches_the_closed_form():
     assert abs(model_flops_per_step(cfg) - expected) / expected < 1e-12
 
 
-def test_llama3_8b_by_hand():
-    cfg = config("llama3-8b")
-    B, s, L, h, f, V, q, kv = 128, 8192, 32, 4096, 14336, 128256, 4096, 1024
-    per_token = 6 * (L * (h * (q + 2 * kv) + q * h) + L * h * f * 3 + h * V)  # GQA, SwiGLU: 3 matrices
-    attention = 6 * q * L * s  # QK^T and times V, causal half, 3 passes x 2 per query-key pair
-    assert model_flops_per_step(cfg) == B * s * (per_token + attention)
-    # sanity: 6 x 7.5e9 GEMM parameters x 1.05e6 tokens = 47.2 PFLOP, plus 6.8 PFLOP of attention
-    assert round(model_flops_per_step(cfg) / 1e15, 1) == 54.0
+def test_llama3_8b_is_six_flops_per_gemm_parameter_and_token_plus_causal_attention():
+    # Independent of the formula's terms: Llama 3 8B has 8,030,261,248 parameters (Meta's release).
+    # Megatron's model FLOPs are 3 passes x 2 FLOPs per multiply-add for every parameter a GEMM uses
+    # ("6N"): all but the input embedding (a lookup, 128256 x 4096) and the 2 x 32 + 1 norm weights
+    # of 4096 (the untied output layer is a GEMM). Attention adds QK^T and times V, 2 x 2 x s x q
+    # FLOPs per token and layer forward, halved by the causal mask, x 3 passes: 6 x s x q.
+    B, s, L, q = 128, 8192, 32, 4096
+    gemm_parameters = 8_030_261_248 - 128256 * 4096 - (2 * L + 1) * 4096
+    assert gemm_parameters == 7_504_658_432
+    assert model_flops_per_step(config("llama3-8b")) == B * s * (6 * gemm_parameters + 6 * s * q * L)
+    # 6 x 7.50e9 x 1.05e6 tokens = 47.2 PFLOP of GEMMs, plus 6.8 PFLOP of attention
+    assert round(model_flops_per_step(config("llama3-8b")) / 1e15, 1) == 54.0
 
 
 def test_recompute_is_not_in_model_flops():
