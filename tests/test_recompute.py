@@ -4,7 +4,8 @@ import pytest
 import torch
 
 from conftest import SMALL_LLAMA, config, probe
-from recompute_bench.measure.verify import all_settings, verify
+from recompute_bench.measure.verify import verify
+from recompute_bench.recompute.settings import all_settings
 
 SELECTIVE = lambda *mods: dict(recompute__granularity="selective", recompute__modules=list(mods))
 FULL = lambda method, n: dict(recompute__granularity="full", recompute__method=method, recompute__num_layers=n)
@@ -126,8 +127,8 @@ def test_selective_recompute_flops_match_the_analytic_count(setting, attr):
     cfg = config(**setting)
     _, _, _, total = probe(cfg)
     _, _, _, total_none = probe(config())
-    assert total - total_none == cfg.model.num_layers * getattr(layer_forward_flops(cfg), attr)
-    assert total == hardware_flops_per_step(config(training__global_batch_size=2, **setting))
+    assert total - total_none == cfg.model.num_layers * layer_forward_flops(cfg, device="cpu")[attr]
+    assert total == hardware_flops_per_step(config(training__global_batch_size=2, **setting), "cpu")
 
 
 def test_two_builds_with_one_seed_are_identical():

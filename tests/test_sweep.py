@@ -18,7 +18,7 @@ from recompute_bench.launch import process as launch
 from recompute_bench.spec.config import ConfigError
 from recompute_bench.results.store import RunLock
 from recompute_bench.launch.sweep import done_points, expand, plan_from_flags, point_record_id
-from recompute_bench.measure.verify import all_settings
+from recompute_bench.recompute.settings import all_settings
 
 SHIPPED_GOLDEN = Path(__file__).resolve().parent.parent / "results" / "golden" / "cpu.csv"
 SMALL = ["--set", "training.warmup_steps=0", "--set", "training.measured_steps=1"]

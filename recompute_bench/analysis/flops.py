@@ -2,89 +2,67 @@
 
 Model FLOPs follow Megatron Core's `num_floating_point_operations` (main, 2026): GEMMs only, 3
 passes (forward, data gradient, weight gradient) x 2 (multiply-add), the causal half of attention,
-GQA's smaller K/V projections, SwiGLU's third matrix, the output layer over the vocabulary, and no
-recompute. TFLOP/s/GPU and MFU are built on it, so recompute shows up as lower TFLOP/s/GPU.
+GQA's smaller K/V projections, SwiGLU's third matrix, the output layer over the padded vocabulary,
+and no recompute. TFLOP/s/GPU and MFU are built on it, so recompute shows up as lower TFLOP/s/GPU.
 
 Hardware FLOPs count what the implementation runs, the way `torch.utils.flop_counter` counts it:
-attention over the full s x s square (no kernel here skips the masked half in the count), plus
-the forward work each recompute setting repeats in backward.
+attention over the full s x s square (no kernel's formula skips the masked half), each kernel's own
+backward (a fused attention kernel recomputes QK^T in its backward), plus the forward work each
+recompute setting repeats in backward. The per-layer terms come from the model's spec
+(`recompute_bench.models`); this module adds them up over layers, pipeline stages and the batch.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
+from recompute_bench.models import spec_for
 from recompute_bench.spec.config import Config
-from recompute_bench.recompute.apply import recomputed_layers
+from recompute_bench.recompute.policy import layer_policies, recomputed_layers as count_recomputed
+from recompute_bench.spec.rules import layers_per_model_chunk
 
 
-@dataclass(frozen=True)
-class LayerFlops:
-    """Forward FLOPs of one micro-batch through one layer, split by what recompute can repeat."""
-
-    qkv_proj: float
-    core_attn: float   # QK^T and times V over the full square
-    out_proj: float
-    mlp: float
-
-    @property
-    def total(self) -> float:
-        return self.qkv_proj + self.core_attn + self.out_proj + self.mlp
-
-
-def layer_forward_flops(cfg: Config, samples: int | None = None) -> LayerFlops:
-    """Forward FLOPs of one layer for `samples` sequences (default: one micro-batch)."""
-    m, s = cfg.model, cfg.training.seq_length
-    b = cfg.training.micro_batch_size if samples is None else samples
-    q = m.kv_channels * m.num_attention_heads
-    kv = m.kv_channels * m.groups
-    tokens = b * s
-    ffn_factor = 3 if m.activation == "swiglu" else 2
-    return LayerFlops(
-        qkv_proj=2 * tokens * m.hidden_size * (q + 2 * kv),
-        core_attn=2 * 2 * b * s * s * q,
-        out_proj=2 * tokens * q * m.hidden_size,
-        mlp=2 * tokens * m.hidden_size * m.ffn_hidden_size * ffn_factor,
-    )
+def layer_forward_flops(cfg: Config, samples: int | None = None, device: str = "cuda") -> dict[str, float]:
+    """Forward FLOPs of one layer for `samples` sequences (default: one micro-batch), by part."""
+    return {name: work.forward for name, work in spec_for(cfg.model).layer_flops(cfg, samples, device).items()}
 
 
 def logits_forward_flops(cfg: Config, samples: int | None = None) -> float:
-    """Forward FLOPs of the output layer."""
-    b = cfg.training.micro_batch_size if samples is None else samples
-    return 2 * b * cfg.training.seq_length * cfg.model.hidden_size * cfg.model.vocab_size
+    """Forward FLOPs of the output layer (over the padded vocabulary)."""
+    return spec_for(cfg.model).output_layer_flops(cfg, samples).forward
 
 
 def model_flops_per_step(cfg: Config) -> float:
     """Megatron's model FLOPs for one optimizer step over the global batch (recompute excluded)."""
-    m, s = cfg.model, cfg.training.seq_length
-    batch = cfg.training.global_batch_size
-    q = m.kv_channels * m.num_attention_heads
-    kv = m.kv_channels * m.groups
-    ffn_factor = 3 if m.activation == "swiglu" else 2
-    per_token = 6 * (m.num_layers * (m.hidden_size * (q + 2 * kv) + q * m.hidden_size)
-                     + m.num_layers * m.hidden_size * m.ffn_hidden_size * ffn_factor
-                     + m.hidden_size * m.vocab_size)
-    core = 6 * q * m.num_layers  # 3 passes x 2 x (QK^T + times V) x 1/2 causal, per query-key pair
-    return batch * s * per_token + batch * s * s * core
+    spec, batch = spec_for(cfg.model), cfg.training.global_batch_size
+    return cfg.model.num_layers * spec.layer_model_flops(cfg, batch) + spec.logits_model_flops(cfg, batch)
 
 
-def recompute_forward_flops(cfg: Config, samples: int | None = None) -> float:
+def recomputed_layers(cfg: Config) -> int:
+    """How many layers of the whole model full recompute re-runs in backward (0 unless full).
+    Megatron applies the method within each model chunk (a pipeline stage, or with virtual stages
+    each of its chunks): uniform re-runs every layer, block the first N layers of every chunk."""
+    per_chunk = layers_per_model_chunk(cfg)
+    chunk = count_recomputed(layer_policies(cfg.recompute, per_chunk))
+    return cfg.model.num_layers // per_chunk * chunk
+
+
+def recompute_forward_flops(cfg: Config, samples: int | None = None, device: str = "cuda") -> float:
     """Forward FLOPs that the recompute setting runs a second time, for `samples` sequences."""
-    r, layers = cfg.recompute, cfg.model.num_layers
-    f = layer_forward_flops(cfg, samples)
+    spec, r = spec_for(cfg.model), cfg.recompute
     if r.granularity == "full":
-        return recomputed_layers(r, layers) * f.total
+        layer = spec.layer_flops(cfg, samples, device)
+        return recomputed_layers(cfg) * sum(w.forward for w in layer.values())
     if r.granularity == "selective":
-        per_layer = (f.core_attn if "core_attn" in r.modules else 0.0) + (f.mlp if "mlp" in r.modules else 0.0)
-        return layers * per_layer  # layernorm re-runs a norm only: no GEMM FLOPs
-    return 0.0
+        return cfg.model.num_layers * spec.selective_recompute_flops(cfg, r.modules, samples, device)
+    return 0
 
 
-def hardware_flops_per_step(cfg: Config) -> float:
-    """FLOPs one step executes over the global batch: 3x forward plus the recomputed forward."""
-    batch = cfg.training.global_batch_size
-    forward = cfg.model.num_layers * layer_forward_flops(cfg, batch).total + logits_forward_flops(cfg, batch)
-    return 3 * forward + recompute_forward_flops(cfg, batch)
+def hardware_flops_per_step(cfg: Config, device: str = "cuda") -> float:
+    """FLOPs one step executes over the global batch on `device`'s kernels: every layer's forward
+    and backward, the output layer's, and the forward work recompute repeats."""
+    spec, batch = spec_for(cfg.model), cfg.training.global_batch_size
+    layer = sum(w.total for w in spec.layer_flops(cfg, batch, device).values())
+    return (cfg.model.num_layers * layer + spec.output_layer_flops(cfg, batch).total
+            + recompute_forward_flops(cfg, batch, device))
 
 
 # Dense 16-bit tensor-core peak FLOP/s by device name (substring match, first hit wins);

@@ -1,11 +1,13 @@
 """The analytical model: activation bytes per layer for every recompute setting, the whole-rank peak,
-FLOPs and overhead per setting, and the planner that picks the fastest setting that fits.
+FLOPs and overhead per setting, and the planner that picks the fastest setting that fits. Pure
+Python: what one layer keeps, computes and holds comes from the model's spec (`recompute_bench.models`),
+and this module composes it over layers, model chunks, pipeline stages and micro-batches.
 
 Two accountings of activation memory live here:
 
-- "built" (`layer_saved_bytes`, `rank_memory`, ...): the storages the GPT of `model.py` really keeps
-  for backward, named one by one, found with the saved-tensor probe and checked against it in the
-  tests. A storage that several saved tensors share counts once, as the probe counts it.
+- "built" (`layer_saved_bytes`, `rank_memory`, ...): the storages the GPT of `models/dense/layers.py`
+  really keeps for backward, named one by one, found with the saved-tensor probe and checked against
+  it in the tests. A storage that several saved tensors share counts once, as the probe counts it.
 - "paper" (`paper_layer_bytes`, ...): Table 2 of Korthikanti et al. 2022 exactly, for the paper's
   GPT-3 layer (math attention, dropout on, GeLU 4h MLP, LayerNorm, full heads, 16-bit).
 
@@ -13,7 +15,8 @@ For the paper's layer the two differ by the LayerNorm statistics only (mean and 
 per norm, fp32 on CUDA), which the paper leaves out as small. Under tensor parallelism t the built
 terms are split the paper's way: what lies inside the column/row-parallel region (q, k, v, the
 attention scores, the MLP's wide activations) divides by t; what lies outside (norm inputs and
-outputs, dropout masks, norm statistics) divides by t only with sequence parallelism.
+outputs, dropout masks, norm statistics) divides by t only with sequence parallelism. The word
+embedding, the output layer and the loss count Megatron's padded vocabulary (`vocab_rows`).
 
 Bytes everywhere; a "token" is one of the s x b positions of a micro-batch.
 """
@@ -22,16 +25,14 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
-from itertools import combinations
 from typing import Any, Iterable
 
 from recompute_bench.analysis import flops
-from recompute_bench.spec.config import SUPPORTED_RECOMPUTE_MODULES, Config, RecomputeConfig
-
-ELEMENT_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
-FP32_BYTES = 4
-MASK_BYTES = 1      # dropout keeps a bool mask (native_dropout)
-INDEX_BYTES = 8     # int64 token ids and labels
+from recompute_bench.models import (ELEMENT_BYTES, FP32_BYTES, INDEX_BYTES, MASK_BYTES, device_kind,  # noqa: F401
+                                    spec_for, vocab_rows)
+from recompute_bench.recompute.settings import selective_settings
+from recompute_bench.spec.config import Config, RecomputeConfig
+from recompute_bench.spec.rules import layers_per_model_chunk
 
 ALLOWANCE_FRACTION = 0.10
 """Allocator allowance: reserved minus allocated (fragmentation of the caching allocator), as a
@@ -44,148 +45,22 @@ ESTIMATE_SCHEMA = "recompute-bench/estimate/v1"
 PLAN_SCHEMA = "recompute-bench/plan/v1"
 
 
-def device_kind(device: str) -> str:
-    """"cuda" or "cpu" from a torch device string ("cuda:1" -> "cuda")."""
-    return "cpu" if str(device).split(":")[0] == "cpu" else "cuda"
-
-
-# ----- one layer ------------------------------------------------------------------------------
+# ----- one layer (the model's spec names its storages) ------------------------------------------
 
 def attention_kernel(cfg: Config, device: str = "cuda") -> str:
-    """What the core attention runs, which decides what it saves:
-
-    - "math": the model's explicit QK^T, softmax, dropout, times V (`--attention-backend math`);
-    - "fused": torch's flash / memory-efficient / cuDNN kernel, which saves q, k, v, its output and
-      an fp32 log-sum-exp per query;
-    - "sdpa_math": torch's own math fallback inside `scaled_dot_product_attention`, which upcasts
-      16-bit inputs to fp32 and keeps the s^2 tensors in fp32. torch's CPU flash kernel has no
-      dropout, so sdpa with attention dropout on a CPU lands here; on CUDA only fp32 with grouped
-      query attention does (flash needs 16-bit, memory-efficient has no GQA).
-    """
-    m = cfg.model
-    if m.attention_backend == "math":
-        return "math"
-    if device_kind(device) == "cpu":
-        return "sdpa_math" if m.attention_dropout > 0 else "fused"
-    if cfg.training.precision == "fp32" and m.groups != m.num_attention_heads:
-        return "sdpa_math"
-    return "fused"
-
-
-class _Saved:
-    """Storages one layer keeps, by name: a name added twice is one storage (as the probe
-    de-duplicates them), each with how it splits under tensor parallelism ("tp": always by t,
-    "sp": by t only with sequence parallelism)."""
-
-    def __init__(self) -> None:
-        self.items: dict[str, tuple[float, str]] = {}
-
-    def add(self, name: str, nbytes: float, split: str) -> None:
-        self.items.setdefault(name, (nbytes, split))
-
-    def per_rank(self, t: int, sp: bool) -> dict[str, float]:
-        return {name: nbytes / t if split == "tp" or (split == "sp" and sp) else nbytes
-                for name, (nbytes, split) in self.items.items()}
-
-
-def _norm_stats_bytes(cfg: Config, device: str, tokens: int) -> int:
-    """Statistics one norm saves: RMSNorm's fp32 rstd; LayerNorm's mean and rstd, which torch keeps
-    in fp32 on CUDA and in the parameters' dtype on a CPU."""
-    if cfg.model.normalization == "RMSNorm":
-        return FP32_BYTES * tokens
-    per = FP32_BYTES if device_kind(device) == "cuda" else ELEMENT_BYTES[cfg.training.precision]
-    return 2 * per * tokens
+    """What the core attention runs on `device`: "math", "fused" or "sdpa_math" (see the spec)."""
+    return spec_for(cfg.model).attention_kernel(cfg, device)
 
 
 def layer_saved_bytes(cfg: Config, modules: Iterable[str] = (), device: str = "cuda") -> dict[str, float]:
     """Bytes one transformer layer keeps for backward for one micro-batch on one tensor-parallel
     rank, storage by storage, when the layer is not inside a full-recompute checkpoint and
     `modules` are recomputed selectively."""
-    m, tr, par = cfg.model, cfg.training, cfg.parallel
-    e = ELEMENT_BYTES[tr.precision]
-    s, b, h = tr.seq_length, tr.micro_batch_size, m.hidden_size
-    a, g, d, f = m.num_attention_heads, m.groups, m.kv_channels, m.ffn_hidden_size
-    tokens, q_width, kv_width = s * b, a * d, g * d
-    mods = set(modules)
-    saved = _Saved()
-
-    # Attention block: input_layernorm -> linear_qkv -> (RoPE) -> core attention -> linear_proj -> dropout.
-    saved.add("layer_input", e * tokens * h, "sp")  # the norm (or its recompute function) keeps its input
-    if "layernorm" not in mods:  # layernorm recompute frees the output and keeps no statistics
-        saved.add("input_layernorm.stats", _norm_stats_bytes(cfg, device, tokens), "sp")
-        saved.add("input_layernorm.output", e * tokens * h, "sp")  # linear_qkv's input
-    qkv = ("linear_qkv.output", e * tokens * (q_width + 2 * kv_width))
-    rope = m.position_embedding_type == "rope"
-    # q, k, v are views of the fused QKV output; RoPE makes new q and k, but v stays a view, so the
-    # whole QKV output stays alive whenever v is saved as it is.
-    sources = {"q": ("rope.q", e * tokens * q_width) if rope else qkv,
-               "k": ("rope.k", e * tokens * kv_width) if rope else qkv,
-               "v": qkv}
-    if "core_attn" in mods:
-        for name, nbytes in sources.values():  # the checkpoint saves q, k and v
-            saved.add(name, nbytes, "tp")
-        saved.add("core_attention.output", e * tokens * q_width, "tp")  # linear_proj's input
-    else:
-        _core_attention(saved, cfg, device, sources)
-    if m.hidden_dropout > 0:
-        saved.add("attention.dropout_mask", MASK_BYTES * tokens * h, "sp")
-
-    # MLP block: pre_mlp_layernorm -> fc1 -> GeLU or SwiGLU -> fc2 -> dropout.
-    saved.add("pre_mlp_layernorm.input", e * tokens * h, "sp")
-    if "layernorm" not in mods:
-        saved.add("pre_mlp_layernorm.stats", _norm_stats_bytes(cfg, device, tokens), "sp")
-        saved.add("pre_mlp_layernorm.output", e * tokens * h, "sp")  # fc1's input, or the mlp checkpoint's
-    if "mlp" not in mods:
-        swiglu = m.activation == "swiglu"
-        saved.add("linear_fc1.output", e * tokens * f * (2 if swiglu else 1), "tp")  # activation's input
-        if swiglu:
-            saved.add("mlp.silu_output", e * tokens * f, "tp")  # silu(gate), kept by the product
-        saved.add("linear_fc2.input", e * tokens * f, "tp")
-    if m.hidden_dropout > 0:
-        saved.add("mlp.dropout_mask", MASK_BYTES * tokens * h, "sp")
-    return saved.per_rank(par.tensor_model_parallel_size, par.sequence_parallel)
+    return spec_for(cfg.model).layer_saved_bytes(cfg, modules, device)
 
 
-def _core_attention(saved: _Saved, cfg: Config, device: str, sources: dict[str, tuple[str, float]]) -> None:
-    """What core attention keeps when it is not recomputed (see `attention_kernel`)."""
-    m, tr = cfg.model, cfg.training
-    e = ELEMENT_BYTES[tr.precision]
-    s, b, a = tr.seq_length, tr.micro_batch_size, m.num_attention_heads
-    tokens, q_width = s * b, a * m.kv_channels
-    gqa = m.groups != a
-    scores = a * s * s * b  # elements of one [b, a, s, s] tensor
-    kernel = attention_kernel(cfg, device)
-    if kernel == "fused":
-        for name, nbytes in sources.values():
-            saved.add(name, nbytes, "tp")
-        saved.add("core_attention.output", e * tokens * q_width, "tp")  # also linear_proj's input (a view)
-        saved.add("core_attention.logsumexp", FP32_BYTES * b * a * s, "tp")
-        return
-    # matmul folds [b, heads, s, d] into [b*heads, s, d]: a view for b = 1, a copy of the transposed
-    # view for b > 1, so a saved operand is either its source storage or a fresh copy.
-    copy = b > 1
-    full_width = lambda: e * tokens * q_width  # noqa: E731
-    if kernel == "math":
-        saved.add(*(("core_attention.q", full_width()) if copy else sources["q"]), "tp")
-        for x in ("k", "v"):  # GQA repeats k and v to every head first: a fresh tensor either way
-            saved.add(*((f"core_attention.{x}", full_width()) if gqa or copy else sources[x]), "tp")
-        saved.add("core_attention.softmax", e * scores, "tp")
-        if m.attention_dropout > 0:
-            saved.add("core_attention.dropout_mask", MASK_BYTES * scores, "tp")
-            saved.add("core_attention.dropout_output", e * scores, "tp")
-    else:  # sdpa's math fallback: q and k scaled in fp32, v upcast (or repeated) unless already fp32 MHA
-        acc = FP32_BYTES
-        saved.add("core_attention.q", acc * tokens * q_width, "tp")
-        saved.add("core_attention.k", acc * tokens * q_width, "tp")
-        fresh_v = gqa or e < acc or copy
-        saved.add(*(("core_attention.v", acc * tokens * q_width) if fresh_v else sources["v"]), "tp")
-        saved.add("core_attention.softmax", acc * scores, "tp")
-        if m.attention_dropout > 0:
-            # torch's own dropout there: a bool mask on CUDA, the scaled fp32 noise on a CPU
-            mask = MASK_BYTES if device_kind(device) == "cuda" else acc
-            saved.add("core_attention.dropout_mask", mask * scores, "tp")
-            saved.add("core_attention.dropout_output", acc * scores, "tp")
-    saved.add("core_attention.output", e * tokens * q_width, "tp")  # the [b, s, h] copy linear_proj keeps
+def _norm_stats_bytes(cfg: Config, device: str, tokens: int) -> float:
+    return spec_for(cfg.model).norm_stats_bytes(cfg, device, tokens)
 
 
 def layer_activation_bytes(cfg: Config, modules: Iterable[str] = (), device: str = "cuda") -> float:
@@ -224,25 +99,29 @@ def stage_activations(cfg: Config, device: str = "cuda", layers: int | None = No
     """Stored and backward-peak activation bytes of `layers` layers (default: one pipeline stage)
     for one micro-batch, under cfg.recompute.
 
-    Full uniform N keeps every chunk's input; while chunk c is recomputed in backward, it holds the
-    inputs of the c earlier chunks plus chunk c's full activations. Full block N keeps N inputs plus
-    the full activations of the other layers; rebuilding checkpointed layer c holds c inputs and one
-    layer's full activations. Offloaded layers keep nothing on the device and bring one layer back
-    at a time in backward."""
+    Megatron applies full recompute within each model chunk (the stage, or each of its virtual
+    stages). Full uniform N keeps every chunk of N layers' input; while chunk c is recomputed in
+    backward, it holds the inputs of the c earlier chunks plus chunk c's full activations. Full
+    block N keeps N inputs plus the full activations of the model chunk's other layers; rebuilding
+    checkpointed layer c holds c inputs and one layer's full activations. A stage of several model
+    chunks holds all of them and rebuilds one at a time. Offloaded layers keep nothing on the device
+    and bring one layer back at a time in backward."""
     r = cfg.recompute
     n_layers = layers if layers is not None else cfg.model.num_layers // cfg.parallel.pipeline_model_parallel_size
     full = layer_activation_bytes(cfg, (), device)
     ckpt = checkpoint_input_bytes(cfg)
     if r.granularity == "full":
-        n = min(r.num_layers, n_layers)
+        per_chunk = min(layers_per_model_chunk(cfg), n_layers)
+        chunks = n_layers // per_chunk
+        n = min(r.num_layers, per_chunk)
         if r.method == "uniform":
-            sizes = [min(n, n_layers - i) for i in range(0, n_layers, n)]
+            sizes = [min(n, per_chunk - i) for i in range(0, per_chunk, n)]
             stored = len(sizes) * ckpt
             peak = max(c * ckpt + size * full for c, size in enumerate(sizes))
         else:
-            stored = n * ckpt + (n_layers - n) * full
+            stored = n * ckpt + (per_chunk - n) * full
             peak = max(stored, (n - 1) * ckpt + full)
-        return StageActivations(n_layers, stored, peak)
+        return StageActivations(n_layers, chunks * stored, (chunks - 1) * stored + peak)
     if r.granularity == "selective":
         per_layer = layer_activation_bytes(cfg, r.modules, device)
         return StageActivations(n_layers, n_layers * per_layer, n_layers * per_layer)
@@ -270,9 +149,9 @@ def loss_saved_bytes(cfg: Config, device: str = "cuda") -> dict[str, float]:
     t_sp = t if par.sequence_parallel else 1
     out = {
         "final_layernorm.input": e * tokens * m.hidden_size / t_sp,
-        "final_layernorm.stats": _norm_stats_bytes(cfg, device, tokens) / t_sp,
+        "final_layernorm.stats": spec_for(m).norm_stats_bytes(cfg, device, tokens) / t_sp,
         "output_layer.input": e * tokens * m.hidden_size / t_sp,
-        "loss.log_probs": FP32_BYTES * tokens * m.vocab_size / t,  # log-softmax output, fp32, vocab-parallel
+        "loss.log_probs": FP32_BYTES * tokens * vocab_rows(cfg) / t,  # log-softmax output, fp32, vocab-parallel
         "loss.total_weight": FP32_BYTES,
     }
     if tr.micro_batch_size > 1:  # labels are a strided view of the token tensor; flattening copies them
@@ -289,9 +168,9 @@ def token_bytes(cfg: Config) -> float:
 
 def loss_workspace_bytes(cfg: Config) -> float:
     """Transient in the loss's backward: the fp32 gradients of the log-probabilities and of the
-    logits, [s, b, v/t] each, while the saved log-probabilities are still held."""
+    logits, [s, b, v/t] each (v padded), while the saved log-probabilities are still held."""
     tr = cfg.training
-    return 2 * FP32_BYTES * tr.seq_length * tr.micro_batch_size * cfg.model.vocab_size / cfg.parallel.tensor_model_parallel_size
+    return 2 * FP32_BYTES * tr.seq_length * tr.micro_batch_size * vocab_rows(cfg) / cfg.parallel.tensor_model_parallel_size
 
 
 def layer_workspace_bytes(cfg: Config, device: str = "cuda") -> float:
@@ -316,16 +195,7 @@ def activation_bytes(cfg: Config, device: str = "cuda") -> dict[str, float]:
 def layer_parameters(cfg: Config) -> dict[str, float]:
     """Parameters of one layer on one tensor-parallel rank: "sharded" (QKV, projections, MLP
     weights and column-parallel biases) and "replicated" (norms, row-parallel biases)."""
-    m, t = cfg.model, cfg.parallel.tensor_model_parallel_size
-    h, f = m.hidden_size, m.ffn_hidden_size
-    qkv = (m.num_attention_heads + 2 * m.groups) * m.kv_channels
-    q = m.num_attention_heads * m.kv_channels
-    fc1 = 2 * f if m.activation == "swiglu" else f
-    bias = 1 if m.add_bias_linear else 0
-    norm = (2 if m.normalization == "LayerNorm" else 1) * h
-    sharded = h * qkv + bias * qkv + q * h + h * fc1 + bias * fc1 + f * h
-    replicated = 2 * norm + bias * 2 * h
-    return {"sharded": sharded / t, "replicated": replicated}
+    return spec_for(cfg.model).layer_parameters(cfg)
 
 
 def stage_parameters(cfg: Config, stage: int) -> float:
@@ -334,7 +204,7 @@ def stage_parameters(cfg: Config, stage: int) -> float:
     p, t = par.pipeline_model_parallel_size, par.tensor_model_parallel_size
     per_layer = sum(layer_parameters(cfg).values())
     n = m.num_layers // p * per_layer
-    vocab = m.vocab_size * m.hidden_size / t
+    vocab = vocab_rows(cfg) * m.hidden_size / t  # the padded vocabulary's rows, sharded over TP
     if stage == 0:
         n += vocab
         if m.position_embedding_type == "learned_absolute":
@@ -449,13 +319,13 @@ def device_bytes_needed(peak_allocated: float, allowance_fraction: float = ALLOW
 
 # ----- FLOPs ------------------------------------------------------------------------------------
 
-def compute(cfg: Config) -> dict[str, float]:
+def compute(cfg: Config, device: str = "cuda") -> dict[str, float]:
     """Model and hardware FLOPs per step, the recompute overhead, and the model TFLOP/s/GPU relative
     to no recompute, assuming the GPU sustains the same hardware FLOP/s (so time scales with
     hardware FLOPs; norm recompute, which adds no GEMM FLOPs, shows as free although it costs some
     memory-bound time)."""
     none = dataclasses.replace(cfg, recompute=RecomputeConfig())
-    hw, hw_none = flops.hardware_flops_per_step(cfg), flops.hardware_flops_per_step(none)
+    hw, hw_none = flops.hardware_flops_per_step(cfg, device), flops.hardware_flops_per_step(none, device)
     return {"model_flops_per_step": flops.model_flops_per_step(cfg), "hardware_flops_per_step": hw,
             "recompute_overhead": hw / hw_none - 1, "relative_tflops_per_gpu": hw_none / hw}
 
@@ -480,6 +350,7 @@ def paper_first_stage_bytes(cfg: Config, recompute: str = "none") -> float:
     both times the interleave factor, and with p = 1 the final norm, output-layer input and fp32
     logits, 4sbh/t (1 + v/h)."""
     m, tr, par = cfg.model, cfg.training, cfg.parallel
+    # the paper's v, the tokenizer's vocabulary (its models' 51200 needs no padding)
     s, b, h, L, v = tr.seq_length, tr.micro_batch_size, m.hidden_size, m.num_layers, m.vocab_size
     t, p, vpp = par.tensor_model_parallel_size, par.pipeline_model_parallel_size, par.virtual_pipeline_model_parallel_size or 1
     # The first stage's p micro-batches in flight hold L layers' worth, and p embedding dropout masks;
@@ -541,12 +412,6 @@ def built_minus_paper_bytes(cfg: Config, device: str = "cuda") -> float:
 
 # ----- settings and the planner ---------------------------------------------------------------------
 
-def selective_settings() -> list[RecomputeConfig]:
-    """Every non-empty subset of the supported selective modules, in Megatron's order."""
-    mods = SUPPORTED_RECOMPUTE_MODULES
-    return [RecomputeConfig("selective", list(c)) for k in range(1, len(mods) + 1) for c in combinations(mods, k)]
-
-
 def _with(cfg: Config, r: RecomputeConfig | None = None, **parallel: Any) -> Config:
     out = dataclasses.replace(cfg, recompute=r if r is not None else cfg.recompute)
     if parallel:
@@ -567,15 +432,15 @@ def setting_estimate(cfg: Config, device: str = "cuda") -> dict[str, Any]:
         "peak_allocated_bytes": rank.peak_allocated_bytes,
         "peak_stage": rank.stage,
         "peak_phase": rank.phase,
-        **compute(cfg),
+        **compute(cfg, device),
     }
 
 
 def listed_settings(cfg: Config, device: str = "cuda") -> list[RecomputeConfig]:
     """The settings `estimate` tabulates: none, every selective subset, full uniform 1 and the
-    uniform chunk with the lowest peak, and full block at a few layer counts."""
-    n_layers = cfg.model.num_layers // cfg.parallel.pipeline_model_parallel_size
-    out = [RecomputeConfig()] + selective_settings() + [RecomputeConfig("full", [], "uniform", 1)]
+    uniform chunk with the lowest peak, and full block at a few layer counts (of a model chunk)."""
+    n_layers = layers_per_model_chunk(cfg)
+    out = [RecomputeConfig()] + selective_settings(spec_for(cfg.model).recompute_targets) + [RecomputeConfig("full", [], "uniform", 1)]
     best = _best_uniform(cfg, n_layers, device)
     if best != 1:
         out.append(RecomputeConfig("full", [], "uniform", best))
@@ -642,8 +507,8 @@ def estimate_report(cfg: Config, device: str = "cuda", allowance_fraction: float
 def _candidates(cfg: Config, device: str) -> list[dict[str, Any]]:
     """Every setting worth planning with: none, each selective subset, the best uniform chunk and
     every block count (uniform chunks all cost the same FLOPs; block trades FLOPs for memory)."""
-    n_layers = cfg.model.num_layers // cfg.parallel.pipeline_model_parallel_size
-    settings = [RecomputeConfig()] + selective_settings()
+    n_layers = layers_per_model_chunk(cfg)
+    settings = [RecomputeConfig()] + selective_settings(spec_for(cfg.model).recompute_targets)
     settings.append(RecomputeConfig("full", [], "uniform", _best_uniform(cfg, n_layers, device)))
     settings += [RecomputeConfig("full", [], "block", n) for n in range(1, n_layers + 1)]
     return [setting_estimate(_with(cfg, r), device) for r in settings]
@@ -729,7 +594,7 @@ def _what_would_fit(cfg: Config, budget: float, device: str, fraction: float, fi
     without = device_bytes_needed(rank.peak_allocated_bytes - state, fraction, fixed)
     out.append({"change": "offload the optimizer state to host memory (with full uniform 1)", "fits": without <= budget,
                 "setting": "full uniform 1", "device_bytes_needed": without,
-                "recompute_overhead": compute(_with(cfg, RecomputeConfig("full", [], "uniform", 1)))["recompute_overhead"]})
+                "recompute_overhead": compute(_with(cfg, RecomputeConfig("full", [], "uniform", 1)), device)["recompute_overhead"]})
     return out
 
 
@@ -739,7 +604,7 @@ def record_estimate(cfg: Config, device: str) -> dict[str, float]:
     return {
         "estimated_activation_bytes": acts["activation_bytes"],
         "estimated_activation_bytes_per_layer": acts["activation_bytes_per_layer"],
-        "estimated_hardware_flops_per_step": flops.hardware_flops_per_step(cfg),
+        "estimated_hardware_flops_per_step": flops.hardware_flops_per_step(cfg, device),
         "estimated_peak_allocated_bytes": peak_rank_memory(cfg, device).peak_allocated_bytes,
     }
 

@@ -30,7 +30,6 @@ import threading
 import time
 import tomllib
 from dataclasses import dataclass
-from itertools import combinations
 from pathlib import Path
 from typing import Any, Callable, Iterable
 
@@ -38,7 +37,7 @@ from recompute_bench.spec.config import SUPPORTED_RECOMPUTE_MODULES, Config, Con
 from recompute_bench.launch.process import run_isolated
 from recompute_bench.results.records import point_id
 from recompute_bench.results.store import PLAN_FILE, RESULTS_FILE, RunLock, append_record, load_records, write_json_atomic
-from recompute_bench.measure.verify import all_settings
+from recompute_bench.recompute.settings import all_settings, full_settings, selective_settings
 from recompute_bench.launch.worker import config_from_dict, config_to_dict
 from recompute_bench.spec.presets import resolve
 
@@ -86,8 +85,7 @@ def expand(*, num_layers: int, modules: list[str] | None = None, methods: list[s
         if not named:
             raise ConfigError("--modules names no module, so it expands to no setting; pass for example "
                               f"--modules {' '.join(SUPPORTED_RECOMPUTE_MODULES)}, or use --baseline for no recompute")
-        settings += [RecomputeConfig("selective", list(c)) for k in range(1, len(named) + 1)
-                     for c in combinations(named, k)]
+        settings += selective_settings(named)
     if methods is not None and not num_layers_recompute:
         raise ConfigError("--methods needs --num-layers-recompute (the N of each full setting); "
                           "pass for example --methods uniform block --num-layers-recompute 1 2")
@@ -98,8 +96,7 @@ def expand(*, num_layers: int, modules: list[str] | None = None, methods: list[s
                 notes.append("--num-layers-recompute without --methods means method block (as Megatron Bridge's -rl)")
         if not methods:
             raise ConfigError("--methods names no method; pass --methods uniform, block or both")
-        settings += [RecomputeConfig("full", method=m, num_layers=n)
-                     for m in dict.fromkeys(methods) for n in dict.fromkeys(num_layers_recompute)]
+        settings += full_settings(methods, num_layers_recompute)
     unique: dict[str, RecomputeConfig] = {}
     for s in settings:
         unique.setdefault(s.label, s)

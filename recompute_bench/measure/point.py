@@ -255,7 +255,7 @@ def unmeasured_metrics(cfg: Config, device_type: str) -> dict[str, Any]:
         "step_time_s": None, "step_times_s": [], "tflops_per_gpu": None, "tokens_per_s_per_gpu": None,
         "mfu": None, "hfu": None,
         "model_flops_per_step": flops.model_flops_per_step(cfg),
-        "hardware_flops_per_step": flops.hardware_flops_per_step(cfg),
+        "hardware_flops_per_step": flops.hardware_flops_per_step(cfg, device_type),
         "measured_flops_per_step": None,
         "activation_bytes": None, "activation_bytes_per_layer": None,
         "num_parameters": None, "loss": None,

@@ -15,12 +15,11 @@ import torch
 
 from recompute_bench.models.dense.layers import build_model
 from recompute_bench.recompute.apply import apply_recompute
-from recompute_bench.recompute.settings import all_settings
 from recompute_bench.spec.config import Config, RecomputeConfig
 
 VERIFY_DROPOUT = 0.1
 
-__all__ = ["Outcome", "all_settings", "fp32_with_dropout", "loss_and_grads", "verify"]
+__all__ = ["Outcome", "fp32_with_dropout", "loss_and_grads", "verify"]
 
 
 @dataclass

@@ -1,0 +1,100 @@
+"""Model specs: one per architecture, what the analysis needs to know about a model without building it.
+
+A spec is pure Python (it imports no torch), so `estimate` and `plan` start at once and run
+anywhere. Its methods take a resolved `Config` and answer, for one layer of the architecture:
+
+- FLOPs: forward and backward per part, as the kernels run them and `FlopCounterMode` counts them
+  (`layer_flops`), what each selective target repeats (`selective_recompute_flops`), and the layer's
+  term of Megatron's model FLOPs (`layer_model_flops`); the same for the output layer;
+- bytes: the storages one layer keeps for backward, by name (`layer_saved_bytes`), and a norm's
+  statistics (`norm_stats_bytes`);
+- parameters of one layer on one tensor-parallel rank (`layer_parameters`);
+- the selective recompute targets it offers (`recompute_targets`);
+- `build()`: the torch model, imported only when called.
+
+Adding an architecture (MoE, MLA) is one new module with a class like `dense.spec.DenseSpec` and a
+line in `spec_for`. What is the same for every architecture (units, the vocabulary's padding, the
+`SavedBytes` bookkeeping) lives here.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Iterable, Protocol
+
+from recompute_bench.spec.config import Config, ModelConfig
+
+ELEMENT_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
+FP32_BYTES = 4
+MASK_BYTES = 1      # dropout keeps a bool mask (native_dropout)
+INDEX_BYTES = 8     # int64 token ids and labels
+
+
+def device_kind(device: str) -> str:
+    """"cuda" or "cpu" from a torch device string ("cuda:1" -> "cuda")."""
+    return "cpu" if str(device).split(":")[0] == "cpu" else "cuda"
+
+
+def vocab_rows(cfg: Config) -> int:
+    """Rows of the word embedding and the output layer: Megatron's padded vocabulary (a multiple of
+    make_vocab_size_divisible_by x tensor-parallel size), which its FLOPs and memory count."""
+    return cfg.model.padded_vocab_size(cfg.parallel.tensor_model_parallel_size)
+
+
+@dataclass(frozen=True)
+class Work:
+    """FLOPs of one part for some samples: its forward, and its backward as its kernels run it."""
+
+    forward: float
+    backward: float
+
+    @property
+    def total(self) -> float:
+        """Forward plus backward."""
+        return self.forward + self.backward
+
+
+class SavedBytes:
+    """Storages kept for backward, by name: a name added twice is one storage (the probe
+    de-duplicates storages the same way), each with how it splits under tensor parallelism
+    ("tp": always by t; "sp": by t only with sequence parallelism; "none": never)."""
+
+    def __init__(self) -> None:
+        self.items: dict[str, tuple[float, str]] = {}
+
+    def add(self, name: str, nbytes: float, split: str) -> None:
+        """Record storage `name` unless it is already there."""
+        self.items.setdefault(name, (nbytes, split))
+
+    def per_rank(self, t: int, sp: bool) -> dict[str, float]:
+        """Bytes per storage on one of `t` tensor-parallel ranks."""
+        return {name: nbytes / t if split == "tp" or (split == "sp" and sp) else nbytes
+                for name, (nbytes, split) in self.items.items()}
+
+
+class ModelSpec(Protocol):
+    """What every architecture's spec answers (see the module docstring). `samples` is a number of
+    sequences (default: one micro-batch); `device` a torch device string, which picks the kernels."""
+
+    name: str
+    recompute_targets: tuple[str, ...]
+
+    def attention_kernel(self, cfg: Config, device: str = "cuda") -> str: ...
+    def layer_flops(self, cfg: Config, samples: int | None = None, device: str = "cuda") -> dict[str, Work]: ...
+    def selective_recompute_flops(self, cfg: Config, modules: Iterable[str], samples: int | None = None,
+                                  device: str = "cuda") -> float: ...
+    def layer_model_flops(self, cfg: Config, samples: int | None = None) -> float: ...
+    def output_layer_flops(self, cfg: Config, samples: int | None = None) -> Work: ...
+    def logits_model_flops(self, cfg: Config, samples: int | None = None) -> float: ...
+    def layer_saved_bytes(self, cfg: Config, modules: Iterable[str] = (), device: str = "cuda") -> dict[str, float]: ...
+    def norm_stats_bytes(self, cfg: Config, device: str, tokens: int) -> float: ...
+    def layer_parameters(self, cfg: Config) -> dict[str, float]: ...
+    def build(self, cfg: Config, device: Any = "cpu", dtype: Any = None) -> Any: ...
+
+
+def spec_for(model: ModelConfig) -> ModelSpec:
+    """The spec of the architecture `model` describes. Only the dense GPT is built so far; MoE and
+    MLA configs will pick their own spec here."""
+    from recompute_bench.models.dense.spec import DENSE  # here, not at the top: dense.spec imports this module
+
+    return DENSE

@@ -120,8 +120,3 @@ def apply_recompute(model: nn.Module, r: RecomputeConfig) -> nn.Module:
     """Install the (validated) Megatron setting `r` on every layer of `model`; returns it."""
     return apply_policies(model, layer_policies(r, len(model.layers)))
 
-
-def recomputed_layers(r: RecomputeConfig, num_layers: int) -> int:
-    """How many layers full recompute re-runs in backward (0 unless full)."""
-    from recompute_bench.recompute.policy import recomputed_layers as count
-    return count(layer_policies(r, num_layers))

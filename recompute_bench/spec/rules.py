@@ -9,9 +9,30 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+from recompute_bench.models import spec_for
 from recompute_bench.spec.config import (ACTIVATIONS, ATTENTION_BACKENDS, GRANULARITIES, METHODS, NORMALIZATIONS,
                                          POSITION_EMBEDDINGS, PRECISIONS, RECOMPUTE_MODULES, SECTIONS,
-                                         SUPPORTED_RECOMPUTE_MODULES, _MODULE_NEEDS, Config, ConfigError)
+                                         _MODULE_NEEDS, Config, ConfigError)
+
+VPP_FLAG = "--set parallel.virtual_pipeline_model_parallel_size"
+
+
+def layers_per_model_chunk(cfg: Config) -> int:
+    """Layers of one model chunk: a pipeline stage's layers, split over its virtual stages when the
+    interleaved schedule is on. Megatron builds one TransformerBlock per chunk and applies full
+    recompute's method and `recompute_num_layers` within each."""
+    p = cfg.parallel
+    return cfg.model.num_layers // p.pipeline_model_parallel_size // (p.virtual_pipeline_model_parallel_size or 1)
+
+
+def _chunk_words(cfg: Config) -> str:
+    """Where the bound on recompute_num_layers comes from, for messages."""
+    p = cfg.parallel
+    stage = cfg.model.num_layers // p.pipeline_model_parallel_size
+    if p.virtual_pipeline_model_parallel_size:
+        return (f"layers per model chunk: {stage} per pipeline stage / virtual_pipeline_model_parallel_size "
+                f"{p.virtual_pipeline_model_parallel_size}")
+    return "layers per pipeline stage"
 
 
 def _choice(name: str, value: Any, choices: tuple, fix: str) -> None:
@@ -21,7 +42,7 @@ def _choice(name: str, value: Any, choices: tuple, fix: str) -> None:
 
 def validate(cfg: Config) -> None:
     """Apply Megatron Core's recompute rules and the model's own shape rules; raise ConfigError."""
-    m, t, p, r = cfg.model, cfg.training, cfg.parallel, cfg.recompute
+    m, t, p = cfg.model, cfg.training, cfg.parallel
 
     for name, value in (("num_layers", m.num_layers), ("hidden_size", m.hidden_size),
                         ("num_attention_heads", m.num_attention_heads), ("ffn_hidden_size", m.ffn_hidden_size),
@@ -66,10 +87,15 @@ def validate(cfg: Config) -> None:
     if m.num_layers % p.pipeline_model_parallel_size:
         raise ConfigError(f"num_layers {m.num_layers} is not divisible by pipeline_model_parallel_size "
                           f"{p.pipeline_model_parallel_size}; change --num-layers or --pipeline-model-parallel-size")
-    vpp = p.virtual_pipeline_model_parallel_size
-    if vpp is not None and (vpp < 1 or (m.num_layers // p.pipeline_model_parallel_size) % vpp):
-        raise ConfigError(f"virtual_pipeline_model_parallel_size {vpp} must divide the "
-                          f"{m.num_layers // p.pipeline_model_parallel_size} layers of each pipeline stage")
+    vpp, stage_layers = p.virtual_pipeline_model_parallel_size, m.num_layers // p.pipeline_model_parallel_size
+    if vpp is not None and p.pipeline_model_parallel_size == 1:
+        # Megatron: the interleaved schedule needs pipeline-model-parallel size greater than 1.
+        raise ConfigError(f"virtual_pipeline_model_parallel_size {vpp} needs pipeline parallelism (the interleaved "
+                          f"schedule splits each pipeline stage into model chunks); pass --pipeline-model-parallel-size 2 "
+                          f"or more, or drop {VPP_FLAG}")
+    if vpp is not None and (not isinstance(vpp, int) or vpp < 1 or stage_layers % vpp):
+        raise ConfigError(f"virtual_pipeline_model_parallel_size {vpp} must divide the {stage_layers} layers of each "
+                          f"pipeline stage; pass {VPP_FLAG}=M with M dividing {stage_layers}")
     if t.global_batch_size % (t.micro_batch_size * p.data_parallel_size):
         raise ConfigError(f"global_batch_size {t.global_batch_size} is not divisible by micro_batch_size "
                           f"{t.micro_batch_size} x data_parallel_size {p.data_parallel_size}; "
@@ -80,14 +106,16 @@ def validate(cfg: Config) -> None:
 
 def _validate_recompute(cfg: Config) -> None:
     m, p, r = cfg.model, cfg.parallel, cfg.recompute
-    layers_per_stage = m.num_layers // p.pipeline_model_parallel_size
+    chunk, offered = layers_per_model_chunk(cfg), spec_for(m).recompute_targets
     _choice("recompute_granularity", r.granularity, GRANULARITIES, "pass --recompute-granularity none, selective or full")
 
     # CPU offloading is checked first, as Megatron does.
     if r.activation_offload_layers:
         if not 0 < r.activation_offload_layers < m.num_layers:
             raise ConfigError(f"activation_offload_layers must lie between 1 and {m.num_layers - 1} "
-                              f"(CPU offloading can be done only for layers less than num_layers), got {r.activation_offload_layers}")
+                              f"(CPU offloading can be done only for layers less than num_layers), got "
+                              f"{r.activation_offload_layers}; pass --activation-offload-layers N with N from 1 to "
+                              f"{m.num_layers - 1}")
         if p.pipeline_model_parallel_size > 1:
             raise ConfigError("CPU offloading is not supported with pipeline parallelism; drop --activation-offload-layers or use --pipeline-model-parallel-size 1")
         if r.granularity != "none":
@@ -98,17 +126,20 @@ def _validate_recompute(cfg: Config) -> None:
         _choice("recompute_method", r.method, METHODS, "pass --recompute-method uniform or block")
     unknown = [x for x in r.modules if x not in RECOMPUTE_MODULES]
     if unknown:
-        raise ConfigError(f"unknown recompute module(s) {', '.join(unknown)}; allowed: {', '.join(RECOMPUTE_MODULES)}")
+        lacking = [x for x in RECOMPUTE_MODULES if x not in offered]
+        raise ConfigError(f"unknown recompute module(s) {', '.join(unknown)}; pass --recompute-modules with any of "
+                          f"{', '.join(offered)}" + (f" ({', '.join(lacking)} need MoE or MLA layers, which the model "
+                                                     f"built here does not have)" if lacking else ""))
 
     if r.granularity == "full":
         if r.method is None:
             raise ConfigError('recompute_granularity full needs recompute_method "uniform" or "block"; pass --recompute-method uniform')
         if r.num_layers is None:
-            raise ConfigError(f"recompute_granularity full needs recompute_num_layers between 1 and {layers_per_stage} "
-                              f"(layers per pipeline stage); pass --recompute-num-layers N")
-        if not 1 <= r.num_layers <= layers_per_stage:
-            raise ConfigError(f"recompute_num_layers {r.num_layers} must lie between 1 and {layers_per_stage} "
-                              f"(layers per pipeline stage); pass --recompute-num-layers N")
+            raise ConfigError(f"recompute_granularity full needs recompute_num_layers between 1 and {chunk} "
+                              f"({_chunk_words(cfg)}); pass --recompute-num-layers N")
+        if not 1 <= r.num_layers <= chunk:
+            raise ConfigError(f"recompute_num_layers {r.num_layers} must lie between 1 and {chunk} "
+                              f"({_chunk_words(cfg)}); pass --recompute-num-layers N")
         if r.modules:
             raise ConfigError("recompute_modules apply to selective recompute only; drop --recompute-modules "
                               "or pass --recompute-granularity selective")
@@ -120,9 +151,9 @@ def _validate_recompute(cfg: Config) -> None:
             raise ConfigError("recompute_method is not supported with recompute_granularity selective; "
                               "drop --recompute-method or pass --recompute-granularity full")
         for module in r.modules:
-            if module not in SUPPORTED_RECOMPUTE_MODULES:
+            if module not in offered:
                 raise ConfigError(f"recompute module {module} needs {_MODULE_NEEDS[module]}, which the model built here "
-                                  f"does not have yet; choose from {', '.join(SUPPORTED_RECOMPUTE_MODULES)}")
+                                  f"does not have yet; choose from {', '.join(offered)}")
     else:
         for name, value in (("recompute_method", r.method), ("recompute_num_layers", r.num_layers)):
             if value is not None:
@@ -134,11 +165,13 @@ def _validate_recompute(cfg: Config) -> None:
 
     if r.distribute_saved_activations:
         if p.tensor_model_parallel_size <= 1:
-            raise ConfigError("distribute_saved_activations needs tensor parallelism (TP > 1); drop it or raise --tensor-model-parallel-size")
+            raise ConfigError("distribute_saved_activations needs tensor parallelism (TP > 1); pass "
+                              "--tensor-model-parallel-size 2 or more, or drop --set recompute.distribute_saved_activations=true")
         if r.granularity != "full":
             raise ConfigError("distribute_saved_activations applies to full recompute only; pass --recompute-granularity full")
         if p.sequence_parallel:
-            raise ConfigError("distribute_saved_activations must be false when sequence parallelism is enabled; drop one of them")
+            raise ConfigError("distribute_saved_activations must be false when sequence parallelism is enabled; drop "
+                              "--sequence-parallel or --set recompute.distribute_saved_activations=true")
 
 
 def _section_of(name: str) -> str:

@@ -184,10 +184,12 @@ class GPT(nn.Module):
 def build_model(cfg: ModelConfig, seed: int, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32,
                 backend: str = "torch") -> GPT:
     """Build on the meta device, materialise on `device`, initialise from `seed`, cast to `dtype`.
-    Two builds with the same seed on the same device are identical."""
+    Two builds with the same seed on the same device are identical. On "meta" (shapes only, as
+    FLOP counting uses it) nothing is initialised."""
     with torch.device("meta"):
         model = GPT(cfg, backend)
     model.to_empty(device=device)
     model.tie_weights()
-    model.init_weights(seed)
+    if torch.device(device).type != "meta":
+        model.init_weights(seed)
     return model.to(dtype=dtype)

@@ -1,0 +1,250 @@
+"""The dense GPT's spec: one pre-norm layer of `layers.py`, counted without building it (no torch).
+
+    x = x + dropout(linear_proj(core_attention(rope(linear_qkv(input_layernorm(x))))))
+    x = x + dropout(linear_fc2(act(linear_fc1(pre_mlp_layernorm(x)))))
+
+FLOPs are GEMMs only, as `torch.utils.flop_counter.FlopCounterMode` counts them: 2 per multiply-add,
+attention over the full s x s square (its formulas ignore the causal mask), and a backward that is
+what the kernel runs: a linear's backward is two GEMMs of its forward's size (data and weight
+gradient); core attention's depends on the kernel (see `attention_kernel`). Megatron's model FLOPs
+(`layer_model_flops`) are a different count: 3 passes x the forward GEMMs, causal half of attention.
+
+Saved bytes are the storages the layer keeps for backward, named one by one and checked against the
+saved-tensor probe in the tests. Under tensor parallelism t they split the paper's way: what lies
+inside the column/row-parallel region (q, k, v, the attention scores, the MLP's wide activations)
+divides by t; what lies outside (norm inputs and outputs, dropout masks, norm statistics) divides by
+t only with sequence parallelism.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Iterable
+
+from recompute_bench.models import (ELEMENT_BYTES, FP32_BYTES, MASK_BYTES, SavedBytes, Work, device_kind,
+                                    vocab_rows)
+from recompute_bench.spec.config import Config
+
+# Matmuls core attention runs per pass, each of 2·b·s²·(a·d) FLOPs: QK^T and times V forward; the
+# backward's gradients of both (4), plus, for a kernel that kept no scores, QK^T once more.
+_CORE_ATTN_FORWARD_MATMULS = 2
+_CORE_ATTN_BACKWARD_MATMULS = {"math": 4, "sdpa_math": 4, "fused": 5}
+
+
+class DenseSpec:
+    """The dense GPT (GPT-3 and Llama layers: LayerNorm or RMSNorm, GeLU or SwiGLU, MHA or GQA,
+    learned or rotary positions)."""
+
+    name = "dense"
+    recompute_targets = ("core_attn", "mlp", "layernorm")
+    """Selective recompute targets this layer has, in Megatron's order."""
+
+    # ----- kernels ------------------------------------------------------------------------------
+
+    def attention_kernel(self, cfg: Config, device: str = "cuda") -> str:
+        """What the core attention runs on `device`, which decides what it saves and what its
+        backward computes:
+
+        - "math": the model's explicit QK^T, softmax, dropout, times V (`--attention-backend math`);
+        - "fused": torch's flash / memory-efficient / cuDNN kernel on CUDA, or its flash kernel on a
+          CPU. It saves q, k, v, its output and an fp32 log-sum-exp per query, no s² tensor, so its
+          backward recomputes QK^T before the four gradient matmuls: five matmuls, where the others
+          run four (torch/utils/flop_counter.py `sdpa_backward_flop_count`, registered for
+          `_scaled_dot_product_{flash,efficient,cudnn}_attention_backward`). The CPU flash kernel
+          (`cpu_flash_attention_backward`) runs the same five GEMMs per block, but has no formula
+          registered, so `FlopCounterMode` on a CPU counts none of its FLOPs;
+        - "sdpa_math": torch's own math fallback inside `scaled_dot_product_attention`, which upcasts
+          16-bit inputs to fp32 and keeps the s² tensors in fp32. torch's CPU flash kernel has no
+          dropout, so sdpa with attention dropout on a CPU lands here; on CUDA only fp32 with grouped
+          query attention does (flash needs 16-bit, memory-efficient has no GQA).
+        """
+        m = cfg.model
+        if m.attention_backend == "math":
+            return "math"
+        if device_kind(device) == "cpu":
+            return "sdpa_math" if m.attention_dropout > 0 else "fused"
+        if cfg.training.precision == "fp32" and m.groups != m.num_attention_heads:
+            return "sdpa_math"
+        return "fused"
+
+    # ----- FLOPs ----------------------------------------------------------------------------------
+
+    def layer_flops(self, cfg: Config, samples: int | None = None, device: str = "cuda") -> dict[str, Work]:
+        """FLOPs of one layer for `samples` sequences (default: one micro-batch), part by part:
+        "qkv_proj", "core_attn", "out_proj", "mlp"."""
+        m, s = cfg.model, cfg.training.seq_length
+        b = cfg.training.micro_batch_size if samples is None else samples
+        h, tokens = m.hidden_size, b * s
+        q, kv = m.kv_channels * m.num_attention_heads, m.kv_channels * m.groups
+        fc_widths = 3 if m.activation == "swiglu" else 2  # fc1 is h -> 2f under SwiGLU, fc2 f -> h
+
+        def linear(forward: float) -> Work:
+            return Work(forward, 2 * forward)
+
+        matmul = 2 * b * s * s * q  # one [b, a, s, d] x [b, a, d, s] product (or its transpose)
+        kernel = self.attention_kernel(cfg, device)
+        return {
+            "qkv_proj": linear(2 * tokens * h * (q + 2 * kv)),
+            "core_attn": Work(_CORE_ATTN_FORWARD_MATMULS * matmul, _CORE_ATTN_BACKWARD_MATMULS[kernel] * matmul),
+            "out_proj": linear(2 * tokens * q * h),
+            "mlp": linear(2 * tokens * h * m.ffn_hidden_size * fc_widths),
+        }
+
+    def selective_recompute_flops(self, cfg: Config, modules: Iterable[str], samples: int | None = None,
+                                  device: str = "cuda") -> float:
+        """Forward FLOPs one layer runs again in backward when `modules` are recomputed selectively
+        (`layernorm` re-runs a norm only: no GEMM)."""
+        parts = self.layer_flops(cfg, samples, device)
+        return sum(parts[x].forward for x in set(modules) & {"core_attn", "mlp"})
+
+    def layer_model_flops(self, cfg: Config, samples: int | None = None) -> float:
+        """One layer's term of Megatron's model FLOPs (`num_floating_point_operations`) for `samples`
+        sequences: 3 passes (forward, data and weight gradient) x 2 per multiply-add over the QKV
+        (GQA: smaller k and v), output-projection and MLP (SwiGLU: a third matrix) GEMMs, plus QK^T
+        and times V over the causal half of the square. Recompute is never counted."""
+        m, s = cfg.model, cfg.training.seq_length
+        b = cfg.training.micro_batch_size if samples is None else samples
+        h = m.hidden_size
+        q, kv = m.kv_channels * m.num_attention_heads, m.kv_channels * m.groups
+        ffn_matrices = 3 if m.activation == "swiglu" else 2
+        per_token = 3 * 2 * (h * (q + 2 * kv) + q * h + ffn_matrices * h * m.ffn_hidden_size)
+        core = 3 * 2 * (2 * q) // 2  # per query-key pair: QK^T and times V, the causal half
+        return b * s * per_token + b * s * s * core
+
+    def output_layer_flops(self, cfg: Config, samples: int | None = None) -> Work:
+        """The output layer over Megatron's padded vocabulary (a linear: backward twice forward)."""
+        b = cfg.training.micro_batch_size if samples is None else samples
+        forward = 2 * b * cfg.training.seq_length * cfg.model.hidden_size * vocab_rows(cfg)
+        return Work(forward, 2 * forward)
+
+    def logits_model_flops(self, cfg: Config, samples: int | None = None) -> float:
+        """The logits term of Megatron's model FLOPs: 3 x 2 x h x padded vocabulary per token."""
+        b = cfg.training.micro_batch_size if samples is None else samples
+        return 3 * 2 * b * cfg.training.seq_length * cfg.model.hidden_size * vocab_rows(cfg)
+
+    # ----- bytes ----------------------------------------------------------------------------------
+
+    def norm_stats_bytes(self, cfg: Config, device: str, tokens: int) -> float:
+        """Statistics one norm saves for `tokens` positions: RMSNorm's fp32 rstd; LayerNorm's mean
+        and rstd, which torch keeps in fp32 on CUDA and in the parameters' dtype on a CPU."""
+        if cfg.model.normalization == "RMSNorm":
+            return FP32_BYTES * tokens
+        per = FP32_BYTES if device_kind(device) == "cuda" else ELEMENT_BYTES[cfg.training.precision]
+        return 2 * per * tokens
+
+    def layer_saved_bytes(self, cfg: Config, modules: Iterable[str] = (), device: str = "cuda") -> dict[str, float]:
+        """Bytes one layer keeps for backward for one micro-batch on one tensor-parallel rank,
+        storage by storage, when the layer is not inside a full-recompute checkpoint and `modules`
+        are recomputed selectively."""
+        m, tr, par = cfg.model, cfg.training, cfg.parallel
+        e = ELEMENT_BYTES[tr.precision]
+        s, b, h = tr.seq_length, tr.micro_batch_size, m.hidden_size
+        f = m.ffn_hidden_size
+        tokens, q_width, kv_width = s * b, m.num_attention_heads * m.kv_channels, m.groups * m.kv_channels
+        mods = set(modules)
+        saved = SavedBytes()
+
+        # Attention block: input_layernorm -> linear_qkv -> (RoPE) -> core attention -> linear_proj -> dropout.
+        saved.add("layer_input", e * tokens * h, "sp")  # the norm (or its recompute function) keeps its input
+        if "layernorm" not in mods:  # layernorm recompute frees the output and keeps no statistics
+            saved.add("input_layernorm.stats", self.norm_stats_bytes(cfg, device, tokens), "sp")
+            saved.add("input_layernorm.output", e * tokens * h, "sp")  # linear_qkv's input
+        qkv = ("linear_qkv.output", e * tokens * (q_width + 2 * kv_width))
+        rope = m.position_embedding_type == "rope"
+        # q, k, v are views of the fused QKV output; RoPE makes new q and k, but v stays a view, so the
+        # whole QKV output stays alive whenever v is saved as it is.
+        sources = {"q": ("rope.q", e * tokens * q_width) if rope else qkv,
+                   "k": ("rope.k", e * tokens * kv_width) if rope else qkv,
+                   "v": qkv}
+        if "core_attn" in mods:
+            for name, nbytes in sources.values():  # the checkpoint saves q, k and v
+                saved.add(name, nbytes, "tp")
+            saved.add("core_attention.output", e * tokens * q_width, "tp")  # linear_proj's input
+        else:
+            self._core_attention(saved, cfg, device, sources)
+        if m.hidden_dropout > 0:
+            saved.add("attention.dropout_mask", MASK_BYTES * tokens * h, "sp")
+
+        # MLP block: pre_mlp_layernorm -> fc1 -> GeLU or SwiGLU -> fc2 -> dropout.
+        saved.add("pre_mlp_layernorm.input", e * tokens * h, "sp")
+        if "layernorm" not in mods:
+            saved.add("pre_mlp_layernorm.stats", self.norm_stats_bytes(cfg, device, tokens), "sp")
+            saved.add("pre_mlp_layernorm.output", e * tokens * h, "sp")  # fc1's input, or the mlp checkpoint's
+        if "mlp" not in mods:
+            swiglu = m.activation == "swiglu"
+            saved.add("linear_fc1.output", e * tokens * f * (2 if swiglu else 1), "tp")  # activation's input
+            if swiglu:
+                saved.add("mlp.silu_output", e * tokens * f, "tp")  # silu(gate), kept by the product
+            saved.add("linear_fc2.input", e * tokens * f, "tp")
+        if m.hidden_dropout > 0:
+            saved.add("mlp.dropout_mask", MASK_BYTES * tokens * h, "sp")
+        return saved.per_rank(par.tensor_model_parallel_size, par.sequence_parallel)
+
+    def _core_attention(self, saved: SavedBytes, cfg: Config, device: str, sources: dict[str, tuple[str, float]]) -> None:
+        """What core attention keeps when it is not recomputed (see `attention_kernel`)."""
+        m, tr = cfg.model, cfg.training
+        e = ELEMENT_BYTES[tr.precision]
+        s, b, a = tr.seq_length, tr.micro_batch_size, m.num_attention_heads
+        tokens, q_width = s * b, a * m.kv_channels
+        gqa = m.groups != a
+        scores = a * s * s * b  # elements of one [b, a, s, s] tensor
+        kernel = self.attention_kernel(cfg, device)
+        if kernel == "fused":
+            for name, nbytes in sources.values():
+                saved.add(name, nbytes, "tp")
+            saved.add("core_attention.output", e * tokens * q_width, "tp")  # also linear_proj's input (a view)
+            saved.add("core_attention.logsumexp", FP32_BYTES * b * a * s, "tp")
+            return
+        # matmul folds [b, heads, s, d] into [b*heads, s, d]: a view for b = 1, a copy of the transposed
+        # view for b > 1, so a saved operand is either its source storage or a fresh copy.
+        copy = b > 1
+        full_width = e * tokens * q_width
+        if kernel == "math":
+            saved.add(*(("core_attention.q", full_width) if copy else sources["q"]), "tp")
+            for x in ("k", "v"):  # GQA repeats k and v to every head first: a fresh tensor either way
+                saved.add(*((f"core_attention.{x}", full_width) if gqa or copy else sources[x]), "tp")
+            saved.add("core_attention.softmax", e * scores, "tp")
+            if m.attention_dropout > 0:
+                saved.add("core_attention.dropout_mask", MASK_BYTES * scores, "tp")
+                saved.add("core_attention.dropout_output", e * scores, "tp")
+        else:  # sdpa's math fallback: q and k scaled in fp32, v upcast (or repeated) unless already fp32 MHA
+            acc = FP32_BYTES
+            saved.add("core_attention.q", acc * tokens * q_width, "tp")
+            saved.add("core_attention.k", acc * tokens * q_width, "tp")
+            fresh_v = gqa or e < acc or copy
+            saved.add(*(("core_attention.v", acc * tokens * q_width) if fresh_v else sources["v"]), "tp")
+            saved.add("core_attention.softmax", acc * scores, "tp")
+            if m.attention_dropout > 0:
+                # torch's own dropout there: a bool mask on CUDA, the scaled fp32 noise on a CPU
+                mask = MASK_BYTES if device_kind(device) == "cuda" else acc
+                saved.add("core_attention.dropout_mask", mask * scores, "tp")
+                saved.add("core_attention.dropout_output", acc * scores, "tp")
+        saved.add("core_attention.output", e * tokens * q_width, "tp")  # the [b, s, h] copy linear_proj keeps
+
+    # ----- parameters -----------------------------------------------------------------------------
+
+    def layer_parameters(self, cfg: Config) -> dict[str, float]:
+        """Parameters of one layer on one tensor-parallel rank: "sharded" (QKV, projections, MLP
+        weights and column-parallel biases) and "replicated" (norms, row-parallel biases)."""
+        m, t = cfg.model, cfg.parallel.tensor_model_parallel_size
+        h, f = m.hidden_size, m.ffn_hidden_size
+        qkv = (m.num_attention_heads + 2 * m.groups) * m.kv_channels
+        q = m.num_attention_heads * m.kv_channels
+        fc1 = 2 * f if m.activation == "swiglu" else f
+        bias = 1 if m.add_bias_linear else 0
+        norm = (2 if m.normalization == "LayerNorm" else 1) * h
+        sharded = h * qkv + bias * qkv + q * h + h * fc1 + bias * fc1 + f * h
+        replicated = 2 * norm + bias * 2 * h
+        return {"sharded": sharded / t, "replicated": replicated}
+
+    # ----- building -------------------------------------------------------------------------------
+
+    def build(self, cfg: Config, device: Any = "cpu", dtype: Any = None) -> Any:
+        """The torch model (`layers.py`), seeded with cfg.training.seed; torch is imported here only."""
+        from recompute_bench.models.dense.layers import build_model
+
+        if dtype is None:
+            return build_model(cfg.model, cfg.training.seed, device)
+        return build_model(cfg.model, cfg.training.seed, device, dtype)
+
+
+DENSE = DenseSpec()

@@ -1,0 +1,99 @@
+"""Megatron's validation rules as the user meets them: one exact line naming the problem and the
+fix, exit code 2; and the interleaved schedule's model chunks in validation and in the estimate."""
+
+import dataclasses
+
+import pytest
+
+from conftest import config, invoke
+from recompute_bench.analysis import flops
+from recompute_bench.analysis import memory as E
+from recompute_bench.spec.config import ConfigError, RecomputeConfig
+
+FULL = ["--recompute-granularity", "full", "--recompute-method"]
+VPP = "parallel.virtual_pipeline_model_parallel_size"
+
+REFUSED = [
+    # Megatron refuses the interleaved schedule without pipeline parallelism (tiny: 4 layers, p = 1).
+    (["estimate", "--set", f"{VPP}=2"],
+     "virtual_pipeline_model_parallel_size 2 needs pipeline parallelism (the interleaved schedule splits each "
+     "pipeline stage into model chunks); pass --pipeline-model-parallel-size 2 or more, or drop --set "
+     "parallel.virtual_pipeline_model_parallel_size"),
+    # gpt3-175b at p = 8: 12 layers per stage, which 5 virtual stages do not divide.
+    (["estimate", "-w", "gpt3-175b", "--pp", "8", "--set", f"{VPP}=5"],
+     "virtual_pipeline_model_parallel_size 5 must divide the 12 layers of each pipeline stage; pass --set "
+     "parallel.virtual_pipeline_model_parallel_size=M with M dividing 12"),
+    # ... and with 3 virtual stages each model chunk has 4 layers: Megatron applies recompute_num_layers
+    # within a chunk, so 5 is out of range although the stage has 12.
+    (["estimate", "-w", "gpt3-175b", "--pp", "8", "--set", f"{VPP}=3", *FULL, "block", "--recompute-num-layers", "5"],
+     "recompute_num_layers 5 must lie between 1 and 4 (layers per model chunk: 12 per pipeline stage / "
+     "virtual_pipeline_model_parallel_size 3); pass --recompute-num-layers N"),
+    (["run", "--activation-offload-layers", "4"],
+     "activation_offload_layers must lie between 1 and 3 (CPU offloading can be done only for layers less than "
+     "num_layers), got 4; pass --activation-offload-layers N with N from 1 to 3"),
+    (["estimate", "--set", "recompute.distribute_saved_activations=true", *FULL, "uniform", "--recompute-num-layers", "1"],
+     "distribute_saved_activations needs tensor parallelism (TP > 1); pass --tensor-model-parallel-size 2 or more, "
+     "or drop --set recompute.distribute_saved_activations=true"),
+    (["estimate", "--tp", "2", "--sequence-parallel", "--set", "recompute.distribute_saved_activations=true",
+      *FULL, "uniform", "--recompute-num-layers", "1"],
+     "distribute_saved_activations must be false when sequence parallelism is enabled; drop --sequence-parallel "
+     "or --set recompute.distribute_saved_activations=true"),
+    # The message lists what the dense model offers, not modules it would then refuse.
+    (["run", "--recompute-modules", "attention"],
+     "unknown recompute module(s) attention; pass --recompute-modules with any of core_attn, mlp, layernorm "
+     "(moe, moe_act, shared_experts, mla_up_proj need MoE or MLA layers, which the model built here does not have)"),
+]
+
+
+@pytest.mark.parametrize("argv,line", REFUSED, ids=[a[-1] if len(a) < 4 else " ".join(a[1:5]) for a, _ in REFUSED])
+def test_refused_in_one_exact_line_with_the_fix_and_exit_2(argv, line):
+    result = invoke(*argv)
+    assert result.exit_code == 2, result.output
+    assert result.stderr.strip() == f"error: {line}"
+
+
+def test_recompute_num_layers_may_fill_a_model_chunk():
+    cfg = config("gpt3-175b", parallel__pipeline_model_parallel_size=8, parallel__virtual_pipeline_model_parallel_size=3,
+                 recompute__granularity="full", recompute__method="uniform", recompute__num_layers=4)
+    assert cfg.recompute.num_layers == 4
+    with pytest.raises(ConfigError, match="between 1 and 4"):
+        config("gpt3-175b", parallel__pipeline_model_parallel_size=8, parallel__virtual_pipeline_model_parallel_size=3,
+               recompute__granularity="full", recompute__method="uniform", recompute__num_layers=5)
+
+
+def _vpp(recompute: RecomputeConfig, vpp=3):
+    cfg = config("gpt3-175b", parallel__tensor_model_parallel_size=8, parallel__pipeline_model_parallel_size=8,
+                 parallel__virtual_pipeline_model_parallel_size=vpp)
+    return dataclasses.replace(cfg, recompute=recompute)
+
+
+def test_the_estimate_applies_uniform_and_block_within_each_model_chunk():
+    # gpt3-175b at p = 8 with 3 virtual stages: a stage holds 3 model chunks of 4 layers. With c the
+    # bytes of one checkpointed input and f those of one layer's full activations (both measured
+    # against the probe elsewhere), per micro-batch:
+    block = _vpp(RecomputeConfig("full", [], "block", 2))
+    c, f = E.checkpoint_input_bytes(block), E.layer_activation_bytes(block)
+    assert c < f
+    # block 2: each chunk checkpoints its first 2 layers and keeps the other 2: 3 x (2c + 2f); its
+    # backward rebuilds one layer at a time while the other chunks still hold theirs: the same peak.
+    acts = E.stage_activations(block)
+    assert (acts.stored_bytes, acts.peak_bytes) == (6 * c + 6 * f, 6 * c + 6 * f)
+    # uniform 3: each chunk of 4 layers is split 3 + 1, two inputs kept: 3 x 2c. Backward rebuilds the
+    # last layer (holding it, f, and the first group's input, c), then the first 3 layers (3f, their
+    # input among them), while the 2 other chunks hold theirs: peak 2 x 2c + max(c + f, 3f) = 4c + 3f.
+    acts = E.stage_activations(_vpp(RecomputeConfig("full", [], "uniform", 3)))
+    assert (acts.stored_bytes, acts.peak_bytes) == (6 * c, 4 * c + 3 * f)
+
+
+def test_block_recompute_repeats_the_first_layers_of_every_model_chunk():
+    # The paper's per-layer forward FLOPs (Appendix A): 24Bsh^2 + 4Bs^2h for the GPT-3 layer, attention
+    # over the full square as the kernels run it; B = 64 sequences per step.
+    B, s, h = 64, 2048, 12288
+    layer_forward = 24 * B * s * h**2 + 4 * B * s**2 * h
+    none = flops.hardware_flops_per_step(_vpp(RecomputeConfig()))
+    # 8 stages x 3 chunks, the first 2 layers of each: 48 of the 96 layers are run again.
+    assert flops.hardware_flops_per_step(_vpp(RecomputeConfig("full", [], "block", 2))) - none == 48 * layer_forward
+    # Without virtual stages each of the 8 stages re-runs its first layer.
+    one = _vpp(RecomputeConfig("full", [], "block", 1), vpp=None)
+    assert flops.hardware_flops_per_step(one) - flops.hardware_flops_per_step(_vpp(RecomputeConfig(), None)) \
+        == 8 * layer_forward
