@@ -109,10 +109,9 @@ OffloadLayers = Annotated[Optional[int], typer.Option(help="Keep saved activatio
 
 
 def _this_gpu() -> str:
-    import torch
-
+    from recompute_bench.launch.devices import visible_gpu_name  # NVML: the parent holds no CUDA context
     from recompute_bench.spec.presets import gpu_type
-    return gpu_type(torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu")
+    return gpu_type(visible_gpu_name())
 
 
 def shape_overrides(*, num_layers=None, seq_length=None, micro_batch_size=None, global_batch_size=None,

@@ -8,7 +8,8 @@
   saved it, and refilled from a gradient hook on the consumer's output just before backward needs
   it. A plain checkpoint around the norm would save nothing, because the next linear keeps the
   norm's output alive; this way the norm re-runs and the following matmul does not.
-- activation offload N: the first N layers save their activations to host memory.
+- activation offload N: the first N layers save their activations (not parameters) to host memory,
+  copied out and back on a side stream (recompute/offload.py).
 
 Checkpoints are re-entrant (`use_reentrant=True`), as Megatron's are: the forward runs under
 no_grad and only the inputs are saved through `save_for_backward`, which the saved-tensor probe in
@@ -23,6 +24,7 @@ from torch.utils.checkpoint import checkpoint
 
 from recompute_bench.spec.config import RecomputeConfig
 from recompute_bench.models.dense.layers import GPT
+from recompute_bench.recompute.offload import ActivationOffloader
 
 
 def _recomputing(module: nn.Module) -> bool:
@@ -135,14 +137,17 @@ class DiscardNormAfter(nn.Module):
 
 
 class OffloadedLayer(nn.Module):
-    """A layer whose saved activations live in host memory until backward needs them."""
+    """A layer whose saved activations (not its parameters) live in host memory until backward
+    needs them (recompute.offload)."""
 
-    def __init__(self, layer: nn.Module):
+    def __init__(self, layer: nn.Module, offloader: ActivationOffloader, index: int):
         super().__init__()
         self.layer = layer
+        self.index = index
+        self.offloader = offloader  # one for all offloaded layers
 
     def forward(self, x: torch.Tensor, *rope: torch.Tensor) -> torch.Tensor:
-        with torch.autograd.graph.save_on_cpu(pin_memory=x.is_cuda):
+        with self.offloader.layer(self.index):
             return self.layer(x, *rope)
 
 
@@ -169,8 +174,12 @@ def apply_recompute(model: GPT, r: RecomputeConfig) -> GPT:
                 layer.pre_mlp_layernorm = DiscardableNorm(layer.pre_mlp_layernorm)
                 layer.mlp = DiscardNormAfter(layer.mlp, layer.pre_mlp_layernorm)
     if r.activation_offload_layers:
-        model.layers = nn.ModuleList(OffloadedLayer(layer) if i < r.activation_offload_layers else layer
+        n = r.activation_offload_layers
+        offloader = ActivationOffloader([*model.parameters(), *model.buffers()], next(model.parameters()).device)
+        model.layers = nn.ModuleList(OffloadedLayer(layer, offloader, i) if i < n else layer
                                      for i, layer in enumerate(model.layers))
+        if n < len(model.layers):  # the last offloaded layer comes back while the next one runs backward
+            model.layers[n].register_forward_hook(lambda _m, _args, out: offloader.on_backward_start(n, out))
     return model
 
 
