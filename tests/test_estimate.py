@@ -45,16 +45,23 @@ def measure(cfg, count_flops=False, backward=False):
     model = apply_recompute(build_model(cfg.model, cfg.training.seed, "cpu", DTYPES[cfg.training.precision]),
                             cfg.recompute).train()
     tokens = synthetic_batches(cfg, torch.device("cpu"))[0]
-    probe, again = SavedTensorProbe(model), SavedTensorProbe(model)
+    probe = SavedTensorProbe(model)
+    again: dict[int, torch.UntypedStorage] = {}  # held, so every storage saved in backward is counted
+
+    def keep(t):
+        if t.untyped_storage()._cdata not in probe.excluded:
+            again.setdefault(t.untyped_storage()._cdata, t.untyped_storage())
+        return t
+
     torch.manual_seed(0)
     with FlopCounterMode(display=False) if count_flops else contextlib.nullcontext() as counter:
         with probe.watch():
             loss = model(tokens[:, :-1], tokens[:, 1:])
         total, layers = probe.bytes()
         if backward or count_flops:
-            with torch.autograd.graph.saved_tensors_hooks(again._pack, lambda t: t):
+            with torch.autograd.graph.saved_tensors_hooks(keep, lambda t: t):
                 loss.backward()
-    recomputed = sum(s.nbytes() for s, _ in again.storages.values())
+    recomputed = sum(s.nbytes() for s in again.values())
     return total, layers / cfg.model.num_layers, counter.get_total_flops() if count_flops else None, recomputed
 
 

@@ -217,18 +217,21 @@ def stage_parameters(cfg: Config, stage: int) -> float:
 
 
 def optimizer_bytes_per_parameter(cfg: Config) -> dict[str, float]:
-    """Bytes per parameter as `measure.py`'s optimizers hold them. 16-bit: weights 2, their
-    gradients 2 (from backward until the step copies them out), fp32 main gradients 4, fp32 master
-    weights 4, Adam moments 8, and 4 of step temporaries (foreach Adam's sqrt of the second moment).
-    fp32: plain Adam, weights 4, gradients 4, moments 8, temporaries 4. A distributed optimizer
-    (Megatron's: 6 + 12/dp held) shards master weights, moments and temporaries over dp."""
+    """Bytes per parameter as `measure.point`'s optimizers hold them (tests/test_measure.py measures
+    them). 16-bit (Megatron's layout): weights 2; no 16-bit gradient is kept (a hook adds each one
+    into the fp32 main gradient as soon as autograd produced it and frees it, so only one
+    parameter's exists at a time: a transient, not a per-parameter cost); fp32 main gradients 4,
+    fp32 master weights 4, Adam moments 8: 18 held. fp32: plain Adam, weights 4, gradients 4,
+    moments 8: 16. Step temporaries 0: Adam runs fused (torch's fused kernel on CUDA and CPU)
+    and allocates nothing the size of the parameters. A distributed optimizer (Megatron's:
+    6 + 12/dp held) shards master weights and moments over dp."""
     par = cfg.parallel
     shards = par.data_parallel_size if par.use_distributed_optimizer else 1
     if cfg.training.precision == "fp32":
         return {"weights": 4, "grads16": 0, "main_grads": 4, "master_weights": 0,
-                "adam_moments": 8 / shards, "step_temporaries": 4 / shards}
-    return {"weights": 2, "grads16": 2, "main_grads": 4, "master_weights": 4 / shards,
-            "adam_moments": 8 / shards, "step_temporaries": 4 / shards}
+                "adam_moments": 8 / shards, "step_temporaries": 0}
+    return {"weights": 2, "grads16": 0, "main_grads": 4, "master_weights": 4 / shards,
+            "adam_moments": 8 / shards, "step_temporaries": 0}
 
 
 # ----- the whole rank ---------------------------------------------------------------------------

@@ -45,11 +45,11 @@ def show_notes(notes: list[str]) -> None:
 
 
 def this_gpu() -> str:
-    """This machine's GPU kind (h100, ...) or "cpu"."""
-    import torch
-
+    """This machine's GPU kind (h100, ...) or "cpu", read through NVML: the CLI process holds no
+    CUDA context while its workers measure."""
+    from recompute_bench.launch.devices import visible_gpu_name
     from recompute_bench.spec.presets import gpu_type
-    return gpu_type(torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu")
+    return gpu_type(visible_gpu_name())
 
 
 def device_kind(device: str | None, gpu: str | None) -> str:

@@ -55,17 +55,19 @@ def run(
 
 
 def check_runnable(cfg: Config, device: str | None) -> None:
-    """What `run` can measure on one process: no model parallelism, and offload only on CUDA."""
-    import torch
+    """What `run` can measure on one process: no model parallelism, and offload only on CUDA.
+    Asks NVML, not torch: a sweep checks its plan in the parent, which holds no CUDA context."""
+    from recompute_bench.launch.devices import default_device_type
 
+    cuda_here = default_device_type() == "cuda"
     p = cfg.parallel
     if p.tensor_model_parallel_size > 1 or p.pipeline_model_parallel_size > 1 or p.data_parallel_size > 1:
         raise ConfigError("run measures one rank without tensor, pipeline or data parallelism; pass "
                           "--tensor-model-parallel-size 1 --pipeline-model-parallel-size 1 --data-parallel-size 1 "
                           "(use `estimate` for parallel layouts)")
-    on_cuda = (device or ("cuda" if torch.cuda.is_available() else "cpu")).startswith("cuda")
+    on_cuda = (device or ("cuda" if cuda_here else "cpu")).startswith("cuda")
     if cfg.recompute.activation_offload_layers and not on_cuda:
         raise ConfigError("activation offload moves saved tensors from a CUDA device to host memory and there is "
                           "no CUDA device here; drop --activation-offload-layers")
-    if device and device.startswith("cuda") and not torch.cuda.is_available():
-        raise ConfigError(f"--device {device} asks for CUDA but torch sees no CUDA device; pass --device cpu")
+    if device and device.startswith("cuda") and not cuda_here:
+        raise ConfigError(f"--device {device} asks for CUDA but no CUDA device is visible here; pass --device cpu")

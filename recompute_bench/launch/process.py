@@ -9,8 +9,14 @@ it the resolved config as JSON on stdin and waits at most `timeout_s` seconds:
 - the worker died without a record (a crash, a signal, an import error): `status: "error"` with
   the exit code and the tail of its stderr.
 
-The worker also dies when the sweep dies (Linux parent-death signal), so a killed sweep leaves no
-orphan measuring in the background.
+The worker also dies when the sweep dies, so a killed sweep leaves no orphan measuring in the
+background: it is told the sweep's pid (PARENT_PID_ENV) and watches for it to go
+(`launch.worker.die_with_parent`). The worker runs in a session of its own (`start_new_session`),
+so the whole process group can be killed; no `preexec_fn`, which is unsafe once the parent has
+threads (rich's live display) because the child runs Python between fork and exec.
+
+This module never imports torch: the sweep parent outlives every worker, and a CUDA context in it
+would hold device memory for the whole sweep. Device facts come from NVML (`launch.devices`).
 
 Test hook: `RECOMPUTE_BENCH_FAULT_POINTS="Exp 1=oom:backward:0;Exp 3=hang:forward:0"` gives one
 point's worker the `RECOMPUTE_BENCH_FAULT` of `measure.FAULT_ENV`, so a test can make one point of
@@ -19,7 +25,6 @@ a sweep fail while the others run normally.
 
 from __future__ import annotations
 
-import ctypes
 import functools
 import json
 import os
@@ -31,9 +36,10 @@ import time
 from pathlib import Path
 
 from recompute_bench.spec.config import Config
-from recompute_bench.measure.point import FAULT_ENV, make_record, pick_device, unmeasured_metrics, unmeasured_rank
-from recompute_bench.measure.telemetry import environment
-from recompute_bench.launch.worker import config_to_dict
+from recompute_bench.launch.devices import default_device_type, visible_gpu_name
+from recompute_bench.launch.worker import PARENT_PID_ENV, config_to_dict
+from recompute_bench.measure.record import FAULT_ENV, make_record, unmeasured_metrics, unmeasured_rank
+from recompute_bench.measure.telemetry import host_environment
 
 WORKER_COMMAND = [sys.executable, "-m", "recompute_bench.launch.worker"]
 FAULT_POINTS_ENV = "RECOMPUTE_BENCH_FAULT_POINTS"
@@ -51,19 +57,11 @@ def fault_for(name: str) -> str | None:
     return None
 
 
-def _die_with_parent() -> None:
-    """In the child before exec: ask Linux to kill it when the sweep process dies."""
-    try:
-        libc = ctypes.CDLL("libc.so.6", use_errno=True)
-        libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-    except OSError:  # not Linux: the sweep's own cleanup still kills the worker on Ctrl-C
-        pass
-
-
 def _worker_env(name: str) -> dict[str, str]:
     env = dict(os.environ)
     # The worker imports the same package as the sweep, installed or not.
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(PACKAGE_ROOT), env.get("PYTHONPATH")) if p)
+    env[PARENT_PID_ENV] = str(os.getpid())
     env.pop(FAULT_ENV, None)
     fault = fault_for(name) or os.environ.get(FAULT_ENV)
     if fault:
@@ -99,16 +97,22 @@ def _kill_group(proc: subprocess.Popen) -> None:
 
 
 @functools.lru_cache(maxsize=None)
-def _environment(device: str | None) -> dict:
-    return environment(pick_device(device))
+def _device(device: str | None) -> tuple[str, str]:
+    """(device type, device name) a worker given `--device device` measures on, learnt without torch."""
+    kind = device.split(":")[0] if device else default_device_type()
+    if kind != "cuda":
+        return kind, "cpu"
+    index = device.partition(":")[2] if device else ""
+    return kind, visible_gpu_name(int(index) if index.isdigit() else 0)
 
 
 def failed_record(cfg: Config, status: str, failure: dict, device: str | None = None) -> dict:
     """A complete result record for a point whose worker left none: nothing measured (None), the
-    formula FLOPs and the estimate filled in as `measure.run_point` does for any failed point."""
-    env = _environment(device)
-    return make_record(cfg, env, unmeasured_rank(0, env["device_name"], status, failure),
-                       unmeasured_metrics(cfg, env["device"]))
+    formula FLOPs and the estimate filled in as `measure.run_point` does for any failed point.
+    Built without torch (the env block from `telemetry.host_environment`, the GPU from NVML)."""
+    kind, name = _device(device)
+    env = host_environment(kind, name)
+    return make_record(cfg, env, unmeasured_rank(0, name, status, failure), unmeasured_metrics(cfg, kind))
 
 
 def run_isolated(cfg: Config, *, name: str, out_path: Path, log_path: Path, timeout_s: float,
@@ -128,7 +132,7 @@ def run_isolated(cfg: Config, *, name: str, out_path: Path, log_path: Path, time
         log.write(f"=== {name} {cfg.recompute.label} {time.strftime('%Y-%m-%dT%H:%M:%S')}\n".encode())
         log.flush()
         proc = subprocess.Popen(command, stdin=subprocess.PIPE, stdout=log, stderr=log, env=_worker_env(name),
-                                start_new_session=True, preexec_fn=_die_with_parent)
+                                start_new_session=True)
         timed_out = False
         try:
             proc.stdin.write(json.dumps(config_to_dict(cfg)).encode())

@@ -15,6 +15,7 @@ import os
 import statistics
 import time
 import traceback
+import weakref
 from contextlib import contextmanager
 from typing import Any, Callable, Iterator
 
@@ -23,42 +24,80 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from recompute_bench.analysis import flops
 from recompute_bench.spec.config import Config
-from recompute_bench.analysis.memory import record_estimate
 from recompute_bench.models.dense.layers import GPT, build_model
 from recompute_bench.recompute.apply import apply_recompute
-from recompute_bench.measure.telemetry import NvmlSampler, cuda_memory, device_name, environment
+from recompute_bench.measure.record import FAULT_ENV, SCHEMA, make_record, unmeasured_metrics, unmeasured_rank
+from recompute_bench.measure.telemetry import NvmlSampler, cuda_memory, device_name, environment, uses_tf32
 
-SCHEMA = "recompute-bench/result/v1"
+__all__ = ["SCHEMA", "FAULT_ENV", "DTYPES", "MixedPrecisionAdam", "SavedTensorProbe", "Stepper", "make_optimizer",
+           "make_record", "pick_device", "run_point", "synthetic_batches", "unmeasured_metrics", "unmeasured_rank"]
+
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
-FAULT_ENV = "RECOMPUTE_BENCH_FAULT"
-"""Fault injection for tests: "KIND:PHASE:STEP" with KIND oom, error or hang, e.g. "oom:backward:2"."""
+
+
+def _adam(params: list[torch.Tensor], lr: float) -> torch.optim.Adam:
+    """torch's Adam with its fused kernel where torch has one for the device (CUDA and CPU do),
+    else the foreach implementation: one multi-tensor kernel per update, no Python loop over
+    parameters, and (fused) no temporaries the size of the parameters."""
+    try:
+        return torch.optim.Adam(params, lr=lr, fused=True)
+    except RuntimeError:  # "fused=True requires all the params to be floating point Tensors of supported devices"
+        return torch.optim.Adam(params, lr=lr, foreach=True)
 
 
 class MixedPrecisionAdam:
-    """Adam as Megatron runs it under bf16/fp16: 16-bit weights and gradients for compute, fp32 master
-    weights, fp32 main gradients and fp32 moments (2 + 4 + 4 + 8 = 18 bytes per parameter held)."""
+    """Adam as Megatron runs it under bf16/fp16: 16-bit weights for compute, fp32 main gradients,
+    fp32 master weights and fp32 moments, 2 + 4 + 4 + 8 = 18 bytes held per parameter.
+
+    No gradient stays in 16 bits: as soon as autograd has accumulated a parameter's gradient, a
+    post-accumulate-grad hook adds it into that parameter's view of one flat fp32 buffer
+    (`p.main_grad`, Megatron's name) and frees it, so micro-batches accumulate in fp32 and at most
+    one parameter's 16-bit gradient exists at a time. The master weights are one flat fp32 buffer
+    too; Adam (fused where available) updates it with the flat main gradient as its `.grad`, and
+    one foreach copy writes the result back into the 16-bit weights.
+    """
 
     def __init__(self, params: list[torch.nn.Parameter], lr: float):
         self.params = params
-        self.master = [p.detach().float().clone() for p in params]
-        for m in self.master:
-            m.grad = torch.zeros_like(m)
-        self.adam = torch.optim.Adam(self.master, lr=lr)
+        n = sum(p.numel() for p in params)
+        device = params[0].device
+        self.main_grad = torch.zeros(n, dtype=torch.float32, device=device)
+        self.master = torch.empty(n, dtype=torch.float32, device=device)
+        self.master_params: list[torch.Tensor] = []
+        """Each parameter's view of the flat fp32 master weights, in `params` order."""
+        offset = 0
+        for p in params:
+            view = slice(offset, offset + p.numel())
+            p.main_grad = self.main_grad[view].view_as(p)
+            master = self.master[view].view_as(p)
+            master.copy_(p.detach())
+            self.master_params.append(master)
+            p.register_post_accumulate_grad_hook(_accumulate_main_grad)
+            offset += p.numel()
+        self.master.grad = self.main_grad  # Adam reads the main gradients where they are: no copy
+        self.adam = _adam([self.master], lr)
 
     def step(self) -> None:
-        for p, m in zip(self.params, self.master):
-            m.grad.copy_(p.grad)
-            p.grad = None
+        """Update the master weights from the accumulated main gradients, copy them into the 16-bit
+        weights, and zero the main gradients for the next step."""
         self.adam.step()
         with torch.no_grad():
-            for p, m in zip(self.params, self.master):
-                p.copy_(m)
+            torch._foreach_copy_(self.params, self.master_params)  # one multi-tensor copy, fp32 -> 16-bit
+        self.main_grad.zero_()
+
+
+@torch.no_grad()
+def _accumulate_main_grad(p: torch.nn.Parameter) -> None:
+    p.main_grad.add_(p.grad)  # fp32 += 16-bit, computed in fp32
+    p.grad = None  # the 16-bit gradient is not kept: that is the 2 bytes per parameter saved
 
 
 def make_optimizer(model: GPT, precision: str, lr: float = 1e-4):
+    """The optimizer `run_point` steps: plain Adam on the weights in fp32 (4 + 4 + 8 = 16 bytes per
+    parameter), Megatron's MixedPrecisionAdam in bf16/fp16 (18)."""
     params = [p for p in model.parameters() if p.requires_grad]
     if precision == "fp32":
-        return torch.optim.Adam(params, lr=lr)
+        return _adam(params, lr)
     return MixedPrecisionAdam(params, lr)
 
 
@@ -77,32 +116,45 @@ class SavedTensorProbe:
     full-recompute chunk's checkpoint saves its input there, outside any one layer). An outer hook
     sees what a re-entrant checkpoint saves (its inputs), which is what it really holds; tensors
     saved inside a CPU-offloaded layer are packed by that layer's own hooks and are not on the device.
+
+    The probe holds no storage: it keeps weak references while the forward runs and only the two
+    totals afterwards, so the micro-batch's activations are freed by its backward as in any other
+    step (holding them would inflate the measured peak by about `activation_bytes`).
     """
 
     def __init__(self, model: GPT):
         self.model = model
-        # Storages are keyed by their StorageImpl (`_cdata`), not their address: a storage freed
-        # during the forward (layernorm recompute) may see its address reused by a later tensor.
+        # Storages are keyed by their StorageImpl (`_cdata`), not their address. Parameters live
+        # for the whole run, so their keys cannot be reused by another storage.
         self.excluded = {t.untyped_storage()._cdata for t in list(model.parameters()) + list(model.buffers())}
-        self.storages: dict[int, tuple[torch.UntypedStorage, bool]] = {}
+        self.storages: dict[int, tuple[weakref.ref, bool]] = {}
         self.in_layers = False
         self.result: tuple[int, int] = (0, 0)
 
     def _pack(self, t: torch.Tensor) -> torch.Tensor:
         storage = t.untyped_storage()
         key = storage._cdata
-        if key not in self.excluded and key not in self.storages:
-            self.storages[key] = (storage, self.in_layers)
+        if key in self.excluded:
+            return t
+        seen = self.storages.get(key)
+        # A storage freed during the forward (its saved tensor dropped) may hand its StorageImpl's
+        # address to a later one: a dead reference under the same key is a different storage.
+        if seen is None or seen[0]() is None:
+            # torch keeps one Python object per live storage, so this reference dies with the storage.
+            self.storages[key] = (weakref.ref(storage), self.in_layers)
         return t
 
     @contextmanager
     def watch(self) -> Iterator["SavedTensorProbe"]:
+        """Count what the forward run inside saves; the totals are in `result` (and `bytes()`) once
+        the block ends, and the probe lets go of every storage then."""
         def enter(*_):
             self.in_layers = True
 
         def leave(*_):
             self.in_layers = False
 
+        self.storages.clear()
         stack = self.model.layers
         handles = [stack.register_forward_pre_hook(enter), stack.register_forward_hook(leave)]
         try:
@@ -111,12 +163,22 @@ class SavedTensorProbe:
         finally:
             for h in handles:
                 h.remove()
+            self.result = self._count()
+            self.storages.clear()
+
+    def _count(self) -> tuple[int, int]:
+        total = layers = 0
+        for ref, in_layers in self.storages.values():
+            storage = ref()
+            nbytes = storage.nbytes() if storage is not None else 0  # freed: nothing held for backward
+            total += nbytes
+            layers += nbytes if in_layers else 0
+        return total, layers
 
     def bytes(self) -> tuple[int, int]:
-        """(all saved bytes, bytes saved inside the transformer layers)."""
-        total = sum(s.nbytes() for s, _ in self.storages.values())
-        layers = sum(s.nbytes() for s, in_layers in self.storages.values() if in_layers)
-        return total, layers
+        """(all saved bytes, bytes saved inside the transformer layers) of the last watched forward,
+        read when it ended."""
+        return self.result
 
 
 def _fault(phase: str, step: int) -> None:
@@ -141,23 +203,24 @@ class Stepper:
         self.step_index = 0
         self.phase = "setup"
 
-    def step(self, probe: SavedTensorProbe | None = None) -> float:
-        """One optimizer step over every micro-batch; returns the mean loss."""
+    def step(self, probe: SavedTensorProbe | None = None) -> torch.Tensor:
+        """One optimizer step over every micro-batch; returns the mean loss as a 0-dim fp32 tensor
+        on the device. Nothing in the step reads a value back to the host (that would wait for the
+        device once per micro-batch inside the timed step): read the loss after the step."""
         n = len(self.batches)
-        total = 0.0
+        total = torch.zeros((), dtype=torch.float32, device=self.batches.device)
         for i, tokens in enumerate(self.batches):
             self.phase = "forward"
             _fault("forward", self.step_index)
             if probe is not None and i == 0:
                 with probe.watch():
                     loss = self.model(tokens[:, :-1], tokens[:, 1:])
-                probe.result = probe.bytes()
             else:
                 loss = self.model(tokens[:, :-1], tokens[:, 1:])
             self.phase = "backward"
             _fault("backward", self.step_index)
             (loss / n).backward()
-            total += loss.item()
+            total += loss.detach()
         self.phase = "optimizer"
         _fault("optimizer", self.step_index)
         self.optimizer.step()
@@ -180,6 +243,19 @@ def _timed(device: torch.device, fn: Callable[[], Any]) -> float:
     return time.perf_counter() - t0
 
 
+@contextmanager
+def float32_matmul_precision(device: torch.device, precision: str) -> Iterator[bool]:
+    """Run the block with TF32 on where `telemetry.uses_tf32` says so (fp32 on CUDA), restoring the
+    previous setting afterwards; yields whether fp32 matmuls run on TF32 inside (False on a CPU)."""
+    before = torch.get_float32_matmul_precision()
+    if uses_tf32(device.type, precision):
+        torch.set_float32_matmul_precision("high")  # TF32 tensor cores for fp32 matmuls
+    try:
+        yield device.type == "cuda" and torch.get_float32_matmul_precision() != "highest"
+    finally:
+        torch.set_float32_matmul_precision(before)
+
+
 def pick_device(requested: str | None = None) -> torch.device:
     """CUDA when present (or asked for), else CPU."""
     if requested:
@@ -192,6 +268,13 @@ def run_point(cfg: Config, *, device: torch.device | None = None, peak_tflops: f
     """Measure `cfg` on this process's device and return the full result record (never raises for
     an OOM or a failing step; those become the record's status)."""
     device = device or pick_device()
+    with float32_matmul_precision(device, cfg.training.precision) as tf32:
+        metrics, rank_entry = _measure(cfg, device, peak_tflops, rank)
+    return make_record(cfg, environment(device, tf32), rank_entry, metrics)
+
+
+def _measure(cfg: Config, device: torch.device, peak_tflops: float | None, rank: int) -> tuple[dict, dict]:
+    """(metrics, rank entry) of one point: the probe step, warm-up, the measured window."""
     m, t = cfg.model, cfg.training
     world_size = 1  # one rank; model parallelism is refused by validation before we get here
     metrics = unmeasured_metrics(cfg, device.type)
@@ -208,9 +291,10 @@ def run_point(cfg: Config, *, device: torch.device | None = None, peak_tflops: f
 
         probe = SavedTensorProbe(model)
         with FlopCounterMode(display=False) as counter:
-            metrics["loss"] = stepper.step(probe)
+            loss = stepper.step(probe)
+        metrics["loss"] = loss.item()  # after the step, which is not timed
         metrics["measured_flops_per_step"] = counter.get_total_flops()
-        total_bytes, layer_bytes = probe.result
+        total_bytes, layer_bytes = probe.bytes()
         metrics["activation_bytes"] = total_bytes
         metrics["activation_bytes_per_layer"] = layer_bytes / m.num_layers
 
@@ -244,49 +328,7 @@ def run_point(cfg: Config, *, device: torch.device | None = None, peak_tflops: f
         rank_entry.update(status="error", failure=_failure(stepper, e, with_traceback=True))
     if rank_entry["status"] != "ok":
         rank_entry.update({k: v for k, v in cuda_memory(device).items() if v is not None})
-
-    return make_record(cfg, environment(device), rank_entry, metrics)
-
-
-def unmeasured_metrics(cfg: Config, device_type: str) -> dict[str, Any]:
-    """A point's metrics before anything is measured: None (not measured), except what follows from
-    the config alone: the formula FLOPs and the analytical estimate."""
-    return {
-        "step_time_s": None, "step_times_s": [], "tflops_per_gpu": None, "tokens_per_s_per_gpu": None,
-        "mfu": None, "hfu": None,
-        "model_flops_per_step": flops.model_flops_per_step(cfg),
-        "hardware_flops_per_step": flops.hardware_flops_per_step(cfg, device_type),
-        "measured_flops_per_step": None,
-        "activation_bytes": None, "activation_bytes_per_layer": None,
-        "num_parameters": None, "loss": None,
-        **record_estimate(cfg, device_type),  # the analytical model's prediction beside each measurement
-    }
-
-
-def unmeasured_rank(rank: int, device_name: str, status: str = "ok", failure: dict | None = None) -> dict[str, Any]:
-    """A rank entry with every memory figure not measured (None)."""
-    return {"rank": rank, "status": status, "failure": failure, "device_name": device_name,
-            "peak_allocated_bytes": None, "peak_reserved_bytes": None, "alloc_retries": None, "num_ooms": None,
-            "run_peak_allocated_bytes": None, "run_peak_reserved_bytes": None,
-            "nvml_used_bytes": None, "nvml_total_bytes": None}
-
-
-def make_record(cfg: Config, env: dict, rank_entry: dict, metrics: dict) -> dict:
-    """The result record of one single-rank point (schema recompute-bench/result/v1)."""
-    for key in ("peak_allocated_bytes", "peak_reserved_bytes"):
-        metrics[key] = rank_entry[key]
-    failure = rank_entry["failure"]
-    return {
-        "schema": SCHEMA,
-        "workload": cfg.workload,
-        "config": cfg.to_dict(),
-        "recompute": cfg.recompute_dict(),
-        "env": env,
-        "status": rank_entry["status"],
-        "failure": None if failure is None else {**failure, "rank": rank_entry["rank"]},
-        "ranks": [rank_entry],
-        "metrics": metrics,
-    }
+    return metrics, rank_entry
 
 
 def _failure(stepper: Stepper | None, e: BaseException, with_traceback: bool = False) -> dict:

@@ -11,7 +11,8 @@ setting: gradients compare by name, and name-keyed parallel plans apply after re
   module (QKV projection, MLP) has saved it and recomputed from a gradient hook just before that
   module's backward. A plain checkpoint around the norm would save nothing, because the next
   linear keeps the norm's output alive; this way the norm re-runs and the following matmul does not;
-- offload: the layer's saved activations go to host memory.
+- offload: the layer's saved activations (not the parameters it saves) go to host memory, copied
+  out and back on a side stream (recompute/offload.py).
 The primitives (checkpoint, discard-output) come from the model's backend.
 """
 
@@ -23,6 +24,7 @@ import torch
 from torch import nn
 
 from recompute_bench.backends import get_backend
+from recompute_bench.recompute.offload import ActivationOffloader
 from recompute_bench.recompute.policy import LayerPolicy, chunks, layer_policies
 from recompute_bench.spec.config import RecomputeConfig
 
@@ -64,14 +66,27 @@ def _discard_after(norm: nn.Module, consumer: nn.Module, backend) -> None:
     norm.forward, consumer.forward = norm_forward, consumer_forward
 
 
-def _offload_forward(layer: nn.Module) -> None:
+def _offload_forward(layer: nn.Module, offloader: ActivationOffloader, index: int) -> None:
+    """From now on what `layer` saves for backward waits in host memory."""
     inner = layer.forward
 
     def forward(x: torch.Tensor, *rope: torch.Tensor) -> torch.Tensor:
-        with torch.autograd.graph.save_on_cpu(pin_memory=x.is_cuda):
+        with offloader.layer(index):
             return inner(x, *rope)
 
     layer.forward = forward
+
+
+def _install_offload(model: nn.Module, offloaded: list[int]) -> None:
+    """Offload the layers `offloaded` through one offloader (`model.activation_offloader`); the
+    layer just above the last of them starts bringing it back when its own backward starts."""
+    offloader = ActivationOffloader([*model.parameters(), *model.buffers()], next(model.parameters()).device)
+    for i in offloaded:
+        _offload_forward(model.layers[i], offloader, i)
+    above = max(offloaded) + 1
+    if above < len(model.layers):
+        model.layers[above].register_forward_hook(lambda _m, _args, out: offloader.on_backward_start(above, out))
+    model.activation_offloader = offloader
 
 
 def _chunked_forward(stack: nn.Module, ranges: list[tuple[int, int]], full: list[bool], backend) -> None:
@@ -107,8 +122,9 @@ def apply_policies(model: nn.Module, policies: list[LayerPolicy]) -> nn.Module:
         if "layernorm" in policy.modules:
             _discard_after(layer.input_layernorm, layer.self_attention, backend)
             _discard_after(layer.pre_mlp_layernorm, layer.mlp, backend)
-        if policy.offload:
-            _offload_forward(layer)
+    offloaded = [i for i, policy in enumerate(policies) if policy.offload]
+    if offloaded:
+        _install_offload(model, offloaded)
     ranges = chunks(policies)
     full = [policies[a].chunk is not None for a, _ in ranges]
     if any(full):

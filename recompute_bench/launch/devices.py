@@ -1,0 +1,73 @@
+"""Device facts for the sweep parent, read through NVML: no torch, no CUDA context.
+
+A process that initialises CUDA keeps a context (hundreds of MiB) on the GPU for as long as it
+lives. The sweep parent lives for the whole sweep while its workers measure, so it must learn what
+it runs on without torch: the NVIDIA management library answers from the driver alone. Where NVML
+or a GPU is absent, the answer is "cpu", as the workers will then measure on the CPU.
+
+NVML numbers every GPU of the machine and ignores CUDA_VISIBLE_DEVICES; a worker's `cuda:0` is the
+first visible one, so its CUDA_VISIBLE_DEVICES entry (an index, or a GPU-/MIG- UUID) is looked up.
+"""
+
+from __future__ import annotations
+
+import os
+
+from recompute_bench.measure.telemetry import torch_build
+
+CPU = "cpu"
+
+
+def _visible(index: int) -> str | None:
+    """The NVML name (an index or a GPU-/MIG- UUID) of what CUDA calls device `index`; None when
+    CUDA_VISIBLE_DEVICES shows fewer devices."""
+    value = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if value is None:
+        return str(index)
+    entries = []
+    for entry in (e.strip() for e in value.split(",")):
+        # CUDA stops at the first entry it cannot parse ("", "-1", "NoDevFiles"): none after it is visible.
+        if not (entry.isdigit() or entry.startswith(("GPU-", "MIG-"))):
+            break
+        entries.append(entry)
+    return entries[index] if index < len(entries) else None
+
+
+def _decode(value) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value)
+
+
+def visible_gpu_name(index: int = 0) -> str:
+    """Name of the GPU a worker's `cuda:<index>` would be (e.g. "NVIDIA H100 80GB HBM3"), or "cpu"
+    where NVML, its driver library or that GPU is missing."""
+    entry = _visible(index)
+    if entry is None:
+        return CPU
+    try:
+        import pynvml
+    except ImportError:
+        return CPU
+    try:
+        pynvml.nvmlInit()
+    except Exception:  # no driver library (NVMLError_LibraryNotFound) or no driver loaded: no GPU here
+        return CPU
+    try:
+        if entry.isdigit():
+            handle = pynvml.nvmlDeviceGetHandleByIndex(int(entry))
+        else:
+            handle = pynvml.nvmlDeviceGetHandleByUUID(entry)
+        return _decode(pynvml.nvmlDeviceGetName(handle))
+    except Exception:  # an index past the last GPU, an unknown UUID, no permission
+        return CPU
+    finally:
+        try:
+            pynvml.nvmlShutdown()
+        except Exception:
+            pass
+
+
+def default_device_type() -> str:
+    """What a worker without --device measures on: "cuda" when a GPU is visible and torch was built
+    with CUDA, else "cpu" (the same choice as `measure.point.pick_device`, made without torch)."""
+    _, cuda = torch_build()
+    return "cuda" if cuda and visible_gpu_name() != CPU else CPU

@@ -1,0 +1,59 @@
+"""The result record of one point (schema recompute-bench/result/v1), without torch.
+
+`measure.point.run_point` fills it from a measurement; `launch.process.failed_record` builds the
+record of a point whose worker left none. The second runs in the sweep parent, which must not
+import torch (a CUDA context held for the whole sweep), so nothing here imports it.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from recompute_bench.analysis import flops
+from recompute_bench.analysis.memory import record_estimate
+from recompute_bench.spec.config import Config
+
+SCHEMA = "recompute-bench/result/v1"
+FAULT_ENV = "RECOMPUTE_BENCH_FAULT"
+"""Fault injection for tests: "KIND:PHASE:STEP" with KIND oom, error or hang, e.g. "oom:backward:2"."""
+
+
+def unmeasured_metrics(cfg: Config, device_type: str) -> dict[str, Any]:
+    """A point's metrics before anything is measured: None (not measured), except what follows from
+    the config alone: the formula FLOPs and the analytical estimate."""
+    return {
+        "step_time_s": None, "step_times_s": [], "tflops_per_gpu": None, "tokens_per_s_per_gpu": None,
+        "mfu": None, "hfu": None,
+        "model_flops_per_step": flops.model_flops_per_step(cfg),
+        "hardware_flops_per_step": flops.hardware_flops_per_step(cfg, device_type),
+        "measured_flops_per_step": None,
+        "activation_bytes": None, "activation_bytes_per_layer": None,
+        "num_parameters": None, "loss": None,
+        **record_estimate(cfg, device_type),  # the analytical model's prediction beside each measurement
+    }
+
+
+def unmeasured_rank(rank: int, device_name: str, status: str = "ok", failure: dict | None = None) -> dict[str, Any]:
+    """A rank entry with every memory figure not measured (None)."""
+    return {"rank": rank, "status": status, "failure": failure, "device_name": device_name,
+            "peak_allocated_bytes": None, "peak_reserved_bytes": None, "alloc_retries": None, "num_ooms": None,
+            "run_peak_allocated_bytes": None, "run_peak_reserved_bytes": None,
+            "nvml_used_bytes": None, "nvml_total_bytes": None}
+
+
+def make_record(cfg: Config, env: dict, rank_entry: dict, metrics: dict) -> dict:
+    """The result record of one single-rank point (schema recompute-bench/result/v1)."""
+    for key in ("peak_allocated_bytes", "peak_reserved_bytes"):
+        metrics[key] = rank_entry[key]
+    failure = rank_entry["failure"]
+    return {
+        "schema": SCHEMA,
+        "workload": cfg.workload,
+        "config": cfg.to_dict(),
+        "recompute": cfg.recompute_dict(),
+        "env": env,
+        "status": rank_entry["status"],
+        "failure": None if failure is None else {**failure, "rank": rank_entry["rank"]},
+        "ranks": [rank_entry],
+        "metrics": metrics,
+    }
