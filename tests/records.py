@@ -34,7 +34,7 @@ def record(modules=None, full=None, *, status="ok", device=H100, name=None, sets
         failure = {"rank": failure_rank, "step": 0, "phase": "backward", "message": f"{status} for the test"}
         for key in ("tflops_per_gpu", "step_time_s", "activation_bytes", "measured_flops_per_step", "loss"):
             values[key] = None
-    return {"schema": SCHEMA, "workload": cfg.workload, "config": cfg.to_dict(), "recompute": cfg.recompute_dict(),
+    return {"schema": SCHEMA, **cfg.record_fields(),
             "env": {"device": "cuda" if device[0] != "cpu" else "cpu", "device_name": device[0],
                     "torch_version": device[1], "package_version": "0.1.0", "git_sha": "abc", "hostname": "h",
                     "time": "2025-01-01T00:00:00+00:00"},

@@ -113,7 +113,8 @@ def test_run_writes_the_record_contract(tmp_path):
     assert record["schema"] == "recompute-bench/result/v1" and record["status"] == "ok"
     assert set(record) >= {"workload", "config", "recompute", "env", "status", "ranks", "metrics"}
     assert record["recompute"] == {"granularity": "selective", "modules": ["core_attn"], "method": None,
-                                   "num_layers": None, "activation_offload_layers": 0}
+                                   "num_layers": None, "activation_offload_layers": 0,
+                                   "distribute_saved_activations": False}
     assert set(record["env"]) >= {"device_name", "torch_version", "package_version", "git_sha", "hostname", "time"}
     m = record["metrics"]
     assert m["measured_flops_per_step"] == m["hardware_flops_per_step"] > m["model_flops_per_step"]

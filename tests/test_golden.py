@@ -336,7 +336,8 @@ def test_golden_update_creates_a_golden_that_then_passes(tmp_path):
 def test_every_config_field_but_the_measurement_protocol_is_in_the_key():
     import dataclasses
 
-    from recompute_bench.results.records import PROTOCOL_FIELDS, key_fields, point_id
+    from recompute_bench.results.records import key_fields, point_id
+    from recompute_bench.spec.fields import PROTOCOL_KEYS
     from recompute_bench.spec.config import SECTIONS
 
     base = record()
@@ -350,7 +351,7 @@ def test_every_config_field_but_the_measurement_protocol_is_in_the_key():
                              else value + "x" if isinstance(value, str) else ["mlp"] if isinstance(value, list) else 3)
             differs = [c for c, v in key_fields(other).items() if v != key_fields(base)[c]]
             changed_by[f"{section}.{f.name}"] = differs
-            if f.name in PROTOCOL_FIELDS:
+            if f.name in PROTOCOL_KEYS:
                 assert differs == [] and point_id(other) == point_id(base)
             else:
                 assert len(differs) == 1, (section, f.name, differs)

@@ -38,7 +38,7 @@ def plan(*args):
 
 def _label(r):
     from recompute_bench.spec.config import recompute_label
-    return recompute_label(r["granularity"], r["modules"], r["method"], r["num_layers"], r["activation_offload_layers"])
+    return recompute_label(**r)
 
 
 # ----- expansion ---------------------------------------------------------------------------------
@@ -103,7 +103,7 @@ def test_default_plan_is_what_the_shipped_cpu_golden_covers():
     golden = {row_key(g): g for g in read_golden(SHIPPED_GOLDEN)}
     assert len(points) == len(golden) == 16
     for p in points:
-        record = {"workload": p.cfg.workload, "config": p.cfg.to_dict(), "recompute": p.cfg.recompute_dict()}
+        record = p.cfg.record_fields()
         row = golden[tuple(key_fields(record).values())]
         assert row["config_hash"] == config_hash(record) and row["status"] == "ok" and row["device_name"] == "cpu"
 

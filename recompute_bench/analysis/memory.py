@@ -428,7 +428,7 @@ def setting_estimate(cfg: Config, device: str = "cuda") -> dict[str, Any]:
     rank = peak_rank_memory(cfg, device)
     return {
         "label": cfg.recompute.label,
-        "recompute": cfg.recompute_dict(),
+        "recompute": cfg.record_fields()["recompute"],
         "activation_bytes_per_layer": acts.per_layer_bytes,
         "stage_activation_bytes": acts.stored_bytes,
         "stage_activation_peak_bytes": acts.peak_bytes,
@@ -485,7 +485,7 @@ def estimate_report(cfg: Config, device: str = "cuda", allowance_fraction: float
         "schema": ESTIMATE_SCHEMA,
         "workload": cfg.workload,
         "config": cfg.to_dict(),
-        "recompute": cfg.recompute_dict(),
+        "recompute": cfg.record_fields()["recompute"],
         "device": device_kind(device),
         "attention_kernel": attention_kernel(cfg, device),
         "num_microbatches": cfg.num_microbatches,

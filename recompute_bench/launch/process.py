@@ -37,7 +37,7 @@ from pathlib import Path
 
 from recompute_bench.spec.config import Config
 from recompute_bench.launch.devices import default_device_type, visible_gpu_name
-from recompute_bench.launch.worker import PARENT_PID_ENV, config_to_dict
+from recompute_bench.launch.worker import PARENT_PID_ENV
 from recompute_bench.measure.record import FAULT_ENV, make_record, unmeasured_metrics, unmeasured_rank
 from recompute_bench.measure.telemetry import host_environment
 
@@ -135,7 +135,7 @@ def run_isolated(cfg: Config, *, name: str, out_path: Path, log_path: Path, time
                                 start_new_session=True)
         timed_out = False
         try:
-            proc.stdin.write(json.dumps(config_to_dict(cfg)).encode())
+            proc.stdin.write(json.dumps(cfg.to_dict()).encode())
             proc.stdin.close()
             proc.wait(timeout=timeout_s)
         except subprocess.TimeoutExpired:

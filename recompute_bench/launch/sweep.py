@@ -23,6 +23,7 @@ timeout points are tried again). A lock refuses a second sweep on the same run i
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import shlex
 import signal
@@ -38,7 +39,7 @@ from recompute_bench.launch.process import run_isolated
 from recompute_bench.results.records import point_id
 from recompute_bench.results.store import PLAN_FILE, RESULTS_FILE, RunLock, append_record, load_records, write_json_atomic
 from recompute_bench.recompute.settings import all_settings, full_settings, selective_settings
-from recompute_bench.launch.worker import config_from_dict, config_to_dict
+from recompute_bench.launch.worker import config_from_dict
 from recompute_bench.spec.presets import resolve
 
 PLAN_SCHEMA = "recompute-bench/plan/v1"
@@ -68,9 +69,7 @@ class Point:
 
 def recompute_overrides(setting: RecomputeConfig) -> dict[str, Any]:
     """A recompute setting as `resolve` overrides (the whole recompute table, nothing implied)."""
-    return {"recompute.granularity": setting.granularity, "recompute.modules": list(setting.modules),
-            "recompute.method": setting.method, "recompute.num_layers": setting.num_layers,
-            "recompute.activation_offload_layers": setting.activation_offload_layers}
+    return {f"recompute.{name}": value for name, value in dataclasses.asdict(setting).items()}
 
 
 def expand(*, num_layers: int, modules: list[str] | None = None, methods: list[str] | None = None,
@@ -122,7 +121,7 @@ def name_points(configs: Iterable[Config], names: Iterable[str | None] | None = 
                 name = f"Exp {n}"
         if name in taken:
             raise ConfigError(f"two points are named {name!r}; give each [[point]] its own name")
-        ident = point_id({"workload": cfg.workload, "config": cfg.to_dict(), "recompute": cfg.recompute_dict()})
+        ident = point_id(cfg.record_fields())
         if ident in seen:
             raise ConfigError(f"points {seen[ident]!r} and {name!r} are the same setting ({cfg.recompute.label}); "
                               "drop one of them")
@@ -228,7 +227,7 @@ def plan_from_grid(grid: Grid, workload: str, *, overrides: dict[str, Any], sets
 
 def plan_to_dict(points: list[Point]) -> dict:
     """The plan as saved in `plan.json`."""
-    return {"schema": PLAN_SCHEMA, "points": [{"name": p.name, "config": config_to_dict(p.cfg)} for p in points]}
+    return {"schema": PLAN_SCHEMA, "points": [{"name": p.name, "config": p.cfg.to_dict()} for p in points]}
 
 
 def load_plan(run_dir: Path) -> list[Point]:
@@ -248,8 +247,7 @@ def load_plan(run_dir: Path) -> list[Point]:
 
 def point_record_id(point: Point) -> tuple[str, ...]:
     """The identity a record of this point will have (see results.point_id)."""
-    return point_id({"workload": point.cfg.workload, "config": point.cfg.to_dict(),
-                     "recompute": point.cfg.recompute_dict()})
+    return point_id(point.cfg.record_fields())
 
 
 def done_points(results_file: Path) -> dict[tuple[str, ...], dict]:

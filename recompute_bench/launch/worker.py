@@ -2,7 +2,7 @@
 
 The launcher starts one worker per point, so an out-of-memory error, a crash or a leaked allocation
 never reaches the next point, and the CUDA allocator starts fresh each time. The resolved config
-comes as JSON on stdin (`config_to_dict`); the worker validates it again, runs
+comes as JSON on stdin (`Config.to_dict()`); the worker validates it again, runs
 `measure.run_point`, and writes the result record to `--out` (through a rename, so the launcher
 reads a whole record or none). Its stderr is the point's log. SIGUSR1 dumps every thread's Python
 stack to stderr, which is how the launcher learns where a hung point was stuck.
@@ -24,7 +24,7 @@ import threading
 import time
 from pathlib import Path
 
-from recompute_bench.spec.config import Config, ConfigError, ModelConfig, ParallelConfig, RecomputeConfig, TrainingConfig
+from recompute_bench.spec.config import Config
 from recompute_bench.spec.rules import validate
 
 PARENT_PID_ENV = "RECOMPUTE_BENCH_PARENT_PID"
@@ -71,23 +71,9 @@ def die_with_parent(parent_pid: int | None = None, poll_s: float = PARENT_POLL_S
     threading.Thread(target=watch, name="die-with-parent", daemon=True).start()
 
 
-def config_to_dict(cfg: Config) -> dict:
-    """A resolved Config as plain data: workload, model, training, parallel and recompute."""
-    r = cfg.recompute
-    return {"workload": cfg.workload, **cfg.to_dict(),
-            "recompute": {"granularity": r.granularity, "modules": list(r.modules), "method": r.method,
-                          "num_layers": r.num_layers, "activation_offload_layers": r.activation_offload_layers,
-                          "distribute_saved_activations": r.distribute_saved_activations}}
-
-
 def config_from_dict(data: dict) -> Config:
-    """The inverse of `config_to_dict`, validated; ConfigError when the data is not a valid config."""
-    try:
-        cfg = Config(workload=data["workload"], model=ModelConfig(**data["model"]),
-                     training=TrainingConfig(**data["training"]), parallel=ParallelConfig(**data["parallel"]),
-                     recompute=RecomputeConfig(**data["recompute"]))
-    except (KeyError, TypeError) as e:
-        raise ConfigError(f"not a resolved recompute-bench config ({e}); write it with config_to_dict") from None
+    """The config a worker is given (`Config.to_dict()`), validated again; ConfigError if it is not one."""
+    cfg = Config.from_dict(data)
     validate(cfg)
     return cfg
 

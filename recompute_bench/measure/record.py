@@ -48,9 +48,7 @@ def make_record(cfg: Config, env: dict, rank_entry: dict, metrics: dict) -> dict
     failure = rank_entry["failure"]
     return {
         "schema": SCHEMA,
-        "workload": cfg.workload,
-        "config": cfg.to_dict(),
-        "recompute": cfg.recompute_dict(),
+        **cfg.record_fields(),
         "env": env,
         "status": rank_entry["status"],
         "failure": None if failure is None else {**failure, "rank": rank_entry["rank"]},

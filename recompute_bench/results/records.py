@@ -3,7 +3,7 @@
 A point's key is what makes two measurements comparable: the workload and every resolved field
 that changes what is measured: each field of the model, training, parallel and recompute
 dataclasses of `spec/config.py` except the measurement protocol (warm-up and measured steps).
-`KEY_COLUMNS` is derived from those dataclasses in `key_fields_of_config()`, so a new config field
+`KEY_COLUMNS` is derived from the field registry (`spec/fields.py`), so a new config field
 becomes a key column by itself; each value is rendered as a string, the way the golden CSV holds
 it. `config_hash` hashes the record's model/training/parallel tables as written, so a record whose
 config has fields this version does not know (or lacks ones it does) is noticed instead of compared.
@@ -15,73 +15,25 @@ config has fields this version does not know (or lacks ones it does) is noticed 
 
 from __future__ import annotations
 
-import dataclasses
 import hashlib
 import json
-import typing
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterable
 
 import pandas as pd
 
 from recompute_bench.spec.config import SECTIONS, ConfigError, recompute_label
+from recompute_bench.spec.fields import PROTOCOL_KEYS, REQUIRED, fields
 from recompute_bench.results.store import load_records
 
-# Fields that describe how long a point is measured, not what is measured.
-PROTOCOL_FIELDS = ("warmup_steps", "measured_steps")
-# RecomputeConfig shortens Megatron's argument names inside its own section; a column spells them
-# out as Megatron (and the CLI flag) does.
-RECOMPUTE_COLUMN_NAMES = {"granularity": "recompute_granularity", "modules": "recompute_modules",
-                          "method": "recompute_method", "num_layers": "recompute_num_layers"}
 ENV_COLUMNS = ("device", "device_name", "torch_version", "package_version", "git_sha", "hostname", "time")
-_REQUIRED = object()
-
-
-@dataclass(frozen=True)
-class KeyField:
-    """One key column: which field of a result record it holds and how that value is written."""
-
-    column: str
-    """Column name in frames and golden CSVs (the config field's own name)."""
-    section: str
-    """model, training, parallel (in the record's `config`) or recompute (the record's `recompute`)."""
-    name: str
-    """The dataclass field."""
-    default: Any
-    """What a record written before the field existed means by leaving it out (`_REQUIRED`: no default)."""
-    is_float: bool
-    """A float field: 10000 and 10000.0 are the same value and must give the same key."""
-
-
-def key_fields_of_config() -> tuple[KeyField, ...]:
-    """The key: every field of the config dataclasses that changes what is measured, in section and
-    field order. This is the one place that decides what identifies a point."""
-    out = []
-    for section, cls in SECTIONS.items():
-        hints = typing.get_type_hints(cls)
-        for f in dataclasses.fields(cls):
-            if f.name in PROTOCOL_FIELDS:
-                continue
-            if f.default is not dataclasses.MISSING:
-                default = f.default
-            elif f.default_factory is not dataclasses.MISSING:
-                default = f.default_factory()
-            else:
-                default = _REQUIRED
-            column = RECOMPUTE_COLUMN_NAMES.get(f.name, f.name) if section == "recompute" else f.name
-            out.append(KeyField(column, section, f.name, default, hints[f.name] in (float, typing.Optional[float])))
-    columns = [k.column for k in out]
-    if len(set(columns)) != len(columns) or "workload" in columns:
-        raise RuntimeError(f"two config fields share a key column name: {columns}; rename one")  # a programming error
-    return tuple(out)
-
-
-KEY_FIELDS = key_fields_of_config()
-KEY_COLUMNS = ("workload", *(k.column for k in KEY_FIELDS))
+# The key: every registered field that changes what is measured (spec/fields.py), in section and
+# field order, each column under the field's Megatron name. This is what identifies a point.
+KEY_FIELDS = tuple(f for f in fields() if f.in_key)
+KEY_COLUMNS = ("workload", *(k.key for k in KEY_FIELDS))
 # The columns that say which model and batch were measured, i.e. everything but the recompute setting:
 # points with equal shape columns share a baseline.
-SHAPE_COLUMNS = ("workload", *(k.column for k in KEY_FIELDS if k.section != "recompute"))
+SHAPE_COLUMNS = ("workload", *(k.key for k in KEY_FIELDS if k.section != "recompute"))
 
 
 def key_text(value: Any) -> str:
@@ -102,10 +54,11 @@ def key_fields(record: dict) -> dict[str, str]:
         tables = {s: (record["recompute"] if s == "recompute" else record["config"][s]) for s in SECTIONS}
         values = {"workload": record["workload"]}
         for k in KEY_FIELDS:
-            value = tables[k.section][k.name] if k.default is _REQUIRED else tables[k.section].get(k.name, k.default)
+            table = tables[k.section]
+            value = table[k.attribute] if k.default is REQUIRED else table.get(k.attribute, k.default)
             if k.is_float and isinstance(value, int) and not isinstance(value, bool):
                 value = float(value)
-            values[k.column] = value
+            values[k.key] = value
     except (KeyError, TypeError, AttributeError) as e:
         raise ConfigError(f"a record lacks {e} and is not a recompute-bench/result/v1 record; "
                           "pass results written by `recompute-bench run` or `sweep`") from None
@@ -115,7 +68,7 @@ def key_fields(record: dict) -> dict[str, str]:
 def config_hash(record: dict) -> str:
     """Short hash of every resolved model/training/parallel field except the measurement protocol."""
     config = {s: dict(record["config"][s]) for s in ("model", "training", "parallel")}
-    for name in PROTOCOL_FIELDS:
+    for name in PROTOCOL_KEYS:
         config["training"].pop(name, None)
     blob = json.dumps({"workload": record["workload"], **config}, sort_keys=True, default=str)
     return hashlib.sha256(blob.encode()).hexdigest()[:12]

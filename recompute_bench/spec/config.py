@@ -185,31 +185,34 @@ class Config:
         return t.global_batch_size // (t.micro_batch_size * self.parallel.data_parallel_size)
 
     def to_dict(self) -> dict[str, Any]:
-        """Plain data for the JSON record (`config` holds model/training/parallel)."""
-        return {
-            "model": dataclasses.asdict(self.model),
-            "training": dataclasses.asdict(self.training),
-            "parallel": dataclasses.asdict(self.parallel),
-        }
+        """The whole config as plain data: the workload name and one table per section. A sweep's
+        plan and a worker's stdin hold exactly this; `from_dict` reads it back."""
+        return {"workload": self.workload, **{s: dataclasses.asdict(getattr(self, s)) for s in SECTIONS}}
 
-    def recompute_dict(self) -> dict[str, Any]:
-        """The record's `recompute` object."""
-        r = self.recompute
-        return {
-            "granularity": r.granularity,
-            "modules": list(r.modules),
-            "method": r.method,
-            "num_layers": r.num_layers,
-            "activation_offload_layers": r.activation_offload_layers,
-        }
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> "Config":
+        """The inverse of `to_dict` (not validated: pass it to `spec.rules.validate`); ConfigError
+        when `data` is not one."""
+        try:
+            return cls(data["workload"], **{s: SECTIONS[s](**data[s]) for s in SECTIONS})
+        except (KeyError, TypeError) as e:
+            raise ConfigError(f"not a resolved recompute-bench config ({e}); write it with Config.to_dict") from None
+
+    def record_fields(self) -> dict[str, Any]:
+        """The config as a result record holds it: `workload`, `config` (model, training and
+        parallel) and, beside them, `recompute`."""
+        data = self.to_dict()
+        return {"workload": data.pop("workload"), "config": {s: data[s] for s in ("model", "training", "parallel")},
+                "recompute": data["recompute"]}
 
 
 SECTIONS = {"model": ModelConfig, "training": TrainingConfig, "parallel": ParallelConfig, "recompute": RecomputeConfig}
 
 
 def recompute_label(granularity: str, modules=(), method: str | None = None, num_layers: int | None = None,
-                    activation_offload_layers: int = 0) -> str:
-    """A recompute setting in a few words: "none", "selective[core_attn,mlp]", "full uniform 1"."""
+                    activation_offload_layers: int = 0, **_: Any) -> str:
+    """A recompute setting in a few words: "none", "selective[core_attn,mlp]", "full uniform 1".
+    Takes a record's `recompute` object as keywords (the fields that do not change the words too)."""
     if granularity == "selective":
         return "selective[" + ",".join(modules) + "]"
     if granularity == "full":

@@ -6,8 +6,9 @@ the CLI flag (`--num-layers`), the grid-file key of a `[[point]]`, the golden/Da
 and the override path `section.attribute` that `--set` takes. The help text of a flag is the
 docstring written under the field in `spec/config.py`.
 
-Commands take their options from here (`cli/options.py`), the golden key and the DataFrame columns
-come from here (`key_columns`, `key_values`), and a grid file's point keys are checked against it.
+Commands take their options from here (`cli/options.py`), the golden key and the DataFrame key
+columns come from here (`results.records.KEY_FIELDS`), and a grid file's point keys are checked
+against it.
 Pure Python.
 """
 
@@ -24,6 +25,8 @@ from recompute_bench.spec.config import SECTIONS
 
 # How a point is measured, not what: left out of the golden key and the config hash.
 PROTOCOL_KEYS = ("warmup_steps", "measured_steps")
+# The default of a field that has none (the model's shape): a record must hold it.
+REQUIRED = object()
 # Recompute fields whose attribute is not already Megatron's argument name.
 _RECOMPUTE_PREFIXED = ("granularity", "modules", "method", "num_layers")
 
@@ -69,6 +72,7 @@ class Field:
     key: str
     type: Any
     default: Any
+    """The dataclass default (a fresh one for a factory); REQUIRED where there is none."""
     help: str
 
     @property
@@ -93,6 +97,11 @@ class Field:
     @property
     def is_list(self) -> bool:
         return "list" in str(self.type)
+
+    @property
+    def is_float(self) -> bool:
+        """A float field: 10000 and 10000.0 are the same value (and must give the same key)."""
+        return self.value_type is float
 
     @property
     def value_type(self) -> type:
@@ -130,7 +139,8 @@ def fields() -> tuple[Field, ...]:
     for section, cls in SECTIONS.items():
         docs = _docstrings(cls)
         for f in dataclasses.fields(cls):
-            default = None if f.default is dataclasses.MISSING else f.default
+            default = (f.default if f.default is not dataclasses.MISSING else
+                       f.default_factory() if f.default_factory is not dataclasses.MISSING else REQUIRED)
             out.append(Field(section, f.name, key_of(section, f.name), f.type, default, docs.get(f.name, "")))
     keys = [f.key for f in out]
     assert len(keys) == len(set(keys)), "two fields share a key"
@@ -153,23 +163,6 @@ def flagged() -> list[Field]:
 def short_flags() -> dict[str, str]:
     """Megatron Bridge's short flags -> the long flag they mean."""
     return {f.flag.short: f.option for f in flagged() if f.flag.short}
-
-
-def key_columns() -> tuple[str, ...]:
-    """The golden key: the workload name and every field that changes what is measured."""
-    return ("workload", *(f.key for f in fields() if f.in_key))
-
-
-def config_values(data: dict[str, Any]) -> dict[str, Any]:
-    """Field key -> value from a config as plain data (`Config.to_dict()`, or a result record,
-    whose `config` holds model/training/parallel and `recompute` sits beside it). A field the data
-    lacks (written before the field existed) takes its default."""
-    sections = {**(data.get("config") or {}), **{s: data[s] for s in SECTIONS if s in data}}
-    out = {}
-    for f in fields():
-        section = sections.get(f.section) or {}
-        out[f.key] = section.get(f.attribute, f.default)
-    return out
 
 
 def overrides_from_keys(values: dict[str, Any]) -> dict[str, Any]:
