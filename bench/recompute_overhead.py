@@ -1,6 +1,8 @@
 """Recompute overhead measured side by side in one process: step time and saved bytes of each
 setting relative to no recompute. Settings run interleaved, round after round, so drift of a
-shared machine hits them alike; the median of each setting's rounds is compared.
+shared machine hits them alike; the median of each setting's rounds is compared. On CUDA it also
+measures activation offload of all layers but the last (device bytes saved and the step time its
+side-stream copies cost) and each setting's peak allocated bytes.
 
     python bench/recompute_overhead.py [--workload tiny] [--rounds 5] [--set section.key=value ...]
 """
@@ -34,9 +36,13 @@ def main() -> None:
     parser.add_argument("--set", dest="sets", action="append", default=[])
     args = parser.parse_args()
     device = pick_device()
+    settings = dict(SETTINGS)
+    if device.type == "cuda":  # offload moves saved tensors from a GPU to host memory
+        layers = resolve(args.workload, sets=args.sets, gpu="cpu")[0].model.num_layers
+        settings[f"offload {layers - 1}"] = {"recompute.activation_offload_layers": layers - 1}
 
     steppers, saved = {}, {}
-    for name, overrides in SETTINGS.items():
+    for name, overrides in settings.items():
         cfg, _ = resolve(args.workload, overrides=overrides, sets=args.sets, gpu="cpu")
         model = apply_recompute(build_model(cfg.model, cfg.training.seed, device, DTYPES[cfg.training.precision]),
                                 cfg.recompute).train()
@@ -46,23 +52,28 @@ def main() -> None:
         stepper.step()
         steppers[name], saved[name] = stepper, probe.result[0]
 
-    times: dict[str, list[float]] = {name: [] for name in SETTINGS}
+    times: dict[str, list[float]] = {name: [] for name in settings}
+    peaks: dict[str, int] = {}
     for _ in range(args.rounds):
         for name, stepper in steppers.items():
             if device.type == "cuda":
                 torch.cuda.synchronize()
+                torch.cuda.reset_peak_memory_stats(device)
             start = time.perf_counter()
             stepper.step()
             if device.type == "cuda":
                 torch.cuda.synchronize()
+                peaks[name] = torch.cuda.max_memory_allocated(device)
             times[name].append(time.perf_counter() - start)
 
     base_t, base_b = statistics.median(times["none"]), saved["none"]
     print(f"{args.workload} on {device}, {args.rounds} interleaved rounds (median step time)")
-    print(f"{'setting':<24}{'step time':>12}{'time / none':>14}{'saved bytes':>14}{'bytes / none':>14}")
-    for name in SETTINGS:
+    print(f"{'setting':<24}{'step time':>12}{'time / none':>14}{'saved bytes':>14}{'bytes / none':>14}"
+          + (f"{'peak alloc':>16}{'peak / none':>13}" if peaks else ""))
+    for name in settings:
         t = statistics.median(times[name])
-        print(f"{name:<24}{t * 1e3:>10.1f}ms{t / base_t:>14.3f}{saved[name]:>14,}{saved[name] / base_b:>14.3f}")
+        peak = f"{peaks[name]:>16,}{peaks[name] / peaks['none']:>13.3f}" if peaks else ""
+        print(f"{name:<24}{t * 1e3:>10.1f}ms{t / base_t:>14.3f}{saved[name]:>14,}{saved[name] / base_b:>14.3f}{peak}")
 
 
 if __name__ == "__main__":
