@@ -114,11 +114,15 @@ def test_grid_file(tmp_path):
                     '[[point]]\n'
                     '[[point]]\nrecompute_modules = ["mlp", "core_attn"]\n'
                     '[[point]]\nname = "long full"\nrecompute_granularity = "full"\nrecompute_method = "uniform"\n'
-                    'recompute_num_layers = 2\nseq_length = 64\nset = ["training.measured_steps=3"]\n')
+                    'recompute_num_layers = 2\nseq_length = 64\nset = ["training.measured_steps=3"]\n'
+                    '[[point]]\nname = "wide"\nhidden_size = 128\nffn_hidden_size = 512\n')
     names, points = plan("--grid", str(grid))
-    assert names == [("Baseline", "none"), ("Exp 1", "selective[core_attn,mlp]"), ("long full", "full uniform 2")]
-    assert [p["config"]["training"]["measured_steps"] for p in points] == [2, 2, 3]
-    assert [p["config"]["training"]["seq_length"] for p in points] == [128, 128, 64]
+    assert names == [("Baseline", "none"), ("Exp 1", "selective[core_attn,mlp]"), ("long full", "full uniform 2"),
+                     ("wide", "none")]
+    assert [p["config"]["training"]["measured_steps"] for p in points] == [2, 2, 3, 2]
+    assert [p["config"]["training"]["seq_length"] for p in points] == [128, 128, 64, 128]
+    # Any field, by the name it has everywhere (spec/fields.py), not only those with a flag.
+    assert [p["config"]["model"]["hidden_size"] for p in points] == [64, 64, 64, 128]
 
 
 @pytest.mark.parametrize("text, words", [

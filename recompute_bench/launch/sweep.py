@@ -38,6 +38,7 @@ from recompute_bench.spec.config import SUPPORTED_RECOMPUTE_MODULES, Config, Con
 from recompute_bench.launch.process import run_isolated
 from recompute_bench.results.records import point_id
 from recompute_bench.results.store import PLAN_FILE, RESULTS_FILE, RunLock, append_record, load_records, write_json_atomic
+from recompute_bench.spec.fields import fields, flagged, overrides_from_keys
 from recompute_bench.recompute.settings import all_settings, full_settings, selective_settings
 from recompute_bench.launch.worker import config_from_dict
 from recompute_bench.spec.presets import resolve
@@ -45,14 +46,6 @@ from recompute_bench.spec.presets import resolve
 PLAN_SCHEMA = "recompute-bench/plan/v1"
 DONE_STATUSES = ("ok", "oom")
 # Keys a [[point]] of a grid file may set, and the config field each one overrides.
-GRID_POINT_KEYS = {
-    "num_layers": "model.num_layers", "seq_length": "training.seq_length",
-    "micro_batch_size": "training.micro_batch_size", "global_batch_size": "training.global_batch_size",
-    "precision": "training.precision", "attention_backend": "model.attention_backend",
-    "recompute_granularity": "recompute.granularity", "recompute_modules": "recompute.modules",
-    "recompute_method": "recompute.method", "recompute_num_layers": "recompute.num_layers",
-    "activation_offload_layers": "recompute.activation_offload_layers",
-}
 
 
 @dataclass
@@ -170,8 +163,7 @@ def load_grid(path: Path) -> Grid:
         recompute_granularity = "full"
         recompute_method = "uniform"
         recompute_num_layers = 1
-        seq_length = 4096                   # shape keys: num_layers, seq_length, micro_batch_size,
-                                            # global_batch_size, precision, attention_backend
+        seq_length = 4096                   # any field, by its key (spec/fields.py): the flag's name
         set = ["training.measured_steps=10"]
 
     A point without recompute keys measures no recompute.
@@ -190,12 +182,12 @@ def load_grid(path: Path) -> Grid:
     points = data.get("point")
     if not isinstance(points, list) or not points:
         raise ConfigError(f"grid file {path} lists no [[point]] table; add one per setting to measure")
-    allowed = set(GRID_POINT_KEYS) | {"name", "set"}
+    allowed = {f.key for f in fields()} | {"name", "set"}
     for i, point in enumerate(points, 1):
         bad = set(point) - allowed
         if bad:
             raise ConfigError(f"point {i} of {path} has unknown key(s) {', '.join(sorted(bad))}; "
-                              f"allowed: {', '.join(sorted(allowed))}")
+                              f"allowed: name, set and the field names, e.g. {', '.join(f.key for f in flagged())}")
     sets = data.get("set", [])
     if not isinstance(sets, list) or not all(isinstance(s, str) for s in sets):
         raise ConfigError(f'"set" in {path} must be a list of "section.key=value" strings')
@@ -208,7 +200,7 @@ def plan_from_grid(grid: Grid, workload: str, *, overrides: dict[str, Any], sets
     dedicated flags, then the point's own keys and `set`."""
     configs, names, notes = [], [], []
     for i, point in enumerate(grid.points, 1):
-        own = {GRID_POINT_KEYS[k]: v for k, v in point.items() if k in GRID_POINT_KEYS}
+        own = overrides_from_keys({k: v for k, v in point.items() if k not in ("name", "set")})
         if not any(k.startswith("recompute.") for k in own):
             own["recompute.granularity"] = "none"
         point_sets = point.get("set", [])
