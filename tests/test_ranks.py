@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from conftest import config, invoke
-from recompute_bench.launch.process import PARENT_PID_ENV, worker_env
+from recompute_bench.launch.process import FAULT_POINTS_ENV, PARENT_PID_ENV, worker_env
 from recompute_bench.launch.torchrun import Launch, check_launch, run_ranks, torchrun_command
 from recompute_bench.measure.point import run_point
 from recompute_bench.measure.record import FAULT_ENV, rank_summary
@@ -145,3 +145,14 @@ def test_a_memory_limit_produces_a_real_oom_on_cuda(tmp_path):
                     "--no-save", *[a for s in SETS[:2] for a in ("--set", s)])
     record = json.loads(result.stdout)
     assert result.exit_code == 1 and record["status"] == "oom" and record["launch"]["memory_limit_gb"] == 0.001
+
+
+def test_a_sweep_over_two_ranks_records_one_ranks_oom_and_goes_on(tmp_path, monkeypatch):
+    monkeypatch.setenv(FAULT_POINTS_ENV, "Baseline=oom:forward:0@1")
+    result = invoke("sweep", "--baseline", "--modules", "core_attn", "--nproc-per-node", "2", "--run-id", "two",
+                    "--results-dir", str(tmp_path), "--no-golden", *[a for s in SETS for a in ("--set", s)])
+    assert result.exit_code == 1, result.output
+    records = [json.loads(line) for line in (tmp_path / "two" / "results.jsonl").read_text().splitlines()]
+    assert [(r["point"]["name"], r["status"]) for r in records] == [("Baseline", "oom"), ("Exp 1", "ok")]
+    assert records[0]["failure"]["summary"] == "OOM rank1; waiting rank0"
+    assert [len(r["ranks"]) for r in records] == [2, 2] and "OOM rank 1" in " ".join(result.stderr.split())

@@ -323,6 +323,7 @@ def _measure(cfg: Config, device: torch.device, peak_tflops: float | None, layou
     metrics = unmeasured_metrics(cfg, device.type)
     rank_entry = {**unmeasured_rank(layout.rank, device_name(device)), **cuda_memory(device),
                   "status": "running", "step": 0, "losses": [], "step_times_s": [], "activation_bytes": None}
+    progress(metrics, rank_entry)  # started: a rank stopped from now on is known to have been running
     stepper: Stepper | None = None
     try:
         if device.type == "cuda":
