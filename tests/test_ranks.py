@@ -156,3 +156,18 @@ def test_a_sweep_over_two_ranks_records_one_ranks_oom_and_goes_on(tmp_path, monk
     assert [(r["point"]["name"], r["status"]) for r in records] == [("Baseline", "oom"), ("Exp 1", "ok")]
     assert records[0]["failure"]["summary"] == "OOM rank1; waiting rank0"
     assert [len(r["ranks"]) for r in records] == [2, 2] and "OOM rank 1" in " ".join(result.stderr.split())
+
+
+def test_verify_over_two_fsdp_ranks_is_exact_and_matches_one_rank(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    result = invoke("verify", "--nproc-per-node", "2", "--data-parallel", "fsdp", "--attention-backend", "sdpa",
+                    "--seq-length", "32", "--recompute-granularity", "full", "--recompute-method", "uniform",
+                    "--recompute-num-layers", "1", "--json")
+    assert result.exit_code == 0, result.output
+    [outcome] = json.loads(result.stdout)
+    assert outcome["setting"] == "full uniform 1" and outcome["exact"]  # recompute under FSDP2: bitwise
+    # FSDP's gathered gradients against one rank running both micro-batches (each seeded alike for
+    # dropout) and averaging: fp32 rounding at most (the mean of two values is summed once either way).
+    line = next(line for line in result.stderr.splitlines() if "ranks vs one rank" in line)
+    loss_diff, grad_diff = (float(line.split(key)[1].split()[0].rstrip(",")) for key in ("|loss diff|", "max |grad diff|"))
+    assert loss_diff <= 1e-6 and grad_diff <= 1e-6

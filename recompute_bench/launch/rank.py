@@ -1,6 +1,7 @@
 """What torchrun runs: `python -m recompute_bench.launch.rank agent ...` is the launcher process
 (torch.distributed.run, which dies with the recompute-bench process that started it), and
-`python -m recompute_bench.launch.rank measure --pieces DIR ...` is each rank, started by it.
+`python -m recompute_bench.launch.rank measure --pieces DIR ...` is each rank, started by it
+(`... verify --pieces DIR` runs `verify` over the ranks instead).
 
 A rank reads the resolved config from `DIR/config.json`, measures its share of the point
 (`measure.distributed.measure_rank`), and writes `DIR/rank<N>.json` after every step. A rank that
@@ -27,6 +28,39 @@ def agent(argv: list[str]) -> int:
     from torch.distributed.run import main as torchrun
     torchrun(argv)
     return 0
+
+
+def verify(argv: list[str]) -> int:
+    """`verify` over the ranks: DIR/verify-in.json holds the config, the settings and the backends;
+    rank 0 writes DIR/verify.json (`measure.distributed.verify_ranks`)."""
+    parser = argparse.ArgumentParser(prog="python -m recompute_bench.launch.rank verify")
+    parser.add_argument("--pieces", type=Path, required=True)
+    parser.add_argument("--data-parallel", default="ddp")
+    parser.add_argument("--device", default=None)
+    parser.add_argument("--watchdog-s", type=float, default=300.0)
+    args, _ = parser.parse_known_args(argv)
+    from torch.distributed.elastic.multiprocessing.errors import record
+
+    @record
+    def run() -> int:
+        import torch.distributed as dist
+        from recompute_bench.launch.worker import config_from_dict
+        from recompute_bench.measure.distributed import init_process_group, rank_device, verify_ranks
+        from recompute_bench.results.store import write_json_atomic
+        from recompute_bench.spec.config import RecomputeConfig
+
+        given = json.loads((args.pieces / "verify-in.json").read_text())
+        cfg = config_from_dict(given["config"])
+        device = rank_device(args.device)
+        init_process_group(device, args.watchdog_s)
+        result = verify_ranks(cfg, [RecomputeConfig(**r) for r in given["settings"]], given["backends"], device,
+                              args.data_parallel)
+        if dist.get_rank() == 0:
+            write_json_atomic(args.pieces / "verify.json", result)
+        dist.destroy_process_group()
+        return 0
+
+    return run()
 
 
 def measure(argv: list[str]) -> int:
@@ -65,10 +99,11 @@ def measure(argv: list[str]) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    if not argv or argv[0] not in ("agent", "measure"):
-        sys.stderr.write("usage: python -m recompute_bench.launch.rank {agent|measure} ...\n")
+    programs = {"agent": agent, "measure": measure, "verify": verify}
+    if not argv or argv[0] not in programs:
+        sys.stderr.write("usage: python -m recompute_bench.launch.rank {agent|measure|verify} ...\n")
         return 2
-    return (agent if argv[0] == "agent" else measure)(argv[1:])
+    return programs[argv[0]](argv[1:])
 
 
 if __name__ == "__main__":

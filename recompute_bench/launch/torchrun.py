@@ -98,15 +98,16 @@ def check_launch(cfg: Config, launch: Launch, device_type: str) -> Config:
 
 
 def torchrun_command(launch: Launch, pieces: Path, *, device: str | None = None,
-                     peak_tflops: float | None = None) -> list[str]:
-    """The command that launches every rank of this node (torchrun's own options, then the rank program)."""
+                     peak_tflops: float | None = None, program: str = "measure") -> list[str]:
+    """The command that launches every rank of this node (torchrun's own options, then the rank
+    program: `measure` a point, or `verify`)."""
     endpoint = launch.rdzv_endpoint or "localhost:0"  # one node: c10d on a free local port
     command = [*RANK_COMMAND, "agent",
                "--nproc-per-node", str(launch.nproc_per_node), "--nnodes", str(launch.nnodes),
                "--node-rank", str(launch.node_rank), "--rdzv-backend", "c10d", "--rdzv-endpoint", endpoint,
                "--rdzv-id", launch.rdzv_id or "recompute-bench", "--max-restarts", "0",
                "--log-dir", str(pieces / "torchrun"),
-               "-m", "recompute_bench.launch.rank", "measure", "--pieces", str(pieces),
+               "-m", "recompute_bench.launch.rank", program, "--pieces", str(pieces),
                "--data-parallel", launch.data_parallel, "--watchdog-s", f"{launch.watchdog_s:g}"]
     if device:
         command += ["--device", device]
@@ -142,6 +143,23 @@ def run_ranks(cfg: Config, launch: Launch, *, name: str, pieces: Path, log_path:
                    + (f" (one was in {where})" if where else ""))
     return merge_pieces(cfg, launch, found, timeout=timeout, errors=_error_files(pieces),
                         log_tail=_tail(log_path), device=device)
+
+
+def verify_over_ranks(cfg: Config, settings: list, backends: list[str], launch: Launch, *, work: Path,
+                      timeout_s: float, device: str | None = None) -> dict:
+    """`verify` over the ranks of `launch` (`measure.distributed.verify_ranks`): rank 0's result, or
+    ConfigError naming the log when the ranks left none."""
+    work.mkdir(parents=True, exist_ok=True)
+    (work / "verify.json").unlink(missing_ok=True)
+    (work / "verify-in.json").write_text(json.dumps({"config": cfg.to_dict(), "settings": [asdict(s) for s in settings],
+                                                     "backends": backends}))
+    log = work / f"verify.node{launch.node_rank}.log"
+    code = run_group(torchrun_command(launch, work, device=device, program="verify"), log, worker_env("verify"),
+                     timeout_s, header=f"verify x{launch.world_size}")
+    if not (work / "verify.json").is_file():
+        how = "ran past the time limit" if code is None else f"ended with exit code {code}"
+        raise ConfigError(f"verify over {launch.world_size} ranks {how} without a result; see {log}")
+    return json.loads((work / "verify.json").read_text())
 
 
 def _error_files(pieces: Path) -> dict[int, str]:
