@@ -50,6 +50,8 @@ def test_data_parallel_over_two_ranks_gives_the_single_rank_losses(tmp_path, dat
     assert record["status"] == "ok", record["failure"]
     assert record["config"]["parallel"]["data_parallel_size"] == 2
     assert record["launch"]["world_size"] == 2 and record["launch"]["data_parallel"] == data_parallel
+    # FSDP shards the optimizer state: the record (and the estimate) say use_distributed_optimizer.
+    assert record["config"]["parallel"]["use_distributed_optimizer"] == (data_parallel == "fsdp")
     assert [r["status"] for r in record["ranks"]] == ["ok", "ok"]
     assert len(single_rank_losses) == 2
     for rank in record["ranks"]:
@@ -132,6 +134,7 @@ def test_rank_summaries():
     (["--dp", "2"], "pass --nproc-per-node 2"),
     (["--nnodes", "2"], "pass --rdzv-endpoint"),
     (["--nproc-per-node", "2", "--data-parallel", "zero"], "is not one of ddp, fsdp"),
+    (["--nproc-per-node", "2", "--set", "parallel.use_distributed_optimizer=true"], "pass --data-parallel fsdp"),
 ])
 def test_bad_launches_are_one_line_exit_2(tmp_path, args, words):
     result = invoke("run", "--device", "cpu", "--results", str(tmp_path / "r.jsonl"), *args)

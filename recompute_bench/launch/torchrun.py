@@ -85,12 +85,18 @@ def check_launch(cfg: Config, launch: Launch, device_type: str) -> Config:
         raise ConfigError("tensor parallelism is not measured yet; pass --tensor-model-parallel-size 1 "
                           "(use `estimate` for tensor-parallel layouts)")
     world = launch.world_size
-    if p.data_parallel_size == 1 and world > 1:
+    if world > 1 and p.use_distributed_optimizer and launch.data_parallel == "ddp":
+        raise ConfigError("use_distributed_optimizer shards the optimizer state, which FSDP does here; pass "
+                          "--data-parallel fsdp or drop --set parallel.use_distributed_optimizer=true")
+    if world > 1 and (p.data_parallel_size == 1 or launch.data_parallel == "fsdp"):
         from recompute_bench.spec.rules import validate
-        cfg = Config(cfg.workload, cfg.model, cfg.training, type(p)(**{**vars(p), "data_parallel_size": world}),
+        cfg = Config(cfg.workload, cfg.model, cfg.training,
+                     type(p)(**{**vars(p), "data_parallel_size": p.data_parallel_size if p.data_parallel_size > 1 else world,
+                                "use_distributed_optimizer": p.use_distributed_optimizer or launch.data_parallel == "fsdp"}),
                      cfg.recompute)
         validate(cfg)  # the global batch must still split into micro-batches over the ranks
-    elif p.data_parallel_size != world:
+        p = cfg.parallel
+    if p.data_parallel_size != world:
         raise ConfigError(f"data_parallel_size {p.data_parallel_size} does not match the {world} rank(s) launched "
                           f"(--nproc-per-node x --nnodes); pass --nproc-per-node {p.data_parallel_size} or "
                           f"--data-parallel-size {world}")

@@ -31,7 +31,8 @@ import os
 import torch
 import torch.distributed as dist
 
-from recompute_bench.measure.point import SingleRank, MixedPrecisionAdam, _adam, pick_device, run_point, synthetic_batches
+from recompute_bench.measure.point import (DTYPES, MixedPrecisionAdam, SingleRank, _adam, pick_device, run_point,
+                                           synthetic_batches)
 from recompute_bench.spec.config import Config
 
 DATA_PARALLEL = ("ddp", "fsdp")
@@ -47,18 +48,14 @@ class DataParallel(SingleRank):
         self.world_size = dist.get_world_size()
         self.rank = dist.get_rank()
 
-    def build(self, cfg: Config, device: torch.device) -> torch.nn.Module:
-        t = cfg.training
+    def build(self, cfg: Config, device: torch.device, dtype: torch.dtype | None = None) -> torch.nn.Module:
         if self.kind == "ddp":
-            model = super().build(cfg, device)
             from torch.nn.parallel import DistributedDataParallel
-            return DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
+            return DistributedDataParallel(super().build(cfg, device, dtype),
+                                           device_ids=[device.index] if device.type == "cuda" else None)
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-        from recompute_bench.models.dense.layers import build_model
-        from recompute_bench.recompute.apply import apply_recompute
-        from recompute_bench.measure.point import DTYPES
-        model = apply_recompute(build_model(cfg.model, t.seed, device, torch.float32), cfg.recompute)
-        policy = MixedPrecisionPolicy(param_dtype=DTYPES[t.precision], reduce_dtype=torch.float32)
+        model = super().build(cfg, device, torch.float32)  # fp32 sharded weights: FSDP casts for compute
+        policy = MixedPrecisionPolicy(param_dtype=DTYPES[cfg.training.precision], reduce_dtype=torch.float32)
         for layer in model.layers:
             fully_shard(layer, mp_policy=policy)
         fully_shard(model, mp_policy=policy)
@@ -135,15 +132,14 @@ def measure_rank(cfg: Config, *, data_parallel: str, piece_path, device: str | N
     init_process_group(dev, watchdog_s)
     layout = DataParallel(data_parallel)
 
-    def write(metrics: dict, rank_entry: dict) -> None:
-        write_json_atomic(piece_path, {"rank": layout.rank, "world_size": layout.world_size,
-                                       "rank_entry": rank_entry, "metrics": metrics})
+    def write(metrics: dict, rank_entry: dict, env: dict | None = None) -> dict:
+        piece = {"rank": layout.rank, "world_size": layout.world_size, "rank_entry": rank_entry, "metrics": metrics,
+                 **({"env": env} if env else {})}
+        write_json_atomic(piece_path, piece)
+        return piece
 
     record = run_point(cfg, device=dev, peak_tflops=peak_tflops, layout=layout, progress=write)
-    piece = {"rank": layout.rank, "world_size": layout.world_size, "rank_entry": record["ranks"][0],
-             "metrics": record["metrics"], "env": record["env"]}
-    write_json_atomic(piece_path, piece)
-    return piece
+    return write(record["metrics"], record["ranks"][0], record["env"])
 
 
 def gathered_loss_and_grads(cfg: Config, tokens: torch.Tensor, device: torch.device,

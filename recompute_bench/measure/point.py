@@ -286,10 +286,10 @@ class SingleRank:
     world_size = 1
     rank = 0
 
-    def build(self, cfg: Config, device: torch.device) -> GPT:
-        """The model this rank trains, recompute installed."""
+    def build(self, cfg: Config, device: torch.device, dtype: torch.dtype | None = None) -> GPT:
+        """The model this rank trains, recompute installed; weights in `dtype` (default the training precision)."""
         t = cfg.training
-        return apply_recompute(build_model(cfg.model, t.seed, device, DTYPES[t.precision]), cfg.recompute)
+        return apply_recompute(build_model(cfg.model, t.seed, device, dtype or DTYPES[t.precision]), cfg.recompute)
 
     def optimizer(self, model: torch.nn.Module, precision: str):
         return make_optimizer(model, precision)
