@@ -395,8 +395,8 @@ def test_a_worker_dies_soon_after_its_parent_is_killed(tmp_path):
     # pipe the test holds open, so nothing but its own parent watch can end it.
     parent_code = textwrap.dedent(f"""
         import subprocess
-        from recompute_bench.launch.process import WORKER_COMMAND, _worker_env
-        worker = subprocess.Popen(WORKER_COMMAND + ["--out", {str(tmp_path / "w.json")!r}], env=_worker_env("w"),
+        from recompute_bench.launch.process import WORKER_COMMAND, worker_env
+        worker = subprocess.Popen(WORKER_COMMAND + ["--out", {str(tmp_path / "w.json")!r}], env=worker_env("w"),
                                   start_new_session=True)
         print(worker.pid, flush=True)
         worker.wait()

@@ -11,6 +11,8 @@ from rich.markup import escape
 
 from recompute_bench.cli.common import DEFAULT_WORKLOAD, JsonOut, Workload, err, fail, resolve_point, show_notes
 from recompute_bench.cli.options import PointOptions, point_options
+from recompute_bench.cli.ranks import launch_options
+from recompute_bench.launch.torchrun import Launch
 from recompute_bench.spec.config import Config, ConfigError
 
 Device = Annotated[Optional[str], typer.Option(help="torch device, e.g. cuda:1 or cpu; default: CUDA if present.",
@@ -20,6 +22,7 @@ PeakTflops = Annotated[Optional[float], typer.Option(help="Peak TFLOP/s of the d
 
 
 @point_options()
+@launch_options
 def run(
     *,
     workload: Workload = DEFAULT_WORKLOAD,
@@ -29,21 +32,35 @@ def run(
     json_out: JsonOut = False,
     save: Annotated[bool, typer.Option("--save/--no-save", help="Append the record to --results.", rich_help_panel="Output")] = True,
     results: Annotated[Path, typer.Option(help="JSONL file the record is appended to.", rich_help_panel="Output")] = Path("results/runs.jsonl"),
+    launch: Launch,
+    timeout: Annotated[float, typer.Option(help="Time limit of a multi-rank point in seconds (start included); "
+                                           "every rank is killed past it.", rich_help_panel="Ranks (torchrun)")] = 600.0,
 ) -> None:
     """Measure one recompute setting of a workload on this machine and record the result."""
     try:
         cfg, notes = resolve_point(workload, point)
-        check_runnable(cfg, device)
+        cfg = check_runnable(cfg, device, launch)
     except ConfigError as e:
         raise fail(str(e)) from None
     show_notes(notes)
 
-    from recompute_bench.measure.point import pick_device, run_point
     from recompute_bench.render.tables import run_table
     from recompute_bench.results.store import append_record
 
-    err.print(f"measuring {cfg.workload} with recompute {escape(cfg.recompute.label)} ...", highlight=False)
-    record = run_point(cfg, device=pick_device(device), peak_tflops=peak_tflops)
+    ranks = f" over {launch.world_size} ranks ({launch.data_parallel})" if launch.world_size > 1 else ""
+    err.print(f"measuring {cfg.workload} with recompute {escape(cfg.recompute.label)}{ranks} ...", highlight=False)
+    if launch.world_size > 1:
+        from recompute_bench.launch.torchrun import run_ranks
+        work = results.parent / "ranks" / (launch.rdzv_id or "run")
+        record = run_ranks(cfg, launch, name="run", pieces=work, log_path=work / f"node{launch.node_rank}.log",
+                           timeout_s=timeout, device=device, peak_tflops=peak_tflops)
+    else:
+        from recompute_bench.measure.distributed import limit_memory
+        from recompute_bench.measure.point import pick_device, run_point
+        torch_device = pick_device(device)
+        limit_memory(torch_device, launch.memory_limit_gb)
+        record = run_point(cfg, device=torch_device, peak_tflops=peak_tflops)
+        record["launch"] = launch.record()
     err.print(run_table(record))
     if save:
         append_record(results, record)
@@ -54,20 +71,20 @@ def run(
         raise typer.Exit(1)
 
 
-def check_runnable(cfg: Config, device: str | None) -> None:
-    """What `run` can measure on one process: no model parallelism, and offload only on CUDA.
-    Asks NVML, not torch: a sweep checks its plan in the parent, which holds no CUDA context."""
+def check_runnable(cfg: Config, device: str | None, launch: Launch | None = None) -> Config:
+    """What `run` can measure with `launch` (default one rank): the config it measures (data
+    parallel over the launched ranks), offload only on CUDA. Asks NVML, not torch: a sweep checks
+    its plan in the parent, which holds no CUDA context."""
     from recompute_bench.launch.devices import default_device_type
+    from recompute_bench.launch.torchrun import check_launch
 
     cuda_here = default_device_type() == "cuda"
-    p = cfg.parallel
-    if p.tensor_model_parallel_size > 1 or p.pipeline_model_parallel_size > 1 or p.data_parallel_size > 1:
-        raise ConfigError("run measures one rank without tensor, pipeline or data parallelism; pass "
-                          "--tensor-model-parallel-size 1 --pipeline-model-parallel-size 1 --data-parallel-size 1 "
-                          "(use `estimate` for parallel layouts)")
     on_cuda = (device or ("cuda" if cuda_here else "cpu")).startswith("cuda")
+    launch = launch or Launch()
+    cfg = check_launch(cfg, launch, "cuda" if on_cuda else "cpu")
     if cfg.recompute.activation_offload_layers and not on_cuda:
         raise ConfigError("activation offload moves saved tensors from a CUDA device to host memory and there is "
                           "no CUDA device here; drop --activation-offload-layers")
     if device and device.startswith("cuda") and not cuda_here:
         raise ConfigError(f"--device {device} asks for CUDA but no CUDA device is visible here; pass --device cpu")
+    return cfg

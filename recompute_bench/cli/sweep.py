@@ -14,13 +14,17 @@ from recompute_bench.cli.common import (DEFAULT_WORKLOAD, GoldenFile, ResultsDir
                                         show_notes)
 from recompute_bench.cli.hints import command_line, print_command, run_locator, update_command
 from recompute_bench.cli.options import PointOptions, point_options, split_list
+from recompute_bench.cli.ranks import launch_flags, launch_options
 from recompute_bench.cli.run import check_runnable
+from recompute_bench.launch.torchrun import Launch
 from recompute_bench.spec.config import ConfigError
 
 
 @point_options(panels=("Workload", "Parallelism"))
+@launch_options
 def sweep(
     *,
+    launch: Launch,
     workload: Annotated[Optional[str], typer.Option("--workload", "-w", help="Preset name or .toml path; default tiny "
                                                    "(or the grid file's workload).", rich_help_panel="Workload")] = None,
     point: PointOptions,
@@ -93,7 +97,7 @@ def sweep(
                                             modules=split_list(modules), methods=split_list(methods),
                                             num_layers_recompute=counts, baseline=baseline)
         for p in points:
-            check_runnable(p.cfg, device)
+            p.cfg = check_runnable(p.cfg, device, launch)
         golden_file = None if no_golden else (golden or gold.golden_path_for(device_kind(device, gpu), results_dir))
         golden_rows = None
         if golden_file is not None and (golden is not None or golden_file.is_file()):
@@ -117,13 +121,13 @@ def sweep(
     try:
         with SweepProgress(len(points)) as progress:
             records = run_sweep(points, run_dir, timeout_s=timeout, device=device, peak_tflops=peak_tflops,
-                                resume=bool(resume), on_start=progress.start, on_done=progress.done)
+                                resume=bool(resume), launch=launch, on_start=progress.start, on_done=progress.done)
     except ConfigError as e:
         raise fail(str(e)) from None
     except KeyboardInterrupt:
         same = [*(["--gpu", gpu] if gpu else []), *(["--device", device] if device else []),
                 *(["--timeout", f"{timeout:g}"] if timeout != 600.0 else []),
-                *(["--peak-tflops", f"{peak_tflops:g}"] if peak_tflops else []),
+                *(["--peak-tflops", f"{peak_tflops:g}"] if peak_tflops else []), *launch_flags(launch),
                 *(["--no-golden"] if no_golden else ["--golden", golden] if golden else []), *(["--strict"] if strict else [])]
         print_command(f"interrupted: finished points are in {run_dir}/results.jsonl; continue with",
                       resume_command(run_dir, *map(str, same)))

@@ -11,13 +11,17 @@ from rich.table import Table
 
 from recompute_bench.cli.common import DEFAULT_WORKLOAD, JsonOut, Workload, err, fail, resolve_point, show_notes
 from recompute_bench.cli.options import PointOptions, point_options
+from recompute_bench.cli.ranks import launch_options
+from recompute_bench.launch.torchrun import Launch
 from recompute_bench.spec.config import ATTENTION_BACKENDS, ConfigError
 
 
 @point_options(panels=("Workload", "Recompute"), exclude=("global_batch_size", "precision", "attention_backend",
                                                           "activation_offload_layers"), gpu=False)
+@launch_options
 def verify(
     *,
+    launch: Launch,
     workload: Workload = DEFAULT_WORKLOAD,
     point: PointOptions,
     attention_backend: Annotated[Optional[list[str]], typer.Option(help="Backends to check (repeatable); default both.",
@@ -45,7 +49,10 @@ def verify(
         raise fail(str(e)) from None
     show_notes(notes)
     settings = [cfg.recompute] if point.given("recompute") else all_settings(cfg.model.num_layers)
-    outcomes = run_verify(cfg, settings, backends, torch.device(device))
+    if launch.world_size > 1:
+        outcomes = _over_ranks(cfg, settings, backends, launch, device)
+    else:
+        outcomes = run_verify(cfg, settings, backends, torch.device(device))
 
     table = Table(title=f"verify {cfg.workload}: fp32, dropout on, against no recompute")
     for col in ("setting", "attention", "|loss diff|", "max |grad diff|", "worst parameter", "result"):
@@ -61,3 +68,24 @@ def verify(
         err.print(f"[red]{len(bad)} of {len(outcomes)} settings change the loss or a gradient[/]")
         raise typer.Exit(1)
     err.print(f"[green]all {len(outcomes)} settings leave the loss and every gradient bitwise equal[/]")
+
+
+def _over_ranks(cfg, settings, backends: list[str], launch: Launch, device: str) -> list:
+    """Each setting against no recompute under `launch`'s data-parallel layout, run with torchrun;
+    prints how far that baseline is from one rank running every rank's micro-batch."""
+    from pathlib import Path
+
+    from recompute_bench.launch.torchrun import verify_over_ranks
+    from recompute_bench.measure.verify import Outcome
+
+    err.print(f"verifying over {launch.world_size} ranks ({launch.data_parallel}) ...", highlight=False)
+    try:
+        result = verify_over_ranks(cfg, settings, backends, launch, work=Path("results") / "ranks" / "verify",
+                                   timeout_s=600.0, device=device)
+    except ConfigError as e:
+        raise fail(str(e), code=1) from None
+    for o in result["single_rank"]:
+        err.print(f"{launch.world_size} ranks vs one rank running every micro-batch ({o['attention_backend']}): "
+                  f"|loss diff| {o['loss_diff']:.3g}, max |grad diff| {o['max_grad_diff']:.3g} ({o['worst_parameter']})",
+                  highlight=False)
+    return [Outcome(**o) for o in result["outcomes"]]

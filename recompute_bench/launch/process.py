@@ -57,7 +57,7 @@ def fault_for(name: str) -> str | None:
     return None
 
 
-def _worker_env(name: str) -> dict[str, str]:
+def worker_env(name: str) -> dict[str, str]:
     env = dict(os.environ)
     # The worker imports the same package as the sweep, installed or not.
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(PACKAGE_ROOT), env.get("PYTHONPATH")) if p)
@@ -115,6 +115,35 @@ def failed_record(cfg: Config, status: str, failure: dict, device: str | None = 
     return make_record(cfg, env, unmeasured_rank(0, name, status, failure), unmeasured_metrics(cfg, kind))
 
 
+def run_group(command: list[str], log_path: Path, env: dict[str, str], timeout_s: float, *, header: str,
+              stdin: bytes = b"") -> int | None:
+    """Run `command` in a session of its own, its output appended to `log_path` under a `header`
+    line, `stdin` written to it; wait at most `timeout_s` seconds. Returns its exit code, or None
+    when the time limit passed: then its Python stacks were dumped into the log (SIGUSR1 to the
+    whole group) and the group killed. KeyboardInterrupt (or any error) kills the group and propagates."""
+    with log_path.open("ab") as log:
+        log.write(f"=== {header} {time.strftime('%Y-%m-%dT%H:%M:%S')}\n".encode())
+        log.flush()
+        proc = subprocess.Popen(command, stdin=subprocess.PIPE, stdout=log, stderr=log, env=env,
+                                start_new_session=True)
+        try:
+            proc.stdin.write(stdin)
+            proc.stdin.close()
+            proc.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            try:
+                os.killpg(proc.pid, signal.SIGUSR1)  # the worker's faulthandler dumps its stacks
+                time.sleep(STACK_DUMP_WAIT_S)
+            except ProcessLookupError:
+                pass
+            _kill_group(proc)
+            return None
+        except BaseException:
+            _kill_group(proc)
+            raise
+    return proc.returncode
+
+
 def run_isolated(cfg: Config, *, name: str, out_path: Path, log_path: Path, timeout_s: float,
                  device: str | None = None, peak_tflops: float | None = None) -> dict:
     """Measure `cfg` in a fresh worker process and return its result record (never raises for a
@@ -128,29 +157,9 @@ def run_isolated(cfg: Config, *, name: str, out_path: Path, log_path: Path, time
     if peak_tflops:
         command += ["--peak-tflops", str(peak_tflops)]
 
-    with log_path.open("ab") as log:
-        log.write(f"=== {name} {cfg.recompute.label} {time.strftime('%Y-%m-%dT%H:%M:%S')}\n".encode())
-        log.flush()
-        proc = subprocess.Popen(command, stdin=subprocess.PIPE, stdout=log, stderr=log, env=_worker_env(name),
-                                start_new_session=True)
-        timed_out = False
-        try:
-            proc.stdin.write(json.dumps(cfg.to_dict()).encode())
-            proc.stdin.close()
-            proc.wait(timeout=timeout_s)
-        except subprocess.TimeoutExpired:
-            timed_out = True
-            try:
-                os.killpg(proc.pid, signal.SIGUSR1)  # the worker's faulthandler dumps its stacks
-                time.sleep(STACK_DUMP_WAIT_S)
-            except ProcessLookupError:
-                pass
-            _kill_group(proc)
-        except BaseException:
-            _kill_group(proc)
-            raise
-
-    if timed_out:
+    code = run_group(command, log_path, worker_env(name), timeout_s,
+                     header=f"{name} {cfg.recompute.label}", stdin=json.dumps(cfg.to_dict()).encode())
+    if code is None:
         stack = _tail(log_path, 40)
         where = _innermost_frame(stack)
         failure = {"rank": 0, "step": None, "phase": None,
@@ -165,7 +174,6 @@ def run_isolated(cfg: Config, *, name: str, out_path: Path, log_path: Path, time
             return record
         except json.JSONDecodeError:
             pass
-    code = proc.returncode
     how = f"signal {signal.Signals(-code).name}" if code < 0 else f"exit code {code}"
     tail = _tail(log_path)
     last = tail.splitlines()[-1] if tail else "no output"

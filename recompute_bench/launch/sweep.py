@@ -36,6 +36,7 @@ from typing import Any, Callable, Iterable
 
 from recompute_bench.spec.config import SUPPORTED_RECOMPUTE_MODULES, Config, ConfigError, RecomputeConfig, canonical_modules
 from recompute_bench.launch.process import run_isolated
+from recompute_bench.launch.torchrun import Launch, run_ranks
 from recompute_bench.results.records import point_id
 from recompute_bench.results.store import PLAN_FILE, RESULTS_FILE, RunLock, append_record, load_records, write_json_atomic
 from recompute_bench.spec.fields import fields, flagged, overrides_from_keys
@@ -274,7 +275,7 @@ def ctrl_c_interrupts():
 
 
 def run_sweep(points: list[Point], run_dir: Path, *, timeout_s: float, device: str | None = None,
-              peak_tflops: float | None = None, resume: bool = False,
+              peak_tflops: float | None = None, resume: bool = False, launch: Launch | None = None,
               on_start: Callable[[Point, int], None] | None = None,
               on_done: Callable[[Point, dict, float, bool], None] | None = None) -> list[dict]:
     """Measure every point of the plan into `run_dir` and return one record per point, in plan order.
@@ -283,7 +284,8 @@ def run_sweep(points: list[Point], run_dir: Path, *, timeout_s: float, device: s
     plan; a run that already has results is only continued with `resume=True`. `on_start(point,
     index)` and `on_done(point, record, seconds, skipped)` let the caller show progress. Ctrl-C
     raises KeyboardInterrupt (even when SIGINT was ignored at start) once the running point's
-    worker is killed; every finished record is already in `results.jsonl`.
+    worker is killed; every finished record is already in `results.jsonl`. With a `launch` of more
+    than one rank, each point runs under torchrun (`launch.torchrun.run_ranks`).
     """
     run_dir = Path(run_dir)
     results_file = run_dir / RESULTS_FILE
@@ -306,9 +308,14 @@ def run_sweep(points: list[Point], run_dir: Path, *, timeout_s: float, device: s
                 on_start(point, index)
             t0 = time.monotonic()
             safe = point.name.replace(" ", "_").replace("/", "_")
-            record = run_isolated(point.cfg, name=point.name, out_path=run_dir / "work" / f"{safe}.json",
-                                  log_path=run_dir / "logs" / f"{safe}.log", timeout_s=timeout_s,
-                                  device=device, peak_tflops=peak_tflops)
+            if launch is not None and launch.world_size > 1:
+                record = run_ranks(point.cfg, launch, name=point.name, pieces=run_dir / "work" / safe,
+                                   log_path=run_dir / "logs" / f"{safe}.log", timeout_s=timeout_s,
+                                   device=device, peak_tflops=peak_tflops)
+            else:
+                record = run_isolated(point.cfg, name=point.name, out_path=run_dir / "work" / f"{safe}.json",
+                                      log_path=run_dir / "logs" / f"{safe}.log", timeout_s=timeout_s,
+                                      device=device, peak_tflops=peak_tflops)
             record["point"] = {"name": point.name, "index": index, "run_id": run_dir.name}
             append_record(results_file, record)
             records.append(record)

@@ -16,7 +16,7 @@ import statistics
 import time
 import traceback
 import weakref
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from typing import Any, Callable, Iterator
 
 import torch
@@ -30,7 +30,7 @@ from recompute_bench.measure.record import FAULT_ENV, SCHEMA, make_record, unmea
 from recompute_bench.measure.telemetry import NvmlSampler, cuda_memory, device_name, environment, uses_tf32
 
 __all__ = ["SCHEMA", "FAULT_ENV", "DTYPES", "MixedPrecisionAdam", "SavedTensorProbe", "Stepper", "make_optimizer",
-           "make_record", "pick_device", "run_point", "synthetic_batches", "unmeasured_metrics", "unmeasured_rank"]
+           "SingleRank", "make_record", "pick_device", "run_point", "synthetic_batches", "unmeasured_metrics", "unmeasured_rank"]
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
@@ -57,7 +57,7 @@ class MixedPrecisionAdam:
     one foreach copy writes the result back into the 16-bit weights.
     """
 
-    def __init__(self, params: list[torch.nn.Parameter], lr: float):
+    def __init__(self, params: list[torch.nn.Parameter], lr: float, hook: bool = True):
         self.params = params
         n = sum(p.numel() for p in params)
         device = params[0].device
@@ -72,7 +72,8 @@ class MixedPrecisionAdam:
             master = self.master[view].view_as(p)
             master.copy_(p.detach())
             self.master_params.append(master)
-            p.register_post_accumulate_grad_hook(_accumulate_main_grad)
+            if hook:
+                p.register_post_accumulate_grad_hook(_accumulate_main_grad)
             offset += p.numel()
         self.master.grad = self.main_grad  # Adam reads the main gradients where they are: no copy
         self.adam = _adam([self.master], lr)
@@ -126,7 +127,7 @@ class SavedTensorProbe:
         self.model = model
         # Storages are keyed by their StorageImpl (`_cdata`), not their address. Parameters live
         # for the whole run, so their keys cannot be reused by another storage.
-        self.excluded = {t.untyped_storage()._cdata for t in list(model.parameters()) + list(model.buffers())}
+        self.excluded = self._storages_of_parameters()
         self.storages: dict[int, tuple[weakref.ref, bool]] = {}
         self.in_layers = False
         self.result: tuple[int, int] = (0, 0)
@@ -166,10 +167,17 @@ class SavedTensorProbe:
             self.result = self._count()
             self.storages.clear()
 
+    def _storages_of_parameters(self) -> set[int]:
+        # A sharded (DTensor) parameter is its local shard; FSDP2 swaps unsharded parameters in
+        # for the forward, and the root module keeps them until its backward: weights, not activations.
+        return {getattr(t, "_local_tensor", t).untyped_storage()._cdata
+                for t in list(self.model.parameters()) + list(self.model.buffers())}
+
     def _count(self) -> tuple[int, int]:
         total = layers = 0
-        for ref, in_layers in self.storages.values():
-            storage = ref()
+        weights = self._storages_of_parameters()
+        for key, (ref, in_layers) in self.storages.items():
+            storage = ref() if key not in weights else None
             nbytes = storage.nbytes() if storage is not None else 0  # freed: nothing held for backward
             total += nbytes
             layers += nbytes if in_layers else 0
@@ -182,11 +190,16 @@ class SavedTensorProbe:
 
 
 def _fault(phase: str, step: int) -> None:
+    """Fail as RECOMPUTE_BENCH_FAULT says ("KIND:PHASE:STEP[@RANK]"); no "@RANK" means every rank.
+    The rank is torchrun's RANK (0 on a single-rank point)."""
     spec = os.environ.get(FAULT_ENV)
     if not spec:
         return
-    kind, want_phase, want_step = spec.split(":")
+    where, _, want_rank = spec.partition("@")
+    kind, want_phase, want_step = where.split(":")
     if want_phase != phase or int(want_step) != step:
+        return
+    if want_rank and int(want_rank) != int(os.environ.get("RANK", "0")):
         return
     if kind == "oom":
         raise torch.OutOfMemoryError(f"CUDA out of memory (injected by {FAULT_ENV}={spec})")
@@ -202,6 +215,8 @@ class Stepper:
         self.cfg, self.model, self.optimizer, self.batches = cfg, model, optimizer, batches
         self.step_index = 0
         self.phase = "setup"
+        self.no_sync = getattr(model, "no_sync", None)
+        """DDP's: micro-batches before the last accumulate locally, the last one all-reduces."""
 
     def step(self, probe: SavedTensorProbe | None = None) -> torch.Tensor:
         """One optimizer step over every micro-batch; returns the mean loss as a 0-dim fp32 tensor
@@ -210,16 +225,17 @@ class Stepper:
         n = len(self.batches)
         total = torch.zeros((), dtype=torch.float32, device=self.batches.device)
         for i, tokens in enumerate(self.batches):
-            self.phase = "forward"
-            _fault("forward", self.step_index)
-            if probe is not None and i == 0:
-                with probe.watch():
+            with self.no_sync() if self.no_sync and i < n - 1 else nullcontext():
+                self.phase = "forward"
+                _fault("forward", self.step_index)
+                if probe is not None and i == 0:
+                    with probe.watch():
+                        loss = self.model(tokens[:, :-1], tokens[:, 1:])
+                else:
                     loss = self.model(tokens[:, :-1], tokens[:, 1:])
-            else:
-                loss = self.model(tokens[:, :-1], tokens[:, 1:])
-            self.phase = "backward"
-            _fault("backward", self.step_index)
-            (loss / n).backward()
+                self.phase = "backward"
+                _fault("backward", self.step_index)
+                (loss / n).backward()
             total += loss.detach()
         self.phase = "optimizer"
         _fault("optimizer", self.step_index)
@@ -263,48 +279,88 @@ def pick_device(requested: str | None = None) -> torch.device:
     return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
 
 
+class SingleRank:
+    """How a point is laid out over ranks: here one rank holding the whole model and batch.
+    `measure.distributed` has the multi-rank layouts (DDP, FSDP2) with the same methods."""
+
+    world_size = 1
+    rank = 0
+
+    def build(self, cfg: Config, device: torch.device, dtype: torch.dtype | None = None) -> GPT:
+        """The model this rank trains, recompute installed; weights in `dtype` (default the training precision)."""
+        t = cfg.training
+        return apply_recompute(build_model(cfg.model, t.seed, device, dtype or DTYPES[t.precision]), cfg.recompute)
+
+    def optimizer(self, model: torch.nn.Module, precision: str):
+        return make_optimizer(model, precision)
+
+    def batches(self, cfg: Config, device: torch.device) -> torch.Tensor:
+        """This rank's micro-batches of the step."""
+        return synthetic_batches(cfg, device)
+
+    def mean(self, value: torch.Tensor) -> torch.Tensor:
+        """A per-rank value averaged over the ranks that hold different data."""
+        return value
+
+
 def run_point(cfg: Config, *, device: torch.device | None = None, peak_tflops: float | None = None,
-              rank: int = 0) -> dict:
+              layout=None, progress: Callable[[dict, dict], None] | None = None) -> dict:
     """Measure `cfg` on this process's device and return the full result record (never raises for
-    an OOM or a failing step; those become the record's status)."""
+    an OOM or a failing step; those become the record's status). `layout` places the model and
+    batch over ranks (default one rank); `progress(metrics, rank_entry)` is called after every step
+    and at the end, so a rank can leave what it has measured before a later step kills it."""
     device = device or pick_device()
     with float32_matmul_precision(device, cfg.training.precision) as tf32:
-        metrics, rank_entry = _measure(cfg, device, peak_tflops, rank)
+        metrics, rank_entry = _measure(cfg, device, peak_tflops, layout or SingleRank(), progress or (lambda *_: None))
     return make_record(cfg, environment(device, tf32), rank_entry, metrics)
 
 
-def _measure(cfg: Config, device: torch.device, peak_tflops: float | None, rank: int) -> tuple[dict, dict]:
+def _measure(cfg: Config, device: torch.device, peak_tflops: float | None, layout,
+             progress: Callable[[dict, dict], None]) -> tuple[dict, dict]:
     """(metrics, rank entry) of one point: the probe step, warm-up, the measured window."""
     m, t = cfg.model, cfg.training
-    world_size = 1  # one rank; model parallelism is refused by validation before we get here
+    world_size = layout.world_size  # FLOP rates are per GPU over the whole world
     metrics = unmeasured_metrics(cfg, device.type)
-    rank_entry = {**unmeasured_rank(rank, device_name(device)), **cuda_memory(device)}
+    rank_entry = {**unmeasured_rank(layout.rank, device_name(device)), **cuda_memory(device),
+                  "status": "running", "step": 0, "losses": [], "step_times_s": [], "activation_bytes": None}
+    progress(metrics, rank_entry)  # started: a rank stopped from now on is known to have been running
     stepper: Stepper | None = None
     try:
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(device)
-        model = apply_recompute(build_model(m, t.seed, device, DTYPES[t.precision]), cfg.recompute)
+        model = layout.build(cfg, device)
         model.train()
-        metrics["num_parameters"] = sum(p.numel() for p in model.parameters())
-        stepper = Stepper(cfg, model, make_optimizer(model, t.precision), synthetic_batches(cfg, device))
+        metrics["num_parameters"] = sum(p.numel() for p in model.parameters())  # DTensors count their global size
+        stepper = Stepper(cfg, model, layout.optimizer(model, t.precision), layout.batches(cfg, device))
         torch.manual_seed(t.seed)  # dropout masks
 
-        probe = SavedTensorProbe(model)
+        def done(loss: torch.Tensor) -> None:
+            rank_entry["losses"].append(layout.mean(loss).item())  # after the step, which is not timed
+            rank_entry["step"] = stepper.step_index
+            rank_entry.update({k: v for k, v in cuda_memory(device).items() if v is not None})
+            progress(metrics, rank_entry)
+
+        probe = SavedTensorProbe(getattr(model, "module", model))
         with FlopCounterMode(display=False) as counter:
             loss = stepper.step(probe)
-        metrics["loss"] = loss.item()  # after the step, which is not timed
-        metrics["measured_flops_per_step"] = counter.get_total_flops()
+        done(loss)
+        metrics["loss"] = rank_entry["losses"][0]
+        metrics["measured_flops_per_step"] = counter.get_total_flops() * world_size  # this rank's share x ranks
         total_bytes, layer_bytes = probe.bytes()
-        metrics["activation_bytes"] = total_bytes
+        metrics["activation_bytes"] = rank_entry["activation_bytes"] = total_bytes
         metrics["activation_bytes_per_layer"] = layer_bytes / m.num_layers
 
         for _ in range(t.warmup_steps):
-            stepper.step()
+            done(stepper.step())
         run_peak = cuda_memory(device)
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(device)
         with NvmlSampler(device) as nvml:
-            times = [_timed(device, stepper.step) for _ in range(t.measured_steps)]
+            for _ in range(t.measured_steps):
+                losses: list[torch.Tensor] = []
+                rank_entry["step_times_s"].append(_timed(device, lambda: losses.append(stepper.step())))
+                done(losses[0])
+        times = rank_entry["step_times_s"]
         window = cuda_memory(device)
         rank_entry.update(window)
         if device.type == "cuda":
@@ -322,12 +378,14 @@ def _measure(cfg: Config, device: torch.device, peak_tflops: float | None, rank:
             "mfu": metrics["model_flops_per_step"] / step_time / world_size / peak if peak else None,
             "hfu": metrics["hardware_flops_per_step"] / step_time / world_size / peak if peak else None,
         })
+        rank_entry["status"] = "ok"
     except torch.OutOfMemoryError as e:
         rank_entry.update(status="oom", failure=_failure(stepper, e))
     except Exception as e:  # any other failure of the point is a result too
         rank_entry.update(status="error", failure=_failure(stepper, e, with_traceback=True))
     if rank_entry["status"] != "ok":
         rank_entry.update({k: v for k, v in cuda_memory(device).items() if v is not None})
+    progress(metrics, rank_entry)
     return metrics, rank_entry
 
 

@@ -15,7 +15,8 @@ from recompute_bench.spec.config import Config
 
 SCHEMA = "recompute-bench/result/v1"
 FAULT_ENV = "RECOMPUTE_BENCH_FAULT"
-"""Fault injection for tests: "KIND:PHASE:STEP" with KIND oom, error or hang, e.g. "oom:backward:2"."""
+"""Fault injection for tests: "KIND:PHASE:STEP[@RANK]" with KIND oom, error or hang, e.g.
+"oom:backward:2" (every rank) or "oom:backward:1@1" (rank 1 only)."""
 
 
 def unmeasured_metrics(cfg: Config, device_type: str) -> dict[str, Any]:
@@ -55,3 +56,22 @@ def make_record(cfg: Config, env: dict, rank_entry: dict, metrics: dict) -> dict
         "ranks": [rank_entry],
         "metrics": metrics,
     }
+
+
+STATUS_ORDER = ("oom", "error", "timeout", "waiting")
+"""A multi-rank point's status is its ranks' first in this order (else ok)."""
+
+
+def rank_summary(record: dict) -> str:
+    """Which ranks did not finish, as tables say it: "OOM rank0", "OOM ranks 2,5; waiting rank1";
+    "" when every rank finished."""
+    by_status: dict[str, list[int]] = {}
+    for entry in record.get("ranks") or []:
+        if entry["status"] != "ok":
+            by_status.setdefault(entry["status"], []).append(entry["rank"])
+    words = []
+    for status, ranks in sorted(by_status.items(), key=lambda item: STATUS_ORDER.index(item[0])
+                                if item[0] in STATUS_ORDER else len(STATUS_ORDER)):
+        label = "OOM" if status == "oom" else status
+        words.append(f"{label} rank{ranks[0]}" if len(ranks) == 1 else f"{label} ranks {','.join(map(str, ranks))}")
+    return "; ".join(words)

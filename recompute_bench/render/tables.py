@@ -6,6 +6,7 @@ from __future__ import annotations
 from rich.markup import escape
 from rich.table import Table
 
+from recompute_bench.measure.record import rank_summary
 from recompute_bench.spec.config import recompute_label
 
 NOT_MEASURED = "n/m"
@@ -52,8 +53,15 @@ def run_table(record: dict) -> Table:
     if record.get("failure"):
         f = record["failure"]
         status += f" (rank {f.get('rank', 0)}, step {f['step']}, {f['phase']}: {f['message']})"
+    launch = record.get("launch") or {}
+    world = launch.get("world_size", 1)
     rows = [
         ("status", status),
+        *([("ranks", f"{world} ({launch['nnodes']} node(s), {launch['data_parallel']}): "
+                     + (rank_summary(record) or "all finished")),
+           ("largest peak allocated / spread over ranks",
+            f"{fmt_bytes(m['peak_allocated_bytes'])} / {fmt_bytes(m.get('peak_allocated_spread_bytes'))}")]
+          if world > 1 else []),
         ("step time (median)", fmt_seconds(m["step_time_s"])),
         ("TFLOP/s/GPU (model)", fmt_number(m["tflops_per_gpu"], 3)),
         ("tokens/s/GPU", fmt_number(m["tokens_per_s_per_gpu"], 0)),

@@ -1,0 +1,110 @@
+"""What torchrun runs: `python -m recompute_bench.launch.rank agent ...` is the launcher process
+(torch.distributed.run, which dies with the recompute-bench process that started it), and
+`python -m recompute_bench.launch.rank measure --pieces DIR ...` is each rank, started by it
+(`... verify --pieces DIR` runs `verify` over the ranks instead).
+
+A rank reads the resolved config from `DIR/config.json`, measures its share of the point
+(`measure.distributed.measure_rank`), and writes `DIR/rank<N>.json` after every step. A rank that
+ran out of memory or failed exits 1 after writing its piece, so torchrun tears the group down
+instead of leaving its peers waiting in a collective; the traceback of an uncaught error goes to
+torchrun's per-rank error file (`elastic.multiprocessing.errors.record`). SIGUSR1 dumps every
+thread's stack to the log, as the single-rank worker does.
+"""
+
+from __future__ import annotations
+
+import argparse
+import faulthandler
+import json
+import signal
+import sys
+from pathlib import Path
+
+
+def agent(argv: list[str]) -> int:
+    """torchrun, tied to the process that started it (a killed sweep leaves no ranks behind)."""
+    from recompute_bench.launch.worker import die_with_parent
+    die_with_parent()
+    from torch.distributed.run import main as torchrun
+    torchrun(argv)
+    return 0
+
+
+def verify(argv: list[str]) -> int:
+    """`verify` over the ranks: DIR/verify-in.json holds the config, the settings and the backends;
+    rank 0 writes DIR/verify.json (`measure.distributed.verify_ranks`)."""
+    parser = argparse.ArgumentParser(prog="python -m recompute_bench.launch.rank verify")
+    parser.add_argument("--pieces", type=Path, required=True)
+    parser.add_argument("--data-parallel", default="ddp")
+    parser.add_argument("--device", default=None)
+    parser.add_argument("--watchdog-s", type=float, default=300.0)
+    args, _ = parser.parse_known_args(argv)
+    from torch.distributed.elastic.multiprocessing.errors import record
+
+    @record
+    def run() -> int:
+        import torch.distributed as dist
+        from recompute_bench.launch.worker import config_from_dict
+        from recompute_bench.measure.distributed import init_process_group, rank_device, verify_ranks
+        from recompute_bench.results.store import write_json_atomic
+        from recompute_bench.spec.config import RecomputeConfig
+
+        given = json.loads((args.pieces / "verify-in.json").read_text())
+        cfg = config_from_dict(given["config"])
+        device = rank_device(args.device)
+        init_process_group(device, args.watchdog_s)
+        result = verify_ranks(cfg, [RecomputeConfig(**r) for r in given["settings"]], given["backends"], device,
+                              args.data_parallel)
+        if dist.get_rank() == 0:
+            write_json_atomic(args.pieces / "verify.json", result)
+        dist.destroy_process_group()
+        return 0
+
+    return run()
+
+
+def measure(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(prog="python -m recompute_bench.launch.rank measure")
+    parser.add_argument("--pieces", type=Path, required=True, help="folder of config.json and the rank pieces")
+    parser.add_argument("--data-parallel", default="ddp")
+    parser.add_argument("--device", default=None)
+    parser.add_argument("--peak-tflops", type=float, default=None)
+    parser.add_argument("--memory-limit-gb", type=float, default=None)
+    parser.add_argument("--watchdog-s", type=float, default=300.0)
+    args = parser.parse_args(argv)
+    if hasattr(signal, "SIGUSR1"):
+        faulthandler.register(signal.SIGUSR1, file=sys.stderr, all_threads=True)
+
+    from torch.distributed.elastic.multiprocessing.errors import record
+
+    @record
+    def run() -> int:
+        import os
+        import torch.distributed as dist
+        from recompute_bench.launch.worker import config_from_dict
+        from recompute_bench.measure.distributed import measure_rank
+
+        cfg = config_from_dict(json.loads((args.pieces / "config.json").read_text()))
+        rank = int(os.environ["RANK"])
+        piece = measure_rank(cfg, data_parallel=args.data_parallel, piece_path=args.pieces / f"rank{rank}.json",
+                             device=args.device, peak_tflops=args.peak_tflops, memory_limit_gb=args.memory_limit_gb,
+                             watchdog_s=args.watchdog_s)
+        if piece["rank_entry"]["status"] != "ok":
+            return 1  # torchrun stops the peers, which may be waiting for this rank in a collective
+        dist.destroy_process_group()
+        return 0
+
+    return run()
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    programs = {"agent": agent, "measure": measure, "verify": verify}
+    if not argv or argv[0] not in programs:
+        sys.stderr.write("usage: python -m recompute_bench.launch.rank {agent|measure|verify} ...\n")
+        return 2
+    return programs[argv[0]](argv[1:])
+
+
+if __name__ == "__main__":
+    sys.exit(main())

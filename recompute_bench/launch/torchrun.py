@@ -1,0 +1,238 @@
+"""A multi-rank point: launched with torchrun, one record merged from every rank's piece.
+
+`run_ranks` starts torchrun (`torch.distributed.run`, through `launch.rank agent`, which dies with
+this process) in a session of its own with c10d rendezvous: `--nproc-per-node`, `--nnodes`,
+`--node-rank`, `--rdzv-endpoint` and `--rdzv-id` are passed through (one node: `localhost:0`, a
+free port). Each rank (`launch.rank measure`) writes `rank<N>.json` in the point's pieces folder
+after every step; when torchrun returns, or the point's time limit kills the whole group, the
+pieces are merged into one record (`merge_pieces`) with every rank in `ranks`:
+
+- a rank that finished: `ok`; that ran out of memory or failed: `oom` / `error` with its step,
+  phase and message (a failing rank exits non-zero and torchrun stops its peers);
+- a rank still inside a step when the group was stopped (it waited for a failed or hung peer):
+  `waiting`, with the last step it completed; a rank that left no piece: `error` with the message
+  of torchrun's per-rank error file where there is one.
+
+Like `launch.process`, this module never imports torch: the sweep parent must hold no CUDA
+context. A two-node point needs the pieces folder on a filesystem both nodes see to merge every
+rank; each node's launcher merges the pieces it can read.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any, Optional
+
+from recompute_bench.launch.process import _innermost_frame, _tail, failed_record, run_group, worker_env
+from recompute_bench.measure.record import STATUS_ORDER, rank_summary, unmeasured_rank
+from recompute_bench.spec.config import Config, ConfigError
+
+DATA_PARALLEL = ("ddp", "fsdp")
+RANK_COMMAND = [sys.executable, "-m", "recompute_bench.launch.rank"]
+PEER_GONE = ("closed by peer", "reset by peer", "communicator was aborted", "Broken pipe")
+"""How a collective fails when a peer died: that rank was waiting for the peer, not failing itself."""
+WATCHDOG = ("Timed out", "timed out", "Watchdog caught collective operation timeout")
+"""How a collective fails when its time limit (--watchdog-s) passed: a peer hung."""
+
+
+@dataclass
+class Launch:
+    """How a point is spread over processes and nodes (recorded as the record's `launch`)."""
+
+    nproc_per_node: int = 1
+    nnodes: int = 1
+    node_rank: int = 0
+    rdzv_endpoint: Optional[str] = None
+    rdzv_id: Optional[str] = None
+    data_parallel: str = "ddp"
+    memory_limit_gb: Optional[float] = None
+    watchdog_s: float = 300.0
+    """Time limit of one collective: a rank waiting longer for its peers fails instead of hanging."""
+
+    @property
+    def world_size(self) -> int:
+        return self.nproc_per_node * self.nnodes
+
+    def record(self) -> dict[str, Any]:
+        return {**asdict(self), "world_size": self.world_size}
+
+
+def check_launch(cfg: Config, launch: Launch, device_type: str) -> Config:
+    """The config a launch measures, its data-parallel size taken from the world when not given;
+    ConfigError (one line, the fix) for what cannot be launched."""
+    p = cfg.parallel
+    if launch.nproc_per_node < 1 or launch.nnodes < 1:
+        raise ConfigError("--nproc-per-node and --nnodes must be 1 or more")
+    if not 0 <= launch.node_rank < launch.nnodes:
+        raise ConfigError(f"--node-rank {launch.node_rank} must be between 0 and --nnodes {launch.nnodes} - 1")
+    if launch.nnodes > 1 and not launch.rdzv_endpoint:
+        raise ConfigError("--nnodes above 1 needs the rendezvous host of node 0: pass --rdzv-endpoint HOST:PORT")
+    if launch.data_parallel not in DATA_PARALLEL:
+        raise ConfigError(f"--data-parallel {launch.data_parallel!r} is not one of {', '.join(DATA_PARALLEL)}")
+    if launch.memory_limit_gb is not None:
+        if device_type != "cuda":
+            raise ConfigError("--memory-limit-gb caps the CUDA allocator and there is no CUDA device here; "
+                              "drop --memory-limit-gb")
+        if launch.memory_limit_gb <= 0:
+            raise ConfigError(f"--memory-limit-gb must be a positive number of GiB, got {launch.memory_limit_gb:g}")
+    if p.pipeline_model_parallel_size > 1:
+        raise ConfigError("pipeline parallelism is not measured yet (a later issue); pass "
+                          "--pipeline-model-parallel-size 1 (use `estimate` for pipeline layouts)")
+    if p.tensor_model_parallel_size > 1:
+        raise ConfigError("tensor parallelism is not measured yet; pass --tensor-model-parallel-size 1 "
+                          "(use `estimate` for tensor-parallel layouts)")
+    world = launch.world_size
+    if world > 1 and p.use_distributed_optimizer and launch.data_parallel == "ddp":
+        raise ConfigError("use_distributed_optimizer shards the optimizer state, which FSDP does here; pass "
+                          "--data-parallel fsdp or drop --set parallel.use_distributed_optimizer=true")
+    if world > 1 and (p.data_parallel_size == 1 or launch.data_parallel == "fsdp"):
+        from recompute_bench.spec.rules import validate
+        cfg = Config(cfg.workload, cfg.model, cfg.training,
+                     type(p)(**{**vars(p), "data_parallel_size": p.data_parallel_size if p.data_parallel_size > 1 else world,
+                                "use_distributed_optimizer": p.use_distributed_optimizer or launch.data_parallel == "fsdp"}),
+                     cfg.recompute)
+        validate(cfg)  # the global batch must still split into micro-batches over the ranks
+        p = cfg.parallel
+    if p.data_parallel_size != world:
+        raise ConfigError(f"data_parallel_size {p.data_parallel_size} does not match the {world} rank(s) launched "
+                          f"(--nproc-per-node x --nnodes); pass --nproc-per-node {p.data_parallel_size} or "
+                          f"--data-parallel-size {world}")
+    return cfg
+
+
+def torchrun_command(launch: Launch, pieces: Path, *, device: str | None = None,
+                     peak_tflops: float | None = None, program: str = "measure") -> list[str]:
+    """The command that launches every rank of this node (torchrun's own options, then the rank
+    program: `measure` a point, or `verify`)."""
+    endpoint = launch.rdzv_endpoint or "localhost:0"  # one node: c10d on a free local port
+    command = [*RANK_COMMAND, "agent",
+               "--nproc-per-node", str(launch.nproc_per_node), "--nnodes", str(launch.nnodes),
+               "--node-rank", str(launch.node_rank), "--rdzv-backend", "c10d", "--rdzv-endpoint", endpoint,
+               "--rdzv-id", launch.rdzv_id or "recompute-bench", "--max-restarts", "0",
+               "--log-dir", str(pieces / "torchrun"),
+               "-m", "recompute_bench.launch.rank", program, "--pieces", str(pieces),
+               "--data-parallel", launch.data_parallel, "--watchdog-s", f"{launch.watchdog_s:g}"]
+    if device:
+        command += ["--device", device]
+    if peak_tflops:
+        command += ["--peak-tflops", str(peak_tflops)]
+    if launch.memory_limit_gb:
+        command += ["--memory-limit-gb", f"{launch.memory_limit_gb:g}"]
+    return command
+
+
+def run_ranks(cfg: Config, launch: Launch, *, name: str, pieces: Path, log_path: Path, timeout_s: float,
+              device: str | None = None, peak_tflops: float | None = None) -> dict:
+    """Measure `cfg` over the ranks of `launch` and return the merged record (never raises for a
+    failed, crashed or hung point; KeyboardInterrupt kills every rank and propagates)."""
+    pieces.mkdir(parents=True, exist_ok=True)
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    for old in pieces.glob("rank*.json"):
+        old.unlink()
+    (pieces / "config.json").write_text(json.dumps(cfg.to_dict()))
+    code = run_group(torchrun_command(launch, pieces, device=device, peak_tflops=peak_tflops), log_path,
+                     worker_env(name), timeout_s, header=f"{name} {cfg.recompute.label} x{launch.world_size}")
+    found = {}
+    for path in pieces.glob("rank*.json"):
+        try:
+            piece = json.loads(path.read_text())
+            found[piece["rank"]] = piece
+        except (json.JSONDecodeError, KeyError):
+            pass
+    timeout = None
+    if code is None:
+        where = _innermost_frame(_tail(log_path, 80))
+        timeout = (f"no result within the time limit of {timeout_s:g} s; every rank was killed"
+                   + (f" (one was in {where})" if where else ""))
+    return merge_pieces(cfg, launch, found, timeout=timeout, errors=_error_files(pieces),
+                        log_tail=_tail(log_path), device=device)
+
+
+def verify_over_ranks(cfg: Config, settings: list, backends: list[str], launch: Launch, *, work: Path,
+                      timeout_s: float, device: str | None = None) -> dict:
+    """`verify` over the ranks of `launch` (`measure.distributed.verify_ranks`): rank 0's result, or
+    ConfigError naming the log when the ranks left none."""
+    work.mkdir(parents=True, exist_ok=True)
+    (work / "verify.json").unlink(missing_ok=True)
+    (work / "verify-in.json").write_text(json.dumps({"config": cfg.to_dict(), "settings": [asdict(s) for s in settings],
+                                                     "backends": backends}))
+    log = work / f"verify.node{launch.node_rank}.log"
+    code = run_group(torchrun_command(launch, work, device=device, program="verify"), log, worker_env("verify"),
+                     timeout_s, header=f"verify x{launch.world_size}")
+    if not (work / "verify.json").is_file():
+        how = "ran past the time limit" if code is None else f"ended with exit code {code}"
+        raise ConfigError(f"verify over {launch.world_size} ranks {how} without a result; see {log}")
+    return json.loads((work / "verify.json").read_text())
+
+
+def _error_files(pieces: Path) -> dict[int, str]:
+    """Messages of torchrun's per-rank error files (written by `errors.record`), by local rank."""
+    messages = {}
+    for path in pieces.glob("torchrun/**/error.json"):
+        try:
+            message = json.loads(path.read_text())["message"]
+            messages[int(path.parent.name)] = message.get("message", str(message)) if isinstance(message, dict) else str(message)
+        except (OSError, ValueError, KeyError, TypeError):
+            pass
+    return messages
+
+
+def merge_pieces(cfg: Config, launch: Launch, pieces: dict[int, dict], *, timeout: str | None = None,
+                 errors: dict[int, str] | None = None, log_tail: str = "", device: str | None = None) -> dict:
+    """One record from the ranks' pieces: every rank in `ranks`, the point's status and failure from
+    them, the metrics of the lowest rank that has them, peaks the largest over the ranks."""
+    errors = errors or {}
+    ranks = []
+    for r in range(launch.world_size):
+        piece = pieces.get(r)
+        if piece is None:
+            message = errors.get(r - launch.node_rank * launch.nproc_per_node)
+            last = log_tail.splitlines()[-1] if log_tail else "no output"
+            entry = unmeasured_rank(r, "", "waiting" if timeout else "error",
+                                    {"step": None, "phase": None,
+                                     "message": message or (timeout or f"the rank left no result: {last}")})
+        else:
+            entry = dict(piece["rank_entry"])
+            message = (entry.get("failure") or {}).get("message", "")
+            if entry["status"] == "error" and any(w in message for w in WATCHDOG):
+                entry["status"] = "timeout"  # its collective waited past --watchdog-s for a peer
+            elif entry["status"] == "error" and any(w in message for w in PEER_GONE):
+                entry["status"] = "waiting"  # in a collective when a peer died
+            elif entry["status"] == "running":  # stopped inside a step: it waited for a peer, or hung
+                entry.update(status="waiting", failure={
+                    "step": entry.get("step"), "phase": None,
+                    "message": f"still running step {entry.get('step')} when the group was stopped"
+                               + (f": {timeout}" if timeout else " after another rank failed")})
+        ranks.append(entry)
+
+    statuses = [e["status"] for e in ranks]
+    status = next((s for s in STATUS_ORDER if s in statuses), "ok")
+    if timeout and status in ("waiting", "ok"):
+        status = "timeout"
+        for e in ranks:
+            if e["status"] == "waiting":
+                e["status"] = "timeout"
+    first = next((e for e in ranks if e["status"] == status), None) if status != "ok" else None
+    if first is None and status != "ok":
+        first = next(e for e in ranks if e["status"] != "ok")
+    record = failed_record(cfg, status, first["failure"] if first else None, device)
+    base = next((pieces[r] for r in sorted(pieces) if "env" in pieces[r]), None) or next(iter(pieces.values()), None)
+    if base is not None:
+        record["env"] = base.get("env", record["env"])
+        record["metrics"] = dict(base["metrics"])
+    record["ranks"] = ranks
+    record["status"] = status
+    record["failure"] = None if first is None else {**first["failure"], "rank": first["rank"]}
+    peaks = [e["peak_allocated_bytes"] for e in ranks if e.get("peak_allocated_bytes") is not None]
+    record["metrics"]["peak_allocated_bytes"] = max(peaks) if peaks else None
+    record["metrics"]["peak_allocated_spread_bytes"] = max(peaks) - min(peaks) if peaks else None
+    reserved = [e["peak_reserved_bytes"] for e in ranks if e.get("peak_reserved_bytes") is not None]
+    record["metrics"]["peak_reserved_bytes"] = max(reserved) if reserved else None
+    record["launch"] = launch.record()
+    if record["failure"] is not None:
+        record["failure"]["summary"] = rank_summary(record)
+    return record
+

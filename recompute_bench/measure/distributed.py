@@ -1,0 +1,193 @@
+"""One rank of a multi-rank point: the process group, the data-parallel layouts, this rank's piece.
+
+`launch.rank` (the program torchrun starts on every rank) calls `measure_rank`. It joins the
+process group torchrun's rendezvous set up (gloo on CPU, NCCL on CUDA) with a collective time
+limit (the watchdog of a rank stuck waiting for a peer that hangs or died), caps the allocator
+with `--memory-limit-gb`, and measures the point with `measure.point.run_point` under a layout:
+
+- `DataParallel("ddp")`: torch's DistributedDataParallel around the whole model, built in the
+  training precision; micro-batches before the last run under `no_sync`, the last all-reduces.
+  Under bf16/fp16 the optimizer is `MixedPrecisionAdam`, fed from DDP's reduced 16-bit gradients
+  (so a DDP rank also holds 16-bit gradients: 20 bytes per parameter, not Megatron's 18).
+- `DataParallel("fsdp")`: FSDP2, `fully_shard` on every transformer layer and then on the root,
+  after recompute is installed (torchtitan's order: TP -> AC -> compile -> FSDP). Weights, fp32
+  gradients and Adam's state are sharded over the ranks (`use_distributed_optimizer` is what
+  FSDP does); under bf16/fp16 the sharded weights are fp32 and FSDP casts them to the training
+  precision for compute (`MixedPrecisionPolicy`), reducing gradients in fp32.
+
+Each rank takes its own micro-batches of the global batch (micro-batch x data-parallel size x
+accumulation), so the step's loss, averaged over the ranks, is the single-rank loss of the
+same global batch. After every step the rank writes its piece of the record (`piece_path`,
+through a rename), so a rank killed later still leaves what it had measured; the launcher
+(`launch.torchrun`) merges the pieces.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import os
+
+import torch
+import torch.distributed as dist
+
+from recompute_bench.measure.point import (DTYPES, MixedPrecisionAdam, SingleRank, _adam, pick_device, run_point,
+                                           synthetic_batches)
+from recompute_bench.spec.config import Config
+
+DATA_PARALLEL = ("ddp", "fsdp")
+
+
+class DataParallel(SingleRank):
+    """The whole model on every rank, the global batch split over them (DDP or FSDP2)."""
+
+    def __init__(self, kind: str):
+        if kind not in DATA_PARALLEL:
+            raise ValueError(f"data parallel kind {kind!r} is not one of {DATA_PARALLEL}")
+        self.kind = kind
+        self.world_size = dist.get_world_size()
+        self.rank = dist.get_rank()
+
+    def build(self, cfg: Config, device: torch.device, dtype: torch.dtype | None = None) -> torch.nn.Module:
+        if self.kind == "ddp":
+            from torch.nn.parallel import DistributedDataParallel
+            return DistributedDataParallel(super().build(cfg, device, dtype),
+                                           device_ids=[device.index] if device.type == "cuda" else None)
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+        model = super().build(cfg, device, torch.float32)  # fp32 sharded weights: FSDP casts for compute
+        policy = MixedPrecisionPolicy(param_dtype=DTYPES[cfg.training.precision], reduce_dtype=torch.float32)
+        for layer in model.layers:
+            fully_shard(layer, mp_policy=policy)
+        fully_shard(model, mp_policy=policy)
+        return model
+
+    def optimizer(self, model: torch.nn.Module, precision: str):
+        params = [p for p in model.parameters() if p.requires_grad]
+        if self.kind == "fsdp" or precision == "fp32":
+            return _adam(params, 1e-4)  # FSDP: fp32 sharded weights, gradients and state (the distributed optimizer)
+        return ReducedGradAdam(params, 1e-4)
+
+    def batches(self, cfg: Config, device: torch.device) -> torch.Tensor:
+        """Micro-batches rank, rank + dp, rank + 2 dp, ... of the global batch's."""
+        p = cfg.parallel
+        whole = Config(cfg.workload, cfg.model, cfg.training,
+                       type(p)(**{**vars(p), "data_parallel_size": 1}), cfg.recompute)
+        return synthetic_batches(whole, device)[self.rank::self.world_size].contiguous()
+
+    def mean(self, value: torch.Tensor) -> torch.Tensor:
+        value = value.detach().clone()
+        dist.all_reduce(value)
+        return value / self.world_size
+
+
+class ReducedGradAdam(MixedPrecisionAdam):
+    """MixedPrecisionAdam for DDP: the 16-bit gradients DDP has all-reduced are added into the fp32
+    main gradients when the step begins (DDP reduces `.grad`, so it cannot be freed as it is
+    accumulated, as the single-rank optimizer does)."""
+
+    def __init__(self, params, lr: float):
+        super().__init__(params, lr, hook=False)
+
+    def step(self) -> None:
+        with torch.no_grad():
+            grads = [p.grad for p in self.params]
+            torch._foreach_add_([p.main_grad for p in self.params], grads)
+        super().step()
+
+
+def init_process_group(device: torch.device, watchdog_s: float) -> None:
+    """Join the group torchrun's rendezvous made: NCCL on CUDA, gloo on CPU; a collective that waits
+    longer than `watchdog_s` fails instead of hanging (a peer hung, or died mid-collective)."""
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    dist.init_process_group(backend, timeout=datetime.timedelta(seconds=watchdog_s),
+                            device_id=device if device.type == "cuda" else None)
+
+
+def rank_device(requested: str | None) -> torch.device:
+    """This rank's device: cuda:LOCAL_RANK where CUDA is present (or asked for), else the CPU."""
+    kind = requested.split(":")[0] if requested else ("cuda" if torch.cuda.is_available() else "cpu")
+    if kind != "cuda":
+        return pick_device(kind)
+    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+    torch.cuda.set_device(device)
+    return device
+
+
+def limit_memory(device: torch.device, memory_limit_gb: float | None) -> None:
+    """Cap this process's CUDA allocator at `memory_limit_gb` GiB (`set_per_process_memory_fraction`),
+    so a card's OOM can be produced on a larger one. Refused earlier on a CPU."""
+    if memory_limit_gb:
+        total = torch.cuda.get_device_properties(device).total_memory
+        torch.cuda.set_per_process_memory_fraction(min(1.0, memory_limit_gb * 2**30 / total), device)
+
+
+def measure_rank(cfg: Config, *, data_parallel: str, piece_path, device: str | None = None,
+                 peak_tflops: float | None = None, memory_limit_gb: float | None = None,
+                 watchdog_s: float = 300.0) -> dict:
+    """Measure this rank's share of `cfg`, writing its piece after every step; returns the last piece."""
+    from recompute_bench.results.store import write_json_atomic
+
+    dev = rank_device(device)
+    limit_memory(dev, memory_limit_gb)
+    init_process_group(dev, watchdog_s)
+    layout = DataParallel(data_parallel)
+
+    def write(metrics: dict, rank_entry: dict, env: dict | None = None) -> dict:
+        piece = {"rank": layout.rank, "world_size": layout.world_size, "rank_entry": rank_entry, "metrics": metrics,
+                 **({"env": env} if env else {})}
+        write_json_atomic(piece_path, piece)
+        return piece
+
+    record = run_point(cfg, device=dev, peak_tflops=peak_tflops, layout=layout, progress=write)
+    return write(record["metrics"], record["ranks"][0], record["env"])
+
+
+def gathered_loss_and_grads(cfg: Config, tokens: torch.Tensor, device: torch.device,
+                            layout: DataParallel) -> tuple[torch.Tensor, dict[str, torch.Tensor | None]]:
+    """This rank's micro-batch forward and backward under `layout`: the loss averaged over the ranks
+    and every gradient whole (DDP's all-reduced ones; FSDP's shards gathered), by parameter name.
+    Dropout is seeded with the training seed before the micro-batch, on every rank."""
+    model = layout.build(cfg, device)
+    model.train()
+    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+        torch.manual_seed(cfg.training.seed)
+        loss = model(tokens[:, :-1], tokens[:, 1:])
+        loss.backward()
+    grads = {}
+    for name, p in model.named_parameters():
+        g = p.grad
+        if g is not None and hasattr(g, "full_tensor"):
+            g = g.full_tensor()
+        grads[name.removeprefix("module.")] = g
+    return layout.mean(loss), grads
+
+
+def verify_ranks(cfg: Config, settings, backends: list[str], device: torch.device, data_parallel: str) -> dict:
+    """`verify` over the ranks of the process group: each setting against no recompute under the
+    same data-parallel layout (bitwise on CPU), and that baseline against one rank running every
+    rank's micro-batch, each seeded alike, gradients averaged (equal to fp32 rounding: only the
+    order of the sum differs). Rank 0's result: {"outcomes": [...], "single_rank": [...]}."""
+    from recompute_bench.measure.verify import Outcome, _max_diff, fp32_with_dropout, loss_and_grads
+    from recompute_bench.spec.config import RecomputeConfig
+
+    layout = DataParallel(data_parallel)
+    outcomes, single = [], []
+    for backend in backends:
+        run_cfg = fp32_with_dropout(cfg, backend)
+        g = torch.Generator().manual_seed(run_cfg.training.seed)
+        tokens = torch.randint(0, cfg.model.vocab_size, (layout.world_size, cfg.training.micro_batch_size,
+                                                         cfg.training.seq_length + 1), generator=g).to(device)
+        base_loss, base_grads = gathered_loss_and_grads(run_cfg, tokens[layout.rank], device, layout)
+        if layout.rank == 0:
+            alone = [loss_and_grads(run_cfg, RecomputeConfig(), t, device) for t in tokens]
+            loss = sum(a[0] for a in alone) / len(alone)
+            grads = {n: sum(a[1][n] for a in alone) / len(alone) if alone[0][1][n] is not None else None
+                     for n in alone[0][1]}
+            worst, worst_name = _max_diff(grads, base_grads)
+            single.append(Outcome("none", backend, (loss - base_loss).abs().item(), worst, worst_name).__dict__)
+        for setting in settings:
+            loss, grads = gathered_loss_and_grads(dataclasses.replace(run_cfg, recompute=setting),
+                                                  tokens[layout.rank], device, layout)
+            worst, worst_name = _max_diff(base_grads, grads)
+            outcomes.append(Outcome(setting.label, backend, (loss - base_loss).abs().item(), worst, worst_name).__dict__)
+    return {"outcomes": outcomes, "single_rank": single}
