@@ -24,7 +24,8 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from recompute_bench.analysis import flops
 from recompute_bench.spec.config import Config
-from recompute_bench.models.dense.layers import GPT, build_model
+from recompute_bench.models import spec_for
+from recompute_bench.models.dense.layers import GPT
 from recompute_bench.recompute.apply import apply_recompute
 from recompute_bench.measure.record import FAULT_ENV, SCHEMA, make_record, unmeasured_metrics, unmeasured_rank
 from recompute_bench.measure.telemetry import NvmlSampler, cuda_memory, device_name, environment, uses_tf32
@@ -283,7 +284,7 @@ def _measure(cfg: Config, device: torch.device, peak_tflops: float | None, rank:
     try:
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(device)
-        model = apply_recompute(build_model(m, t.seed, device, DTYPES[t.precision]), cfg.recompute)
+        model = apply_recompute(spec_for(m).build(cfg, device, DTYPES[t.precision]), cfg.recompute)
         model.train()
         metrics["num_parameters"] = sum(p.numel() for p in model.parameters())
         stepper = Stepper(cfg, model, make_optimizer(model, t.precision), synthetic_batches(cfg, device))
@@ -297,6 +298,7 @@ def _measure(cfg: Config, device: torch.device, peak_tflops: float | None, rank:
         total_bytes, layer_bytes = probe.bytes()
         metrics["activation_bytes"] = total_bytes
         metrics["activation_bytes_per_layer"] = layer_bytes / m.num_layers
+        metrics.update(_tokens_per_expert(model))
 
         for _ in range(t.warmup_steps):
             stepper.step()
@@ -329,6 +331,18 @@ def _measure(cfg: Config, device: torch.device, peak_tflops: float | None, rank:
     if rank_entry["status"] != "ok":
         rank_entry.update({k: v for k, v in cuda_memory(device).items() if v is not None})
     return metrics, rank_entry
+
+
+def _tokens_per_expert(model: torch.nn.Module) -> dict[str, float]:
+    """Routed rows per expert in the probe step's last micro-batch, over every MoE layer: the max
+    (the busiest expert) and the mean (tokens x top-k / experts); nothing for a dense model. Read
+    once, after the probe step, never inside a timed one."""
+    counts = [layer.mlp.tokens_per_expert for layer in model.layers
+              if getattr(layer.mlp, "tokens_per_expert", None) is not None]
+    if not counts:
+        return {}
+    stacked = torch.stack(counts).float()
+    return {"tokens_per_expert_max": stacked.max().item(), "tokens_per_expert_mean": stacked.mean().item()}
 
 
 def _failure(stepper: Stepper | None, e: BaseException, with_traceback: bool = False) -> dict:
