@@ -8,7 +8,7 @@ from typer.testing import CliRunner
 
 from recompute_bench.cli.app import app, normalize_argv
 from recompute_bench.measure.point import SavedTensorProbe
-from recompute_bench.models.dense.layers import build_model
+from recompute_bench.models import spec_for
 from recompute_bench.recompute.apply import apply_recompute
 from recompute_bench.spec.presets import resolve
 
@@ -27,7 +27,7 @@ def config(workload: str = "tiny", sets=(), **overrides):
 
 def probe(cfg, dtype=torch.float32):
     """(activation bytes, bytes inside the layers, forward FLOPs, forward+backward FLOPs) of one micro-batch."""
-    model = apply_recompute(build_model(cfg.model, cfg.training.seed, "cpu", dtype), cfg.recompute).train()
+    model = apply_recompute(spec_for(cfg.model).build(cfg, "cpu", dtype), cfg.recompute).train()
     g = torch.Generator().manual_seed(0)
     tokens = torch.randint(0, cfg.model.vocab_size, (cfg.training.micro_batch_size, cfg.training.seq_length + 1), generator=g)
     p = SavedTensorProbe(model)

@@ -167,7 +167,8 @@ def test_verify_command_passes_on_tiny():
 def test_workloads_lists_every_preset_with_its_shape():
     result = invoke("workloads", "--json")
     rows = {r["workload"]: r for r in json.loads(result.stdout)}
-    assert set(rows) == {"tiny", "gpt3-22b", "gpt3-175b", "gpt3-530b", "gpt3-1t", "llama3-8b", "llama3-70b", "llama3-405b"}
+    assert set(rows) == {"tiny", "gpt3-22b", "gpt3-175b", "gpt3-530b", "gpt3-1t", "llama3-8b", "llama3-70b", "llama3-405b",
+                         "tiny-moe", "mixtral-8x7b"}
     paper = {"gpt3-22b": (64, 6144, 48), "gpt3-175b": (96, 12288, 96), "gpt3-530b": (128, 20480, 105), "gpt3-1t": (160, 25600, 128)}
     for name, (a, h, L) in paper.items():
         r = rows[name]

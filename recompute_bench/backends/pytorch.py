@@ -4,7 +4,7 @@ A backend owns two things, so that another one (Transformer Engine, whose `Layer
 fuses the norm into the next linear) is one new file:
 
 - module factories: `linear`, `norm`, `dropout`, `core_attention` (the fused or the explicit
-  attention core);
+  attention core), `grouped_linear` (a mixture-of-experts layer's experts);
 - recompute primitives: `checkpoint` (save the inputs, re-run the function in backward) and
   `discard_output` (free a function's output once its consumer has saved it, refill it from a
   gradient hook), which `recompute.apply` installs on the modules a policy names.
@@ -134,6 +134,55 @@ def core_attention(attention_backend: str, heads: int, groups: int, head_dim: in
     return CoreAttention(attention_backend, heads, groups, head_dim, attention_dropout)
 
 
+class GroupedLinear(nn.Module):
+    """`num_experts` bias-free linears, weight [experts, out, in], applied to consecutive row groups of
+    one [rows, in] input: expert e takes the rows up to `offsets[e]` (int32 cumulative counts).
+
+    `grouped`: one `torch._grouped_mm` for all experts (no host read of the counts); otherwise one
+    matmul per expert, the CPU reference, which reads the counts on the host to slice the rows."""
+
+    def __init__(self, num_experts: int, in_features: int, out_features: int, grouped: bool):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(num_experts, out_features, in_features))
+        self.grouped = grouped
+
+    def forward(self, x: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+        w = self.weight.transpose(-2, -1)  # [experts, in, out], column-major as the CUDA kernel wants it
+        if self.grouped:
+            return torch._grouped_mm(x, w, offs=offsets)
+        bounds = [0, *offsets.tolist()]
+        return torch.cat([x[a:b] @ w[e] for e, (a, b) in enumerate(zip(bounds, bounds[1:]))])
+
+
+def grouped_linear(num_experts: int, in_features: int, out_features: int, grouped: bool) -> nn.Module:
+    """The experts' fc1 or fc2: grouped matmuls, or one matmul per expert (see GroupedLinear)."""
+    return GroupedLinear(num_experts, in_features, out_features, grouped)
+
+
+def grouped_mm_available() -> bool:
+    """Whether the torch in use has `torch._grouped_mm`."""
+    return hasattr(torch, "_grouped_mm")
+
+
+def _grouped_mm_flops(a_shape, b_shape, *args, out_shape=None, **kwargs) -> int:
+    """FLOPs of `aten._grouped_mm`, which FlopCounterMode has no formula for: 2 per multiply-add.
+    2-D x 2-D (a weight gradient, groups along the contracted rows) makes a [groups, m, n] output
+    from one [m, rows] x [rows, n] product; otherwise every output element sums over a's last dim."""
+    if len(a_shape) == 2 and len(b_shape) == 2:
+        return 2 * a_shape[0] * a_shape[1] * b_shape[1]
+    return 2 * math.prod(out_shape) * a_shape[-1]
+
+
+def _register_grouped_mm_flops() -> None:
+    from torch.utils.flop_counter import flop_registry, register_flop_formula
+
+    if grouped_mm_available() and torch.ops.aten._grouped_mm not in flop_registry:
+        register_flop_formula(torch.ops.aten._grouped_mm)(_grouped_mm_flops)
+
+
+_register_grouped_mm_flops()
+
+
 # ----- recompute primitives -------------------------------------------------------------------
 
 def checkpoint(fn: Callable[..., torch.Tensor], *args: torch.Tensor) -> torch.Tensor:
@@ -142,44 +191,43 @@ def checkpoint(fn: Callable[..., torch.Tensor], *args: torch.Tensor) -> torch.Te
 
 
 class _WithoutOutput(torch.autograd.Function):
-    """Run `fn(x)` without a graph, save only x; backward uses what `_refill` recomputed."""
+    """Run `fn(*xs)` without a graph, save only xs; backward uses what `_refill` recomputed."""
 
     @staticmethod
-    def forward(ctx, fn, x):
+    def forward(ctx, fn, *xs):
         with torch.no_grad():
-            y = fn(x)
+            y = fn(*xs)
         ctx.fn = fn
         ctx.recomputed = None
-        ctx.save_for_backward(x)
+        ctx.save_for_backward(*xs)
         return y
 
     @staticmethod
     def backward(ctx, grad):
         if ctx.recomputed is None:  # the output was never discarded
             _refill(ctx, None)
-        x, y = ctx.recomputed
+        xs, y = ctx.recomputed
         ctx.recomputed = None
         torch.autograd.backward(y, grad)
-        return None, x.grad
+        return None, *(x.grad for x in xs)
 
 
 def _refill(ctx, output: torch.Tensor | None) -> None:
     """Re-run the function with a graph and, if its output was discarded, refill that storage."""
-    (x,) = ctx.saved_tensors
-    x = x.detach().requires_grad_(True)
+    xs = tuple(x.detach().requires_grad_(x.dtype.is_floating_point) for x in ctx.saved_tensors)
     with torch.enable_grad():
-        y = ctx.fn(x)
+        y = ctx.fn(*xs)
     if output is not None:
         storage = output.untyped_storage()
         storage.resize_(y.untyped_storage().nbytes())
         with torch.no_grad():
             storage.copy_(y.untyped_storage())
-    ctx.recomputed = (x, y)
+    ctx.recomputed = (xs, y)
 
 
-def without_output(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor) -> torch.Tensor:
-    """fn(x) whose output may later be freed with `discard`: only x is saved for backward."""
-    return _WithoutOutput.apply(fn, x)
+def without_output(fn: Callable[..., torch.Tensor], *xs: torch.Tensor) -> torch.Tensor:
+    """fn(*xs) whose output may later be freed with `discard`: only xs are saved for backward."""
+    return _WithoutOutput.apply(fn, *xs)
 
 
 def discard(output: torch.Tensor, hook_tensor: torch.Tensor) -> None:

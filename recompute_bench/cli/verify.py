@@ -34,6 +34,7 @@ def verify(
     import torch
 
     from recompute_bench.measure.verify import verify as run_verify
+    from recompute_bench.models import spec_for
     from recompute_bench.recompute.settings import all_settings
 
     backends = attention_backend or ["sdpa", "math"]
@@ -48,7 +49,8 @@ def verify(
     except ConfigError as e:
         raise fail(str(e)) from None
     show_notes(notes)
-    settings = [cfg.recompute] if point.given("recompute") else all_settings(cfg.model.num_layers)
+    targets = spec_for(cfg.model).recompute_targets
+    settings = [cfg.recompute] if point.given("recompute") else all_settings(cfg.model.num_layers, targets)
     if launch.world_size > 1:
         outcomes = _over_ranks(cfg, settings, backends, launch, device)
     else:

@@ -13,7 +13,8 @@ from recompute_bench.spec.presets import load_preset, resolve, workload_names
 
 COLUMNS = {"workload": "workload", "num_layers": "L", "hidden_size": "h", "num_attention_heads": "a",
            "num_query_groups": "g", "ffn_hidden_size": "ffn", "vocab_size": "vocab", "seq_length": "s",
-           "normalization": "norm", "activation": "act", "position_embedding_type": "pos"}
+           "normalization": "norm", "activation": "act", "position_embedding_type": "pos",
+           "num_moe_experts": "experts", "moe_router_topk": "top-k", "attention_type": "attn"}
 
 
 def workloads(json_out: Annotated[bool, typer.Option("--json", help="Print the presets as JSON on stdout.")] = False) -> None:
@@ -27,13 +28,15 @@ def workloads(json_out: Annotated[bool, typer.Option("--json", help="Print the p
                      "ffn_hidden_size": m.ffn_hidden_size, "vocab_size": m.vocab_size, "seq_length": t.seq_length,
                      "normalization": m.normalization, "activation": m.activation,
                      "position_embedding_type": m.position_embedding_type,
+                     "num_moe_experts": m.num_moe_experts, "moe_router_topk": m.moe_router_topk if m.num_moe_experts else None,
+                     "attention_type": "GQA" if m.groups != m.num_attention_heads else "MHA",
                      "micro_batch_size": t.micro_batch_size, "global_batch_size": t.global_batch_size,
                      "precision": t.precision, "description": load_preset(name).get("description", "")})
     if json_out:
         typer.echo(json.dumps(rows, indent=2))
         return
     table = Table(title="workload presets")
-    text_columns = ("workload", "normalization", "activation", "position_embedding_type")
+    text_columns = ("workload", "normalization", "activation", "position_embedding_type", "attention_type")
     for key, title in COLUMNS.items():
         table.add_column(title, justify="left" if key in text_columns else "right")
         if key == "seq_length":
@@ -41,7 +44,7 @@ def workloads(json_out: Annotated[bool, typer.Option("--json", help="Print the p
     for r in rows:
         cells = []
         for key in COLUMNS:
-            cells.append(str(r[key]))
+            cells.append("-" if r[key] is None else str(r[key]))
             if key == "seq_length":
                 cells.append(f"{r['micro_batch_size']}/{r['global_batch_size']}")
         table.add_row(*cells)

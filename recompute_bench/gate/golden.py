@@ -36,7 +36,8 @@ from typing import Any
 import pandas as pd
 
 from recompute_bench.spec.config import ConfigError
-from recompute_bench.results.records import KEY_COLUMNS
+from recompute_bench.results.records import KEY_COLUMNS, key_text
+from recompute_bench.spec.fields import LATER_KEYS, field as registry_field
 
 GOLDEN_DIR = Path("results") / "golden"
 
@@ -399,6 +400,9 @@ def read_golden(path: Path, *, migrate: bool = False) -> list[dict]:
     if missing:
         raise ConfigError(f"golden file {path} lacks the column(s) {', '.join(missing)}; restore it from git "
                           "or regenerate it with `recompute-bench golden update`")
+    for later in LATER_KEYS:  # a field newer than the file: every row has its default
+        if later not in frame.columns:
+            frame[later] = key_text(registry_field(later).default)
     absent = [c for c in KEY_COLUMNS if c not in frame.columns]
     if absent and not migrate:
         raise ConfigError(f"golden file {path} has the key of an older recompute-bench (no {_some(absent)} column); "

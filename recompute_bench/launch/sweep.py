@@ -40,6 +40,7 @@ from recompute_bench.launch.torchrun import Launch, run_ranks
 from recompute_bench.results.records import point_id
 from recompute_bench.results.store import PLAN_FILE, RESULTS_FILE, RunLock, append_record, load_records, write_json_atomic
 from recompute_bench.spec.fields import fields, flagged, overrides_from_keys
+from recompute_bench.models import spec_for
 from recompute_bench.recompute.settings import all_settings, full_settings, selective_settings
 from recompute_bench.launch.worker import config_from_dict
 from recompute_bench.spec.presets import resolve
@@ -68,10 +69,11 @@ def recompute_overrides(setting: RecomputeConfig) -> dict[str, Any]:
 
 def expand(*, num_layers: int, modules: list[str] | None = None, methods: list[str] | None = None,
            num_layers_recompute: list[int] | None = None, baseline: bool = False,
-           notes: list[str] | None = None) -> list[RecomputeConfig]:
-    """The recompute settings the flags ask for (see the module docstring for the rules)."""
+           notes: list[str] | None = None, targets: tuple[str, ...] = SUPPORTED_RECOMPUTE_MODULES) -> list[RecomputeConfig]:
+    """The recompute settings the flags ask for (see the module docstring for the rules); a
+    flagless sweep takes every subset of `targets`, the modules the model offers."""
     if modules is None and methods is None and num_layers_recompute is None and not baseline:
-        return [RecomputeConfig()] + all_settings(num_layers)
+        return [RecomputeConfig()] + all_settings(num_layers, targets)
     settings = [RecomputeConfig()] if baseline else []
     if modules is not None:
         named = canonical_modules(modules)
@@ -131,7 +133,8 @@ def plan_from_flags(workload: str, *, overrides: dict[str, Any], sets: list[str]
     """Resolve every point the flags expand to; returns (points, notes). ConfigError on bad input."""
     notes: list[str] = []
     base, base_notes = resolve(workload, overrides=overrides, sets=sets, gpu=gpu)
-    settings = expand(num_layers=base.model.num_layers, modules=modules, methods=methods,
+    settings = expand(num_layers=base.model.num_layers, targets=spec_for(base.model).recompute_targets,
+                      modules=modules, methods=methods,
                       num_layers_recompute=num_layers_recompute, baseline=baseline, notes=notes)
     configs = []
     for setting in settings:

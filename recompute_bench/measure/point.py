@@ -24,7 +24,8 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from recompute_bench.analysis import flops
 from recompute_bench.spec.config import Config
-from recompute_bench.models.dense.layers import GPT, build_model
+from recompute_bench.models import spec_for
+from recompute_bench.models.dense.layers import GPT
 from recompute_bench.recompute.apply import apply_recompute
 from recompute_bench.measure.record import FAULT_ENV, SCHEMA, make_record, unmeasured_metrics, unmeasured_rank
 from recompute_bench.measure.telemetry import NvmlSampler, cuda_memory, device_name, environment, uses_tf32
@@ -289,7 +290,7 @@ class SingleRank:
     def build(self, cfg: Config, device: torch.device, dtype: torch.dtype | None = None) -> GPT:
         """The model this rank trains, recompute installed; weights in `dtype` (default the training precision)."""
         t = cfg.training
-        return apply_recompute(build_model(cfg.model, t.seed, device, dtype or DTYPES[t.precision]), cfg.recompute)
+        return apply_recompute(spec_for(cfg.model).build(cfg, device, dtype or DTYPES[t.precision]), cfg.recompute)
 
     def optimizer(self, model: torch.nn.Module, precision: str):
         return make_optimizer(model, precision)
@@ -349,6 +350,7 @@ def _measure(cfg: Config, device: torch.device, peak_tflops: float | None, layou
         total_bytes, layer_bytes = probe.bytes()
         metrics["activation_bytes"] = rank_entry["activation_bytes"] = total_bytes
         metrics["activation_bytes_per_layer"] = layer_bytes / m.num_layers
+        metrics.update(_tokens_per_expert(getattr(model, "module", model)))  # DDP wraps the GPT
 
         for _ in range(t.warmup_steps):
             done(stepper.step())
@@ -387,6 +389,18 @@ def _measure(cfg: Config, device: torch.device, peak_tflops: float | None, layou
         rank_entry.update({k: v for k, v in cuda_memory(device).items() if v is not None})
     progress(metrics, rank_entry)
     return metrics, rank_entry
+
+
+def _tokens_per_expert(model: torch.nn.Module) -> dict[str, float]:
+    """Routed rows per expert in the probe step's last micro-batch, over every MoE layer: the max
+    (the busiest expert) and the mean (tokens x top-k / experts); nothing for a dense model. Read
+    once, after the probe step, never inside a timed one."""
+    counts = [layer.mlp.tokens_per_expert for layer in model.layers
+              if getattr(layer.mlp, "tokens_per_expert", None) is not None]
+    if not counts:
+        return {}
+    stacked = torch.stack(counts).float()
+    return {"tokens_per_expert_max": stacked.max().item(), "tokens_per_expert_mean": stacked.mean().item()}
 
 
 def _failure(stepper: Stepper | None, e: BaseException, with_traceback: bool = False) -> dict:

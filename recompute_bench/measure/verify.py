@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from recompute_bench.models.dense.layers import build_model
+from recompute_bench.models import spec_for
 from recompute_bench.recompute.apply import apply_recompute
 from recompute_bench.spec.config import Config, RecomputeConfig
 
@@ -38,7 +38,7 @@ class Outcome:
 def loss_and_grads(cfg: Config, recompute: RecomputeConfig, tokens: torch.Tensor,
                    device: torch.device) -> tuple[torch.Tensor, dict[str, torch.Tensor | None]]:
     """Loss and gradients by parameter name of one micro-batch (seeded weights and dropout)."""
-    model = apply_recompute(build_model(cfg.model, cfg.training.seed, device, torch.float32), recompute)
+    model = apply_recompute(spec_for(cfg.model).build(cfg, device, torch.float32), recompute)
     model.train()
     with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
         torch.manual_seed(cfg.training.seed)

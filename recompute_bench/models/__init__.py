@@ -93,8 +93,11 @@ class ModelSpec(Protocol):
 
 
 def spec_for(model: ModelConfig) -> ModelSpec:
-    """The spec of the architecture `model` describes. Only the dense GPT is built so far; MoE and
-    MLA configs will pick their own spec here."""
+    """The spec of the architecture `model` describes: MoE when it has experts, else the dense GPT."""
     from recompute_bench.models.dense.spec import DENSE  # here, not at the top: dense.spec imports this module
 
+    if model.num_moe_experts:
+        from recompute_bench.models.moe.spec import MoESpec
+
+        return MoESpec(model)
     return DENSE

@@ -6,7 +6,8 @@ setting: gradients compare by name, and name-keyed parallel plans apply after re
 
 - a full-recompute chunk: the layer stack's forward runs the chunk under one checkpoint;
 - selective `core_attn`: the core attention's forward is checkpointed (q, k, v are saved);
-- selective `mlp`: the MLP's forward is checkpointed (its input is saved);
+- selective `mlp`: the MLP's forward is checkpointed (its input is saved), on dense layers only;
+- selective `moe`, `moe_act`, `shared_experts`: on MoE layers (see `_install_moe`);
 - selective `layernorm`: each norm runs without keeping its output, which is freed once the next
   module (QKV projection, MLP) has saved it and recomputed from a gradient hook just before that
   module's backward. A plain checkpoint around the norm would save nothing, because the next
@@ -46,14 +47,15 @@ def _checkpoint_forward(module: nn.Module, backend) -> None:
 
 
 def _discard_after(norm: nn.Module, consumer: nn.Module, backend) -> None:
-    """Run `norm` without keeping its output, and free that output once `consumer` has run on it."""
+    """Run `norm` (or any module: MoE's activation) without keeping its output, and free that
+    output once `consumer` has run on it."""
     inner_norm, inner_consumer = norm.forward, consumer.forward
     pending: list[torch.Tensor] = []
 
-    def norm_forward(x: torch.Tensor) -> torch.Tensor:
-        if not (_recomputing(norm) and x.requires_grad):
-            return inner_norm(x)
-        y = backend.without_output(inner_norm, x)
+    def norm_forward(*args: torch.Tensor) -> torch.Tensor:
+        if not (_recomputing(norm) and any(x.requires_grad for x in args)):
+            return inner_norm(*args)
+        y = backend.without_output(inner_norm, *args)
         pending.append(y)
         return y
 
@@ -109,6 +111,19 @@ def _chunked_forward(stack: nn.Module, ranges: list[tuple[int, int]], full: list
     stack.forward = forward
 
 
+def _install_moe(block: nn.Module, modules: frozenset[str], backend) -> None:
+    """MoE's selective targets on one MoE block (`models/moe/layers.py`), Megatron's way: `moe_act`
+    runs the weighted activation without keeping its output (fc2's input), freed once fc2 has saved
+    it and refilled from a hook on fc2's output, so no expert matmul re-runs; `shared_experts`
+    checkpoints the shared-expert MLP; `moe` checkpoints the whole block (the others run inside it)."""
+    if "moe_act" in modules:
+        _discard_after(block.experts.activation_func, block.experts.linear_fc2, backend)
+    if "shared_experts" in modules and block.shared_experts is not None:
+        _checkpoint_forward(block.shared_experts, backend)
+    if "moe" in modules:
+        _checkpoint_forward(block, backend)
+
+
 def apply_policies(model: nn.Module, policies: list[LayerPolicy]) -> nn.Module:
     """Install one policy per layer of `model.layers` (in place); returns the model."""
     if len(policies) != len(model.layers):
@@ -117,8 +132,11 @@ def apply_policies(model: nn.Module, policies: list[LayerPolicy]) -> nn.Module:
     for layer, policy in zip(model.layers, policies):
         if "core_attn" in policy.modules:
             _checkpoint_forward(layer.self_attention.core_attention, backend)
-        if "mlp" in policy.modules:
+        moe = getattr(layer.mlp, "experts", None) is not None  # a MoE block in the MLP's place
+        if "mlp" in policy.modules and not moe:  # Megatron: dense layers only
             _checkpoint_forward(layer.mlp, backend)
+        if moe:
+            _install_moe(layer.mlp, policy.modules, backend)
         if "layernorm" in policy.modules:
             _discard_after(layer.input_layernorm, layer.self_attention, backend)
             _discard_after(layer.pre_mlp_layernorm, layer.mlp, backend)

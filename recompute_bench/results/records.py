@@ -23,7 +23,7 @@ from typing import Any, Iterable
 import pandas as pd
 
 from recompute_bench.spec.config import SECTIONS, ConfigError, recompute_label
-from recompute_bench.spec.fields import PROTOCOL_KEYS, REQUIRED, fields
+from recompute_bench.spec.fields import LATER_KEYS, PROTOCOL_KEYS, REQUIRED, fields
 from recompute_bench.results.store import load_records
 
 ENV_COLUMNS = ("device", "device_name", "torch_version", "package_version", "git_sha", "hostname", "time")
@@ -70,6 +70,9 @@ def config_hash(record: dict) -> str:
     config = {s: dict(record["config"][s]) for s in ("model", "training", "parallel")}
     for name in PROTOCOL_KEYS:
         config["training"].pop(name, None)
+    for f in fields():
+        if f.key in LATER_KEYS and config[f.section].get(f.attribute, f.default) == f.default:
+            config[f.section].pop(f.attribute, None)
     blob = json.dumps({"workload": record["workload"], **config}, sort_keys=True, default=str)
     return hashlib.sha256(blob.encode()).hexdigest()[:12]
 

@@ -20,6 +20,7 @@ ATTENTION_BACKENDS = ("sdpa", "math")
 NORMALIZATIONS = ("LayerNorm", "RMSNorm")
 ACTIVATIONS = ("gelu", "swiglu")
 POSITION_EMBEDDINGS = ("learned_absolute", "rope")
+ROUTER_SCORE_FUNCTIONS = ("softmax", "sigmoid")
 
 # Every module name Megatron accepts, in Megatron's order; the order is also the canonical
 # order of a module list in records and golden keys.
@@ -27,8 +28,9 @@ RECOMPUTE_MODULES = ("core_attn", "mlp", "layernorm", "moe", "moe_act", "shared_
 # The modules the model built here has; the rest need MoE or MLA layers, which it does not build yet.
 SUPPORTED_RECOMPUTE_MODULES = ("core_attn", "mlp", "layernorm")
 _MODULE_NEEDS = {
+    "mlp": "dense MLP layers (with moe_layer_freq 1 every layer is a mixture-of-experts layer; use moe)",
     "moe": "mixture-of-experts layers",
-    "moe_act": "mixture-of-experts layers with grouped GEMM",
+    "moe_act": "mixture-of-experts layers with grouped GEMM (--set model.moe_grouped_gemm=true)",
     "shared_experts": "mixture-of-experts layers with shared experts",
     "mla_up_proj": "multi-latent attention",
 }
@@ -80,6 +82,20 @@ class ModelConfig:
     """Standard deviation of the seeded weight initialisation."""
     make_vocab_size_divisible_by: int = 128
     """Megatron pads the vocabulary to a multiple of this times the tensor-parallel size."""
+    num_moe_experts: Optional[int] = None
+    """Routed experts of every mixture-of-experts layer; None: a dense model."""
+    moe_router_topk: int = 2
+    """Experts each token is routed to (k)."""
+    moe_ffn_hidden_size: Optional[int] = None
+    """Hidden size of one routed expert; None: ffn_hidden_size."""
+    moe_shared_expert_intermediate_size: Optional[int] = None
+    """Hidden size of the shared-expert MLP (all shared experts together) every token runs; None: none."""
+    moe_layer_freq: int = 1
+    """A mixture-of-experts layer every this many layers, starting with layer 0; the others are dense."""
+    moe_router_score_function: str = "softmax"
+    """softmax (over the top-k logits, Mixtral and Qwen3) or sigmoid (normalised over the top k, DeepSeek-V3)."""
+    moe_grouped_gemm: bool = False
+    """Run all experts as grouped matmuls (torch._grouped_mm); false: one matmul per expert."""
 
     @property
     def groups(self) -> int:
@@ -91,6 +107,20 @@ class ModelConfig:
         FLOPs and memory count them (tokens are drawn from the first `vocab_size` only)."""
         multiple = self.make_vocab_size_divisible_by * tensor_model_parallel_size
         return -(-self.vocab_size // multiple) * multiple
+
+    @property
+    def moe_ffn(self) -> int:
+        """Hidden size of one routed expert."""
+        return self.moe_ffn_hidden_size or self.ffn_hidden_size
+
+    def is_moe_layer(self, index: int) -> bool:
+        """Whether layer `index` (from 0) is a mixture-of-experts layer (Megatron's int moe_layer_freq)."""
+        return bool(self.num_moe_experts) and index % self.moe_layer_freq == 0
+
+    @property
+    def moe_layers(self) -> int:
+        """How many of the layers are mixture-of-experts layers."""
+        return sum(self.is_moe_layer(i) for i in range(self.num_layers))
 
     @property
     def kv_channels(self) -> int:

@@ -25,6 +25,11 @@ from recompute_bench.spec.config import SECTIONS
 
 # How a point is measured, not what: left out of the golden key and the config hash.
 PROTOCOL_KEYS = ("warmup_steps", "measured_steps")
+# Fields added after the first goldens were written (mixture-of-experts): a record or golden from
+# before them holds their default. At the default they stay out of `config_hash`, and a golden
+# without their column reads every row as the default, so older records and goldens keep their key.
+LATER_KEYS = ("num_moe_experts", "moe_router_topk", "moe_ffn_hidden_size", "moe_shared_expert_intermediate_size",
+              "moe_layer_freq", "moe_router_score_function", "moe_grouped_gemm")
 # The default of a field that has none (the model's shape): a record must hold it.
 REQUIRED = object()
 # Recompute fields whose attribute is not already Megatron's argument name.

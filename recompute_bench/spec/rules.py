@@ -11,7 +11,7 @@ from typing import Any
 
 from recompute_bench.models import spec_for
 from recompute_bench.spec.config import (ACTIVATIONS, ATTENTION_BACKENDS, GRANULARITIES, METHODS, NORMALIZATIONS,
-                                         POSITION_EMBEDDINGS, PRECISIONS, RECOMPUTE_MODULES, SECTIONS,
+                                         POSITION_EMBEDDINGS, PRECISIONS, RECOMPUTE_MODULES, ROUTER_SCORE_FUNCTIONS, SECTIONS,
                                          _MODULE_NEEDS, Config, ConfigError)
 
 VPP_FLAG = "--set parallel.virtual_pipeline_model_parallel_size"
@@ -101,7 +101,33 @@ def validate(cfg: Config) -> None:
                           f"{t.micro_batch_size} x data_parallel_size {p.data_parallel_size}; "
                           f"pass --global-batch-size as a multiple of it")
 
+    if m.num_moe_experts is not None:
+        _validate_moe(cfg)
     _validate_recompute(cfg)
+
+
+def _validate_moe(cfg: Config) -> None:
+    """The mixture-of-experts fields, one clear line each."""
+    m = cfg.model
+    for name in ("num_moe_experts", "moe_router_topk", "moe_layer_freq", "moe_ffn_hidden_size",
+                 "moe_shared_expert_intermediate_size"):
+        value = getattr(m, name)
+        if (value is not None or name == "num_moe_experts") and (not isinstance(value, int) or value < 1):
+            raise ConfigError(f"{name} must be a positive integer, got {value!r}; pass --set model.{name}=N")
+    if m.moe_router_topk > m.num_moe_experts:
+        raise ConfigError(f"moe_router_topk {m.moe_router_topk} is more than num_moe_experts {m.num_moe_experts}; "
+                          f"pass --set model.moe_router_topk=K with K at most {m.num_moe_experts}")
+    _choice("moe_router_score_function", m.moe_router_score_function, ROUTER_SCORE_FUNCTIONS,
+            "set model.moe_router_score_function")
+    if m.add_bias_linear:
+        raise ConfigError("the experts of a mixture-of-experts layer have no biases here; pass --set model.add_bias_linear=false")
+    if m.moe_grouped_gemm and (m.hidden_size % 8 or m.moe_ffn % 8):
+        raise ConfigError(f"moe_grouped_gemm needs hidden_size {m.hidden_size} and moe_ffn_hidden_size {m.moe_ffn} to be "
+                          f"multiples of 8 (torch._grouped_mm wants 16-byte rows); change them or pass "
+                          f"--set model.moe_grouped_gemm=false")
+    if cfg.parallel.tensor_model_parallel_size > 1:
+        raise ConfigError("tensor parallelism of mixture-of-experts layers (expert tensor parallel) is not modelled yet; "
+                          "pass --tensor-model-parallel-size 1")
 
 
 def _validate_recompute(cfg: Config) -> None:

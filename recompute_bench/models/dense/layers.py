@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import math
 from types import ModuleType
+from typing import Callable, Optional
 
 import torch
 import torch.nn.functional as F
@@ -78,12 +79,12 @@ class SelfAttention(nn.Module):
 class MLP(nn.Module):
     """h -> f -> GeLU -> h, or h -> 2f -> SwiGLU (silu(gate) * up) -> h."""
 
-    def __init__(self, cfg: ModelConfig, backend: ModuleType):
+    def __init__(self, cfg: ModelConfig, backend: ModuleType, ffn_hidden_size: Optional[int] = None):
         super().__init__()
         self.swiglu = cfg.activation == "swiglu"
-        width = 2 * cfg.ffn_hidden_size if self.swiglu else cfg.ffn_hidden_size
-        self.linear_fc1 = backend.linear(cfg.hidden_size, width, cfg.add_bias_linear)
-        self.linear_fc2 = backend.linear(cfg.ffn_hidden_size, cfg.hidden_size, cfg.add_bias_linear)
+        f = ffn_hidden_size or cfg.ffn_hidden_size  # a shared expert's own width
+        self.linear_fc1 = backend.linear(cfg.hidden_size, 2 * f if self.swiglu else f, cfg.add_bias_linear)
+        self.linear_fc2 = backend.linear(f, cfg.hidden_size, cfg.add_bias_linear)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = self.linear_fc1(x)
@@ -98,12 +99,12 @@ class MLP(nn.Module):
 class TransformerLayer(nn.Module):
     """One pre-norm layer: the two residual equations."""
 
-    def __init__(self, cfg: ModelConfig, backend: ModuleType):
+    def __init__(self, cfg: ModelConfig, backend: ModuleType, mlp: Optional[nn.Module] = None):
         super().__init__()
         self.input_layernorm = backend.norm(cfg.normalization, cfg.hidden_size, cfg.layernorm_epsilon)
         self.self_attention = SelfAttention(cfg, backend)
         self.pre_mlp_layernorm = backend.norm(cfg.normalization, cfg.hidden_size, cfg.layernorm_epsilon)
-        self.mlp = MLP(cfg, backend)
+        self.mlp = MLP(cfg, backend) if mlp is None else mlp  # another architecture's block (MoE) in its place
         self.hidden_dropout = backend.dropout(cfg.hidden_dropout)
 
     def forward(self, x: torch.Tensor, *rope: torch.Tensor) -> torch.Tensor:
@@ -122,13 +123,17 @@ class TransformerLayers(nn.ModuleList):
         return x
 
 
+MlpFactory = Callable[[int, ModuleType], Optional[nn.Module]]
+"""The block after pre_mlp_layernorm of layer i (None: the dense MLP), for architectures that swap it."""
+
+
 class GPT(nn.Module):
     """Embedding -> L layers -> final norm -> output layer -> cross-entropy.
 
     The embedding and output layer have `padded_vocab_size` rows (Megatron's padding), so FLOPs and
     memory match Megatron's for the same run; tokens come from the first `vocab_size` ids."""
 
-    def __init__(self, cfg: ModelConfig, backend: str = "torch"):
+    def __init__(self, cfg: ModelConfig, backend: str = "torch", mlp_for: Optional[MlpFactory] = None):
         super().__init__()
         b = get_backend(backend)
         self.cfg = cfg
@@ -139,7 +144,8 @@ class GPT(nn.Module):
                                     if cfg.position_embedding_type == "learned_absolute" else None)
         self.rotary = RotaryEmbedding(cfg) if cfg.position_embedding_type == "rope" else None
         self.embedding_dropout = b.dropout(cfg.hidden_dropout)
-        self.layers = TransformerLayers(TransformerLayer(cfg, b) for _ in range(cfg.num_layers))
+        self.layers = TransformerLayers(TransformerLayer(cfg, b, mlp_for(i, b) if mlp_for else None)
+                                        for i in range(cfg.num_layers))
         self.final_layernorm = b.norm(cfg.normalization, cfg.hidden_size, cfg.layernorm_epsilon)
         self.output_layer = b.linear(cfg.hidden_size, vocab, False)
         self.tie_weights()
@@ -182,12 +188,12 @@ class GPT(nn.Module):
 
 
 def build_model(cfg: ModelConfig, seed: int, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32,
-                backend: str = "torch") -> GPT:
+                backend: str = "torch", mlp_for: Optional[MlpFactory] = None) -> GPT:
     """Build on the meta device, materialise on `device`, initialise from `seed`, cast to `dtype`.
     Two builds with the same seed on the same device are identical. On "meta" (shapes only, as
     FLOP counting uses it) nothing is initialised."""
     with torch.device("meta"):
-        model = GPT(cfg, backend)
+        model = GPT(cfg, backend, mlp_for)
     model.to_empty(device=device)
     model.tie_weights()
     if torch.device(device).type != "meta":

@@ -138,7 +138,6 @@ class DenseSpec:
         m, tr, par = cfg.model, cfg.training, cfg.parallel
         e = ELEMENT_BYTES[tr.precision]
         s, b, h = tr.seq_length, tr.micro_batch_size, m.hidden_size
-        f = m.ffn_hidden_size
         tokens, q_width, kv_width = s * b, m.num_attention_heads * m.kv_channels, m.groups * m.kv_channels
         mods = set(modules)
         saved = SavedBytes()
@@ -169,15 +168,29 @@ class DenseSpec:
         if "layernorm" not in mods:
             saved.add("pre_mlp_layernorm.stats", self.norm_stats_bytes(cfg, device, tokens), "sp")
             saved.add("pre_mlp_layernorm.output", e * tokens * h, "sp")  # fc1's input, or the mlp checkpoint's
-        if "mlp" not in mods:
-            swiglu = m.activation == "swiglu"
-            saved.add("linear_fc1.output", e * tokens * f * (2 if swiglu else 1), "tp")  # activation's input
-            if swiglu:
-                saved.add("mlp.silu_output", e * tokens * f, "tp")  # silu(gate), kept by the product
-            saved.add("linear_fc2.input", e * tokens * f, "tp")
+        self._mlp_saved(saved, cfg, mods, device)
         if m.hidden_dropout > 0:
             saved.add("mlp.dropout_mask", MASK_BYTES * tokens * h, "sp")
         return saved.per_rank(par.tensor_model_parallel_size, par.sequence_parallel)
+
+    def _mlp_saved(self, saved: SavedBytes, cfg: Config, mods: set[str], device: str) -> None:
+        """What the MLP keeps after its input (pre_mlp_layernorm's output): fc1's output, SwiGLU's
+        silu(gate), fc2's input; nothing when `mlp` is recomputed. Another architecture's block
+        (MoE) answers this for its own layers."""
+        if "mlp" in mods:
+            return
+        tokens = cfg.training.seq_length * cfg.training.micro_batch_size
+        self._dense_mlp_saved(saved, cfg, "", tokens, cfg.model.ffn_hidden_size)
+
+    @staticmethod
+    def _dense_mlp_saved(saved: SavedBytes, cfg: Config, prefix: str, tokens: int, f: int) -> None:
+        """A dense MLP of width `f` over `tokens` rows: fc1's output, silu(gate), fc2's input."""
+        e = ELEMENT_BYTES[cfg.training.precision]
+        swiglu = cfg.model.activation == "swiglu"
+        saved.add(f"{prefix}linear_fc1.output", e * tokens * f * (2 if swiglu else 1), "tp")  # activation's input
+        if swiglu:
+            saved.add(f"{prefix}mlp.silu_output", e * tokens * f, "tp")  # silu(gate), kept by the product
+        saved.add(f"{prefix}linear_fc2.input", e * tokens * f, "tp")
 
     def _core_attention(self, saved: SavedBytes, cfg: Config, device: str, sources: dict[str, tuple[str, float]]) -> None:
         """What core attention keeps when it is not recomputed (see `attention_kernel`)."""

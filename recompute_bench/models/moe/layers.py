@@ -1,0 +1,117 @@
+"""The mixture-of-experts GPT: the dense GPT of `dense/layers.py` whose MLP is, on every
+`moe_layer_freq`-th layer, a MoE block (Megatron's MoELayer, named `mlp` as Megatron names it):
+
+    shared = shared_experts(x)                                   (optional dense MLP every token runs)
+    probs, experts = top_k(router(x))                            (softmax over the top-k logits, or sigmoid)
+    permuted = x[tokens sorted by expert]                        (dropless: every routed copy is kept)
+    routed = fc2(activation(fc1(permuted)) * probs)              (grouped matmuls over the experts)
+    y = shared + sum over each token's k copies of routed
+
+The routing probabilities multiply the activation's output inside `activation_func`, as Megatron's
+grouped MLP does, so `moe_act` recompute (which re-runs that function only) covers them too.
+No recompute logic lives here: `recompute.apply` installs it, names unchanged.
+"""
+
+from __future__ import annotations
+
+from types import ModuleType
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from recompute_bench.models.dense.layers import GPT, MLP, build_model as build_dense
+from recompute_bench.spec.config import ModelConfig
+
+
+class Router(nn.Module):
+    """Scores every expert for every token and keeps the top k: (probabilities [T, k], experts [T, k])."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.topk, self.score_function = cfg.moe_router_topk, cfg.moe_router_score_function
+        self.weight = nn.Parameter(torch.empty(cfg.num_moe_experts, cfg.hidden_size))
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        logits = F.linear(x, self.weight)
+        if self.score_function == "sigmoid":  # DeepSeek-V3: independent scores, normalised over the chosen k
+            scores, experts = torch.topk(torch.sigmoid(logits), self.topk, dim=-1)
+            return scores / scores.sum(-1, keepdim=True), experts
+        logits, experts = torch.topk(logits, self.topk, dim=-1)  # Megatron's default: softmax after top-k
+        return torch.softmax(logits, dim=-1), experts
+
+
+class WeightedActivation(nn.Module):
+    """GeLU, or SwiGLU (silu(gate) * up), times each row's routing probability: what `moe_act`
+    recomputes. No parameters, so installing recompute on it renames nothing."""
+
+    def __init__(self, swiglu: bool):
+        super().__init__()
+        self.swiglu = swiglu
+
+    def forward(self, x: torch.Tensor, probs: torch.Tensor) -> torch.Tensor:
+        if self.swiglu:
+            gate, up = x.chunk(2, dim=-1)
+            x = F.silu(gate) * up
+        else:
+            x = F.gelu(x)
+        return x * probs.unsqueeze(-1)
+
+
+class GroupedMLP(nn.Module):
+    """All routed experts: grouped fc1 -> weighted activation -> grouped fc2 over expert-sorted rows."""
+
+    def __init__(self, cfg: ModelConfig, backend: ModuleType):
+        super().__init__()
+        f, e = cfg.moe_ffn, cfg.num_moe_experts
+        swiglu = cfg.activation == "swiglu"
+        self.linear_fc1 = backend.grouped_linear(e, cfg.hidden_size, 2 * f if swiglu else f, cfg.moe_grouped_gemm)
+        self.activation_func = WeightedActivation(swiglu)
+        self.linear_fc2 = backend.grouped_linear(e, f, cfg.hidden_size, cfg.moe_grouped_gemm)
+
+    def forward(self, x: torch.Tensor, offsets: torch.Tensor, probs: torch.Tensor) -> torch.Tensor:
+        return self.linear_fc2(self.activation_func(self.linear_fc1(x, offsets), probs), offsets)
+
+
+class MoELayer(nn.Module):
+    """Router, token permutation, experts, un-permutation, and shared experts (see the module docstring).
+
+    `tokens_per_expert` holds the last forward's routed rows per expert, on the device (read once
+    after the probe step, never inside a step)."""
+
+    def __init__(self, cfg: ModelConfig, backend: ModuleType):
+        super().__init__()
+        self.topk, self.num_experts = cfg.moe_router_topk, cfg.num_moe_experts
+        self.router = Router(cfg)
+        self.experts = GroupedMLP(cfg, backend)
+        shared = cfg.moe_shared_expert_intermediate_size
+        self.shared_experts = MLP(cfg, backend, shared) if shared else None
+        self.tokens_per_expert: torch.Tensor | None = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # Submodules take x as it came ([b, s, h]), not a view of it: under a re-entrant checkpoint
+        # a view requires grad without a grad_fn, which torch's module tracker cannot hook.
+        shared = self.shared_experts(x) if self.shared_experts is not None else None
+        probs, experts = self.router(x)
+        shape, x = x.shape, x.reshape(-1, x.shape[-1])
+        flat = experts.reshape(-1)
+        order = flat.argsort(stable=True)  # routed copies sorted by expert, tokens in order within one
+        counts = torch.zeros(self.num_experts, dtype=torch.int32, device=x.device).index_add_(
+            0, flat, torch.ones_like(flat, dtype=torch.int32))  # no host read (bincount would sync)
+        self.tokens_per_expert = counts.detach()
+        token = order // self.topk
+        routed = self.experts(x.index_select(0, token), counts.cumsum(0, dtype=torch.int32),
+                              probs.reshape(-1).index_select(0, order))
+        # Un-permute by a gather back to token order and a sum over each token's k copies: index_add
+        # would keep the routed rows for its backward, and on CUDA adds with atomics (not bitwise stable).
+        y = routed.index_select(0, order.argsort()).view(*shape[:-1], self.topk, shape[-1]).sum(-2)
+        return y if shared is None else y + shared
+
+
+def build_model(cfg: ModelConfig, seed: int, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32,
+                backend: str = "torch") -> GPT:
+    """The dense GPT with a MoE block as the MLP of every MoE layer (`cfg.is_moe_layer`), built,
+    materialised and initialised as `dense.layers.build_model` does (router and expert weights are
+    matrices: normal(0, std); the experts' fc2 scaled like every residual-feeding projection)."""
+    return build_dense(cfg, seed, device, dtype, backend,
+                       lambda i, b: MoELayer(cfg, b) if cfg.is_moe_layer(i) else None)
