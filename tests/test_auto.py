@@ -221,3 +221,15 @@ def test_the_solver_and_the_policy_file_import_no_torch():
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert done.returncode == 0, done.stderr
 
+
+def test_sweep_adds_the_auto_point_and_measures_it(tmp_path):
+    result = invoke("sweep", "-w", "tiny", "--baseline", "--policy", "auto", "--memory-gb", "0.0105", "--no-golden",
+                    "--results-dir", str(tmp_path), "--run-id", "auto", "--attention-backend", "math", *FAST)
+    assert result.exit_code == 0, result.output
+    records = [json.loads(line) for line in (tmp_path / "auto" / "results.jsonl").read_text().splitlines()]
+    auto_record = next(r for r in records if r["point"]["name"] == "Auto")
+    assert auto_record["status"] == "ok" and auto_record["recompute"]["layer_policy"]
+    m = auto_record["metrics"]
+    assert m["activation_bytes"] == m["estimated_activation_bytes"]
+    assert m["measured_flops_per_step"] == m["estimated_hardware_flops_per_step"]
+    assert m["estimated_peak_allocated_bytes"] <= 0.0105 * 2**30
