@@ -130,7 +130,8 @@ def test_the_solver_s_policy_run_for_real_fits_and_recomputes_no_more_than_any_f
         uniform.append((r.label, total, measured_flops))
     outside = outside_layers(cfg)
     mixed_seen = False
-    for budget in sorted({t for _, t, _ in uniform})[1:-1] + [(uniform[0][1] + uniform[1][1]) / 2]:
+    inner = sorted({t for _, t, _ in uniform})[1:-1]  # budgets strictly between the least and the most bytes
+    for budget in [inner[len(inner) // 3], inner[2 * len(inner) // 3], (uniform[0][1] + uniform[1][1]) / 2]:
         solved = auto.solve(cfg, n, lambda a: outside + a.stored_bytes <= budget, "cpu")
         total, _, measured_flops, _ = measure(running(cfg, solved), count_flops=True)
         assert total <= budget
