@@ -42,6 +42,7 @@ test: $(STAMP)
 
 bench: $(STAMP)
 	$(PY) bench/recompute_overhead.py
+	$(PY) bench/auto_policy.py
 
 clean:
 	rm -rf $(VENV) results/runs.jsonl

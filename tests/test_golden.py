@@ -417,7 +417,7 @@ def test_an_older_golden_is_refused_by_compare_and_migrated_by_golden_update(tmp
     refused = invoke("compare", str(r), "--golden", str(g))
     assert refused.exit_code == 2 and "Traceback" not in refused.output
     assert refused.stderr.startswith(f"error: golden file {g} has the key of an older recompute-bench (no hidden_size, "
-                                     "num_attention_heads, ffn_hidden_size, vocab_size, ... (21 in all) column); migrate it:")
+                                     "num_attention_heads, ffn_hidden_size, vocab_size, ... (22 in all) column); migrate it:")
     assert f"then `recompute-bench golden update RUN --golden {g}`" in refused.stderr and g.read_bytes() == before
 
     # These results lack the core_attn row: its new key is unknown, so nothing is written.

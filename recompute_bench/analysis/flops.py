@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from recompute_bench.models import spec_for
 from recompute_bench.spec.config import Config
-from recompute_bench.recompute.policy import layer_policies, recomputed_layers as count_recomputed
+from recompute_bench.recompute.policy import LayerPolicy, layer_policies, recomputed_layers as count_recomputed
 from recompute_bench.spec.rules import layers_per_model_chunk
 
 
@@ -48,12 +48,34 @@ def recomputed_layers(cfg: Config) -> int:
 def recompute_forward_flops(cfg: Config, samples: int | None = None, device: str = "cuda") -> float:
     """Forward FLOPs that the recompute setting runs a second time, for `samples` sequences."""
     spec, r = spec_for(cfg.model), cfg.recompute
+    if r.layer_policy:
+        stage = cfg.model.num_layers // cfg.parallel.pipeline_model_parallel_size
+        per_stage = policy_recompute_flops(cfg, layer_policies(r, stage), samples, device)
+        return cfg.parallel.pipeline_model_parallel_size * per_stage
     if r.granularity == "full":
         layer = spec.layer_flops(cfg, samples, device)
         return recomputed_layers(cfg) * sum(w.forward for w in layer.values())
     if r.granularity == "selective":
         return cfg.model.num_layers * spec.selective_recompute_flops(cfg, r.modules, samples, device)
     return 0
+
+
+def policy_recompute_flops(cfg: Config, policies: list[LayerPolicy], samples: int | None = None,
+                           device: str = "cuda") -> float:
+    """Forward FLOPs a per-layer policy list runs a second time, for `samples` sequences: a whole
+    layer's forward per checkpointed layer, the selective modules' forward per other layer."""
+    spec = spec_for(cfg.model)
+    layer = sum(w.forward for w in spec.layer_flops(cfg, samples, device).values())
+    by_modules: dict[frozenset[str], float] = {}
+    total = 0.0
+    for p in policies:
+        if p.chunk is not None:
+            total += layer
+        elif p.modules:
+            if p.modules not in by_modules:
+                by_modules[p.modules] = spec.selective_recompute_flops(cfg, sorted(p.modules), samples, device)
+            total += by_modules[p.modules]
+    return total
 
 
 def hardware_flops_per_step(cfg: Config, device: str = "cuda") -> float:

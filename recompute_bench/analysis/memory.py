@@ -30,6 +30,7 @@ from typing import Any, Iterable
 from recompute_bench.analysis import flops
 from recompute_bench.models import (ELEMENT_BYTES, FP32_BYTES, INDEX_BYTES, MASK_BYTES, device_kind,  # noqa: F401
                                     spec_for, vocab_rows)
+from recompute_bench.recompute.policy import LayerPolicy, chunks, layer_policies
 from recompute_bench.recompute.settings import selective_settings
 from recompute_bench.spec.config import Config, RecomputeConfig
 from recompute_bench.spec.rules import layers_per_model_chunk
@@ -108,6 +109,8 @@ def stage_activations(cfg: Config, device: str = "cuda", layers: int | None = No
     and bring one layer back at a time in backward."""
     r = cfg.recompute
     n_layers = layers if layers is not None else cfg.model.num_layers // cfg.parallel.pipeline_model_parallel_size
+    if r.layer_policy:
+        return policy_activations(cfg, layer_policies(r, n_layers), device)
     full = layer_activation_bytes(cfg, (), device)
     ckpt = checkpoint_input_bytes(cfg)
     if r.granularity == "full":
@@ -128,6 +131,31 @@ def stage_activations(cfg: Config, device: str = "cuda", layers: int | None = No
     offloaded = min(r.activation_offload_layers, n_layers)
     stored = (n_layers - offloaded) * full
     return StageActivations(n_layers, stored, stored + (full if offloaded else 0.0))
+
+
+def policy_activations(cfg: Config, policies: list[LayerPolicy], device: str = "cuda") -> StageActivations:
+    """`stage_activations` of any per-layer policy list (one model chunk), one unit at a time
+    (`chunks`): a full chunk keeps its input, a layer keeps `layer_activation_bytes` of its
+    selective modules, an offloaded layer keeps nothing. Backward runs the units last to first, so
+    rebuilding full chunk u holds what the units before u keep plus the chunk's full activations;
+    an offloaded layer brought back adds one layer's full activations to all that is kept (as the
+    closed forms count it). Equals the closed forms for every Megatron setting (tested)."""
+    full = layer_activation_bytes(cfg, (), device)
+    ckpt = checkpoint_input_bytes(cfg)
+    stored, peak, offloaded = 0.0, 0.0, False
+    by_modules: dict[frozenset[str], float] = {}
+    for start, stop in chunks(policies):
+        p = policies[start]
+        if p.chunk is not None:
+            peak = max(peak, stored + (stop - start) * full)
+            stored += ckpt
+        elif p.offload:
+            offloaded = True
+        else:
+            if p.modules not in by_modules:
+                by_modules[p.modules] = layer_activation_bytes(cfg, p.modules, device)
+            stored += by_modules[p.modules]
+    return StageActivations(len(policies), stored, max(peak, stored + (full if offloaded else 0.0)))
 
 
 # ----- outside the layers ---------------------------------------------------------------------
@@ -275,13 +303,14 @@ class RankMemory:
         return "backward" if self.backward_peak_bytes >= self.optimizer_step_bytes else "optimizer step"
 
 
-def rank_memory(cfg: Config, stage: int = 0, device: str = "cuda") -> RankMemory:
+def rank_memory(cfg: Config, stage: int = 0, device: str = "cuda", acts: StageActivations | None = None) -> RankMemory:
     """Peak allocated bytes of one rank of pipeline stage `stage` under cfg (parameters, gradients,
-    optimizer state, in-flight activations, embedding/loss buffers, transient workspaces)."""
+    optimizer state, in-flight activations, embedding/loss buffers, transient workspaces); `acts`
+    replaces the stage's activations under cfg.recompute (the planner's candidate policies)."""
     p = cfg.parallel.pipeline_model_parallel_size
     params = stage_parameters(cfg, stage)
     per = optimizer_bytes_per_parameter(cfg)
-    acts = stage_activations(cfg, device)
+    acts = acts or stage_activations(cfg, device)
     in_flight = microbatches_in_flight(cfg, stage)
     first, last = stage == 0, stage == p - 1
     emb = sum(embedding_saved_bytes(cfg).values()) if first else 0.0
@@ -306,11 +335,11 @@ def rank_memory(cfg: Config, stage: int = 0, device: str = "cuda") -> RankMemory
     return RankMemory(stage=stage, parameters=params, items=items, optimizer_step_bytes=step)
 
 
-def peak_rank_memory(cfg: Config, device: str = "cuda") -> RankMemory:
+def peak_rank_memory(cfg: Config, device: str = "cuda", acts: StageActivations | None = None) -> RankMemory:
     """The most loaded rank: the first or the last pipeline stage (middle ones hold less than the
     first: the same layers, fewer micro-batches in flight, no embedding)."""
     p = cfg.parallel.pipeline_model_parallel_size
-    ranks = [rank_memory(cfg, 0, device)] + ([rank_memory(cfg, p - 1, device)] if p > 1 else [])
+    ranks = [rank_memory(cfg, 0, device, acts)] + ([rank_memory(cfg, p - 1, device, acts)] if p > 1 else [])
     return max(ranks, key=lambda r: r.peak_allocated_bytes)
 
 

@@ -11,7 +11,7 @@ from rich.console import Console
 from rich.markup import escape
 
 from recompute_bench.cli.options import PointOptions
-from recompute_bench.spec.config import Config
+from recompute_bench.spec.config import Config, ConfigError
 from recompute_bench.spec.presets import DEFAULT_WORKLOAD, resolve
 
 # People's output goes to stderr; stdout carries data (--json) only. Off a terminal the width is
@@ -28,6 +28,9 @@ GoldenFile = Annotated[Optional[Path], typer.Option(help="Golden CSV; default: <
                                                     "(cpu.csv, h100.csv, ...).", rich_help_panel="Golden")]
 Strict = Annotated[bool, typer.Option(help="Also fail on unexpected improvements, now-fits and new rows (goldens stay honest).",
                                       rich_help_panel="Golden")]
+PolicyFile = Annotated[Optional[Path], typer.Option("--policy", help="A per-layer recompute policy file (written by "
+                                                   "`plan --auto`) instead of the recompute flags.",
+                                                   rich_help_panel="Recompute")]
 JsonOut = Annotated[bool, typer.Option("--json", help="Print the result as JSON on stdout.", rich_help_panel="Output")]
 
 __all__ = ["DEFAULT_WORKLOAD", "err", "fail", "show_notes", "resolve_point", "this_gpu", "device_kind", "records_kind"]
@@ -66,3 +69,14 @@ def records_kind(rows: list[dict]) -> str:
 def resolve_point(workload: str, point: PointOptions, gpu: str | None = None) -> tuple[Config, list[str]]:
     """A command's workload and options -> (validated Config, notes); ConfigError on bad input."""
     return resolve(workload, overrides=point.overrides, sets=point.sets, gpu=gpu or point.gpu or this_gpu())
+
+
+def with_policy_file(cfg: Config, point: PointOptions, path: Path | None) -> Config:
+    """cfg running the policy file `path` (when given); ConfigError for a bad file or when recompute
+    flags were given too."""
+    if path is None:
+        return cfg
+    if point.given("recompute"):
+        raise ConfigError(f"--policy replaces the recompute setting; drop {' '.join(point.flags())} or --policy")
+    from recompute_bench.recompute.policy_file import with_policy
+    return with_policy(cfg, path)

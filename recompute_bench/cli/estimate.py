@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 from typing import Annotated, Optional
 
 import typer
@@ -69,10 +70,16 @@ def plan(
                                                        rich_help_panel="Estimate")] = None,
     device: ModelDevice = "cuda",
     allowance_fraction: AllowanceFraction = 0.10, allowance_gb: AllowanceGb = 1.0,
+    auto: Annotated[bool, typer.Option("--auto", help="Choose recompute layer by layer: the policy with the least "
+                                       "recompute FLOPs that fits, written as a policy file for `run --policy`.",
+                                       rich_help_panel="Estimate")] = False,
+    output: Annotated[Optional[Path], typer.Option(help="With --auto: the policy file to write; default "
+                                                   "results/plans/<workload>-<memory>g.toml.",
+                                                   rich_help_panel="Estimate")] = None,
     json_out: JsonOut = False,
 ) -> None:
-    """List the recompute settings that fit a memory budget, fastest first, and recommend one;
-    exit 1 when nothing fits (and say what would)."""
+    """List the recompute settings that fit a memory budget, fastest first, and recommend one (or
+    with --auto choose per layer); exit 1 when nothing fits (and say what would)."""
     from recompute_bench.analysis import memory as model
     from recompute_bench.render.estimate import plan_table, would_fit_table
 
@@ -84,6 +91,10 @@ def plan(
     except ConfigError as e:
         raise fail(str(e)) from None
     show_notes(notes)
+    if auto:
+        return _plan_auto(cfg, memory_gb, device, allowance_fraction, allowance_gb, output, json_out)
+    if output is not None:
+        raise fail("--output names the policy file of --auto; add --auto or drop --output")
     result = model.plan(cfg, memory_gb * 2**30, device, allowance_fraction, allowance_gb * 2**30)
     if result["fits"]:
         err.print(plan_table(result))
@@ -95,3 +106,39 @@ def plan(
         typer.echo(json.dumps(result, indent=2))
     if not result["fits"]:
         raise typer.Exit(1)
+
+
+def _plan_auto(cfg, memory_gb: float, device: str, allowance_fraction: float, allowance_gb: float,
+               output: Optional[Path], json_out: bool) -> None:
+    """plan --auto: solve, write the policy file, show it beside the best uniform setting."""
+    from recompute_bench.analysis.auto import auto_plan
+    from recompute_bench.recompute.policy_file import write_policy
+    from recompute_bench.render.estimate import auto_table, would_fit_table
+
+    try:
+        result = auto_plan(cfg, memory_gb * 2**30, device, allowance_fraction, allowance_gb * 2**30)
+    except ConfigError as e:
+        raise fail(str(e)) from None
+    if result["policy"] is None:
+        err.print(f"[red]no per-layer policy fits either: {escape(result['reason'])}[/]", highlight=False)
+        err.print(would_fit_table(result))
+        if json_out:
+            typer.echo(json.dumps(result, indent=2))
+        raise typer.Exit(1)
+    path = output or Path("results/plans") / f"{Path(cfg.workload).stem}-{memory_gb:g}g.toml"
+    auto, uniform = result["predicted"], result["uniform"]
+    figures = {"budget_bytes": result["budget_bytes"], "device": result["device"],
+               "peak_allocated_bytes": auto["peak_allocated_bytes"], "device_bytes_needed": auto["device_bytes_needed"],
+               "hardware_flops_per_step": auto["hardware_flops_per_step"], "recompute_overhead": auto["recompute_overhead"]}
+    if uniform:
+        figures.update({"uniform_setting": uniform["label"], "uniform_device_bytes_needed": uniform["device_bytes_needed"],
+                        "uniform_recompute_overhead": uniform["recompute_overhead"]})
+    try:
+        write_policy(path, cfg, result["policy"], figures)
+    except OSError as e:
+        raise fail(f"cannot write the policy file {path} ({e}); pass --output to a writable path") from None
+    err.print(auto_table(result))
+    err.print(f"[green]policy:[/] {escape(auto['label'])} ({escape(result['solver'])}); written to {escape(str(path))}",
+              highlight=False)
+    if json_out:
+        typer.echo(json.dumps({**result, "output": str(path)}, indent=2))

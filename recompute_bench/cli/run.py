@@ -9,7 +9,8 @@ from typing import Annotated, Optional
 import typer
 from rich.markup import escape
 
-from recompute_bench.cli.common import DEFAULT_WORKLOAD, JsonOut, Workload, err, fail, resolve_point, show_notes
+from recompute_bench.cli.common import (DEFAULT_WORKLOAD, JsonOut, PolicyFile, Workload, err, fail, resolve_point,
+                                        show_notes, with_policy_file)
 from recompute_bench.cli.options import PointOptions, point_options
 from recompute_bench.cli.ranks import launch_options
 from recompute_bench.launch.torchrun import Launch
@@ -27,6 +28,7 @@ def run(
     *,
     workload: Workload = DEFAULT_WORKLOAD,
     point: PointOptions,
+    policy: PolicyFile = None,
     device: Device = None,
     peak_tflops: PeakTflops = None,
     json_out: JsonOut = False,
@@ -39,6 +41,7 @@ def run(
     """Measure one recompute setting of a workload on this machine and record the result."""
     try:
         cfg, notes = resolve_point(workload, point)
+        cfg = with_policy_file(cfg, point, policy)
         cfg = check_runnable(cfg, device, launch)
     except ConfigError as e:
         raise fail(str(e)) from None
@@ -82,7 +85,8 @@ def check_runnable(cfg: Config, device: str | None, launch: Launch | None = None
     on_cuda = (device or ("cuda" if cuda_here else "cpu")).startswith("cuda")
     launch = launch or Launch()
     cfg = check_launch(cfg, launch, "cuda" if on_cuda else "cpu")
-    if cfg.recompute.activation_offload_layers and not on_cuda:
+    offloads = cfg.recompute.activation_offload_layers or any("offload" in e for e in cfg.recompute.layer_policy)
+    if offloads and not on_cuda:
         raise ConfigError("activation offload moves saved tensors from a CUDA device to host memory and there is "
                           "no CUDA device here; drop --activation-offload-layers")
     if device and device.startswith("cuda") and not cuda_here:

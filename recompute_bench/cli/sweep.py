@@ -11,7 +11,7 @@ from rich.markup import escape
 from rich.table import Table
 
 from recompute_bench.cli.common import (DEFAULT_WORKLOAD, GoldenFile, ResultsDir, Strict, device_kind, err, fail,
-                                        show_notes)
+                                        resolve_point, show_notes)
 from recompute_bench.cli.hints import command_line, print_command, run_locator, update_command
 from recompute_bench.cli.options import PointOptions, point_options, split_list
 from recompute_bench.cli.ranks import launch_flags, launch_options
@@ -37,6 +37,12 @@ def sweep(
     baseline: Annotated[bool, typer.Option(help="Add the point without recompute (Baseline).", rich_help_panel="Sweep")] = False,
     grid: Annotated[Optional[Path], typer.Option(help="TOML file listing the points ([[point]] tables) instead of the flags.",
                                                  rich_help_panel="Sweep")] = None,
+    policy: Annotated[Optional[str], typer.Option(help="Add a per-layer policy point named Auto: `auto` (what `plan "
+                                                  "--auto` chooses for --memory-gb) or a policy file.",
+                                                  rich_help_panel="Sweep")] = None,
+    memory_gb: Annotated[Optional[float], typer.Option(help="With --policy auto: device memory per GPU in GiB (fractions "
+                                                       "allowed; on a CPU no allocator allowance is added).",
+                                                       rich_help_panel="Sweep")] = None,
     dry_run: Annotated[bool, typer.Option(help="Print the plan and exit without measuring.", rich_help_panel="Sweep")] = False,
     run_id: Annotated[Optional[str], typer.Option(help="Name of the run folder; default: UTC time and 4 hex digits.",
                                                   rich_help_panel="Sweep")] = None,
@@ -96,6 +102,12 @@ def sweep(
             points, notes = plan_from_flags(workload or DEFAULT_WORKLOAD, overrides=overrides, sets=list(sets or ()), gpu=kind,
                                             modules=split_list(modules), methods=split_list(methods),
                                             num_layers_recompute=counts, baseline=baseline)
+        if policy is not None:
+            if resume:
+                raise ConfigError("--resume reruns the saved plan, Auto point included; drop --policy")
+            points.append(auto_point(points, workload or DEFAULT_WORKLOAD, point, policy, memory_gb, device))
+        elif memory_gb is not None:
+            raise ConfigError("--memory-gb is the budget of --policy auto; add --policy auto or drop --memory-gb")
         for p in points:
             p.cfg = check_runnable(p.cfg, device, launch)
         golden_file = None if no_golden else (golden or gold.golden_path_for(device_kind(device, gpu), results_dir))
@@ -158,6 +170,33 @@ def sweep(
                                       golden=str(golden_file) if golden_rows is not None else None), indent=2))
     if not comparison.passed:
         raise typer.Exit(1)
+
+
+def auto_point(points, workload: str, point: PointOptions, policy: str, memory_gb: float | None, device: str | None):
+    """The sweep's Auto point: the policy `plan --auto` chooses for `memory_gb` (modelled for the
+    sweep's device; a CPU has no allocator to allow for), or the policy file `policy`."""
+    import dataclasses
+
+    from recompute_bench.analysis.auto import auto_plan
+    from recompute_bench.launch.devices import default_device_type
+    from recompute_bench.launch.sweep import Point
+    from recompute_bench.recompute.policy_file import with_policy
+    from recompute_bench.spec.config import RecomputeConfig
+
+    if "Auto" in {p.name for p in points}:
+        raise ConfigError("a point is already named Auto; rename it in the grid file or drop --policy")
+    base = dataclasses.replace(points[0].cfg if points else resolve_point(workload, point)[0], recompute=RecomputeConfig())
+    if policy != "auto":
+        return Point("Auto", with_policy(base, Path(policy)))
+    if memory_gb is None or memory_gb <= 0:
+        raise ConfigError(f"--policy auto needs the device memory per GPU; pass --memory-gb 80 (got {memory_gb})")
+    modelled = "cuda" if (device or default_device_type()).startswith("cuda") else "cpu"
+    allowance = (0.0, 0.0) if modelled == "cpu" else (0.10, 2.0**30)
+    result = auto_plan(base, memory_gb * 2**30, modelled, *allowance)
+    if result["policy"] is None:
+        raise ConfigError(f"--policy auto: no per-layer policy fits {memory_gb:g} GiB ({result['reason']}); "
+                          "raise --memory-gb (see `recompute-bench plan --auto`)")
+    return Point("Auto", dataclasses.replace(base, recompute=RecomputeConfig(layer_policy=result["policy"])))
 
 
 def plan_table(points, title: str) -> Table:

@@ -9,7 +9,8 @@ import typer
 from rich.markup import escape
 from rich.table import Table
 
-from recompute_bench.cli.common import DEFAULT_WORKLOAD, JsonOut, Workload, err, fail, resolve_point, show_notes
+from recompute_bench.cli.common import (DEFAULT_WORKLOAD, JsonOut, PolicyFile, Workload, err, fail, resolve_point,
+                                        show_notes, with_policy_file)
 from recompute_bench.cli.options import PointOptions, point_options
 from recompute_bench.cli.ranks import launch_options
 from recompute_bench.launch.torchrun import Launch
@@ -24,6 +25,7 @@ def verify(
     launch: Launch,
     workload: Workload = DEFAULT_WORKLOAD,
     point: PointOptions,
+    policy: PolicyFile = None,
     attention_backend: Annotated[Optional[list[str]], typer.Option(help="Backends to check (repeatable); default both.",
                                                                    rich_help_panel="Workload")] = None,
     device: Annotated[str, typer.Option(help="torch device; default cpu, where equality is exact.")] = "cpu",
@@ -44,13 +46,17 @@ def verify(
                 raise ConfigError(f"attention_backend {b!r} is not one of {', '.join(ATTENTION_BACKENDS)}; "
                                   "pass --attention-backend sdpa or math")
         cfg, notes = resolve_point(workload, point, gpu="cpu")
+        cfg = with_policy_file(cfg, point, policy)
+        if any("offload" in e for e in cfg.recompute.layer_policy):
+            raise ConfigError("verify checks recompute, and offload recomputes nothing; write none for offloaded layers")
         if device.startswith("cuda") and not torch.cuda.is_available():
             raise ConfigError(f"--device {device} asks for CUDA but torch sees no CUDA device; pass --device cpu")
     except ConfigError as e:
         raise fail(str(e)) from None
     show_notes(notes)
     targets = spec_for(cfg.model).recompute_targets
-    settings = [cfg.recompute] if point.given("recompute") else all_settings(cfg.model.num_layers, targets)
+    settings = ([cfg.recompute] if point.given("recompute") or policy
+                else all_settings(cfg.model.num_layers, targets))
     if launch.world_size > 1:
         outcomes = _over_ranks(cfg, settings, backends, launch, device)
     else:

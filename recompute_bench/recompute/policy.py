@@ -40,9 +40,41 @@ class LayerPolicy:
             return "selective[" + ",".join(sorted(self.modules)) + "]"
         return "offload" if self.offload else "none"
 
+    @property
+    def entry(self) -> str:
+        """The policy as `RecomputeConfig.layer_policy` and a policy file write it: "none",
+        "selective[core_attn,mlp]", "full:CHUNK", with "+offload" where offloaded ("offload" alone)."""
+        if self.chunk is None and not self.modules:
+            return self.label
+        base = f"full:{self.chunk}" if self.chunk is not None else self.label
+        return base + ("+offload" if self.offload else "")
+
+
+def parse_entry(entry: str) -> LayerPolicy:
+    """The inverse of `LayerPolicy.entry`; ValueError naming what is wrong. Module names are not
+    checked against a model here (`policy_file.check` does that)."""
+    text = entry.strip()
+    base, plus, suffix = text.partition("+")
+    if plus and suffix != "offload":
+        raise ValueError(f"{entry!r}: only +offload may follow a choice")
+    offload = bool(plus)
+    if base in ("none", "offload"):
+        return LayerPolicy(offload=offload or base == "offload")
+    if base.startswith("full:") and base[5:].isdigit():
+        return LayerPolicy(chunk=int(base[5:]), offload=offload)
+    if base.startswith("selective[") and base.endswith("]"):
+        modules = frozenset(m.strip() for m in base[len("selective["):-1].split(",") if m.strip())
+        if not modules:
+            raise ValueError(f"{entry!r}: selective[] names no module; write none instead")
+        return LayerPolicy(modules=modules, offload=offload)
+    raise ValueError(f"{entry!r} is not none, offload, selective[MODULES] or full:CHUNK")
+
 
 def layer_policies(r: RecomputeConfig, num_layers: int) -> list[LayerPolicy]:
-    """The per-layer policies a (validated) Megatron setting means, for `num_layers` layers."""
+    """The per-layer policies a (validated) Megatron setting means, for `num_layers` layers; a
+    per-layer policy (`r.layer_policy`) as written, its first `num_layers` entries (a stage's)."""
+    if r.layer_policy:
+        return [parse_entry(e) for e in r.layer_policy[:num_layers]]
     offload = [i < r.activation_offload_layers for i in range(num_layers)]
     if r.granularity == "full":
         n = r.num_layers

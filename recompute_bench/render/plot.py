@@ -79,6 +79,10 @@ def plot_pareto(df: pd.DataFrame, path: Path, title: str) -> Path:
     fig, ax = plt.subplots(figsize=(8, 5.5), dpi=120)
     ok = df[(df["status"] == "ok") & df["tflops_per_gpu"].notna() & df[memory].notna()]
     ax.scatter(ok["tflops_per_gpu"], ok[memory] / scale, s=36, color="tab:blue", zorder=3, label="setting")
+    policies = ok[ok["setting"].str.startswith("policy ")]  # per-layer policies (plan --auto, --policy)
+    if len(policies):
+        ax.scatter(policies["tflops_per_gpu"], policies[memory] / scale, marker="*", s=160, color="tab:orange",
+                   zorder=4, label="per-layer policy")
     for _, r in ok.iterrows():
         ax.annotate(f"{_label(r)}: {r['setting']}", (r["tflops_per_gpu"], r[memory] / scale), fontsize=7,
                     xytext=(4, 3), textcoords="offset points")

@@ -186,17 +186,21 @@ class RecomputeConfig:
     """Keep the saved activations of the first N layers in host memory (CUDA only)."""
     distribute_saved_activations: bool = False
     """Shard checkpointed layer inputs across the tensor-parallel group (full only, TP > 1, no SP)."""
+    layer_policy: list[str] = field(default_factory=list)
+    """Per-layer policy (a policy file, `--policy`): one entry per layer, none, selective[modules],
+    full:CHUNK or offload; replaces the uniform setting above (granularity stays none)."""
 
     @property
     def label(self) -> str:
         """The setting in a few words, as tables show it."""
         return recompute_label(self.granularity, self.modules, self.method, self.num_layers,
-                               self.activation_offload_layers)
+                               self.activation_offload_layers, layer_policy=self.layer_policy)
 
     @property
     def recomputes(self) -> bool:
         """Whether anything at all is recomputed."""
-        return self.granularity == "full" or (self.granularity == "selective" and bool(self.modules))
+        return (self.granularity == "full" or (self.granularity == "selective" and bool(self.modules))
+                or any(p not in ("none", "offload") for p in self.layer_policy))
 
 
 @dataclass
@@ -230,8 +234,11 @@ class Config:
 
     def record_fields(self) -> dict[str, Any]:
         """The config as a result record holds it: `workload`, `config` (model, training and
-        parallel) and, beside them, `recompute`."""
+        parallel) and, beside them, `recompute` (with `layer_policy` only where a policy ran, so
+        records of uniform settings stay as they were)."""
         data = self.to_dict()
+        if not data["recompute"]["layer_policy"]:
+            del data["recompute"]["layer_policy"]
         return {"workload": data.pop("workload"), "config": {s: data[s] for s in ("model", "training", "parallel")},
                 "recompute": data["recompute"]}
 
@@ -240,9 +247,19 @@ SECTIONS = {"model": ModelConfig, "training": TrainingConfig, "parallel": Parall
 
 
 def recompute_label(granularity: str, modules=(), method: str | None = None, num_layers: int | None = None,
-                    activation_offload_layers: int = 0, **_: Any) -> str:
-    """A recompute setting in a few words: "none", "selective[core_attn,mlp]", "full uniform 1".
+                    activation_offload_layers: int = 0, layer_policy=(), **_: Any) -> str:
+    """A recompute setting in a few words: "none", "selective[core_attn,mlp]", "full uniform 1",
+    "policy 2 full, 3 selective[mlp]" (a per-layer policy, counted by choice in layer order).
     Takes a record's `recompute` object as keywords (the fields that do not change the words too)."""
+    if layer_policy:
+        runs: list[list] = []
+        for entry in layer_policy:
+            choice = entry.split(":")[0]
+            if runs and runs[-1][1] == choice:
+                runs[-1][0] += 1
+            else:
+                runs.append([1, choice])
+        return "policy " + ", ".join(f"{n} {choice}" for n, choice in runs)
     if granularity == "selective":
         return "selective[" + ",".join(modules) + "]"
     if granularity == "full":

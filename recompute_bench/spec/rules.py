@@ -135,6 +135,11 @@ def _validate_recompute(cfg: Config) -> None:
     chunk, offered = layers_per_model_chunk(cfg), spec_for(m).recompute_targets
     _choice("recompute_granularity", r.granularity, GRANULARITIES, "pass --recompute-granularity none, selective or full")
 
+    if r.layer_policy and (len(r.layer_policy) != m.num_layers or r.granularity != "none"
+                           or r.activation_offload_layers):
+        raise ConfigError(f"layer_policy needs one entry per layer ({m.num_layers}) and replaces the recompute "
+                          "setting; write it with `plan --auto` and pass it as --policy FILE alone")
+
     # CPU offloading is checked first, as Megatron does.
     if r.activation_offload_layers:
         if not 0 < r.activation_offload_layers < m.num_layers:
