@@ -39,16 +39,35 @@ DATA_PARALLEL = ("ddp", "fsdp")
 
 
 class DataParallel(SingleRank):
-    """The whole model on every rank, the global batch split over them (DDP or FSDP2)."""
+    """The model on every rank (or on every tensor-parallel group, `measure.tensor_parallel`), the
+    global batch split over the data-parallel ranks (DDP or FSDP2)."""
 
-    def __init__(self, kind: str):
+    def __init__(self, kind: str, cfg: Config | None = None, device_type: str = "cpu"):
         if kind not in DATA_PARALLEL:
             raise ValueError(f"data parallel kind {kind!r} is not one of {DATA_PARALLEL}")
         self.kind = kind
         self.world_size = dist.get_world_size()
         self.rank = dist.get_rank()
+        tp = cfg.parallel.tensor_model_parallel_size if cfg is not None else 1
+        self.tensor = None
+        if tp > 1:
+            from recompute_bench.measure.tensor_parallel import TensorParallel
+            self.tensor = TensorParallel(tp, cfg.parallel.sequence_parallel, device_type)
+        self.dp_size, self.dp_rank = self.world_size // tp, self.rank // tp
+
+    @property
+    def tensor_group(self):
+        return self.tensor.group if self.tensor else None
+
+    def split(self, model: torch.nn.Module) -> torch.nn.Module:
+        return self.tensor.parallelize(model) if self.tensor else model
+
+    def context(self):
+        return self.tensor.context() if self.tensor else super().context()
 
     def build(self, cfg: Config, device: torch.device, dtype: torch.dtype | None = None) -> torch.nn.Module:
+        if self.dp_size == 1:  # tensor parallel only
+            return super().build(cfg, device, dtype)
         if self.kind == "ddp":
             from torch.nn.parallel import DistributedDataParallel
             return DistributedDataParallel(super().build(cfg, device, dtype),
@@ -56,23 +75,28 @@ class DataParallel(SingleRank):
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
         model = super().build(cfg, device, torch.float32)  # fp32 sharded weights: FSDP casts for compute
         policy = MixedPrecisionPolicy(param_dtype=DTYPES[cfg.training.precision], reduce_dtype=torch.float32)
+        mesh = self.tensor.dp_mesh if self.tensor else None
         for layer in model.layers:
-            fully_shard(layer, mp_policy=policy)
-        fully_shard(model, mp_policy=policy)
+            fully_shard(layer, mesh=mesh, mp_policy=policy)
+        fully_shard(model, mesh=mesh, mp_policy=policy)
         return model
 
     def optimizer(self, model: torch.nn.Module, precision: str):
         params = [p for p in model.parameters() if p.requires_grad]
-        if self.kind == "fsdp" or precision == "fp32":
+        if self.tensor and self.dp_size == 1 and precision == "fp32":
+            from recompute_bench.measure.tensor_parallel import LocalAdam
+            return LocalAdam(params, 1e-4)
+        if self.kind == "fsdp" and self.dp_size > 1 or precision == "fp32":
             return _adam(params, 1e-4)  # FSDP: fp32 sharded weights, gradients and state (the distributed optimizer)
-        return ReducedGradAdam(params, 1e-4)
+        return ReducedGradAdam(params, 1e-4) if self.dp_size > 1 else super().optimizer(model, precision)
 
     def batches(self, cfg: Config, device: torch.device) -> torch.Tensor:
-        """Micro-batches rank, rank + dp, rank + 2 dp, ... of the global batch's."""
+        """Micro-batches r, r + dp, r + 2 dp, ... of the global batch's, r this rank's data-parallel
+        rank (every rank of a tensor-parallel group takes the same)."""
         p = cfg.parallel
         whole = Config(cfg.workload, cfg.model, cfg.training,
                        type(p)(**{**vars(p), "data_parallel_size": 1}), cfg.recompute)
-        return synthetic_batches(whole, device)[self.rank::self.world_size].contiguous()
+        return synthetic_batches(whole, device)[self.dp_rank::self.dp_size].contiguous()
 
     def mean(self, value: torch.Tensor) -> torch.Tensor:
         value = value.detach().clone()
@@ -130,7 +154,7 @@ def measure_rank(cfg: Config, *, data_parallel: str, piece_path, device: str | N
     dev = rank_device(device)
     limit_memory(dev, memory_limit_gb)
     init_process_group(dev, watchdog_s)
-    layout = DataParallel(data_parallel)
+    layout = DataParallel(data_parallel, cfg, dev.type)
 
     def write(metrics: dict, rank_entry: dict, env: dict | None = None) -> dict:
         piece = {"rank": layout.rank, "world_size": layout.world_size, "rank_entry": rank_entry, "metrics": metrics,
