@@ -259,10 +259,10 @@ def _refill(ctx, output: torch.Tensor | None) -> None:
     with torch.enable_grad():
         y = ctx.fn(*xs)
     if output is not None:
-        storage = output.untyped_storage()
-        storage.resize_(y.untyped_storage().nbytes())
+        storage = _local(output).untyped_storage()
+        storage.resize_(_local(y).untyped_storage().nbytes())
         with torch.no_grad():
-            storage.copy_(y.untyped_storage())
+            storage.copy_(_local(y).untyped_storage())
     ctx.recomputed = (xs, y)
 
 
@@ -271,11 +271,16 @@ def without_output(fn: Callable[..., torch.Tensor], *xs: torch.Tensor) -> torch.
     return _WithoutOutput.apply(fn, *xs)
 
 
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """A DTensor's local shard (its storage is what is freed and refilled); a tensor as it is."""
+    return getattr(t, "_local_tensor", t)
+
+
 def discard(output: torch.Tensor, hook_tensor: torch.Tensor) -> None:
     """Free the storage of `output` (made by `without_output`, already saved by its consumer) and
     recompute it when the gradient reaches `hook_tensor`, the consumer's output: just before the
     consumer's backward reads it (Megatron's CheckpointWithoutOutput)."""
     if not hook_tensor.requires_grad:
         return
-    output.untyped_storage().resize_(0)
+    _local(output).untyped_storage().resize_(0)
     hook_tensor.register_hook(lambda _grad: _refill(output.grad_fn, output))

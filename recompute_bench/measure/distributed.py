@@ -169,49 +169,59 @@ def measure_rank(cfg: Config, *, data_parallel: str, piece_path, device: str | N
 def gathered_loss_and_grads(cfg: Config, tokens: torch.Tensor, device: torch.device,
                             layout: DataParallel) -> tuple[torch.Tensor, dict[str, torch.Tensor | None]]:
     """This rank's micro-batch forward and backward under `layout`: the loss averaged over the ranks
-    and every gradient whole (DDP's all-reduced ones; FSDP's shards gathered), by parameter name.
-    Dropout is seeded with the training seed before the micro-batch, on every rank."""
+    and every gradient whole (DDP's all-reduced ones; FSDP's and tensor parallel's shards gathered,
+    in the single-rank layout), by parameter name. Dropout is seeded with the training seed before
+    the micro-batch, on every rank."""
     model = layout.build(cfg, device)
     model.train()
-    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []), layout.context():
         torch.manual_seed(cfg.training.seed)
         loss = model(tokens[:, :-1], tokens[:, 1:])
         loss.backward()
     grads = {}
     for name, p in model.named_parameters():
-        g = p.grad
+        name, g = name.removeprefix("module."), p.grad
         if g is not None and hasattr(g, "full_tensor"):
             g = g.full_tensor()
-        grads[name.removeprefix("module.")] = g
+        if g is not None and layout.tensor:
+            g = layout.tensor.whole(name, g, cfg)
+        grads[name] = g
     return layout.mean(loss), grads
 
 
 def verify_ranks(cfg: Config, settings, backends: list[str], device: torch.device, data_parallel: str) -> dict:
     """`verify` over the ranks of the process group: each setting against no recompute under the
-    same data-parallel layout (bitwise on CPU), and that baseline against one rank running every
+    same layout (bitwise on CPU), and that baseline against one rank running every data-parallel
     rank's micro-batch, each seeded alike, gradients averaged (equal to fp32 rounding: only the
-    order of the sum differs). Rank 0's result: {"outcomes": [...], "single_rank": [...]}."""
+    order of the sums differs). Tensor-parallel ranks draw their own dropout masks for their heads
+    and sequence shards, so that comparison runs with dropout off under tensor parallelism.
+    Rank 0's result: {"outcomes": [...], "single_rank": [...]}."""
     from recompute_bench.measure.verify import Outcome, _max_diff, fp32_with_dropout, loss_and_grads
     from recompute_bench.spec.config import RecomputeConfig
 
-    layout = DataParallel(data_parallel)
+    layout = DataParallel(data_parallel, cfg, device.type)
     outcomes, single = [], []
     for backend in backends:
         run_cfg = fp32_with_dropout(cfg, backend)
         g = torch.Generator().manual_seed(run_cfg.training.seed)
-        tokens = torch.randint(0, cfg.model.vocab_size, (layout.world_size, cfg.training.micro_batch_size,
+        tokens = torch.randint(0, cfg.model.vocab_size, (layout.dp_size, cfg.training.micro_batch_size,
                                                          cfg.training.seq_length + 1), generator=g).to(device)
-        base_loss, base_grads = gathered_loss_and_grads(run_cfg, tokens[layout.rank], device, layout)
+        base_loss, base_grads = gathered_loss_and_grads(run_cfg, tokens[layout.dp_rank], device, layout)
+        alone_cfg, alone_base = run_cfg, (base_loss, base_grads)
+        if layout.tensor:
+            alone_cfg = dataclasses.replace(run_cfg, model=dataclasses.replace(run_cfg.model, hidden_dropout=0.0,
+                                                                               attention_dropout=0.0))
+            alone_base = gathered_loss_and_grads(alone_cfg, tokens[layout.dp_rank], device, layout)
         if layout.rank == 0:
-            alone = [loss_and_grads(run_cfg, RecomputeConfig(), t, device) for t in tokens]
+            alone = [loss_and_grads(alone_cfg, RecomputeConfig(), t, device) for t in tokens]
             loss = sum(a[0] for a in alone) / len(alone)
             grads = {n: sum(a[1][n] for a in alone) / len(alone) if alone[0][1][n] is not None else None
                      for n in alone[0][1]}
-            worst, worst_name = _max_diff(grads, base_grads)
-            single.append(Outcome("none", backend, (loss - base_loss).abs().item(), worst, worst_name).__dict__)
+            worst, worst_name = _max_diff(grads, alone_base[1])
+            single.append(Outcome("none", backend, (loss - alone_base[0]).abs().item(), worst, worst_name).__dict__)
         for setting in settings:
             loss, grads = gathered_loss_and_grads(dataclasses.replace(run_cfg, recompute=setting),
-                                                  tokens[layout.rank], device, layout)
+                                                  tokens[layout.dp_rank], device, layout)
             worst, worst_name = _max_diff(base_grads, grads)
             outcomes.append(Outcome(setting.label, backend, (loss - base_loss).abs().item(), worst, worst_name).__dict__)
     return {"outcomes": outcomes, "single_rank": single}

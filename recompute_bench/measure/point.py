@@ -126,6 +126,18 @@ def synthetic_batches(cfg: Config, device: torch.device) -> torch.Tensor:
     return torch.randint(0, cfg.model.vocab_size, shape, generator=g).to(device)
 
 
+class LocalFlopCounter(FlopCounterMode):
+    """`FlopCounterMode` counting the FLOPs this rank runs: an op on DTensors (a tensor-parallel
+    linear) is counted by the shapes of its local shards, not its global shapes (the mode sees
+    DTensor ops before they are split into local ones). Plain tensors count as they are."""
+
+    def _count_flops(self, func_packet, out, args, kwargs):
+        from torch.utils._pytree import tree_map
+
+        super()._count_flops(func_packet, tree_map(local, out), tree_map(local, args), tree_map(local, kwargs))
+        return out
+
+
 class SavedTensorProbe:
     """Counts the bytes autograd keeps for backward: storages, de-duplicated, parameters and buffers
     excluded, read when the forward is over (so storages freed in the meantime count as zero).
@@ -372,7 +384,7 @@ def _measure(cfg: Config, device: torch.device, peak_tflops: float | None, layou
             progress(metrics, rank_entry)
 
         probe = SavedTensorProbe(getattr(model, "module", model))
-        with FlopCounterMode(display=False) as counter:
+        with LocalFlopCounter(display=False) as counter:
             loss = stepper.step(probe)
         done(loss)
         metrics["loss"] = rank_entry["losses"][0]
