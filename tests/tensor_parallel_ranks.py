@@ -15,12 +15,12 @@ from recompute_bench.measure.distributed import DataParallel, init_process_group
 from recompute_bench.measure.point import run_point
 
 
-def main(out: Path, points: dict[str, list[str]]) -> None:
+def main(out: Path, points: dict[str, tuple[str, list[str]]]) -> None:
     device = torch.device("cpu")
     init_process_group(device, 120.0)
     results = {}
-    for name, sets in points.items():
-        cfg = config(sets=sets)
+    for name, (workload, sets) in points.items():
+        cfg = config(workload, sets=sets)
         record = run_point(cfg, device=device, layout=DataParallel("ddp", cfg, device.type))
         results[name] = {"status": record["ranks"][0]["status"], "failure": record["ranks"][0]["failure"],
                          "losses": record["ranks"][0]["losses"], "metrics": record["metrics"]}

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import config, invoke
+from conftest import SMALL_LLAMA, config, invoke
 from recompute_bench.analysis.memory import activation_bytes as estimated_activation_bytes
 from recompute_bench.measure.point import run_point
 from test_ranks import LOSS_RTOL, SETS
@@ -24,13 +24,18 @@ MATH = ["model.attention_backend=math"]  # its matmuls have FLOP formulas on a C
 FULL_1 = ["recompute.granularity=full", "recompute.method=uniform", "recompute.num_layers=1"]
 
 
-def _alone(sets) -> dict:
-    return run_point(config(sets=[*SETS, *sets]))
+# Llama's layer (RMSNorm, SwiGLU, 8 heads in 2 query groups, RoPE, untied output layer), small.
+LLAMA = [f"{k}={v}" for k, v in SMALL_LLAMA.items()] + ["model.num_layers=2"]
+
+
+def _alone(sets, workload: str = "tiny") -> dict:
+    return run_point(config(workload, sets=[*SETS, *sets]))
 
 
 POINTS = {
-    "sp": [*SETS, *TP2, "parallel.sequence_parallel=true", *MATH],
-    "distributed": [*SETS, *TP2, *FULL_1, "recompute.distribute_saved_activations=true"],
+    "sp": ("tiny", [*SETS, *TP2, "parallel.sequence_parallel=true", *MATH]),
+    "distributed": ("tiny", [*SETS, *TP2, *FULL_1, "recompute.distribute_saved_activations=true"]),
+    "llama": ("llama3-8b", [*SETS, *LLAMA, *TP2, "parallel.sequence_parallel=true", *MATH]),
 }
 
 
@@ -63,6 +68,17 @@ def test_tp2_with_sequence_parallel_matches_one_rank_and_the_estimate(two_ranks)
     # FLOPs of DTensor ops are counted on local shards: 2 ranks x this rank's = one rank's step.
     assert m["measured_flops_per_step"] == alone["metrics"]["measured_flops_per_step"] == m["hardware_flops_per_step"]
     assert m["num_parameters"] == alone["metrics"]["num_parameters"]
+
+
+def test_tp2_with_sequence_parallel_on_a_llama_layer(two_ranks):
+    """Whole query groups per rank, SwiGLU's gate and up columns paired per rank, RMSNorm on shards."""
+    ranks = [r["llama"] for r in two_ranks]
+    assert [r["status"] for r in ranks] == ["ok", "ok"], ranks[0]["failure"]
+    alone = _alone([*LLAMA, *MATH], "llama3-8b")
+    assert ranks[0]["losses"] == pytest.approx(alone["ranks"][0]["losses"], rel=LOSS_RTOL)
+    m = ranks[0]["metrics"]
+    assert m["activation_bytes"] == pytest.approx(m["estimated_activation_bytes"], rel=0.02)
+    assert m["measured_flops_per_step"] == alone["metrics"]["measured_flops_per_step"]
 
 
 def test_tp2_distribute_saved_activations_halves_the_checkpointed_inputs(two_ranks):

@@ -83,12 +83,12 @@ class DataParallel(SingleRank):
 
     def optimizer(self, model: torch.nn.Module, precision: str):
         params = [p for p in model.parameters() if p.requires_grad]
-        if self.tensor and self.dp_size == 1 and precision == "fp32":
+        if self.dp_size == 1:  # tensor parallel only: DTensor shards and plain replicas side by side
             from recompute_bench.measure.tensor_parallel import LocalAdam
-            return LocalAdam(params, 1e-4)
-        if self.kind == "fsdp" and self.dp_size > 1 or precision == "fp32":
+            return LocalAdam(params, 1e-4) if precision == "fp32" else MixedPrecisionAdam(params, 1e-4)
+        if self.kind == "fsdp" or precision == "fp32":
             return _adam(params, 1e-4)  # FSDP: fp32 sharded weights, gradients and state (the distributed optimizer)
-        return ReducedGradAdam(params, 1e-4) if self.dp_size > 1 else super().optimizer(model, precision)
+        return ReducedGradAdam(params, 1e-4)
 
     def batches(self, cfg: Config, device: torch.device) -> torch.Tensor:
         """Micro-batches r, r + dp, r + 2 dp, ... of the global batch's, r this rank's data-parallel
