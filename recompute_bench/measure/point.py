@@ -1,8 +1,9 @@
 """One point on one rank: build, apply recompute, probe, warm up, measure, and return the record.
 
 The first step is the probe step (not timed): `FlopCounterMode` counts every FLOP of the whole
-step, recompute included, and saved-tensor hooks around the first micro-batch's forward collect
-the storages autograd keeps for backward. Then warm-up steps, a reset of the CUDA peak counters,
+step, recompute included (a tensor-parallel DTensor op by its local shards: `LocalFlopCounter`),
+and saved-tensor hooks around the first micro-batch's forward collect the storages autograd keeps
+for backward (a DTensor's local shard). Then warm-up steps, a reset of the CUDA peak counters,
 and the measured steps, each timed between device synchronisations.
 
 A CUDA out-of-memory error becomes `status: "oom"` with the step and phase; any other exception

@@ -4,7 +4,8 @@ Nothing is wrapped or renamed (torchtitan registers a wrapped block under its ol
 module itself stays and only its `forward` changes), so `named_parameters()` is the same for every
 setting: gradients compare by name, and name-keyed parallel plans apply after recompute.
 
-- a full-recompute chunk: the layer stack's forward runs the chunk under one checkpoint;
+- a full-recompute chunk: the layer stack's forward runs the chunk under one checkpoint (with
+  `distribute_saved_activations`, one that keeps 1/tp of the chunk's input and all-gathers it);
 - selective `core_attn`: the core attention's forward is checkpointed (q, k, v are saved);
 - selective `mlp`: the MLP's forward is checkpointed (its input is saved), on dense layers only;
 - selective `moe`, `moe_act`, `shared_experts`: on MoE layers (see `_install_moe`);
