@@ -17,6 +17,7 @@ import pytest
 from conftest import SMALL_LLAMA, config, invoke
 from recompute_bench.analysis.memory import activation_bytes as estimated_activation_bytes
 from recompute_bench.measure.point import run_point
+from recompute_bench.measure.record import layout_label
 from test_ranks import LOSS_RTOL, SETS
 
 TP2 = ["parallel.tensor_model_parallel_size=2"]
@@ -127,3 +128,9 @@ def test_bad_tensor_parallel_combinations_are_one_line_exit_2(tmp_path, args, wo
     assert result.exit_code == 2 and words in result.output and "Traceback" not in result.output, result.output
     assert len(result.output.strip().splitlines()) == 1
     assert not (tmp_path / "r.jsonl").exists()
+
+
+def test_layout_labels():
+    assert layout_label(2, "ddp") == "ddp"
+    assert layout_label(2, "ddp", 2, True) == "tp 2, sequence parallel"
+    assert layout_label(4, "fsdp", 2) == "fsdp 2 x tp 2"

@@ -14,6 +14,7 @@ from recompute_bench.cli.common import (DEFAULT_WORKLOAD, JsonOut, PolicyFile, W
 from recompute_bench.cli.options import PointOptions, point_options
 from recompute_bench.cli.ranks import launch_options
 from recompute_bench.launch.torchrun import Launch, check_launch
+from recompute_bench.measure.record import layout_label
 from recompute_bench.spec.config import ATTENTION_BACKENDS, ConfigError
 
 
@@ -88,7 +89,9 @@ def _over_ranks(cfg, settings, backends: list[str], launch: Launch, device: str)
     from recompute_bench.launch.torchrun import verify_over_ranks
     from recompute_bench.measure.verify import Outcome
 
-    err.print(f"verifying over {launch.world_size} ranks ({launch.data_parallel}) ...", highlight=False)
+    layout = layout_label(launch.world_size, launch.data_parallel, cfg.parallel.tensor_model_parallel_size,
+                          cfg.parallel.sequence_parallel)
+    err.print(f"verifying over {launch.world_size} ranks ({layout}) ...", highlight=False)
     try:
         result = verify_over_ranks(cfg, settings, backends, launch, work=Path("results") / "ranks" / "verify",
                                    timeout_s=600.0, device=device)
