@@ -69,7 +69,7 @@ BAD_INPUT = [
       "--activation-offload-layers", "1"], "CPU offloading does not work"),
     (["--activation-offload-layers", "4"], "between 1 and 3"),
     (["--activation-offload-layers", "1"], "no CUDA device"),
-    (["--tensor-model-parallel-size", "2"], "tensor parallelism is not measured yet"),
+    (["--tensor-model-parallel-size", "2"], "does not divide the 1 rank(s) launched"),
     (["--sequence-parallel"], "needs tensor parallelism"),
     (["--set", "recompute.distribute_saved_activations=true"], "distribute_saved_activations"),
     (["--num-layers", "0"], "num_layers must be a positive integer"),

@@ -154,7 +154,7 @@ def test_bad_grid_is_one_line_exit_2(tmp_path, text, words):
     (["--resume", "no-such-run"], "no sweep to resume"),
     (["--run-id", "../escape"], "plain folder name"),
     (["--timeout", "0"], "--timeout must be a positive"),
-    (["--tp", "2", "--baseline"], "tensor parallelism is not measured yet"),
+    (["--tp", "2", "--baseline"], "does not divide the 1 rank(s) launched"),
     (["--golden", "missing.csv"], "does not exist"),
 ])
 def test_bad_sweep_input_is_one_line_exit_2(tmp_path, args, words):

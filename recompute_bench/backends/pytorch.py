@@ -190,6 +190,47 @@ def checkpoint(fn: Callable[..., torch.Tensor], *args: torch.Tensor) -> torch.Te
     return _torch_checkpoint(fn, *args, use_reentrant=True, preserve_rng_state=True)
 
 
+class _ShardedCheckpoint(torch.autograd.Function):
+    """A re-entrant checkpoint whose saved input is split over a process group, as Megatron's
+    `distribute_saved_activations` does under tensor parallelism: forward runs `fn` without a graph
+    and keeps only this rank's 1/n of the (replicated) input x; backward all-gathers x, restores the
+    RNG state and re-runs `fn` with a graph. Every other input is saved as it is."""
+
+    @staticmethod
+    def forward(ctx, fn, group, x, *rest):
+        ctx.fn, ctx.group, ctx.shape, ctx.numel = fn, group, x.shape, x.numel()
+        ctx.rng = torch.get_rng_state(), torch.cuda.get_rng_state(x.device) if x.is_cuda else None
+        with torch.no_grad():
+            out = fn(x, *rest)
+        size, rank = torch.distributed.get_world_size(group), torch.distributed.get_rank(group)
+        part = -(-x.numel() // size)
+        flat = F.pad(x.detach().reshape(-1), (0, part * size - x.numel()))
+        ctx.save_for_backward(flat[rank * part:(rank + 1) * part].clone(), *rest)  # a copy: x itself is not kept
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        shard, *rest = ctx.saved_tensors
+        parts = [torch.empty_like(shard) for _ in range(torch.distributed.get_world_size(ctx.group))]
+        torch.distributed.all_gather(parts, shard, group=ctx.group)
+        x = torch.cat(parts)[:ctx.numel].view(ctx.shape).requires_grad_(True)
+        rest = [r.detach().requires_grad_(r.requires_grad) for r in rest]
+        cpu_rng, cuda_rng = ctx.rng
+        with torch.random.fork_rng(devices=[x.device] if cuda_rng is not None else []):
+            torch.set_rng_state(cpu_rng)
+            if cuda_rng is not None:
+                torch.cuda.set_rng_state(cuda_rng, x.device)
+            with torch.enable_grad():
+                out = ctx.fn(x, *rest)
+        torch.autograd.backward(out, grad)
+        return None, None, x.grad, *(r.grad for r in rest)
+
+
+def checkpoint_sharded(group, fn: Callable[..., torch.Tensor], x: torch.Tensor, *rest: torch.Tensor) -> torch.Tensor:
+    """`checkpoint(fn, x, *rest)` keeping only this rank's 1/n of x, all-gathered over `group` in backward."""
+    return _ShardedCheckpoint.apply(fn, group, x, *rest)
+
+
 class _WithoutOutput(torch.autograd.Function):
     """Run `fn(*xs)` without a graph, save only xs; backward uses what `_refill` recomputed."""
 
@@ -218,10 +259,10 @@ def _refill(ctx, output: torch.Tensor | None) -> None:
     with torch.enable_grad():
         y = ctx.fn(*xs)
     if output is not None:
-        storage = output.untyped_storage()
-        storage.resize_(y.untyped_storage().nbytes())
+        storage = _local(output).untyped_storage()
+        storage.resize_(_local(y).untyped_storage().nbytes())
         with torch.no_grad():
-            storage.copy_(y.untyped_storage())
+            storage.copy_(_local(y).untyped_storage())
     ctx.recomputed = (xs, y)
 
 
@@ -230,11 +271,16 @@ def without_output(fn: Callable[..., torch.Tensor], *xs: torch.Tensor) -> torch.
     return _WithoutOutput.apply(fn, *xs)
 
 
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """A DTensor's local shard (its storage is what is freed and refilled); a tensor as it is."""
+    return getattr(t, "_local_tensor", t)
+
+
 def discard(output: torch.Tensor, hook_tensor: torch.Tensor) -> None:
     """Free the storage of `output` (made by `without_output`, already saved by its consumer) and
     recompute it when the gradient reaches `hook_tensor`, the consumer's output: just before the
     consumer's backward reads it (Megatron's CheckpointWithoutOutput)."""
     if not hook_tensor.requires_grad:
         return
-    output.untyped_storage().resize_(0)
+    _local(output).untyped_storage().resize_(0)
     hook_tensor.register_hook(lambda _grad: _refill(output.grad_fn, output))

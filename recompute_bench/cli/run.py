@@ -14,6 +14,7 @@ from recompute_bench.cli.common import (DEFAULT_WORKLOAD, JsonOut, PolicyFile, W
 from recompute_bench.cli.options import PointOptions, point_options
 from recompute_bench.cli.ranks import launch_options
 from recompute_bench.launch.torchrun import Launch
+from recompute_bench.measure.record import layout_label
 from recompute_bench.spec.config import Config, ConfigError
 
 Device = Annotated[Optional[str], typer.Option(help="torch device, e.g. cuda:1 or cpu; default: CUDA if present.",
@@ -50,7 +51,9 @@ def run(
     from recompute_bench.render.tables import run_table
     from recompute_bench.results.store import append_record
 
-    ranks = f" over {launch.world_size} ranks ({launch.data_parallel})" if launch.world_size > 1 else ""
+    layout = layout_label(launch.world_size, launch.data_parallel, cfg.parallel.tensor_model_parallel_size,
+                          cfg.parallel.sequence_parallel)
+    ranks = f" over {launch.world_size} ranks ({layout})" if launch.world_size > 1 else ""
     err.print(f"measuring {cfg.workload} with recompute {escape(cfg.recompute.label)}{ranks} ...", highlight=False)
     if launch.world_size > 1:
         from recompute_bench.launch.torchrun import run_ranks

@@ -13,12 +13,14 @@ from recompute_bench.cli.common import (DEFAULT_WORKLOAD, JsonOut, PolicyFile, W
                                         show_notes, with_policy_file)
 from recompute_bench.cli.options import PointOptions, point_options
 from recompute_bench.cli.ranks import launch_options
-from recompute_bench.launch.torchrun import Launch
+from recompute_bench.launch.torchrun import Launch, check_launch
+from recompute_bench.measure.record import layout_label
 from recompute_bench.spec.config import ATTENTION_BACKENDS, ConfigError
 
 
-@point_options(panels=("Workload", "Recompute"), exclude=("global_batch_size", "precision", "attention_backend",
-                                                          "activation_offload_layers"), gpu=False)
+@point_options(panels=("Workload", "Parallelism", "Recompute"),
+               exclude=("global_batch_size", "precision", "attention_backend", "activation_offload_layers",
+                        "pipeline_model_parallel_size", "data_parallel_size"), gpu=False)
 @launch_options
 def verify(
     *,
@@ -49,6 +51,7 @@ def verify(
         cfg = with_policy_file(cfg, point, policy)
         if any("offload" in e for e in cfg.recompute.layer_policy):
             raise ConfigError("verify checks recompute, and offload recomputes nothing; write none for offloaded layers")
+        cfg = check_launch(cfg, launch, "cuda" if device.startswith("cuda") else "cpu")
         if device.startswith("cuda") and not torch.cuda.is_available():
             raise ConfigError(f"--device {device} asks for CUDA but torch sees no CUDA device; pass --device cpu")
     except ConfigError as e:
@@ -86,7 +89,9 @@ def _over_ranks(cfg, settings, backends: list[str], launch: Launch, device: str)
     from recompute_bench.launch.torchrun import verify_over_ranks
     from recompute_bench.measure.verify import Outcome
 
-    err.print(f"verifying over {launch.world_size} ranks ({launch.data_parallel}) ...", highlight=False)
+    layout = layout_label(launch.world_size, launch.data_parallel, cfg.parallel.tensor_model_parallel_size,
+                          cfg.parallel.sequence_parallel)
+    err.print(f"verifying over {launch.world_size} ranks ({layout}) ...", highlight=False)
     try:
         result = verify_over_ranks(cfg, settings, backends, launch, work=Path("results") / "ranks" / "verify",
                                    timeout_s=600.0, device=device)

@@ -81,25 +81,29 @@ def check_launch(cfg: Config, launch: Launch, device_type: str) -> Config:
     if p.pipeline_model_parallel_size > 1:
         raise ConfigError("pipeline parallelism is not measured yet (a later issue); pass "
                           "--pipeline-model-parallel-size 1 (use `estimate` for pipeline layouts)")
-    if p.tensor_model_parallel_size > 1:
-        raise ConfigError("tensor parallelism is not measured yet; pass --tensor-model-parallel-size 1 "
-                          "(use `estimate` for tensor-parallel layouts)")
-    world = launch.world_size
-    if world > 1 and p.use_distributed_optimizer and launch.data_parallel == "ddp":
+    world, tp = launch.world_size, p.tensor_model_parallel_size
+    if world % tp:
+        raise ConfigError(f"tensor_model_parallel_size {tp} does not divide the {world} rank(s) launched; pass "
+                          f"--nproc-per-node (x --nnodes) as a multiple of {tp}")
+    dp = world // tp
+    if tp > 1 and dp > 1 and launch.data_parallel == "ddp":
+        raise ConfigError("DDP does not take tensor-parallel (DTensor) parameters; pass --data-parallel fsdp to "
+                          "combine data and tensor parallelism")
+    if dp > 1 and p.use_distributed_optimizer and launch.data_parallel == "ddp":
         raise ConfigError("use_distributed_optimizer shards the optimizer state, which FSDP does here; pass "
                           "--data-parallel fsdp or drop --set parallel.use_distributed_optimizer=true")
-    if world > 1 and (p.data_parallel_size == 1 or launch.data_parallel == "fsdp"):
+    if dp > 1 and (p.data_parallel_size == 1 or launch.data_parallel == "fsdp"):
         from recompute_bench.spec.rules import validate
         cfg = Config(cfg.workload, cfg.model, cfg.training,
-                     type(p)(**{**vars(p), "data_parallel_size": p.data_parallel_size if p.data_parallel_size > 1 else world,
+                     type(p)(**{**vars(p), "data_parallel_size": p.data_parallel_size if p.data_parallel_size > 1 else dp,
                                 "use_distributed_optimizer": p.use_distributed_optimizer or launch.data_parallel == "fsdp"}),
                      cfg.recompute)
         validate(cfg)  # the global batch must still split into micro-batches over the ranks
         p = cfg.parallel
-    if p.data_parallel_size != world:
-        raise ConfigError(f"data_parallel_size {p.data_parallel_size} does not match the {world} rank(s) launched "
-                          f"(--nproc-per-node x --nnodes); pass --nproc-per-node {p.data_parallel_size} or "
-                          f"--data-parallel-size {world}")
+    if p.data_parallel_size != dp:
+        raise ConfigError(f"data_parallel_size {p.data_parallel_size} x tensor_model_parallel_size {tp} does not match "
+                          f"the {world} rank(s) launched (--nproc-per-node x --nnodes); pass --nproc-per-node "
+                          f"{p.data_parallel_size * tp} or --data-parallel-size {dp}")
     return cfg
 
 

@@ -39,16 +39,35 @@ DATA_PARALLEL = ("ddp", "fsdp")
 
 
 class DataParallel(SingleRank):
-    """The whole model on every rank, the global batch split over them (DDP or FSDP2)."""
+    """The model on every rank (or on every tensor-parallel group, `measure.tensor_parallel`), the
+    global batch split over the data-parallel ranks (DDP or FSDP2)."""
 
-    def __init__(self, kind: str):
+    def __init__(self, kind: str, cfg: Config | None = None, device_type: str = "cpu"):
         if kind not in DATA_PARALLEL:
             raise ValueError(f"data parallel kind {kind!r} is not one of {DATA_PARALLEL}")
         self.kind = kind
         self.world_size = dist.get_world_size()
         self.rank = dist.get_rank()
+        tp = cfg.parallel.tensor_model_parallel_size if cfg is not None else 1
+        self.tensor = None
+        if tp > 1:
+            from recompute_bench.measure.tensor_parallel import TensorParallel
+            self.tensor = TensorParallel(tp, cfg.parallel.sequence_parallel, device_type)
+        self.dp_size, self.dp_rank = self.world_size // tp, self.rank // tp
+
+    @property
+    def tensor_group(self):
+        return self.tensor.group if self.tensor else None
+
+    def split(self, model: torch.nn.Module) -> torch.nn.Module:
+        return self.tensor.parallelize(model) if self.tensor else model
+
+    def context(self):
+        return self.tensor.context() if self.tensor else super().context()
 
     def build(self, cfg: Config, device: torch.device, dtype: torch.dtype | None = None) -> torch.nn.Module:
+        if self.dp_size == 1:  # tensor parallel only
+            return super().build(cfg, device, dtype)
         if self.kind == "ddp":
             from torch.nn.parallel import DistributedDataParallel
             return DistributedDataParallel(super().build(cfg, device, dtype),
@@ -56,23 +75,28 @@ class DataParallel(SingleRank):
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
         model = super().build(cfg, device, torch.float32)  # fp32 sharded weights: FSDP casts for compute
         policy = MixedPrecisionPolicy(param_dtype=DTYPES[cfg.training.precision], reduce_dtype=torch.float32)
+        mesh = self.tensor.dp_mesh if self.tensor else None
         for layer in model.layers:
-            fully_shard(layer, mp_policy=policy)
-        fully_shard(model, mp_policy=policy)
+            fully_shard(layer, mesh=mesh, mp_policy=policy)
+        fully_shard(model, mesh=mesh, mp_policy=policy)
         return model
 
     def optimizer(self, model: torch.nn.Module, precision: str):
         params = [p for p in model.parameters() if p.requires_grad]
+        if self.dp_size == 1:  # tensor parallel only: DTensor shards and plain replicas side by side
+            from recompute_bench.measure.tensor_parallel import LocalAdam
+            return LocalAdam(params, 1e-4) if precision == "fp32" else MixedPrecisionAdam(params, 1e-4)
         if self.kind == "fsdp" or precision == "fp32":
             return _adam(params, 1e-4)  # FSDP: fp32 sharded weights, gradients and state (the distributed optimizer)
         return ReducedGradAdam(params, 1e-4)
 
     def batches(self, cfg: Config, device: torch.device) -> torch.Tensor:
-        """Micro-batches rank, rank + dp, rank + 2 dp, ... of the global batch's."""
+        """Micro-batches r, r + dp, r + 2 dp, ... of the global batch's, r this rank's data-parallel
+        rank (every rank of a tensor-parallel group takes the same)."""
         p = cfg.parallel
         whole = Config(cfg.workload, cfg.model, cfg.training,
                        type(p)(**{**vars(p), "data_parallel_size": 1}), cfg.recompute)
-        return synthetic_batches(whole, device)[self.rank::self.world_size].contiguous()
+        return synthetic_batches(whole, device)[self.dp_rank::self.dp_size].contiguous()
 
     def mean(self, value: torch.Tensor) -> torch.Tensor:
         value = value.detach().clone()
@@ -130,7 +154,7 @@ def measure_rank(cfg: Config, *, data_parallel: str, piece_path, device: str | N
     dev = rank_device(device)
     limit_memory(dev, memory_limit_gb)
     init_process_group(dev, watchdog_s)
-    layout = DataParallel(data_parallel)
+    layout = DataParallel(data_parallel, cfg, dev.type)
 
     def write(metrics: dict, rank_entry: dict, env: dict | None = None) -> dict:
         piece = {"rank": layout.rank, "world_size": layout.world_size, "rank_entry": rank_entry, "metrics": metrics,
@@ -145,49 +169,59 @@ def measure_rank(cfg: Config, *, data_parallel: str, piece_path, device: str | N
 def gathered_loss_and_grads(cfg: Config, tokens: torch.Tensor, device: torch.device,
                             layout: DataParallel) -> tuple[torch.Tensor, dict[str, torch.Tensor | None]]:
     """This rank's micro-batch forward and backward under `layout`: the loss averaged over the ranks
-    and every gradient whole (DDP's all-reduced ones; FSDP's shards gathered), by parameter name.
-    Dropout is seeded with the training seed before the micro-batch, on every rank."""
+    and every gradient whole (DDP's all-reduced ones; FSDP's and tensor parallel's shards gathered,
+    in the single-rank layout), by parameter name. Dropout is seeded with the training seed before
+    the micro-batch, on every rank."""
     model = layout.build(cfg, device)
     model.train()
-    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []), layout.context():
         torch.manual_seed(cfg.training.seed)
         loss = model(tokens[:, :-1], tokens[:, 1:])
         loss.backward()
     grads = {}
     for name, p in model.named_parameters():
-        g = p.grad
+        name, g = name.removeprefix("module."), p.grad
         if g is not None and hasattr(g, "full_tensor"):
             g = g.full_tensor()
-        grads[name.removeprefix("module.")] = g
+        if g is not None and layout.tensor:
+            g = layout.tensor.whole(name, g, cfg)
+        grads[name] = g
     return layout.mean(loss), grads
 
 
 def verify_ranks(cfg: Config, settings, backends: list[str], device: torch.device, data_parallel: str) -> dict:
     """`verify` over the ranks of the process group: each setting against no recompute under the
-    same data-parallel layout (bitwise on CPU), and that baseline against one rank running every
+    same layout (bitwise on CPU), and that baseline against one rank running every data-parallel
     rank's micro-batch, each seeded alike, gradients averaged (equal to fp32 rounding: only the
-    order of the sum differs). Rank 0's result: {"outcomes": [...], "single_rank": [...]}."""
+    order of the sums differs). Tensor-parallel ranks draw their own dropout masks for their heads
+    and sequence shards, so that comparison runs with dropout off under tensor parallelism.
+    Rank 0's result: {"outcomes": [...], "single_rank": [...]}."""
     from recompute_bench.measure.verify import Outcome, _max_diff, fp32_with_dropout, loss_and_grads
     from recompute_bench.spec.config import RecomputeConfig
 
-    layout = DataParallel(data_parallel)
+    layout = DataParallel(data_parallel, cfg, device.type)
     outcomes, single = [], []
     for backend in backends:
         run_cfg = fp32_with_dropout(cfg, backend)
         g = torch.Generator().manual_seed(run_cfg.training.seed)
-        tokens = torch.randint(0, cfg.model.vocab_size, (layout.world_size, cfg.training.micro_batch_size,
+        tokens = torch.randint(0, cfg.model.vocab_size, (layout.dp_size, cfg.training.micro_batch_size,
                                                          cfg.training.seq_length + 1), generator=g).to(device)
-        base_loss, base_grads = gathered_loss_and_grads(run_cfg, tokens[layout.rank], device, layout)
+        base_loss, base_grads = gathered_loss_and_grads(run_cfg, tokens[layout.dp_rank], device, layout)
+        alone_cfg, alone_base = run_cfg, (base_loss, base_grads)
+        if layout.tensor:
+            alone_cfg = dataclasses.replace(run_cfg, model=dataclasses.replace(run_cfg.model, hidden_dropout=0.0,
+                                                                               attention_dropout=0.0))
+            alone_base = gathered_loss_and_grads(alone_cfg, tokens[layout.dp_rank], device, layout)
         if layout.rank == 0:
-            alone = [loss_and_grads(run_cfg, RecomputeConfig(), t, device) for t in tokens]
+            alone = [loss_and_grads(alone_cfg, RecomputeConfig(), t, device) for t in tokens]
             loss = sum(a[0] for a in alone) / len(alone)
             grads = {n: sum(a[1][n] for a in alone) / len(alone) if alone[0][1][n] is not None else None
                      for n in alone[0][1]}
-            worst, worst_name = _max_diff(grads, base_grads)
-            single.append(Outcome("none", backend, (loss - base_loss).abs().item(), worst, worst_name).__dict__)
+            worst, worst_name = _max_diff(grads, alone_base[1])
+            single.append(Outcome("none", backend, (loss - alone_base[0]).abs().item(), worst, worst_name).__dict__)
         for setting in settings:
             loss, grads = gathered_loss_and_grads(dataclasses.replace(run_cfg, recompute=setting),
-                                                  tokens[layout.rank], device, layout)
+                                                  tokens[layout.dp_rank], device, layout)
             worst, worst_name = _max_diff(base_grads, grads)
             outcomes.append(Outcome(setting.label, backend, (loss - base_loss).abs().item(), worst, worst_name).__dict__)
     return {"outcomes": outcomes, "single_rank": single}

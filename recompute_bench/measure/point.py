@@ -1,8 +1,9 @@
 """One point on one rank: build, apply recompute, probe, warm up, measure, and return the record.
 
 The first step is the probe step (not timed): `FlopCounterMode` counts every FLOP of the whole
-step, recompute included, and saved-tensor hooks around the first micro-batch's forward collect
-the storages autograd keeps for backward. Then warm-up steps, a reset of the CUDA peak counters,
+step, recompute included (a tensor-parallel DTensor op by its local shards: `LocalFlopCounter`),
+and saved-tensor hooks around the first micro-batch's forward collect the storages autograd keeps
+for backward (a DTensor's local shard). Then warm-up steps, a reset of the CUDA peak counters,
 and the measured steps, each timed between device synchronisations.
 
 A CUDA out-of-memory error becomes `status: "oom"` with the step and phase; any other exception
@@ -36,6 +37,20 @@ __all__ = ["SCHEMA", "FAULT_ENV", "DTYPES", "MixedPrecisionAdam", "SavedTensorPr
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 
+def local(t: torch.Tensor) -> torch.Tensor:
+    """This rank's part of a DTensor (a tensor-parallel shard or replica); any other tensor as it is."""
+    return getattr(t, "_local_tensor", t)
+
+
+def local_grad(p: torch.Tensor) -> torch.Tensor:
+    """This rank's part of p's gradient, laid out as p is: a partial sum (the gradient of a replicated
+    weight applied to a sequence-parallel shard) is all-reduced first."""
+    g = p.grad
+    if hasattr(g, "placements") and g.placements != p.placements:
+        g = g.redistribute(p.device_mesh, p.placements)
+    return local(g)
+
+
 def _adam(params: list[torch.Tensor], lr: float) -> torch.optim.Adam:
     """torch's Adam with its fused kernel where torch has one for the device (CUDA and CPU do),
     else the foreach implementation: one multi-tensor kernel per update, no Python loop over
@@ -55,12 +70,13 @@ class MixedPrecisionAdam:
     (`p.main_grad`, Megatron's name) and frees it, so micro-batches accumulate in fp32 and at most
     one parameter's 16-bit gradient exists at a time. The master weights are one flat fp32 buffer
     too; Adam (fused where available) updates it with the flat main gradient as its `.grad`, and
-    one foreach copy writes the result back into the 16-bit weights.
+    one foreach copy writes the result back into the 16-bit weights. A DTensor (tensor-parallel)
+    parameter takes part through its local shard.
     """
 
     def __init__(self, params: list[torch.nn.Parameter], lr: float, hook: bool = True):
         self.params = params
-        n = sum(p.numel() for p in params)
+        n = sum(local(p).numel() for p in params)
         device = params[0].device
         self.main_grad = torch.zeros(n, dtype=torch.float32, device=device)
         self.master = torch.empty(n, dtype=torch.float32, device=device)
@@ -68,14 +84,15 @@ class MixedPrecisionAdam:
         """Each parameter's view of the flat fp32 master weights, in `params` order."""
         offset = 0
         for p in params:
-            view = slice(offset, offset + p.numel())
-            p.main_grad = self.main_grad[view].view_as(p)
-            master = self.master[view].view_as(p)
-            master.copy_(p.detach())
+            mine = local(p)
+            view = slice(offset, offset + mine.numel())
+            p.main_grad = self.main_grad[view].view_as(mine)
+            master = self.master[view].view_as(mine)
+            master.copy_(mine.detach())
             self.master_params.append(master)
             if hook:
                 p.register_post_accumulate_grad_hook(_accumulate_main_grad)
-            offset += p.numel()
+            offset += mine.numel()
         self.master.grad = self.main_grad  # Adam reads the main gradients where they are: no copy
         self.adam = _adam([self.master], lr)
 
@@ -84,13 +101,13 @@ class MixedPrecisionAdam:
         weights, and zero the main gradients for the next step."""
         self.adam.step()
         with torch.no_grad():
-            torch._foreach_copy_(self.params, self.master_params)  # one multi-tensor copy, fp32 -> 16-bit
+            torch._foreach_copy_([local(p) for p in self.params], self.master_params)  # one multi-tensor copy, fp32 -> 16-bit
         self.main_grad.zero_()
 
 
 @torch.no_grad()
 def _accumulate_main_grad(p: torch.nn.Parameter) -> None:
-    p.main_grad.add_(p.grad)  # fp32 += 16-bit, computed in fp32
+    p.main_grad.add_(local_grad(p))  # fp32 += 16-bit, computed in fp32
     p.grad = None  # the 16-bit gradient is not kept: that is the 2 bytes per parameter saved
 
 
@@ -108,6 +125,18 @@ def synthetic_batches(cfg: Config, device: torch.device) -> torch.Tensor:
     g = torch.Generator().manual_seed(cfg.training.seed)
     shape = (cfg.num_microbatches, cfg.training.micro_batch_size, cfg.training.seq_length + 1)
     return torch.randint(0, cfg.model.vocab_size, shape, generator=g).to(device)
+
+
+class LocalFlopCounter(FlopCounterMode):
+    """`FlopCounterMode` counting the FLOPs this rank runs: an op on DTensors (a tensor-parallel
+    linear) is counted by the shapes of its local shards, not its global shapes (the mode sees
+    DTensor ops before they are split into local ones). Plain tensors count as they are."""
+
+    def _count_flops(self, func_packet, out, args, kwargs):
+        from torch.utils._pytree import tree_map
+
+        super()._count_flops(func_packet, tree_map(local, out), tree_map(local, args), tree_map(local, kwargs))
+        return out
 
 
 class SavedTensorProbe:
@@ -134,7 +163,7 @@ class SavedTensorProbe:
         self.result: tuple[int, int] = (0, 0)
 
     def _pack(self, t: torch.Tensor) -> torch.Tensor:
-        storage = t.untyped_storage()
+        storage = local(t).untyped_storage()  # a DTensor holds this rank's shard: its local bytes count
         key = storage._cdata
         if key in self.excluded:
             return t
@@ -171,7 +200,7 @@ class SavedTensorProbe:
     def _storages_of_parameters(self) -> set[int]:
         # A sharded (DTensor) parameter is its local shard; FSDP2 swaps unsharded parameters in
         # for the forward, and the root module keeps them until its backward: weights, not activations.
-        return {getattr(t, "_local_tensor", t).untyped_storage()._cdata
+        return {local(t).untyped_storage()._cdata
                 for t in list(self.model.parameters()) + list(self.model.buffers())}
 
     def _count(self) -> tuple[int, int]:
@@ -212,8 +241,11 @@ def _fault(phase: str, step: int) -> None:
 class Stepper:
     """Runs training steps and remembers where it is, so a failure can say so."""
 
-    def __init__(self, cfg: Config, model: GPT, optimizer, batches: torch.Tensor):
+    def __init__(self, cfg: Config, model: GPT, optimizer, batches: torch.Tensor,
+                 context: Callable[[], Any] = nullcontext):
         self.cfg, self.model, self.optimizer, self.batches = cfg, model, optimizer, batches
+        self.context = context
+        """Around each micro-batch's forward and backward (tensor parallel: the vocabulary-parallel loss)."""
         self.step_index = 0
         self.phase = "setup"
         self.no_sync = getattr(model, "no_sync", None)
@@ -226,7 +258,7 @@ class Stepper:
         n = len(self.batches)
         total = torch.zeros((), dtype=torch.float32, device=self.batches.device)
         for i, tokens in enumerate(self.batches):
-            with self.no_sync() if self.no_sync and i < n - 1 else nullcontext():
+            with self.no_sync() if self.no_sync and i < n - 1 else nullcontext(), self.context():
                 self.phase = "forward"
                 _fault("forward", self.step_index)
                 if probe is not None and i == 0:
@@ -286,11 +318,22 @@ class SingleRank:
 
     world_size = 1
     rank = 0
+    tensor_group = None
+    """The tensor-parallel process group (None: no tensor parallelism)."""
 
     def build(self, cfg: Config, device: torch.device, dtype: torch.dtype | None = None) -> GPT:
-        """The model this rank trains, recompute installed; weights in `dtype` (default the training precision)."""
-        t = cfg.training
-        return apply_recompute(spec_for(cfg.model).build(cfg, device, dtype or DTYPES[t.precision]), cfg.recompute)
+        """The model this rank trains, split over the tensor-parallel group (`split`), then recompute
+        installed; weights in `dtype` (default the training precision)."""
+        model = spec_for(cfg.model).build(cfg, device, dtype or DTYPES[cfg.training.precision])
+        return apply_recompute(self.split(model), cfg.recompute, self.tensor_group)
+
+    def split(self, model: GPT) -> GPT:
+        """This rank's part of the whole model: all of it."""
+        return model
+
+    def context(self):
+        """What each forward and backward runs inside: nothing here."""
+        return nullcontext()
 
     def optimizer(self, model: torch.nn.Module, precision: str):
         return make_optimizer(model, precision)
@@ -332,7 +375,7 @@ def _measure(cfg: Config, device: torch.device, peak_tflops: float | None, layou
         model = layout.build(cfg, device)
         model.train()
         metrics["num_parameters"] = sum(p.numel() for p in model.parameters())  # DTensors count their global size
-        stepper = Stepper(cfg, model, layout.optimizer(model, t.precision), layout.batches(cfg, device))
+        stepper = Stepper(cfg, model, layout.optimizer(model, t.precision), layout.batches(cfg, device), layout.context)
         torch.manual_seed(t.seed)  # dropout masks
 
         def done(loss: torch.Tensor) -> None:
@@ -342,7 +385,7 @@ def _measure(cfg: Config, device: torch.device, peak_tflops: float | None, layou
             progress(metrics, rank_entry)
 
         probe = SavedTensorProbe(getattr(model, "module", model))
-        with FlopCounterMode(display=False) as counter:
+        with LocalFlopCounter(display=False) as counter:
             loss = stepper.step(probe)
         done(loss)
         metrics["loss"] = rank_entry["losses"][0]

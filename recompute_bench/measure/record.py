@@ -75,3 +75,16 @@ def rank_summary(record: dict) -> str:
         label = "OOM" if status == "oom" else status
         words.append(f"{label} rank{ranks[0]}" if len(ranks) == 1 else f"{label} ranks {','.join(map(str, ranks))}")
     return "; ".join(words)
+
+
+def layout_label(world_size: int, data_parallel: str, tp: int = 1, sequence_parallel: bool = False) -> str:
+    """How the ranks share a point, in words: "ddp", "tp 2, sequence parallel", "fsdp 2 x tp 2"."""
+    dp = world_size // tp
+    if tp == 1:
+        label = data_parallel
+    elif dp == 1:
+        label = f"tp {tp}"
+    else:
+        label = f"{data_parallel} {dp} x tp {tp}"
+    return label + (", sequence parallel" if sequence_parallel else "")
+

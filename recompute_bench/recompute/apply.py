@@ -4,7 +4,8 @@ Nothing is wrapped or renamed (torchtitan registers a wrapped block under its ol
 module itself stays and only its `forward` changes), so `named_parameters()` is the same for every
 setting: gradients compare by name, and name-keyed parallel plans apply after recompute.
 
-- a full-recompute chunk: the layer stack's forward runs the chunk under one checkpoint;
+- a full-recompute chunk: the layer stack's forward runs the chunk under one checkpoint (with
+  `distribute_saved_activations`, one that keeps 1/tp of the chunk's input and all-gathers it);
 - selective `core_attn`: the core attention's forward is checkpointed (q, k, v are saved);
 - selective `mlp`: the MLP's forward is checkpointed (its input is saved), on dense layers only;
 - selective `moe`, `moe_act`, `shared_experts`: on MoE layers (see `_install_moe`);
@@ -19,6 +20,7 @@ The primitives (checkpoint, discard-output) come from the model's backend.
 
 from __future__ import annotations
 
+import functools
 from typing import Callable
 
 import torch
@@ -91,7 +93,8 @@ def _install_offload(model: nn.Module, offloaded: list[int]) -> None:
     model.activation_offloader = offloader
 
 
-def _chunked_forward(stack: nn.Module, ranges: list[tuple[int, int]], full: list[bool], backend) -> None:
+def _chunked_forward(stack: nn.Module, ranges: list[tuple[int, int]], full: list[bool],
+                     checkpoint: Callable[..., torch.Tensor]) -> None:
     """The layer stack runs each full-recompute chunk under one checkpoint, the other layers as they are."""
 
     def run(start: int, stop: int) -> Callable[..., torch.Tensor]:
@@ -105,7 +108,7 @@ def _chunked_forward(stack: nn.Module, ranges: list[tuple[int, int]], full: list
 
     def forward(x: torch.Tensor, *rope: torch.Tensor) -> torch.Tensor:
         for fn, is_full in units:
-            x = backend.checkpoint(fn, x, *rope) if is_full and _recomputing(stack) else fn(x, *rope)
+            x = checkpoint(fn, x, *rope) if is_full and _recomputing(stack) else fn(x, *rope)
         return x
 
     stack.forward = forward
@@ -124,8 +127,10 @@ def _install_moe(block: nn.Module, modules: frozenset[str], backend) -> None:
         _checkpoint_forward(block, backend)
 
 
-def apply_policies(model: nn.Module, policies: list[LayerPolicy]) -> nn.Module:
-    """Install one policy per layer of `model.layers` (in place); returns the model."""
+def apply_policies(model: nn.Module, policies: list[LayerPolicy], distribute_over=None) -> nn.Module:
+    """Install one policy per layer of `model.layers` (in place); returns the model. With a process
+    group `distribute_over` (the tensor-parallel group, `distribute_saved_activations`), a full
+    chunk keeps only this rank's share of its input and all-gathers it before recompute."""
     if len(policies) != len(model.layers):
         raise ValueError(f"{len(policies)} policies for {len(model.layers)} layers")
     backend = get_backend(getattr(model, "backend", "torch"))
@@ -146,11 +151,15 @@ def apply_policies(model: nn.Module, policies: list[LayerPolicy]) -> nn.Module:
     ranges = chunks(policies)
     full = [policies[a].chunk is not None for a, _ in ranges]
     if any(full):
-        _chunked_forward(model.layers, ranges, full, backend)
+        checkpoint = (backend.checkpoint if distribute_over is None
+                      else functools.partial(backend.checkpoint_sharded, distribute_over))
+        _chunked_forward(model.layers, ranges, full, checkpoint)
     return model
 
 
-def apply_recompute(model: nn.Module, r: RecomputeConfig) -> nn.Module:
-    """Install the (validated) Megatron setting `r` on every layer of `model`; returns it."""
-    return apply_policies(model, layer_policies(r, len(model.layers)))
+def apply_recompute(model: nn.Module, r: RecomputeConfig, tensor_group=None) -> nn.Module:
+    """Install the (validated) Megatron setting `r` on every layer of `model`; returns it.
+    `tensor_group`: the model's tensor-parallel group, over which `distribute_saved_activations` splits."""
+    distribute = tensor_group if r.distribute_saved_activations else None
+    return apply_policies(model, layer_policies(r, len(model.layers)), distribute)
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 from rich.markup import escape
 from rich.table import Table
 
-from recompute_bench.measure.record import rank_summary
+from recompute_bench.measure.record import layout_label, rank_summary
 from recompute_bench.spec.config import recompute_label
 
 NOT_MEASURED = "n/m"
@@ -55,9 +55,12 @@ def run_table(record: dict) -> Table:
         status += f" (rank {f.get('rank', 0)}, step {f['step']}, {f['phase']}: {f['message']})"
     launch = record.get("launch") or {}
     world = launch.get("world_size", 1)
+    par = (record.get("config") or {}).get("parallel") or {}
+    layout = layout_label(world, launch.get("data_parallel", "ddp"), par.get("tensor_model_parallel_size", 1),
+                          par.get("sequence_parallel", False))
     rows = [
         ("status", status),
-        *([("ranks", f"{world} ({launch['nnodes']} node(s), {launch['data_parallel']}): "
+        *([("ranks", f"{world} ({launch['nnodes']} node(s), {layout}): "
                      + (rank_summary(record) or "all finished")),
            ("largest peak allocated / spread over ranks",
             f"{fmt_bytes(m['peak_allocated_bytes'])} / {fmt_bytes(m.get('peak_allocated_spread_bytes'))}")]

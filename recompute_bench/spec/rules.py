@@ -84,6 +84,12 @@ def validate(cfg: Config) -> None:
     if m.num_attention_heads % tp or m.groups % tp:
         raise ConfigError(f"tensor_model_parallel_size {tp} must divide num_attention_heads {m.num_attention_heads} and "
                           f"num_query_groups {m.groups} (Megatron shards whole heads); change --tensor-model-parallel-size")
+    if m.ffn_hidden_size % tp:
+        raise ConfigError(f"tensor_model_parallel_size {tp} must divide ffn_hidden_size {m.ffn_hidden_size} (the MLP's "
+                          f"columns are split over the ranks); change --tensor-model-parallel-size")
+    if p.sequence_parallel and t.seq_length % tp:
+        raise ConfigError(f"sequence parallelism splits seq_length {t.seq_length} over tensor_model_parallel_size {tp}, "
+                          f"which does not divide it; pass --seq-length as a multiple of {tp}")
     if m.num_layers % p.pipeline_model_parallel_size:
         raise ConfigError(f"num_layers {m.num_layers} is not divisible by pipeline_model_parallel_size "
                           f"{p.pipeline_model_parallel_size}; change --num-layers or --pipeline-model-parallel-size")

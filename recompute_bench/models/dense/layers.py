@@ -57,7 +57,12 @@ class RotaryEmbedding(nn.Module):
 
 
 class SelfAttention(nn.Module):
-    """QKV projection -> RoPE -> core attention -> output projection."""
+    """QKV projection -> RoPE -> core attention -> output projection.
+
+    The fused QKV projection is laid out per query group, as Megatron lays it out: the output
+    columns of group g are its heads' queries, then its key, then its value. A column split over
+    tensor-parallel ranks then hands each rank whole groups, and the forward reads how many groups
+    this rank holds from the width it gets."""
 
     def __init__(self, cfg: ModelConfig, backend: ModuleType):
         super().__init__()
@@ -68,9 +73,11 @@ class SelfAttention(nn.Module):
         self.linear_proj = backend.linear(self.heads * self.d, cfg.hidden_size, cfg.add_bias_linear)
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, ...]) -> torch.Tensor:
-        b, s, _ = x.shape
-        q, k, v = self.linear_qkv(x).split([self.heads * self.d, self.groups * self.d, self.groups * self.d], dim=-1)
-        q, k, v = q.view(b, s, self.heads, self.d), k.view(b, s, self.groups, self.d), v.view(b, s, self.groups, self.d)
+        qkv = self.linear_qkv(x)
+        b, s = qkv.shape[:2]  # the whole sequence, also where x is a sequence-parallel shard
+        per_group = self.heads // self.groups
+        q, k, v = qkv.view(b, s, -1, (per_group + 2) * self.d).split([per_group * self.d, self.d, self.d], dim=-1)
+        q = q.reshape(b, s, -1, self.d)  # a view with one head per group, else a copy (as in Megatron)
         if rope:
             q, k = apply_rope(q, *rope), apply_rope(k, *rope)
         return self.linear_proj(self.core_attention(q, k, v))

@@ -149,9 +149,11 @@ class DenseSpec:
             saved.add("input_layernorm.output", e * tokens * h, "sp")  # linear_qkv's input
         qkv = ("linear_qkv.output", e * tokens * (q_width + 2 * kv_width))
         rope = m.position_embedding_type == "rope"
-        # q, k, v are views of the fused QKV output; RoPE makes new q and k, but v stays a view, so the
-        # whole QKV output stays alive whenever v is saved as it is.
-        sources = {"q": ("rope.q", e * tokens * q_width) if rope else qkv,
+        # q, k, v are views of the fused QKV output (laid out per query group); RoPE makes new q and k,
+        # but v stays a view, so the whole QKV output stays alive whenever v is saved as it is. With
+        # several heads per group q's heads are not adjacent in that layout: q is a copy.
+        q_copy = rope or m.groups != m.num_attention_heads
+        sources = {"q": ("rope.q" if rope else "linear_qkv.q", e * tokens * q_width) if q_copy else qkv,
                    "k": ("rope.k", e * tokens * kv_width) if rope else qkv,
                    "v": qkv}
         if "core_attn" in mods:
