@@ -27,6 +27,7 @@ from __future__ import annotations
 import dataclasses
 import datetime
 import os
+from typing import Callable
 
 import torch
 import torch.distributed as dist
@@ -41,18 +42,25 @@ DATA_PARALLEL = ("ddp", "fsdp")
 class DataParallel(SingleRank):
     """The whole model on every rank, the global batch split over them (DDP or FSDP2)."""
 
-    def __init__(self, kind: str):
+    def __init__(self, kind: str, expert_model_parallel_size: int = 1):
         if kind not in DATA_PARALLEL:
             raise ValueError(f"data parallel kind {kind!r} is not one of {DATA_PARALLEL}")
         self.kind = kind
         self.world_size = dist.get_world_size()
         self.rank = dist.get_rank()
+        self.ep = expert_model_parallel_size
+        self.experts: list[torch.nn.Parameter] = []
+        """This rank's routed-expert weights under expert parallel (not reduced by DDP)."""
+        if self.ep > 1:
+            from recompute_bench.models.moe.dispatch import expert_parallel_groups
+            self.ep_group, self.expert_dp_group = expert_parallel_groups(self.ep)
 
     def build(self, cfg: Config, device: torch.device, dtype: torch.dtype | None = None) -> torch.nn.Module:
         if self.kind == "ddp":
             from torch.nn.parallel import DistributedDataParallel
-            return DistributedDataParallel(super().build(cfg, device, dtype),
-                                           device_ids=[device.index] if device.type == "cuda" else None)
+            model = super().build(cfg, device, dtype)
+            self._shard_experts(model)
+            return DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
         model = super().build(cfg, device, torch.float32)  # fp32 sharded weights: FSDP casts for compute
         policy = MixedPrecisionPolicy(param_dtype=DTYPES[cfg.training.precision], reduce_dtype=torch.float32)
@@ -61,11 +69,49 @@ class DataParallel(SingleRank):
         fully_shard(model, mp_policy=policy)
         return model
 
+    def _shard_experts(self, model: torch.nn.Module) -> None:
+        """Expert parallel: keep this rank's experts, and take their weights out of DDP's all-reduce.
+        Megatron reduces expert gradients over the expert-data-parallel group only (ranks holding
+        the same experts), scaled by 1 / data_parallel_size like every gradient: each expert's
+        gradient already sums the tokens every rank of its expert-parallel group sent it. Leaving
+        them out of DDP and scaling by a gradient hook is that with no second DDP: with ep equal to
+        the world there is nothing left to reduce; below it, `reduce_expert_grads` all-reduces them
+        over the expert-data-parallel group before the optimizer step."""
+        if self.ep == 1:
+            return
+        from torch.nn.parallel import DistributedDataParallel
+        from recompute_bench.models.moe.dispatch import shard_experts
+
+        self.experts = shard_experts(model, self.ep_group)
+        ids = {id(p) for p in self.experts}
+        DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(
+            model, [n for n, p in model.named_parameters() if id(p) in ids])
+        for p in self.experts:
+            p.register_hook(lambda g: g / self.world_size)
+
+    def reduce_expert_grads(self) -> None:
+        """Sum the expert gradients over the ranks that hold the same experts (ep below the world)."""
+        if self.ep > 1 and self.expert_dp_group is not None:
+            for p in self.experts:
+                if p.grad is not None:
+                    dist.all_reduce(p.grad, group=self.expert_dp_group)
+
+    def whole_expert_grad(self, grad: torch.Tensor) -> torch.Tensor:
+        """Every expert's gradient of one weight, gathered from the expert-parallel group."""
+        parts = [torch.empty_like(grad) for _ in range(self.ep)]
+        dist.all_gather(parts, grad.contiguous(), group=self.ep_group)
+        return torch.cat(parts)
+
+    def num_parameters(self, model: torch.nn.Module) -> int:
+        """The whole model's parameters: each rank holds 1 / ep of the routed experts."""
+        return super().num_parameters(model) + (self.ep - 1) * sum(p.numel() for p in self.experts)
+
     def optimizer(self, model: torch.nn.Module, precision: str):
         params = [p for p in model.parameters() if p.requires_grad]
-        if self.kind == "fsdp" or precision == "fp32":
-            return _adam(params, 1e-4)  # FSDP: fp32 sharded weights, gradients and state (the distributed optimizer)
-        return ReducedGradAdam(params, 1e-4)
+        if self.kind == "fsdp":
+            return _adam(params, 1e-4)  # fp32 sharded weights, gradients and state (the distributed optimizer)
+        optimizer = _adam(params, 1e-4) if precision == "fp32" else ReducedGradAdam(params, 1e-4)
+        return ExpertGradReduce(optimizer, self.reduce_expert_grads) if self.experts else optimizer
 
     def batches(self, cfg: Config, device: torch.device) -> torch.Tensor:
         """Micro-batches rank, rank + dp, rank + 2 dp, ... of the global batch's."""
@@ -93,6 +139,17 @@ class ReducedGradAdam(MixedPrecisionAdam):
             grads = [p.grad for p in self.params]
             torch._foreach_add_([p.main_grad for p in self.params], grads)
         super().step()
+
+
+class ExpertGradReduce:
+    """An optimizer whose step first reduces the expert gradients (`DataParallel.reduce_expert_grads`)."""
+
+    def __init__(self, optimizer, reduce: Callable[[], None]):
+        self.optimizer, self.reduce = optimizer, reduce
+
+    def step(self) -> None:
+        self.reduce()
+        self.optimizer.step()
 
 
 def init_process_group(device: torch.device, watchdog_s: float) -> None:
@@ -130,7 +187,7 @@ def measure_rank(cfg: Config, *, data_parallel: str, piece_path, device: str | N
     dev = rank_device(device)
     limit_memory(dev, memory_limit_gb)
     init_process_group(dev, watchdog_s)
-    layout = DataParallel(data_parallel)
+    layout = DataParallel(data_parallel, cfg.parallel.expert_model_parallel_size)
 
     def write(metrics: dict, rank_entry: dict, env: dict | None = None) -> dict:
         piece = {"rank": layout.rank, "world_size": layout.world_size, "rank_entry": rank_entry, "metrics": metrics,
@@ -145,7 +202,8 @@ def measure_rank(cfg: Config, *, data_parallel: str, piece_path, device: str | N
 def gathered_loss_and_grads(cfg: Config, tokens: torch.Tensor, device: torch.device,
                             layout: DataParallel) -> tuple[torch.Tensor, dict[str, torch.Tensor | None]]:
     """This rank's micro-batch forward and backward under `layout`: the loss averaged over the ranks
-    and every gradient whole (DDP's all-reduced ones; FSDP's shards gathered), by parameter name.
+    and every gradient whole (DDP's all-reduced ones; FSDP's shards and the experts of expert
+    parallel gathered), by parameter name.
     Dropout is seeded with the training seed before the micro-batch, on every rank."""
     model = layout.build(cfg, device)
     model.train()
@@ -153,11 +211,15 @@ def gathered_loss_and_grads(cfg: Config, tokens: torch.Tensor, device: torch.dev
         torch.manual_seed(cfg.training.seed)
         loss = model(tokens[:, :-1], tokens[:, 1:])
         loss.backward()
+    layout.reduce_expert_grads()
+    experts = {id(p) for p in layout.experts}
     grads = {}
     for name, p in model.named_parameters():
         g = p.grad
         if g is not None and hasattr(g, "full_tensor"):
             g = g.full_tensor()
+        elif g is not None and id(p) in experts:
+            g = layout.whole_expert_grad(g)
         grads[name.removeprefix("module.")] = g
     return layout.mean(loss), grads
 
@@ -170,7 +232,7 @@ def verify_ranks(cfg: Config, settings, backends: list[str], device: torch.devic
     from recompute_bench.measure.verify import Outcome, _max_diff, fp32_with_dropout, loss_and_grads
     from recompute_bench.spec.config import RecomputeConfig
 
-    layout = DataParallel(data_parallel)
+    layout = DataParallel(data_parallel, cfg.parallel.expert_model_parallel_size)
     outcomes, single = [], []
     for backend in backends:
         run_cfg = fp32_with_dropout(cfg, backend)
