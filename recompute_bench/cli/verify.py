@@ -13,12 +13,14 @@ from recompute_bench.cli.common import (DEFAULT_WORKLOAD, JsonOut, PolicyFile, W
                                         show_notes, with_policy_file)
 from recompute_bench.cli.options import PointOptions, point_options
 from recompute_bench.cli.ranks import launch_options
-from recompute_bench.launch.torchrun import Launch
+from recompute_bench.launch.torchrun import Launch, check_launch
 from recompute_bench.spec.config import ATTENTION_BACKENDS, ConfigError
 
 
-@point_options(panels=("Workload", "Recompute"), exclude=("global_batch_size", "precision", "attention_backend",
-                                                          "activation_offload_layers"), gpu=False)
+@point_options(panels=("Workload", "Parallelism", "Recompute"),
+               exclude=("global_batch_size", "precision", "attention_backend", "activation_offload_layers",
+                        "tensor_model_parallel_size", "pipeline_model_parallel_size", "data_parallel_size",
+                        "sequence_parallel"), gpu=False)
 @launch_options
 def verify(
     *,
@@ -47,6 +49,7 @@ def verify(
                                   "pass --attention-backend sdpa or math")
         cfg, notes = resolve_point(workload, point, gpu="cpu")
         cfg = with_policy_file(cfg, point, policy)
+        cfg = check_launch(cfg, launch, "cuda" if device.startswith("cuda") else "cpu")  # ep: over the ranks
         if any("offload" in e for e in cfg.recompute.layer_policy):
             raise ConfigError("verify checks recompute, and offload recomputes nothing; write none for offloaded layers")
         if device.startswith("cuda") and not torch.cuda.is_available():
