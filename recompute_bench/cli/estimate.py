@@ -12,6 +12,7 @@ from rich.markup import escape
 from recompute_bench.cli.common import DEFAULT_WORKLOAD, JsonOut, Workload, err, fail, resolve_point, show_notes
 from recompute_bench.cli.options import PointOptions, point_options
 from recompute_bench.spec.config import ConfigError
+from recompute_bench.spec.rules import check_expert_parallel_world
 
 ModelDevice = Annotated[str, typer.Option("--device", help="What to model: cuda (the default; masks, norm statistics and "
                                           "attention kernels as on a GPU) or cpu (as `run` measures on a CPU).",
@@ -45,6 +46,7 @@ def estimate(
 
     try:
         cfg, notes = resolve_point(workload, point)
+        check_expert_parallel_world(cfg)  # no launch here: the data-parallel size is as given
         _check_inputs(device, allowance_fraction, allowance_gb)
     except ConfigError as e:
         raise fail(str(e)) from None
@@ -85,6 +87,7 @@ def plan(
 
     try:
         cfg, notes = resolve_point(workload, point, gpu="cpu")
+        check_expert_parallel_world(cfg)
         _check_inputs(device, allowance_fraction, allowance_gb)
         if memory_gb is None or memory_gb <= 0:
             raise ConfigError(f"plan needs the device memory per GPU; pass --memory-gb 80 (got {memory_gb})")

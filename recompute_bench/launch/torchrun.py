@@ -29,6 +29,7 @@ from typing import Any, Optional
 from recompute_bench.launch.process import _innermost_frame, _tail, failed_record, run_group, worker_env
 from recompute_bench.measure.record import STATUS_ORDER, rank_summary, unmeasured_rank
 from recompute_bench.spec.config import Config, ConfigError
+from recompute_bench.spec.rules import check_expert_parallel_world
 
 DATA_PARALLEL = ("ddp", "fsdp")
 RANK_COMMAND = [sys.executable, "-m", "recompute_bench.launch.rank"]
@@ -100,6 +101,10 @@ def check_launch(cfg: Config, launch: Launch, device_type: str) -> Config:
                      cfg.recompute)
         validate(cfg)  # the global batch must still split into micro-batches over the ranks
         p = cfg.parallel
+    if p.expert_model_parallel_size > 1 and launch.data_parallel == "fsdp":
+        raise ConfigError("expert parallel with FSDP is not measured here (expert weights would need their own "
+                          "sharding group); pass --data-parallel ddp, or --ep 1")
+    check_expert_parallel_world(cfg)
     if p.data_parallel_size != dp:
         raise ConfigError(f"data_parallel_size {p.data_parallel_size} x tensor_model_parallel_size {tp} does not match "
                           f"the {world} rank(s) launched (--nproc-per-node x --nnodes); pass --nproc-per-node "

@@ -27,6 +27,7 @@ from __future__ import annotations
 import dataclasses
 import datetime
 import os
+from typing import Callable
 
 import torch
 import torch.distributed as dist
@@ -54,6 +55,12 @@ class DataParallel(SingleRank):
             from recompute_bench.measure.tensor_parallel import TensorParallel
             self.tensor = TensorParallel(tp, cfg.parallel.sequence_parallel, device_type)
         self.dp_size, self.dp_rank = self.world_size // tp, self.rank // tp
+        self.ep = cfg.parallel.expert_model_parallel_size if cfg is not None else 1
+        self.experts: list[torch.nn.Parameter] = []
+        """This rank's routed-expert weights under expert parallel (not reduced by DDP)."""
+        if self.ep > 1:
+            from recompute_bench.models.moe.dispatch import expert_parallel_groups
+            self.ep_group, self.expert_dp_group = expert_parallel_groups(self.ep)
 
     @property
     def tensor_group(self):
@@ -70,8 +77,9 @@ class DataParallel(SingleRank):
             return super().build(cfg, device, dtype)
         if self.kind == "ddp":
             from torch.nn.parallel import DistributedDataParallel
-            return DistributedDataParallel(super().build(cfg, device, dtype),
-                                           device_ids=[device.index] if device.type == "cuda" else None)
+            model = super().build(cfg, device, dtype)
+            self._shard_experts(model)
+            return DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
         model = super().build(cfg, device, torch.float32)  # fp32 sharded weights: FSDP casts for compute
         policy = MixedPrecisionPolicy(param_dtype=DTYPES[cfg.training.precision], reduce_dtype=torch.float32)
@@ -81,14 +89,52 @@ class DataParallel(SingleRank):
         fully_shard(model, mesh=mesh, mp_policy=policy)
         return model
 
+    def _shard_experts(self, model: torch.nn.Module) -> None:
+        """Expert parallel: keep this rank's experts, and take their weights out of DDP's all-reduce.
+        Megatron reduces expert gradients over the expert-data-parallel group only (ranks holding
+        the same experts), scaled by 1 / data_parallel_size like every gradient: each expert's
+        gradient already sums the tokens every rank of its expert-parallel group sent it. Leaving
+        them out of DDP and scaling by a gradient hook is that with no second DDP: with ep equal to
+        the world there is nothing left to reduce; below it, `reduce_expert_grads` all-reduces them
+        over the expert-data-parallel group before the optimizer step."""
+        if self.ep == 1:
+            return
+        from torch.nn.parallel import DistributedDataParallel
+        from recompute_bench.models.moe.dispatch import shard_experts
+
+        self.experts = shard_experts(model, self.ep_group)
+        ids = {id(p) for p in self.experts}
+        DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(
+            model, [n for n, p in model.named_parameters() if id(p) in ids])
+        for p in self.experts:
+            p.register_hook(lambda g: g / self.world_size)
+
+    def reduce_expert_grads(self) -> None:
+        """Sum the expert gradients over the ranks that hold the same experts (ep below the world)."""
+        if self.ep > 1 and self.expert_dp_group is not None:
+            for p in self.experts:
+                if p.grad is not None:
+                    dist.all_reduce(p.grad, group=self.expert_dp_group)
+
+    def whole_expert_grad(self, grad: torch.Tensor) -> torch.Tensor:
+        """Every expert's gradient of one weight, gathered from the expert-parallel group."""
+        parts = [torch.empty_like(grad) for _ in range(self.ep)]
+        dist.all_gather(parts, grad.contiguous(), group=self.ep_group)
+        return torch.cat(parts)
+
+    def num_parameters(self, model: torch.nn.Module) -> int:
+        """The whole model's parameters: each rank holds 1 / ep of the routed experts."""
+        return super().num_parameters(model) + (self.ep - 1) * sum(p.numel() for p in self.experts)
+
     def optimizer(self, model: torch.nn.Module, precision: str):
         params = [p for p in model.parameters() if p.requires_grad]
         if self.dp_size == 1:  # tensor parallel only: DTensor shards and plain replicas side by side
             from recompute_bench.measure.tensor_parallel import LocalAdam
             return LocalAdam(params, 1e-4) if precision == "fp32" else MixedPrecisionAdam(params, 1e-4)
-        if self.kind == "fsdp" or precision == "fp32":
-            return _adam(params, 1e-4)  # FSDP: fp32 sharded weights, gradients and state (the distributed optimizer)
-        return ReducedGradAdam(params, 1e-4)
+        if self.kind == "fsdp":
+            return _adam(params, 1e-4)  # fp32 sharded weights, gradients and state (the distributed optimizer)
+        optimizer = _adam(params, 1e-4) if precision == "fp32" else ReducedGradAdam(params, 1e-4)
+        return ExpertGradReduce(optimizer, self.reduce_expert_grads) if self.experts else optimizer
 
     def batches(self, cfg: Config, device: torch.device) -> torch.Tensor:
         """Micro-batches r, r + dp, r + 2 dp, ... of the global batch's, r this rank's data-parallel
@@ -117,6 +163,17 @@ class ReducedGradAdam(MixedPrecisionAdam):
             grads = [p.grad for p in self.params]
             torch._foreach_add_([p.main_grad for p in self.params], grads)
         super().step()
+
+
+class ExpertGradReduce:
+    """An optimizer whose step first reduces the expert gradients (`DataParallel.reduce_expert_grads`)."""
+
+    def __init__(self, optimizer, reduce: Callable[[], None]):
+        self.optimizer, self.reduce = optimizer, reduce
+
+    def step(self) -> None:
+        self.reduce()
+        self.optimizer.step()
 
 
 def init_process_group(device: torch.device, watchdog_s: float) -> None:
@@ -169,20 +226,24 @@ def measure_rank(cfg: Config, *, data_parallel: str, piece_path, device: str | N
 def gathered_loss_and_grads(cfg: Config, tokens: torch.Tensor, device: torch.device,
                             layout: DataParallel) -> tuple[torch.Tensor, dict[str, torch.Tensor | None]]:
     """This rank's micro-batch forward and backward under `layout`: the loss averaged over the ranks
-    and every gradient whole (DDP's all-reduced ones; FSDP's and tensor parallel's shards gathered,
-    in the single-rank layout), by parameter name. Dropout is seeded with the training seed before
-    the micro-batch, on every rank."""
+    and every gradient whole (DDP's all-reduced ones; FSDP's and tensor parallel's shards and the
+    experts of expert parallel gathered, in the single-rank layout), by parameter name. Dropout is
+    seeded with the training seed before the micro-batch, on every rank."""
     model = layout.build(cfg, device)
     model.train()
     with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []), layout.context():
         torch.manual_seed(cfg.training.seed)
         loss = model(tokens[:, :-1], tokens[:, 1:])
         loss.backward()
+    layout.reduce_expert_grads()
+    experts = {id(p) for p in layout.experts}
     grads = {}
     for name, p in model.named_parameters():
         name, g = name.removeprefix("module."), p.grad
         if g is not None and hasattr(g, "full_tensor"):
             g = g.full_tensor()
+        elif g is not None and id(p) in experts:
+            g = layout.whole_expert_grad(g)
         if g is not None and layout.tensor:
             g = layout.tensor.whole(name, g, cfg)
         grads[name] = g

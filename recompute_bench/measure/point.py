@@ -346,6 +346,10 @@ class SingleRank:
         """A per-rank value averaged over the ranks that hold different data."""
         return value
 
+    def num_parameters(self, model: torch.nn.Module) -> int:
+        """The whole model's parameter count (DTensors count their global size)."""
+        return sum(p.numel() for p in model.parameters())
+
 
 def run_point(cfg: Config, *, device: torch.device | None = None, peak_tflops: float | None = None,
               layout=None, progress: Callable[[dict, dict], None] | None = None) -> dict:
@@ -374,7 +378,7 @@ def _measure(cfg: Config, device: torch.device, peak_tflops: float | None, layou
             torch.cuda.reset_peak_memory_stats(device)
         model = layout.build(cfg, device)
         model.train()
-        metrics["num_parameters"] = sum(p.numel() for p in model.parameters())  # DTensors count their global size
+        metrics["num_parameters"] = layout.num_parameters(model)  # DTensors count their global size
         stepper = Stepper(cfg, model, layout.optimizer(model, t.precision), layout.batches(cfg, device), layout.context)
         torch.manual_seed(t.seed)  # dropout masks
 
@@ -393,7 +397,9 @@ def _measure(cfg: Config, device: torch.device, peak_tflops: float | None, layou
         total_bytes, layer_bytes = probe.bytes()
         metrics["activation_bytes"] = rank_entry["activation_bytes"] = total_bytes
         metrics["activation_bytes_per_layer"] = layer_bytes / m.num_layers
-        metrics.update(_tokens_per_expert(getattr(model, "module", model)))  # DDP wraps the GPT
+        routed = _tokens_per_expert(getattr(model, "module", model))  # DDP wraps the GPT
+        metrics.update(routed)
+        rank_entry.update(routed)  # under expert parallel each rank's experts receive their own share
 
         for _ in range(t.warmup_steps):
             done(stepper.step())

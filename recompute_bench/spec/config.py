@@ -164,6 +164,9 @@ class ParallelConfig:
     """Shard the non-tensor-parallel activations across the tensor-parallel group."""
     use_distributed_optimizer: bool = False
     """Shard optimizer state over the data-parallel group."""
+    expert_model_parallel_size: int = 1
+    """Expert parallel size (ep): the routed experts of every MoE layer are spread over ep
+    data-parallel ranks, num_moe_experts / ep on each, tokens sent to them by all-to-all."""
 
     @property
     def world_size(self) -> int:

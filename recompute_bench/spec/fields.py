@@ -29,7 +29,7 @@ PROTOCOL_KEYS = ("warmup_steps", "measured_steps")
 # before them holds their default. At the default they stay out of `config_hash`, and a golden
 # without their column reads every row as the default, so older records and goldens keep their key.
 LATER_KEYS = ("num_moe_experts", "moe_router_topk", "moe_ffn_hidden_size", "moe_shared_expert_intermediate_size",
-              "moe_layer_freq", "moe_router_score_function", "moe_grouped_gemm")
+              "moe_layer_freq", "moe_router_score_function", "moe_grouped_gemm", "expert_model_parallel_size")
 # The default of a field that has none (the model's shape): a record must hold it.
 REQUIRED = object()
 # Recompute fields whose attribute is not already Megatron's argument name.
@@ -59,6 +59,7 @@ FLAGS: dict[str, Flag] = {
     "tensor_model_parallel_size": Flag("Parallelism", ("--tp",), "-tp"),
     "pipeline_model_parallel_size": Flag("Parallelism", ("--pp",), "-pp"),
     "data_parallel_size": Flag("Parallelism", ("--dp",), "-dp"),
+    "expert_model_parallel_size": Flag("Parallelism", ("--ep",), "-ep"),
     "sequence_parallel": Flag("Parallelism"),
     "recompute_granularity": Flag("Recompute"),
     "recompute_modules": Flag("Recompute"),

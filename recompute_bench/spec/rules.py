@@ -109,7 +109,38 @@ def validate(cfg: Config) -> None:
 
     if m.num_moe_experts is not None:
         _validate_moe(cfg)
+    _validate_expert_parallel(cfg)
     _validate_recompute(cfg)
+
+
+def _validate_expert_parallel(cfg: Config) -> None:
+    """Megatron's expert-parallel rules. A data_parallel_size of 1 is the "not given" of a launch
+    (it becomes the world): `check_expert_parallel_world` checks the world once it is known."""
+    m, p = cfg.model, cfg.parallel
+    ep = p.expert_model_parallel_size
+    if not isinstance(ep, int) or ep < 1:
+        raise ConfigError(f"expert_model_parallel_size must be a positive integer, got {ep!r}; pass --ep N")
+    if ep == 1:
+        return
+    if m.num_moe_experts is None:
+        raise ConfigError(f"expert_model_parallel_size {ep} needs a mixture-of-experts model (num_moe_experts); "
+                          "pass --ep 1 or a MoE workload such as -w tiny-moe")
+    if m.num_moe_experts % ep:
+        raise ConfigError(f"num_moe_experts {m.num_moe_experts} is not divisible by expert_model_parallel_size {ep}; "
+                          f"pass --ep N with N dividing {m.num_moe_experts}")
+    if p.data_parallel_size > 1:
+        check_expert_parallel_world(cfg)
+
+
+def check_expert_parallel_world(cfg: Config) -> None:
+    """Megatron: expert parallel spreads the experts over data-parallel ranks, so ep must divide
+    data_parallel_size (tensor parallel is 1 with MoE here); ConfigError otherwise."""
+    p = cfg.parallel
+    ep, dp = p.expert_model_parallel_size, p.data_parallel_size
+    if dp % ep:
+        raise ConfigError(f"expert_model_parallel_size {ep} must divide the data-parallel size {dp} (the experts are "
+                          f"spread over data-parallel ranks); pass --nproc-per-node (or --data-parallel-size) a "
+                          f"multiple of {ep}, or a smaller --ep")
 
 
 def _validate_moe(cfg: Config) -> None:

@@ -4,8 +4,9 @@
     shared = shared_experts(x)                                   (optional dense MLP every token runs)
     probs, experts = top_k(router(x))                            (softmax over the top-k logits, or sigmoid)
     permuted = x[tokens sorted by expert]                        (dropless: every routed copy is kept)
+    permuted = dispatch(permuted)                                (expert parallel: all-to-all, `dispatch.py`)
     routed = fc2(activation(fc1(permuted)) * probs)              (grouped matmuls over the experts)
-    y = shared + sum over each token's k copies of routed
+    y = shared + sum over each token's k copies of combine(routed)
 
 The routing probabilities multiply the activation's output inside `activation_func`, as Megatron's
 grouped MLP does, so `moe_act` recompute (which re-runs that function only) covers them too.
@@ -21,6 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from recompute_bench.models.dense.layers import GPT, MLP, build_model as build_dense
+from recompute_bench.models.moe.dispatch import AllToAllDispatch, LocalDispatch
 from recompute_bench.spec.config import ModelConfig
 
 
@@ -76,8 +78,9 @@ class GroupedMLP(nn.Module):
 class MoELayer(nn.Module):
     """Router, token permutation, experts, un-permutation, and shared experts (see the module docstring).
 
-    `tokens_per_expert` holds the last forward's routed rows per expert, on the device (read once
-    after the probe step, never inside a step)."""
+    `tokens_per_expert` holds the last forward's routed rows per expert of this rank (under expert
+    parallel: the rows its experts received from every rank), on the device (read once after the
+    probe step, never inside a step)."""
 
     def __init__(self, cfg: ModelConfig, backend: ModuleType):
         super().__init__()
@@ -87,6 +90,8 @@ class MoELayer(nn.Module):
         shared = cfg.moe_shared_expert_intermediate_size
         self.shared_experts = MLP(cfg, backend, shared) if shared else None
         self.tokens_per_expert: torch.Tensor | None = None
+        self.dispatch: LocalDispatch | AllToAllDispatch = LocalDispatch()
+        """Copies to the experts and back: all here, or by all-to-all under expert parallel."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # Submodules take x as it came ([b, s, h]), not a view of it: under a re-entrant checkpoint
@@ -98,10 +103,11 @@ class MoELayer(nn.Module):
         order = flat.argsort(stable=True)  # routed copies sorted by expert, tokens in order within one
         counts = torch.zeros(self.num_experts, dtype=torch.int32, device=x.device).index_add_(
             0, flat, torch.ones_like(flat, dtype=torch.int32))  # no host read (bincount would sync)
-        self.tokens_per_expert = counts.detach()
         token = order // self.topk
-        routed = self.experts(x.index_select(0, token), counts.cumsum(0, dtype=torch.int32),
-                              probs.reshape(-1).index_select(0, order))
+        rows, row_probs, counts, combine = self.dispatch(x.index_select(0, token), probs.reshape(-1).index_select(0, order),
+                                                         counts)
+        self.tokens_per_expert = counts.detach()
+        routed = combine(self.experts(rows, counts.cumsum(0, dtype=torch.int32), row_probs))
         # Un-permute by a gather back to token order and a sum over each token's k copies: index_add
         # would keep the routed rows for its backward, and on CUDA adds with atomics (not bitwise stable).
         y = routed.index_select(0, order.argsort()).view(*shape[:-1], self.topk, shape[-1]).sum(-2)

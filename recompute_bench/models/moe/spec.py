@@ -7,8 +7,12 @@ mean over the model's layers (a sum over layers is L times it, exactly), since t
 multiplies one layer's terms by a layer count.
 
 Routing assumption: dropless routing keeps exactly k copies of every token, so what the experts
-keep (T·k rows) does not depend on how the router spreads them: the estimate holds for any
-routing, uniform or skewed. The record carries the probe step's tokens per expert (max/mean).
+keep (T·k rows) does not depend on how the router spreads them: on one rank the estimate holds for
+any routing, uniform or skewed. Under expert parallel (ep ranks, num_moe_experts / ep experts on
+each) a rank's experts keep the rows every rank of its group sent them: T·k under uniform routing,
+which the estimate assumes; summed over the group it is exact for any routing, and one rank's
+bytes differ by (rows received - T·k) x the bytes kept per routed row. The record carries the probe
+step's tokens per expert (max/mean), per rank as well.
 """
 
 from __future__ import annotations
@@ -69,9 +73,13 @@ class _MoELayer(DenseSpec):
         saved.add("permutation.order", INDEX_BYTES * rows, "none")
         saved.add("permutation.token", INDEX_BYTES * rows, "none")
         saved.add("permutation.inverse", INDEX_BYTES * rows, "none")  # gathers the copies back
-        saved.add("experts.linear_fc1.input", e * rows * h, "none")  # the permuted copies
+        ep = cfg.parallel.expert_model_parallel_size
+        if ep > 1:  # the arrivals' sort by local expert, and its inverse (the copies sent keep nothing)
+            saved.add("dispatch.order", INDEX_BYTES * rows, "none")
+            saved.add("dispatch.inverse", INDEX_BYTES * rows, "none")
+        saved.add("experts.linear_fc1.input", e * rows * h, "none")  # the permuted copies (received ones)
         if m.moe_grouped_gemm:
-            saved.add("experts.offsets", INT32_BYTES * m.num_moe_experts, "none")
+            saved.add("experts.offsets", INT32_BYTES * m.num_moe_experts // ep, "none")
         swiglu = m.activation == "swiglu"
         saved.add("experts.linear_fc1.output", e * rows * f * (2 if swiglu else 1), "none")
         saved.add("experts.permuted_probs", e * rows, "none")
@@ -148,15 +156,16 @@ class MoESpec(DenseSpec):
         return _mean(super().layer_saved_bytes(cfg, mods, device), self._layer.layer_saved_bytes(cfg, mods, device), cfg)
 
     def layer_parameters(self, cfg: Config) -> dict[str, float]:
-        """Mean parameters of one layer: a MoE layer has the router, every expert's fc1 and fc2
-        (no biases) and the shared MLP in place of the dense MLP."""
-        m, t = cfg.model, cfg.parallel.tensor_model_parallel_size
+        """Mean parameters of one layer on one rank: a MoE layer has the router, its experts' fc1
+        and fc2 (no biases; num_moe_experts / ep of them under expert parallel) and the shared MLP
+        in place of the dense MLP."""
+        m, t, ep = cfg.model, cfg.parallel.tensor_model_parallel_size, cfg.parallel.expert_model_parallel_size
         dense = super().layer_parameters(cfg)
         h, bias = m.hidden_size, 1 if m.add_bias_linear else 0
         fc1 = 2 if m.activation == "swiglu" else 1
         dense_mlp = (h * fc1 * m.ffn_hidden_size + bias * fc1 * m.ffn_hidden_size + m.ffn_hidden_size * h) / t
         shared = m.moe_shared_expert_intermediate_size or 0
-        moe_mlp = (m.num_moe_experts * (fc1 + 1) * h * m.moe_ffn + (fc1 + 1) * h * shared
+        moe_mlp = (m.num_moe_experts // ep * (fc1 + 1) * h * m.moe_ffn + (fc1 + 1) * h * shared
                    + bias * fc1 * shared) / t + h * m.num_moe_experts
         w = m.moe_layers / m.num_layers
         return {"sharded": dense["sharded"] - w * dense_mlp + w * moe_mlp, "replicated": dense["replicated"]}
