@@ -27,6 +27,7 @@ ROUTER_SCORE_FUNCTIONS = ("softmax", "sigmoid")
 RECOMPUTE_MODULES = ("core_attn", "mlp", "layernorm", "moe", "moe_act", "shared_experts", "mla_up_proj")
 # The modules the model built here has; the rest need MoE or MLA layers, which it does not build yet.
 SUPPORTED_RECOMPUTE_MODULES = ("core_attn", "mlp", "layernorm")
+# The modules the model built here has; the rest need MoE or MLA layers, which it does not build yet.
 _MODULE_NEEDS = {
     "mlp": "dense MLP layers (with moe_layer_freq 1 every layer is a mixture-of-experts layer; use moe)",
     "moe": "mixture-of-experts layers",
@@ -96,6 +97,18 @@ class ModelConfig:
     """softmax (over the top-k logits, Mixtral and Qwen3) or sigmoid (normalised over the top k, DeepSeek-V3)."""
     moe_grouped_gemm: bool = False
     """Run all experts as grouped matmuls (torch._grouped_mm); false: one matmul per expert."""
+    multi_latent_attention: bool = False
+    """Multi-latent attention (DeepSeek-V2/V3) in place of MHA/GQA: q and kv go through low-rank latents."""
+    q_lora_rank: Optional[int] = None
+    """MLA: rank of the query latent (down-projection, norm, up-projection); None: one plain q projection."""
+    kv_lora_rank: int = 512
+    """MLA: rank of the key/value latent."""
+    qk_head_dim: int = 128
+    """MLA: per-head query/key dimension without the rotary part."""
+    qk_pos_emb_head_dim: int = 64
+    """MLA: per-head rotary dimension of queries and keys (the decoupled RoPE; the key's is shared by all heads)."""
+    v_head_dim: int = 128
+    """MLA: per-head value dimension."""
 
     @property
     def groups(self) -> int:
@@ -126,6 +139,11 @@ class ModelConfig:
     def kv_channels(self) -> int:
         """Head dimension (d = h / a)."""
         return self.hidden_size // self.num_attention_heads
+
+    @property
+    def rotary_dim(self) -> int:
+        """Dimensions RoPE rotates per head: the head dimension, or MLA's decoupled rotary part."""
+        return self.qk_pos_emb_head_dim if self.multi_latent_attention else self.kv_channels
 
 
 @dataclass

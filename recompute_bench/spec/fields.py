@@ -29,7 +29,8 @@ PROTOCOL_KEYS = ("warmup_steps", "measured_steps")
 # before them holds their default. At the default they stay out of `config_hash`, and a golden
 # without their column reads every row as the default, so older records and goldens keep their key.
 LATER_KEYS = ("num_moe_experts", "moe_router_topk", "moe_ffn_hidden_size", "moe_shared_expert_intermediate_size",
-              "moe_layer_freq", "moe_router_score_function", "moe_grouped_gemm")
+              "moe_layer_freq", "moe_router_score_function", "moe_grouped_gemm", "multi_latent_attention",
+              "q_lora_rank", "kv_lora_rank", "qk_head_dim", "qk_pos_emb_head_dim", "v_head_dim")
 # The default of a field that has none (the model's shape): a record must hold it.
 REQUIRED = object()
 # Recompute fields whose attribute is not already Megatron's argument name.

@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from recompute_bench.models.dense.layers import GPT, MLP, build_model as build_dense
+from recompute_bench.models.dense.layers import GPT, MLP, AttentionFactory, build_model as build_dense
 from recompute_bench.spec.config import ModelConfig
 
 
@@ -109,9 +109,10 @@ class MoELayer(nn.Module):
 
 
 def build_model(cfg: ModelConfig, seed: int, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32,
-                backend: str = "torch") -> GPT:
+                backend: str = "torch", attention: AttentionFactory | None = None) -> GPT:
     """The dense GPT with a MoE block as the MLP of every MoE layer (`cfg.is_moe_layer`), built,
     materialised and initialised as `dense.layers.build_model` does (router and expert weights are
-    matrices: normal(0, std); the experts' fc2 scaled like every residual-feeding projection)."""
+    matrices: normal(0, std); the experts' fc2 scaled like every residual-feeding projection).
+    `attention`: another attention block (MLA), as the dense build takes it."""
     return build_dense(cfg, seed, device, dtype, backend,
-                       lambda i, b: MoELayer(cfg, b) if cfg.is_moe_layer(i) else None)
+                       lambda i, b: MoELayer(cfg, b) if cfg.is_moe_layer(i) else None, attention)

@@ -16,7 +16,7 @@ from __future__ import annotations
 from typing import Any, Iterable
 
 from recompute_bench.models import ELEMENT_BYTES, INDEX_BYTES, SavedBytes, Work
-from recompute_bench.models.dense.spec import DenseSpec
+from recompute_bench.models.dense.spec import DenseSpec, linear
 from recompute_bench.spec.config import Config, ModelConfig
 
 INT32_BYTES = 4  # the grouped matmul's cumulative expert offsets
@@ -87,10 +87,6 @@ class _MoELayer(DenseSpec):
         b = cfg.training.micro_batch_size if samples is None else samples
         tokens, h = b * cfg.training.seq_length, m.hidden_size
         widths = 3 if m.activation == "swiglu" else 2
-
-        def linear(forward: float) -> Work:
-            return Work(forward, 2 * forward)
-
         parts = {"router": linear(2 * tokens * h * m.num_moe_experts),
                  "experts": linear(2 * tokens * m.moe_router_topk * h * m.moe_ffn * widths)}
         if m.moe_shared_expert_intermediate_size:
