@@ -101,6 +101,8 @@ def validate(cfg: Config) -> None:
                           f"{t.micro_batch_size} x data_parallel_size {p.data_parallel_size}; "
                           f"pass --global-batch-size as a multiple of it")
 
+    if m.multi_latent_attention:
+        _validate_mla(cfg)
     if m.num_moe_experts is not None:
         _validate_moe(cfg)
     _validate_recompute(cfg)
@@ -127,6 +129,25 @@ def _validate_moe(cfg: Config) -> None:
                           f"--set model.moe_grouped_gemm=false")
     if cfg.parallel.tensor_model_parallel_size > 1:
         raise ConfigError("tensor parallelism of mixture-of-experts layers (expert tensor parallel) is not modelled yet; "
+                          "pass --tensor-model-parallel-size 1")
+
+
+def _validate_mla(cfg: Config) -> None:
+    """The multi-latent attention fields, one clear line each."""
+    m = cfg.model
+    for name in ("q_lora_rank", "kv_lora_rank", "qk_head_dim", "qk_pos_emb_head_dim", "v_head_dim"):
+        value = getattr(m, name)
+        if (value is not None or name != "q_lora_rank") and (not isinstance(value, int) or value < 1):
+            raise ConfigError(f"{name} must be a positive integer, got {value!r}; pass --set model.{name}=N")
+    if m.position_embedding_type != "rope" or m.qk_pos_emb_head_dim % 2:
+        raise ConfigError(f"multi-latent attention needs RoPE on an even qk_pos_emb_head_dim (got "
+                          f"{m.position_embedding_type}, {m.qk_pos_emb_head_dim}); pass --set model.position_embedding_type=rope "
+                          f"and an even --set model.qk_pos_emb_head_dim=N")
+    if m.num_query_groups not in (None, m.num_attention_heads):
+        raise ConfigError("multi-latent attention has one key/value head per attention head (num_query_groups does "
+                          "not apply); drop --set model.num_query_groups")
+    if cfg.parallel.tensor_model_parallel_size > 1:
+        raise ConfigError("tensor parallelism of multi-latent attention is not modelled yet; "
                           "pass --tensor-model-parallel-size 1")
 
 

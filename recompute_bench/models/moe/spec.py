@@ -98,6 +98,8 @@ class MoESpec(DenseSpec):
     """The mixture-of-experts GPT (Mixtral, Qwen3-MoE): MoE layers every `moe_layer_freq` layers."""
 
     name = "moe"
+    layer_spec: type = _MoELayer
+    """The spec of one MoE layer (another attention's, for MLA)."""
 
     def __init__(self, model: ModelConfig):
         dense = model.moe_layers < model.num_layers
@@ -107,7 +109,7 @@ class MoESpec(DenseSpec):
         if model.moe_shared_expert_intermediate_size:
             targets.append("shared_experts")
         self.recompute_targets = tuple(targets)
-        self._layer = _MoELayer()
+        self._layer = self.layer_spec()
 
     def layer_flops(self, cfg: Config, samples: int | None = None, device: str = "cuda") -> dict[str, Work]:
         """Mean FLOPs of one layer by part: attention's, "mlp" (dense layers), "router", "experts"
