@@ -96,9 +96,21 @@ def test_model_flops_follow_megatron_s_mla_formula():
         q_term = h * n * (16 + 8) if q_lora is None else 32 * (h + n * (16 + 8) + 1)
         attn = 3 * 2 * (q_term + 32 * (h + n * (16 + 16) + 1) + h * 8 + n * 16 * h)
         core = 3 * 2 * (n * (16 + 8) / 2 + n * 16 / 2)
-        moe = 3 * 2 * h * (64 * 2 + 64) * 3
-        expected = B * s * (L * (attn + moe) + 3 * 2 * h * 512) + B * s * s * core * L
+        mlps = 3 * 2 * h * 3 * (128 + (64 * 2 + 64))  # a dense first layer, then top-2 experts and the shared one
+        expected = B * s * (L * attn + mlps + 3 * 2 * h * 512) + B * s * s * core * L
         assert flops.model_flops_per_step(cfg) == expected
+
+
+def test_deepseek_v3_has_its_published_size_and_megatron_s_flops():
+    cfg = config("deepseek-v3")
+    m, B, s = cfg.model, cfg.training.global_batch_size, cfg.training.seq_length
+    assert (m.num_layers, m.moe_layers) == (61, 58)
+    assert round(E.stage_parameters(cfg, 0) / 1e9) == 671  # the published 671B (without multi-token prediction)
+    h, n = 7168, 128
+    attn = 3 * 2 * (1536 * (h + n * 192 + 1) + 512 * (h + n * 256 + 1) + h * 64 + n * 128 * h)
+    mlp = 3 * 2 * h * 3 * (18432 * 3 + (2048 * 8 + 2048) * 58)
+    expected = B * s * (61 * attn + mlp + 3 * 2 * h * 129280) + B * s * s * 3 * 2 * (n * 192 / 2 + n * 128 / 2) * 61
+    assert flops.model_flops_per_step(cfg) == pytest.approx(expected, rel=1e-15)
 
 
 @pytest.mark.parametrize("q_lora", [32, None])

@@ -104,7 +104,7 @@ def test_model_flops_follow_megatron_s_moe_formula():
     # of ffn 14336, SwiGLU, GQA with 8 groups; the router is not counted.
     cfg = config("mixtral-8x7b")
     m, B, s = cfg.model, cfg.training.global_batch_size, cfg.training.seq_length
-    h, L, q, kv = m.hidden_size, m.num_layers, m.kv_channels * m.num_attention_heads, m.kv_channels * m.groups
+    h, L, q, kv = m.hidden_size, m.num_layers, m.head_dim * m.num_attention_heads, m.head_dim * m.groups
     expected = B * s * (3 * 2 * h * (14336 * 2 * 3 * L)
                         + 3 * 2 * (h * (q + 2 * kv) + q * h) * L
                         + 3 * 2 * h * 32000) + B * s * s * (3 * 2 * q / 2 * 2) * L
@@ -169,3 +169,40 @@ def test_shared_experts_recompute_needs_shared_experts():
 def test_dense_models_still_refuse_the_moe_modules():
     result = invoke("estimate", "-w", "tiny", "--recompute-granularity", "selective", "--recompute-modules", "moe")
     assert result.exit_code == 2 and "needs mixture-of-experts layers" in result.stderr
+
+
+def test_group_limited_routing_keeps_each_token_within_its_best_groups_and_scales_its_probabilities():
+    from recompute_bench.models.moe.layers import Router
+
+    m = dataclasses.replace(config("tiny-mla").model, num_moe_experts=16, moe_router_topk=4)  # 4 groups of 4, best 2
+    router = Router(m)
+    torch.nn.init.normal_(router.weight, generator=torch.Generator().manual_seed(0))
+    router.reset_buffers()
+    probs, experts = router(torch.randn(256, m.hidden_size, generator=torch.Generator().manual_seed(1)))
+    groups = experts // (16 // 4)
+    assert max(len(set(row.tolist())) for row in groups) <= 2
+    assert max(len(set(row.tolist())) for row in groups) == 2  # a token does take experts from two groups
+    torch.testing.assert_close(probs.sum(-1), torch.full((256,), 2.5))
+    # the expert bias moves the choice, not the probabilities' source: a large bias on expert 0 picks it everywhere
+    router.expert_bias[0] = 10.0
+    _, biased = router(torch.randn(64, m.hidden_size, generator=torch.Generator().manual_seed(2)))
+    assert (biased == 0).any(-1).all()
+
+
+@pytest.mark.parametrize("value,layers", [("([0]*3+[1]*5)", [0, 0, 0, 1, 1, 1, 1, 1]), ("[1,0]*4", [1, 0] * 4), (2, [1, 0] * 4)])
+def test_moe_layer_freq_takes_an_integer_or_megatron_s_pattern(value, layers):
+    cfg = config("tiny-moe", model__num_layers=8, model__moe_layer_freq=value)
+    assert cfg.model.moe_layer_pattern == layers
+    model = spec_for(cfg.model).build(cfg, "meta")
+    assert [int(hasattr(layer.mlp, "experts")) for layer in model.layers] == layers
+
+
+@pytest.mark.parametrize("value,needle", [
+    ('"[0,1,1]"', "has 3 entries for 2 layers"),
+    ('"__import__(\'os\')"', "neither an integer nor a pattern"),
+    ('"[0,2]"', "neither an integer nor a pattern"),
+])
+def test_a_bad_moe_layer_freq_is_one_line_and_exit_2(value, needle):
+    result = invoke("estimate", "-w", "tiny-moe", "--set", f"model.moe_layer_freq={value}")
+    assert result.exit_code == 2, result.output
+    assert needle in result.stderr and len(result.stderr.strip().splitlines()) == 1

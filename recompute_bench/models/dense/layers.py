@@ -35,7 +35,7 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 class RotaryEmbedding(nn.Module):
     """RoPE tables as buffers (not parameters, not activations); `forward(s)` gives (cos, sin) of
-    shape [s, d/2]. Filled by `reset()`, which `GPT.init_weights` calls after a meta build."""
+    shape [s, d/2]. Filled by `reset_buffers()`, which `GPT.init_weights` calls after a meta build."""
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
@@ -45,7 +45,7 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("sin", torch.empty(cfg.max_position_embeddings, half), persistent=False)
 
     @torch.no_grad()
-    def reset(self) -> None:
+    def reset_buffers(self) -> None:
         d = self.cfg.rotary_dim
         inv_freq = 1.0 / (self.cfg.rotary_base ** (torch.arange(0, d, 2, dtype=torch.float64) / d))
         angles = torch.outer(torch.arange(self.cfg.max_position_embeddings, dtype=torch.float64), inv_freq)
@@ -61,7 +61,7 @@ class SelfAttention(nn.Module):
 
     def __init__(self, cfg: ModelConfig, backend: ModuleType):
         super().__init__()
-        self.heads, self.groups, self.d = cfg.num_attention_heads, cfg.groups, cfg.kv_channels
+        self.heads, self.groups, self.d = cfg.num_attention_heads, cfg.groups, cfg.head_dim
         self.linear_qkv = backend.linear(cfg.hidden_size, (self.heads + 2 * self.groups) * self.d, cfg.add_bias_linear)
         self.core_attention = backend.core_attention(cfg.attention_backend, self.heads, self.groups, self.d,
                                                      cfg.attention_dropout)
@@ -174,8 +174,9 @@ class GPT(nn.Module):
             else:
                 scaled = name.endswith(("linear_proj.weight", "linear_fc2.weight"))
                 p.normal_(0.0, residual_std if scaled else std, generator=g)
-        if self.rotary is not None:
-            self.rotary.reset()
+        for module in self.modules():  # buffers a module fills itself (RoPE tables, a router's expert bias)
+            if hasattr(module, "reset_buffers"):
+                module.reset_buffers()
 
     def forward(self, tokens: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         """Mean cross-entropy of next-token prediction; tokens and labels are [b, s]."""

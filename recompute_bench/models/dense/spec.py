@@ -81,7 +81,7 @@ class DenseSpec:
         """The attention block's parts for b sequences: "qkv_proj", "core_attn", "out_proj"."""
         m = cfg.model
         h, tokens = m.hidden_size, b * cfg.training.seq_length
-        q, kv = m.kv_channels * m.num_attention_heads, m.kv_channels * m.groups
+        q, kv = m.head_dim * m.num_attention_heads, m.head_dim * m.groups
         return {"qkv_proj": linear(2 * tokens * h * (q + 2 * kv)),
                 "core_attn": self._core_attn_flops(cfg, b, device, q, q),
                 "out_proj": linear(2 * tokens * q * h)}
@@ -116,7 +116,7 @@ class DenseSpec:
         """The attention term of Megatron's model FLOPs for b sequences."""
         m, s = cfg.model, cfg.training.seq_length
         h = m.hidden_size
-        q, kv = m.kv_channels * m.num_attention_heads, m.kv_channels * m.groups
+        q, kv = m.head_dim * m.num_attention_heads, m.head_dim * m.groups
         core = 3 * 2 * (2 * q) // 2  # per query-key pair: QK^T and times V, the causal half
         return b * s * 3 * 2 * (h * (q + 2 * kv) + q * h) + b * s * s * core
 
@@ -194,7 +194,7 @@ class DenseSpec:
         (or the fused QKV output) and what core attention keeps."""
         m, tr = cfg.model, cfg.training
         e, tokens = ELEMENT_BYTES[tr.precision], tr.seq_length * tr.micro_batch_size
-        q_width, kv_width = m.num_attention_heads * m.kv_channels, m.groups * m.kv_channels
+        q_width, kv_width = m.num_attention_heads * m.head_dim, m.groups * m.head_dim
         qkv = ("linear_qkv.output", e * tokens * (q_width + 2 * kv_width))
         rope = m.position_embedding_type == "rope"
         # q, k, v are views of the fused QKV output; RoPE makes new q and k, but v stays a view, so the
@@ -276,8 +276,8 @@ class DenseSpec:
         (QKV and output projection, column-parallel biases), "replicated" (the output bias)."""
         m = cfg.model
         h = m.hidden_size
-        qkv = (m.num_attention_heads + 2 * m.groups) * m.kv_channels
-        q, bias = m.num_attention_heads * m.kv_channels, 1 if m.add_bias_linear else 0
+        qkv = (m.num_attention_heads + 2 * m.groups) * m.head_dim
+        q, bias = m.num_attention_heads * m.head_dim, 1 if m.add_bias_linear else 0
         return {"sharded": h * qkv + bias * qkv + q * h, "replicated": bias * h}
 
     # ----- building -------------------------------------------------------------------------------

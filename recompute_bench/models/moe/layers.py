@@ -25,20 +25,53 @@ from recompute_bench.spec.config import ModelConfig
 
 
 class Router(nn.Module):
-    """Scores every expert for every token and keeps the top k: (probabilities [T, k], experts [T, k])."""
+    """Scores every expert for every token and keeps the top k: (probabilities [T, k], experts [T, k]).
+
+    sigmoid (DeepSeek-V3): independent scores; the experts are chosen on the scores plus the expert
+    bias, within the best `moe_router_group_topk` of `moe_router_num_groups` groups (a group scored
+    by the sum of its best k / group_topk experts), and their own scores, normalised over the k,
+    are the probabilities. The choice is made without a graph: only the gather of the chosen scores
+    carries gradient, as in Megatron, where the masked top-k's values are those scores.
+    `moe_router_topk_scaling_factor` scales the probabilities of either score function."""
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.topk, self.score_function = cfg.moe_router_topk, cfg.moe_router_score_function
+        self.groups, self.group_topk = cfg.moe_router_num_groups, cfg.moe_router_group_topk
+        self.scale = cfg.moe_router_topk_scaling_factor
         self.weight = nn.Parameter(torch.empty(cfg.num_moe_experts, cfg.hidden_size))
+        # Megatron's expert bias is a buffer, not a parameter: no gradient, no optimizer state.
+        self.register_buffer("expert_bias", torch.empty(cfg.num_moe_experts) if cfg.moe_router_enable_expert_bias else None)
+
+    @torch.no_grad()
+    def reset_buffers(self) -> None:
+        """The expert bias starts at zero (called by `GPT.init_weights`)."""
+        if self.expert_bias is not None:
+            self.expert_bias.zero_()
+
+    def _choose(self, scores: torch.Tensor) -> torch.Tensor:
+        """The k experts of every token (no graph)."""
+        if self.expert_bias is not None:
+            scores = scores + self.expert_bias
+        if self.groups:
+            grouped = scores.unflatten(-1, (self.groups, -1))
+            best = grouped.topk(self.topk // self.group_topk, dim=-1).values.sum(-1).topk(self.group_topk, dim=-1).indices
+            keep = torch.zeros_like(grouped[..., 0], dtype=torch.bool).scatter_(-1, best, True)
+            scores = scores.masked_fill(~keep.repeat_interleave(grouped.shape[-1], dim=-1), float("-inf"))
+        return scores.topk(self.topk, dim=-1).indices
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         logits = F.linear(x, self.weight)
-        if self.score_function == "sigmoid":  # DeepSeek-V3: independent scores, normalised over the chosen k
-            scores, experts = torch.topk(torch.sigmoid(logits), self.topk, dim=-1)
-            return scores / scores.sum(-1, keepdim=True), experts
-        logits, experts = torch.topk(logits, self.topk, dim=-1)  # Megatron's default: softmax after top-k
-        return torch.softmax(logits, dim=-1), experts
+        if self.score_function == "sigmoid":
+            scores = torch.sigmoid(logits)
+            with torch.no_grad():
+                experts = self._choose(scores)
+            scores = scores.gather(-1, experts)
+            probs = scores / scores.sum(-1, keepdim=True)
+        else:
+            logits, experts = torch.topk(logits, self.topk, dim=-1)  # Megatron's default: softmax after top-k
+            probs = torch.softmax(logits, dim=-1)
+        return (probs if self.scale is None else probs * self.scale), experts
 
 
 class WeightedActivation(nn.Module):
