@@ -119,8 +119,7 @@ def _validate_moe(cfg: Config) -> None:
     pattern = m.moe_layer_pattern
     if len(pattern) != m.num_layers:
         raise ConfigError(f"moe_layer_freq {m.moe_layer_freq!r} has {len(pattern)} entries for {m.num_layers} layers; pass "
-                          f"--set model.moe_layer_freq=\"[...]\" with one 0 (dense) or 1 (MoE) per layer, e.g. \"([0]*1+[1]*"
-                          f"{m.num_layers - 1})\"")
+                          f"one 0 (dense) or 1 (MoE) per layer, e.g. --set 'model.moe_layer_freq=([0]*1+[1]*{m.num_layers - 1})'")
     _validate_router(cfg)
     if m.moe_router_topk > m.num_moe_experts:
         raise ConfigError(f"moe_router_topk {m.moe_router_topk} is more than num_moe_experts {m.num_moe_experts}; "
