@@ -127,6 +127,9 @@ class ModelConfig:
     pattern, 1 for MoE and 0 for dense, one entry per layer: "([0]*3+[1]*58)" or "[0,1]"."""
     moe_router_score_function: str = "softmax"
     """softmax (over the top-k logits, Mixtral and Qwen3) or sigmoid (normalised over the top k, DeepSeek-V3)."""
+    moe_aux_loss_coeff: float = 0.0
+    """Weight of the load-balancing auxiliary loss (Switch/GShard: experts x sum of each expert's routed share times
+    its mean score over all experts), whose gradient joins the router's in backward; 0: none."""
     moe_router_topk_scaling_factor: Optional[float] = None
     """Scale the routing probabilities by this factor (DeepSeek-V3: 2.5); None: 1."""
     moe_router_enable_expert_bias: bool = False

@@ -148,6 +148,8 @@ def _validate_router(cfg: Config) -> None:
         raise ConfigError(f"moe_router_num_groups {groups} must divide num_moe_experts {m.num_moe_experts}, and "
                           f"moe_router_group_topk {group_topk} be at most the groups and divide moe_router_topk "
                           f"{m.moe_router_topk}; change them with --set model.moe_router_num_groups/moe_router_group_topk")
+    if not m.moe_aux_loss_coeff >= 0:
+        raise ConfigError(f"moe_aux_loss_coeff must be 0 or more, got {m.moe_aux_loss_coeff}; pass --set model.moe_aux_loss_coeff=1e-3")
     factor = m.moe_router_topk_scaling_factor
     if factor is not None and not factor > 0:
         raise ConfigError(f"moe_router_topk_scaling_factor must be positive, got {factor}; "

@@ -24,6 +24,22 @@ from recompute_bench.models.dense.layers import GPT, MLP, AttentionFactory, buil
 from recompute_bench.spec.config import ModelConfig
 
 
+class _AuxLossGradient(torch.autograd.Function):
+    """Megatron's MoEAuxLossAutoScaler: the probabilities pass unchanged, and their backward also
+    starts the auxiliary loss's own backward (gradient 1), so the loss shapes the router's gradient
+    without being added to the language-model loss."""
+
+    @staticmethod
+    def forward(ctx, probs: torch.Tensor, aux_loss: torch.Tensor) -> torch.Tensor:
+        ctx.aux_shape = aux_loss.shape
+        ctx.aux_dtype = aux_loss.dtype
+        return probs.clone()
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return grad, torch.ones(ctx.aux_shape, dtype=ctx.aux_dtype, device=grad.device)
+
+
 class Router(nn.Module):
     """Scores every expert for every token and keeps the top k: (probabilities [T, k], experts [T, k]).
 
@@ -39,6 +55,7 @@ class Router(nn.Module):
         self.topk, self.score_function = cfg.moe_router_topk, cfg.moe_router_score_function
         self.groups, self.group_topk = cfg.moe_router_num_groups, cfg.moe_router_group_topk
         self.scale = cfg.moe_router_topk_scaling_factor
+        self.aux_loss_coeff = cfg.moe_aux_loss_coeff
         self.weight = nn.Parameter(torch.empty(cfg.num_moe_experts, cfg.hidden_size))
         # Megatron's expert bias is a buffer, not a parameter: no gradient, no optimizer state.
         self.register_buffer("expert_bias", torch.empty(cfg.num_moe_experts) if cfg.moe_router_enable_expert_bias else None)
@@ -60,17 +77,35 @@ class Router(nn.Module):
             scores = scores.masked_fill(~keep.repeat_interleave(grouped.shape[-1], dim=-1), float("-inf"))
         return scores.topk(self.topk, dim=-1).indices
 
+    def _aux_loss(self, all_scores: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
+        """Switch/GShard load balancing (Megatron's switch_load_balancing_loss_func): coeff x E / (k T^2)
+        x sum over experts of (tokens routed to it) x (its score summed over tokens), the scores taken
+        over all E experts (softmax, or sigmoid normalised over all)."""
+        all_scores = all_scores.reshape(-1, all_scores.shape[-1])
+        tokens, num_experts = all_scores.shape
+        with torch.no_grad():
+            routed = torch.zeros(num_experts, dtype=all_scores.dtype, device=all_scores.device).index_add_(
+                0, experts.reshape(-1), torch.ones(experts.numel(), dtype=all_scores.dtype, device=all_scores.device))
+        weight = num_experts * self.aux_loss_coeff / (self.topk * tokens * tokens)
+        return (all_scores.sum(0) * routed).sum() * weight
+
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         logits = F.linear(x, self.weight)
         if self.score_function == "sigmoid":
-            scores = torch.sigmoid(logits)
+            all_scores = torch.sigmoid(logits)
             with torch.no_grad():
-                experts = self._choose(scores)
-            scores = scores.gather(-1, experts)
+                experts = self._choose(all_scores)
+            scores = all_scores.gather(-1, experts)
             probs = scores / scores.sum(-1, keepdim=True)
+            if self.aux_loss_coeff:
+                all_scores = all_scores / all_scores.sum(-1, keepdim=True)
         else:
-            logits, experts = torch.topk(logits, self.topk, dim=-1)  # Megatron's default: softmax after top-k
-            probs = torch.softmax(logits, dim=-1)
+            top, experts = torch.topk(logits, self.topk, dim=-1)  # Megatron's default: softmax after top-k
+            probs = torch.softmax(top, dim=-1)
+            if self.aux_loss_coeff:
+                all_scores = torch.softmax(logits, dim=-1)
+        if self.aux_loss_coeff:
+            probs = _AuxLossGradient.apply(probs, self._aux_loss(all_scores, experts))
         return (probs if self.scale is None else probs * self.scale), experts
 
 

@@ -64,6 +64,12 @@ class _MoELayer(DenseSpec):
             saved.add("router.score_sum", e * tokens, "none")
         else:
             saved.add("router.probs", e * rows, "none")
+        if m.moe_aux_loss_coeff:  # the scores over all experts (softmax's, or the sigmoid's normaliser) and the routed counts
+            if m.moe_router_score_function == "sigmoid":
+                saved.add("router.aux_score_sum", e * tokens, "none")
+            else:
+                saved.add("router.aux_softmax", e * tokens * m.num_moe_experts, "none")
+            saved.add("router.aux_routed", e * m.num_moe_experts, "none")
         # Permutation: the sort order (gathers the probabilities), each copy's token (gathers the
         # rows) and the inverse order (gathers the experts' output back into token order).
         saved.add("permutation.order", INDEX_BYTES * rows, "none")
