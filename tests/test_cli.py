@@ -168,7 +168,9 @@ def test_workloads_lists_every_preset_with_its_shape():
     result = invoke("workloads", "--json")
     rows = {r["workload"]: r for r in json.loads(result.stdout)}
     assert set(rows) == {"tiny", "gpt3-22b", "gpt3-175b", "gpt3-530b", "gpt3-1t", "llama3-8b", "llama3-70b", "llama3-405b",
-                         "tiny-moe", "mixtral-8x7b"}
+                         "tiny-moe", "mixtral-8x7b", "qwen3-30b-a3b", "tiny-mla", "deepseek-v3"}
+    moe = {name: (r["num_moe_experts"], r["moe_router_topk"], r["attention_type"]) for name, r in rows.items()}
+    assert (moe["deepseek-v3"], moe["qwen3-30b-a3b"], moe["tiny-mla"]) == ((256, 8, "MLA"), (128, 8, "GQA"), (8, 2, "MLA"))
     paper = {"gpt3-22b": (64, 6144, 48), "gpt3-175b": (96, 12288, 96), "gpt3-530b": (128, 20480, 105), "gpt3-1t": (160, 25600, 128)}
     for name, (a, h, L) in paper.items():
         r = rows[name]

@@ -122,7 +122,7 @@ def test_every_setting_hardware_flops_match_the_flop_counter(workload, backend, 
             # ATen/native/cpu/FlashAttentionKernel.cpp); a recomputed attention runs its forward again.
             # The count misses exactly those, which the estimate includes.
             m, t = cfg.model, cfg.training
-            matmul = 2 * t.micro_batch_size * m.num_attention_heads * t.seq_length**2 * m.kv_channels
+            matmul = 2 * t.micro_batch_size * m.num_attention_heads * t.seq_length**2 * m.head_dim
             blind = (7 * m.num_layers + 2 * _rerun_layers(r, m.num_layers)) * matmul
             assert measured_flops == hardware - blind, r.label
         else:
@@ -178,7 +178,7 @@ def test_every_fused_cuda_kernel_counts_a_backward_of_five_attention_matmuls(ker
     # math path, whose backward is 4 matmuls. So fused - math = one matmul per layer.
     cfg = shrunk("gpt3-175b", **{"model.hidden_dropout": 0.1, "model.attention_dropout": 0.1})
     m, t = cfg.model, cfg.training
-    matmul = 2 * t.micro_batch_size * m.num_attention_heads * t.seq_length**2 * m.kv_channels
+    matmul = 2 * t.micro_batch_size * m.num_attention_heads * t.seq_length**2 * m.head_dim
     assert _meta_step_flops(cfg, kernel) - _meta_step_flops(cfg) == m.num_layers * matmul
     assert flops.hardware_flops_per_step(cfg, "cuda") == _meta_step_flops(cfg, kernel)
 

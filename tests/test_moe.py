@@ -26,6 +26,7 @@ VARIANTS = {
     "tiny-moe": {},
     "sigmoid-gelu": {"model__moe_router_score_function": "sigmoid", "model__activation": "gelu"},
     "loop-freq2": {"model__moe_grouped_gemm": False, "model__moe_layer_freq": 2, "model__num_layers": 3},
+    "aux-loss": {"model__moe_aux_loss_coeff": 0.01},
 }
 
 
@@ -42,13 +43,14 @@ def settings_of(variant, precision):
         base = dataclasses.replace(base, model=dataclasses.replace(base.model, moe_shared_expert_intermediate_size=None))
         validate(base)
     targets = spec_for(base.model).recompute_targets
-    sizes = {"tiny-moe": (1, 2, len(targets)), "loop-freq2": (1, len(targets))}.get(variant)  # test time
+    sizes = {"tiny-moe": (1, 2, len(targets)), "loop-freq2": (1, len(targets)), "aux-loss": (1,)}.get(variant)  # test time
     chosen = [r for r in selective_settings(targets) if sizes is None or len(r.modules) in sizes]
     full = [RecomputeConfig("full", method="uniform", num_layers=1)]
     return [dataclasses.replace(base, recompute=r) for r in [RecomputeConfig()] + chosen + full]
 
 
-@pytest.mark.parametrize("variant,precision", [("tiny-moe", "bf16"), ("sigmoid-gelu", "fp32"), ("loop-freq2", "fp32")])
+@pytest.mark.parametrize("variant,precision", [("tiny-moe", "bf16"), ("sigmoid-gelu", "fp32"), ("loop-freq2", "fp32"),
+                                               ("aux-loss", "bf16")])
 def test_every_moe_setting_s_bytes_and_flops_are_what_the_probe_and_the_flop_counter_measure(variant, precision):
     for cfg in settings_of(variant, precision):
         total, counted = measure(cfg)
@@ -104,7 +106,7 @@ def test_model_flops_follow_megatron_s_moe_formula():
     # of ffn 14336, SwiGLU, GQA with 8 groups; the router is not counted.
     cfg = config("mixtral-8x7b")
     m, B, s = cfg.model, cfg.training.global_batch_size, cfg.training.seq_length
-    h, L, q, kv = m.hidden_size, m.num_layers, m.kv_channels * m.num_attention_heads, m.kv_channels * m.groups
+    h, L, q, kv = m.hidden_size, m.num_layers, m.head_dim * m.num_attention_heads, m.head_dim * m.groups
     expected = B * s * (3 * 2 * h * (14336 * 2 * 3 * L)
                         + 3 * 2 * (h * (q + 2 * kv) + q * h) * L
                         + 3 * 2 * h * 32000) + B * s * s * (3 * 2 * q / 2 * 2) * L
@@ -169,3 +171,73 @@ def test_shared_experts_recompute_needs_shared_experts():
 def test_dense_models_still_refuse_the_moe_modules():
     result = invoke("estimate", "-w", "tiny", "--recompute-granularity", "selective", "--recompute-modules", "moe")
     assert result.exit_code == 2 and "needs mixture-of-experts layers" in result.stderr
+
+
+def test_group_limited_routing_keeps_each_token_within_its_best_groups_and_scales_its_probabilities():
+    from recompute_bench.models.moe.layers import Router
+
+    m = dataclasses.replace(config("tiny-mla").model, num_moe_experts=16, moe_router_topk=4)  # 4 groups of 4, best 2
+    router = Router(m)
+    torch.nn.init.normal_(router.weight, generator=torch.Generator().manual_seed(0))
+    router.reset_buffers()
+    probs, experts = router(torch.randn(256, m.hidden_size, generator=torch.Generator().manual_seed(1)))
+    groups = experts // (16 // 4)
+    assert max(len(set(row.tolist())) for row in groups) <= 2
+    assert max(len(set(row.tolist())) for row in groups) == 2  # a token does take experts from two groups
+    torch.testing.assert_close(probs.sum(-1), torch.full((256,), 2.5))
+    # the expert bias moves the choice, not the probabilities' source: a large bias on expert 0 picks it everywhere
+    router.expert_bias[0] = 10.0
+    _, biased = router(torch.randn(64, m.hidden_size, generator=torch.Generator().manual_seed(2)))
+    assert (biased == 0).any(-1).all()
+
+
+@pytest.mark.parametrize("value,layers", [("([0]*3+[1]*5)", [0, 0, 0, 1, 1, 1, 1, 1]), ("[1,0]*4", [1, 0] * 4), (2, [1, 0] * 4)])
+def test_moe_layer_freq_takes_an_integer_or_megatron_s_pattern(value, layers):
+    cfg = config("tiny-moe", model__num_layers=8, model__moe_layer_freq=value)
+    assert cfg.model.moe_layer_pattern == layers
+    model = spec_for(cfg.model).build(cfg, "meta")
+    assert [int(hasattr(layer.mlp, "experts")) for layer in model.layers] == layers
+
+
+@pytest.mark.parametrize("value,needle", [
+    ('"[0,1,1]"', "has 3 entries for 2 layers"),
+    ('"__import__(\'os\')"', "neither an integer nor a pattern"),
+    ('"[0,2]"', "neither an integer nor a pattern"),
+])
+def test_a_bad_moe_layer_freq_is_one_line_and_exit_2(value, needle):
+    result = invoke("estimate", "-w", "tiny-moe", "--set", f"model.moe_layer_freq={value}")
+    assert result.exit_code == 2, result.output
+    assert needle in result.stderr and len(result.stderr.strip().splitlines()) == 1
+
+
+@pytest.mark.parametrize("score_function", ["softmax", "sigmoid"])
+def test_the_auxiliary_loss_adds_its_own_gradient_to_the_router_and_nothing_to_the_probabilities(score_function):
+    from recompute_bench.models.moe.layers import Router
+
+    m = dataclasses.replace(config("tiny-moe").model, moe_router_score_function=score_function)
+    x = torch.randn(128, m.hidden_size, generator=torch.Generator().manual_seed(1))
+    grads, outputs = [], []
+    for coeff in (0.0, 1.0):
+        router = Router(dataclasses.replace(m, moe_aux_loss_coeff=coeff))
+        torch.nn.init.normal_(router.weight, generator=torch.Generator().manual_seed(0))
+        probs, experts = router(x)
+        probs.sum().backward()  # the probabilities sum to 1 per token: their own gradient is rounding only
+        grads.append(router.weight.grad)
+        outputs.append((probs.detach(), experts))
+    assert torch.equal(outputs[0][0], outputs[1][0]) and torch.equal(outputs[0][1], outputs[1][1])
+    # the difference is the gradient of Megatron's switch load-balancing loss, written out here
+    w = router.weight.detach().requires_grad_()
+    logits = x @ w.T
+    scores = torch.softmax(logits, -1) if score_function == "softmax" else torch.sigmoid(logits)
+    scores = scores / scores.sum(-1, keepdim=True)
+    routed = torch.bincount(outputs[0][1].reshape(-1), minlength=8).to(scores.dtype)
+    (1.0 * 8 / (2 * 128 * 128) * (scores.sum(0) * routed).sum()).backward()
+    torch.testing.assert_close(grads[1] - grads[0], w.grad, rtol=1e-3, atol=1e-6)
+    assert w.grad.abs().max() > 0
+
+
+def test_every_moe_setting_with_the_auxiliary_loss_leaves_loss_and_gradients_bitwise_equal():
+    cfg = config("tiny-moe", model__moe_aux_loss_coeff=0.01)
+    settings = [RecomputeConfig("selective", mods) for mods in (["moe"], ["moe_act", "layernorm"], ["shared_experts"])]
+    outcomes = verify(cfg, settings + [RecomputeConfig("full", method="uniform", num_layers=1)], ["sdpa"], torch.device("cpu"))
+    assert len(outcomes) == 4 and all(o.exact for o in outcomes)

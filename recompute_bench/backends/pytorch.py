@@ -232,7 +232,8 @@ def checkpoint_sharded(group, fn: Callable[..., torch.Tensor], x: torch.Tensor, 
 
 
 class _WithoutOutput(torch.autograd.Function):
-    """Run `fn(*xs)` without a graph, save only xs; backward uses what `_refill` recomputed."""
+    """Run `fn(*xs)` without a graph, save only xs; backward uses what `_refill` recomputed. `fn`
+    returns one tensor or a tuple of them (MLA's q, k, v)."""
 
     @staticmethod
     def forward(ctx, fn, *xs):
@@ -244,30 +245,35 @@ class _WithoutOutput(torch.autograd.Function):
         return y
 
     @staticmethod
-    def backward(ctx, grad):
+    def backward(ctx, *grads):
         if ctx.recomputed is None:  # the output was never discarded
             _refill(ctx, None)
-        xs, y = ctx.recomputed
+        xs, ys = ctx.recomputed
         ctx.recomputed = None
-        torch.autograd.backward(y, grad)
-        return None, *(x.grad for x in xs)
+        torch.autograd.backward(ys, grads)
+        return None, *(x.grad if x.requires_grad else None for x in xs)
 
 
-def _refill(ctx, output: torch.Tensor | None) -> None:
-    """Re-run the function with a graph and, if its output was discarded, refill that storage."""
-    xs = tuple(x.detach().requires_grad_(x.dtype.is_floating_point) for x in ctx.saved_tensors)
+def _tensors(y: torch.Tensor | tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
+    return y if isinstance(y, tuple) else (y,)
+
+
+def _refill(ctx, output: torch.Tensor | tuple[torch.Tensor, ...] | None) -> None:
+    """Re-run the function with a graph and, if its output was discarded, refill those storages."""
+    xs = tuple(x.detach().requires_grad_(needs) for x, needs in zip(ctx.saved_tensors, ctx.needs_input_grad[1:]))
     with torch.enable_grad():
-        y = ctx.fn(*xs)
-    if output is not None:
-        storage = _local(output).untyped_storage()
-        storage.resize_(_local(y).untyped_storage().nbytes())
+        ys = _tensors(ctx.fn(*xs))
+    for old, new in zip(_tensors(output) if output is not None else (), ys):
+        storage = _local(old).untyped_storage()
+        storage.resize_(_local(new).untyped_storage().nbytes())
         with torch.no_grad():
-            storage.copy_(_local(y).untyped_storage())
-    ctx.recomputed = (xs, y)
+            storage.copy_(_local(new).untyped_storage())
+    ctx.recomputed = (xs, ys)
 
 
-def without_output(fn: Callable[..., torch.Tensor], *xs: torch.Tensor) -> torch.Tensor:
-    """fn(*xs) whose output may later be freed with `discard`: only xs are saved for backward."""
+def without_output(fn: Callable[..., torch.Tensor], *xs: torch.Tensor):
+    """fn(*xs) (a tensor or a tuple of them) whose output may later be freed with `discard`: only
+    xs are saved for backward."""
     return _WithoutOutput.apply(fn, *xs)
 
 
@@ -276,11 +282,12 @@ def _local(t: torch.Tensor) -> torch.Tensor:
     return getattr(t, "_local_tensor", t)
 
 
-def discard(output: torch.Tensor, hook_tensor: torch.Tensor) -> None:
+def discard(output: torch.Tensor | tuple[torch.Tensor, ...], hook_tensor: torch.Tensor) -> None:
     """Free the storage of `output` (made by `without_output`, already saved by its consumer) and
     recompute it when the gradient reaches `hook_tensor`, the consumer's output: just before the
     consumer's backward reads it (Megatron's CheckpointWithoutOutput)."""
     if not hook_tensor.requires_grad:
         return
-    _local(output).untyped_storage().resize_(0)
-    hook_tensor.register_hook(lambda _grad: _refill(output.grad_fn, output))
+    for y in _tensors(output):
+        _local(y).untyped_storage().resize_(0)
+    hook_tensor.register_hook(lambda _grad: _refill(_tensors(output)[0].grad_fn, output))

@@ -29,7 +29,8 @@ def workloads(json_out: Annotated[bool, typer.Option("--json", help="Print the p
                      "normalization": m.normalization, "activation": m.activation,
                      "position_embedding_type": m.position_embedding_type,
                      "num_moe_experts": m.num_moe_experts, "moe_router_topk": m.moe_router_topk if m.num_moe_experts else None,
-                     "attention_type": "GQA" if m.groups != m.num_attention_heads else "MHA",
+                     "attention_type": ("MLA" if m.multi_latent_attention else
+                                        "GQA" if m.groups != m.num_attention_heads else "MHA"),
                      "micro_batch_size": t.micro_batch_size, "global_batch_size": t.global_batch_size,
                      "precision": t.precision, "description": load_preset(name).get("description", "")})
     if json_out:

@@ -93,9 +93,14 @@ class ModelSpec(Protocol):
 
 
 def spec_for(model: ModelConfig) -> ModelSpec:
-    """The spec of the architecture `model` describes: MoE when it has experts, else the dense GPT."""
+    """The spec of the architecture `model` describes: MoE when it has experts, else the dense GPT;
+    with multi-latent attention in place of MHA/GQA when `multi_latent_attention` is set."""
     from recompute_bench.models.dense.spec import DENSE  # here, not at the top: dense.spec imports this module
 
+    if model.multi_latent_attention:
+        from recompute_bench.models.mla.spec import MLAMoESpec, MLASpec
+
+        return MLAMoESpec(model) if model.num_moe_experts else MLASpec()
     if model.num_moe_experts:
         from recompute_bench.models.moe.spec import MoESpec
 

@@ -9,6 +9,9 @@ setting: gradients compare by name, and name-keyed parallel plans apply after re
 - selective `core_attn`: the core attention's forward is checkpointed (q, k, v are saved);
 - selective `mlp`: the MLP's forward is checkpointed (its input is saved), on dense layers only;
 - selective `moe`, `moe_act`, `shared_experts`: on MoE layers (see `_install_moe`);
+- selective `mla_up_proj`: MLA's q/kv up-projections and RoPE run without keeping q, k, v, which are
+  freed once core attention has saved them and recomputed from a hook on its output (Megatron's
+  `qkv_up_proj_and_rope_apply` under CheckpointWithoutOutput); no other matmul re-runs;
 - selective `layernorm`: each norm runs without keeping its output, which is freed once the next
   module (QKV projection, MLP) has saved it and recomputed from a gradient hook just before that
   module's backward. A plain checkpoint around the norm would save nothing, because the next
@@ -48,10 +51,10 @@ def _checkpoint_forward(module: nn.Module, backend) -> None:
     module.forward = forward
 
 
-def _discard_after(norm: nn.Module, consumer: nn.Module, backend) -> None:
-    """Run `norm` (or any module: MoE's activation) without keeping its output, and free that
-    output once `consumer` has run on it."""
-    inner_norm, inner_consumer = norm.forward, consumer.forward
+def _discard_after(norm: nn.Module, consumer: nn.Module, backend, method: str = "forward") -> None:
+    """Run `norm` (or any module: MoE's activation; with `method`, one of its methods: MLA's
+    up-projections) without keeping its output, and free that output once `consumer` has run on it."""
+    inner_norm, inner_consumer = getattr(norm, method), consumer.forward
     pending: list[torch.Tensor] = []
 
     def norm_forward(*args: torch.Tensor) -> torch.Tensor:
@@ -67,7 +70,8 @@ def _discard_after(norm: nn.Module, consumer: nn.Module, backend) -> None:
             backend.discard(pending.pop(), out)
         return out
 
-    norm.forward, consumer.forward = norm_forward, consumer_forward
+    setattr(norm, method, norm_forward)
+    consumer.forward = consumer_forward
 
 
 def _offload_forward(layer: nn.Module, offloader: ActivationOffloader, index: int) -> None:
@@ -142,6 +146,9 @@ def apply_policies(model: nn.Module, policies: list[LayerPolicy], distribute_ove
             _checkpoint_forward(layer.mlp, backend)
         if moe:
             _install_moe(layer.mlp, policy.modules, backend)
+        if "mla_up_proj" in policy.modules:
+            attention = layer.self_attention
+            _discard_after(attention, attention.core_attention, backend, "qkv_up_proj_and_rope")
         if "layernorm" in policy.modules:
             _discard_after(layer.input_layernorm, layer.self_attention, backend)
             _discard_after(layer.pre_mlp_layernorm, layer.mlp, backend)

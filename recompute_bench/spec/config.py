@@ -27,6 +27,7 @@ ROUTER_SCORE_FUNCTIONS = ("softmax", "sigmoid")
 RECOMPUTE_MODULES = ("core_attn", "mlp", "layernorm", "moe", "moe_act", "shared_experts", "mla_up_proj")
 # The modules the model built here has; the rest need MoE or MLA layers, which it does not build yet.
 SUPPORTED_RECOMPUTE_MODULES = ("core_attn", "mlp", "layernorm")
+# The modules the model built here has; the rest need MoE or MLA layers, which it does not build yet.
 _MODULE_NEEDS = {
     "mlp": "dense MLP layers (with moe_layer_freq 1 every layer is a mixture-of-experts layer; use moe)",
     "moe": "mixture-of-experts layers",
@@ -38,6 +39,35 @@ _MODULE_NEEDS = {
 
 class ConfigError(ValueError):
     """Bad input: the message is one line that names the problem and the fix."""
+
+
+def parse_layer_pattern(text: Any) -> list[int]:
+    """Megatron's string form of a per-layer pattern ("([0]*3+[1]*58)", "[0,1,1]"): lists of 0s and
+    1s, repeated with `*` and joined with `+`. Read without eval: nothing else is accepted."""
+    import ast
+
+    def value(node: ast.AST) -> Any:
+        if isinstance(node, ast.List):
+            items = [value(e) for e in node.elts]
+            if all(i in (0, 1) and not isinstance(i, bool) for i in items):
+                return items
+        elif isinstance(node, ast.Constant) and isinstance(node.value, int) and not isinstance(node.value, bool):
+            return node.value
+        elif isinstance(node, ast.BinOp) and isinstance(node.op, (ast.Add, ast.Mult)):
+            a, b = value(node.left), value(node.right)
+            if isinstance(node.op, ast.Add) and isinstance(a, list) and isinstance(b, list):
+                return a + b
+            if isinstance(node.op, ast.Mult) and isinstance(a, list) and isinstance(b, int):
+                return a * b
+        raise ValueError
+    try:
+        pattern = value(ast.parse(str(text).strip(), mode="eval").body)
+        if not isinstance(pattern, list):
+            raise ValueError
+    except (SyntaxError, ValueError):
+        raise ConfigError(f"moe_layer_freq {text!r} is neither an integer nor a pattern of 0s and 1s such as "
+                          "\"([0]*3+[1]*58)\"; pass --set model.moe_layer_freq=N or a pattern") from None
+    return pattern
 
 
 @dataclass
@@ -58,6 +88,8 @@ class ModelConfig:
     """Longest sequence the position embedding covers."""
     num_query_groups: Optional[int] = None
     """Key/value heads for grouped-query attention; None means one per attention head."""
+    kv_channels: Optional[int] = None
+    """Head dimension (d); None: hidden_size / num_attention_heads (Qwen3 sets its own)."""
     normalization: str = "LayerNorm"
     """LayerNorm or RMSNorm."""
     activation: str = "gelu"
@@ -90,12 +122,37 @@ class ModelConfig:
     """Hidden size of one routed expert; None: ffn_hidden_size."""
     moe_shared_expert_intermediate_size: Optional[int] = None
     """Hidden size of the shared-expert MLP (all shared experts together) every token runs; None: none."""
-    moe_layer_freq: int = 1
-    """A mixture-of-experts layer every this many layers, starting with layer 0; the others are dense."""
+    moe_layer_freq: int | str = 1
+    """A mixture-of-experts layer every this many layers from layer 0 (an int), or Megatron's per-layer
+    pattern, 1 for MoE and 0 for dense, one entry per layer: "([0]*3+[1]*58)" or "[0,1]"."""
     moe_router_score_function: str = "softmax"
     """softmax (over the top-k logits, Mixtral and Qwen3) or sigmoid (normalised over the top k, DeepSeek-V3)."""
+    moe_aux_loss_coeff: float = 0.0
+    """Weight of the load-balancing auxiliary loss (Switch/GShard: experts x sum of each expert's routed share times
+    its mean score over all experts), whose gradient joins the router's in backward; 0: none."""
+    moe_router_topk_scaling_factor: Optional[float] = None
+    """Scale the routing probabilities by this factor (DeepSeek-V3: 2.5); None: 1."""
+    moe_router_enable_expert_bias: bool = False
+    """A per-expert bias added to the scores for choosing the top k only (DeepSeek-V3's aux-loss-free balancing);
+    held at its initial zero here (its load-based update is not run)."""
+    moe_router_num_groups: Optional[int] = None
+    """Group-limited routing: experts fall into this many groups (DeepSeek-V3: 8); None: no groups."""
+    moe_router_group_topk: Optional[int] = None
+    """Group-limited routing: each token's experts come from its best this-many groups (DeepSeek-V3: 4)."""
     moe_grouped_gemm: bool = False
     """Run all experts as grouped matmuls (torch._grouped_mm); false: one matmul per expert."""
+    multi_latent_attention: bool = False
+    """Multi-latent attention (DeepSeek-V2/V3) in place of MHA/GQA: q and kv go through low-rank latents."""
+    q_lora_rank: Optional[int] = None
+    """MLA: rank of the query latent (down-projection, norm, up-projection); None: one plain q projection."""
+    kv_lora_rank: int = 512
+    """MLA: rank of the key/value latent."""
+    qk_head_dim: int = 128
+    """MLA: per-head query/key dimension without the rotary part."""
+    qk_pos_emb_head_dim: int = 64
+    """MLA: per-head rotary dimension of queries and keys (the decoupled RoPE; the key's is shared by all heads)."""
+    v_head_dim: int = 128
+    """MLA: per-head value dimension."""
 
     @property
     def groups(self) -> int:
@@ -113,19 +170,38 @@ class ModelConfig:
         """Hidden size of one routed expert."""
         return self.moe_ffn_hidden_size or self.ffn_hidden_size
 
+    @property
+    def moe_layer_pattern(self) -> list[int]:
+        """1 for each mixture-of-experts layer, 0 for each dense one, as Megatron reads moe_layer_freq
+        (ConfigError when it is neither an int nor a pattern of 0s and 1s)."""
+        if not self.num_moe_experts:
+            return [0] * self.num_layers
+        freq = self.moe_layer_freq
+        if isinstance(freq, int) and not isinstance(freq, bool):
+            if freq < 1:
+                raise ConfigError(f"moe_layer_freq must be a positive integer or a pattern, got {freq}; "
+                                  "pass --set model.moe_layer_freq=N")
+            return [1 if i % freq == 0 else 0 for i in range(self.num_layers)]
+        return parse_layer_pattern(freq)
+
     def is_moe_layer(self, index: int) -> bool:
-        """Whether layer `index` (from 0) is a mixture-of-experts layer (Megatron's int moe_layer_freq)."""
-        return bool(self.num_moe_experts) and index % self.moe_layer_freq == 0
+        """Whether layer `index` (from 0) is a mixture-of-experts layer (moe_layer_freq)."""
+        return bool(self.moe_layer_pattern[index])
 
     @property
     def moe_layers(self) -> int:
         """How many of the layers are mixture-of-experts layers."""
-        return sum(self.is_moe_layer(i) for i in range(self.num_layers))
+        return sum(self.moe_layer_pattern[:self.num_layers])
 
     @property
-    def kv_channels(self) -> int:
-        """Head dimension (d = h / a)."""
-        return self.hidden_size // self.num_attention_heads
+    def head_dim(self) -> int:
+        """Head dimension d: kv_channels, or h / a."""
+        return self.kv_channels or self.hidden_size // self.num_attention_heads
+
+    @property
+    def rotary_dim(self) -> int:
+        """Dimensions RoPE rotates per head: the head dimension, or MLA's decoupled rotary part."""
+        return self.qk_pos_emb_head_dim if self.multi_latent_attention else self.head_dim
 
 
 @dataclass

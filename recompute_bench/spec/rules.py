@@ -54,7 +54,7 @@ def validate(cfg: Config) -> None:
                               f"or --set {_section_of(name)}.{name}=N")
     if t.warmup_steps < 0:
         raise ConfigError(f"warmup_steps must be 0 or more, got {t.warmup_steps}; pass --set training.warmup_steps=N")
-    if m.hidden_size % m.num_attention_heads:
+    if m.kv_channels is None and m.hidden_size % m.num_attention_heads:
         raise ConfigError(f"hidden_size {m.hidden_size} is not divisible by num_attention_heads "
                           f"{m.num_attention_heads}; change one with --set model.hidden_size=... or model.num_attention_heads=...")
     if m.num_attention_heads % m.groups:
@@ -65,8 +65,8 @@ def validate(cfg: Config) -> None:
     _choice("position_embedding_type", m.position_embedding_type, POSITION_EMBEDDINGS, "set model.position_embedding_type")
     _choice("attention_backend", m.attention_backend, ATTENTION_BACKENDS, "pass --attention-backend sdpa or math")
     _choice("precision", t.precision, PRECISIONS, "pass --precision bf16, fp16 or fp32")
-    if m.position_embedding_type == "rope" and m.kv_channels % 2:
-        raise ConfigError(f"RoPE needs an even head dimension, got {m.kv_channels}; change hidden_size or num_attention_heads")
+    if m.position_embedding_type == "rope" and m.head_dim % 2:
+        raise ConfigError(f"RoPE needs an even head dimension, got {m.head_dim}; change hidden_size or num_attention_heads")
     if m.position_embedding_type == "learned_absolute" and t.seq_length > m.max_position_embeddings:
         raise ConfigError(f"seq_length {t.seq_length} is longer than max_position_embeddings "
                           f"{m.max_position_embeddings}; lower --seq-length or --set model.max_position_embeddings=N")
@@ -107,6 +107,8 @@ def validate(cfg: Config) -> None:
                           f"{t.micro_batch_size} x data_parallel_size {p.data_parallel_size}; "
                           f"pass --global-batch-size as a multiple of it")
 
+    if m.multi_latent_attention:
+        _validate_mla(cfg)
     if m.num_moe_experts is not None:
         _validate_moe(cfg)
     _validate_expert_parallel(cfg)
@@ -146,11 +148,16 @@ def check_expert_parallel_world(cfg: Config) -> None:
 def _validate_moe(cfg: Config) -> None:
     """The mixture-of-experts fields, one clear line each."""
     m = cfg.model
-    for name in ("num_moe_experts", "moe_router_topk", "moe_layer_freq", "moe_ffn_hidden_size",
-                 "moe_shared_expert_intermediate_size"):
+    for name in ("num_moe_experts", "moe_router_topk", "moe_ffn_hidden_size", "moe_shared_expert_intermediate_size",
+                 "moe_router_num_groups", "moe_router_group_topk"):
         value = getattr(m, name)
         if (value is not None or name == "num_moe_experts") and (not isinstance(value, int) or value < 1):
             raise ConfigError(f"{name} must be a positive integer, got {value!r}; pass --set model.{name}=N")
+    pattern = m.moe_layer_pattern
+    if len(pattern) != m.num_layers:
+        raise ConfigError(f"moe_layer_freq {m.moe_layer_freq!r} has {len(pattern)} entries for {m.num_layers} layers; pass "
+                          f"one 0 (dense) or 1 (MoE) per layer, e.g. --set 'model.moe_layer_freq=([0]*1+[1]*{m.num_layers - 1})'")
+    _validate_router(cfg)
     if m.moe_router_topk > m.num_moe_experts:
         raise ConfigError(f"moe_router_topk {m.moe_router_topk} is more than num_moe_experts {m.num_moe_experts}; "
                           f"pass --set model.moe_router_topk=K with K at most {m.num_moe_experts}")
@@ -164,6 +171,44 @@ def _validate_moe(cfg: Config) -> None:
                           f"--set model.moe_grouped_gemm=false")
     if cfg.parallel.tensor_model_parallel_size > 1:
         raise ConfigError("tensor parallelism of mixture-of-experts layers (expert tensor parallel) is not modelled yet; "
+                          "pass --tensor-model-parallel-size 1")
+
+
+def _validate_router(cfg: Config) -> None:
+    """DeepSeek-V3's router options: group-limited routing and the scaling factor."""
+    m = cfg.model
+    groups, group_topk = m.moe_router_num_groups, m.moe_router_group_topk
+    if (groups is None) != (group_topk is None):
+        raise ConfigError("group-limited routing needs both moe_router_num_groups and moe_router_group_topk; "
+                          "pass --set model.moe_router_num_groups=G --set model.moe_router_group_topk=K, or neither")
+    if groups is not None and (m.num_moe_experts % groups or group_topk > groups or m.moe_router_topk % group_topk):
+        raise ConfigError(f"moe_router_num_groups {groups} must divide num_moe_experts {m.num_moe_experts}, and "
+                          f"moe_router_group_topk {group_topk} be at most the groups and divide moe_router_topk "
+                          f"{m.moe_router_topk}; change them with --set model.moe_router_num_groups/moe_router_group_topk")
+    if not m.moe_aux_loss_coeff >= 0:
+        raise ConfigError(f"moe_aux_loss_coeff must be 0 or more, got {m.moe_aux_loss_coeff}; pass --set model.moe_aux_loss_coeff=1e-3")
+    factor = m.moe_router_topk_scaling_factor
+    if factor is not None and not factor > 0:
+        raise ConfigError(f"moe_router_topk_scaling_factor must be positive, got {factor}; "
+                          "pass --set model.moe_router_topk_scaling_factor=2.5 or leave it unset")
+
+
+def _validate_mla(cfg: Config) -> None:
+    """The multi-latent attention fields, one clear line each."""
+    m = cfg.model
+    for name in ("q_lora_rank", "kv_lora_rank", "qk_head_dim", "qk_pos_emb_head_dim", "v_head_dim"):
+        value = getattr(m, name)
+        if (value is not None or name != "q_lora_rank") and (not isinstance(value, int) or value < 1):
+            raise ConfigError(f"{name} must be a positive integer, got {value!r}; pass --set model.{name}=N")
+    if m.position_embedding_type != "rope" or m.qk_pos_emb_head_dim % 2:
+        raise ConfigError(f"multi-latent attention needs RoPE on an even qk_pos_emb_head_dim (got "
+                          f"{m.position_embedding_type}, {m.qk_pos_emb_head_dim}); pass --set model.position_embedding_type=rope "
+                          f"and an even --set model.qk_pos_emb_head_dim=N")
+    if m.num_query_groups not in (None, m.num_attention_heads):
+        raise ConfigError("multi-latent attention has one key/value head per attention head (num_query_groups does "
+                          "not apply); drop --set model.num_query_groups")
+    if cfg.parallel.tensor_model_parallel_size > 1:
+        raise ConfigError("tensor parallelism of multi-latent attention is not modelled yet; "
                           "pass --tensor-model-parallel-size 1")
 
 

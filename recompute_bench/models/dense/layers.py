@@ -35,18 +35,18 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 class RotaryEmbedding(nn.Module):
     """RoPE tables as buffers (not parameters, not activations); `forward(s)` gives (cos, sin) of
-    shape [s, d/2]. Filled by `reset()`, which `GPT.init_weights` calls after a meta build."""
+    shape [s, d/2]. Filled by `reset_buffers()`, which `GPT.init_weights` calls after a meta build."""
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.cfg = cfg
-        half = cfg.kv_channels // 2
+        half = cfg.rotary_dim // 2
         self.register_buffer("cos", torch.empty(cfg.max_position_embeddings, half), persistent=False)
         self.register_buffer("sin", torch.empty(cfg.max_position_embeddings, half), persistent=False)
 
     @torch.no_grad()
-    def reset(self) -> None:
-        d = self.cfg.kv_channels
+    def reset_buffers(self) -> None:
+        d = self.cfg.rotary_dim
         inv_freq = 1.0 / (self.cfg.rotary_base ** (torch.arange(0, d, 2, dtype=torch.float64) / d))
         angles = torch.outer(torch.arange(self.cfg.max_position_embeddings, dtype=torch.float64), inv_freq)
         self.cos.copy_(angles.cos())
@@ -66,7 +66,7 @@ class SelfAttention(nn.Module):
 
     def __init__(self, cfg: ModelConfig, backend: ModuleType):
         super().__init__()
-        self.heads, self.groups, self.d = cfg.num_attention_heads, cfg.groups, cfg.kv_channels
+        self.heads, self.groups, self.d = cfg.num_attention_heads, cfg.groups, cfg.head_dim
         self.linear_qkv = backend.linear(cfg.hidden_size, (self.heads + 2 * self.groups) * self.d, cfg.add_bias_linear)
         self.core_attention = backend.core_attention(cfg.attention_backend, self.heads, self.groups, self.d,
                                                      cfg.attention_dropout)
@@ -106,10 +106,11 @@ class MLP(nn.Module):
 class TransformerLayer(nn.Module):
     """One pre-norm layer: the two residual equations."""
 
-    def __init__(self, cfg: ModelConfig, backend: ModuleType, mlp: Optional[nn.Module] = None):
+    def __init__(self, cfg: ModelConfig, backend: ModuleType, mlp: Optional[nn.Module] = None,
+                 attention: Optional["AttentionFactory"] = None):
         super().__init__()
         self.input_layernorm = backend.norm(cfg.normalization, cfg.hidden_size, cfg.layernorm_epsilon)
-        self.self_attention = SelfAttention(cfg, backend)
+        self.self_attention = (attention or SelfAttention)(cfg, backend)  # another architecture's (MLA) in its place
         self.pre_mlp_layernorm = backend.norm(cfg.normalization, cfg.hidden_size, cfg.layernorm_epsilon)
         self.mlp = MLP(cfg, backend) if mlp is None else mlp  # another architecture's block (MoE) in its place
         self.hidden_dropout = backend.dropout(cfg.hidden_dropout)
@@ -132,6 +133,8 @@ class TransformerLayers(nn.ModuleList):
 
 MlpFactory = Callable[[int, ModuleType], Optional[nn.Module]]
 """The block after pre_mlp_layernorm of layer i (None: the dense MLP), for architectures that swap it."""
+AttentionFactory = Callable[[ModelConfig, ModuleType], nn.Module]
+"""The attention block of every layer, called as `attention(x, rope)` (default: `SelfAttention`)."""
 
 
 class GPT(nn.Module):
@@ -140,7 +143,8 @@ class GPT(nn.Module):
     The embedding and output layer have `padded_vocab_size` rows (Megatron's padding), so FLOPs and
     memory match Megatron's for the same run; tokens come from the first `vocab_size` ids."""
 
-    def __init__(self, cfg: ModelConfig, backend: str = "torch", mlp_for: Optional[MlpFactory] = None):
+    def __init__(self, cfg: ModelConfig, backend: str = "torch", mlp_for: Optional[MlpFactory] = None,
+                 attention: Optional[AttentionFactory] = None):
         super().__init__()
         b = get_backend(backend)
         self.cfg = cfg
@@ -151,7 +155,7 @@ class GPT(nn.Module):
                                     if cfg.position_embedding_type == "learned_absolute" else None)
         self.rotary = RotaryEmbedding(cfg) if cfg.position_embedding_type == "rope" else None
         self.embedding_dropout = b.dropout(cfg.hidden_dropout)
-        self.layers = TransformerLayers(TransformerLayer(cfg, b, mlp_for(i, b) if mlp_for else None)
+        self.layers = TransformerLayers(TransformerLayer(cfg, b, mlp_for(i, b) if mlp_for else None, attention)
                                         for i in range(cfg.num_layers))
         self.final_layernorm = b.norm(cfg.normalization, cfg.hidden_size, cfg.layernorm_epsilon)
         self.output_layer = b.linear(cfg.hidden_size, vocab, False)
@@ -177,8 +181,9 @@ class GPT(nn.Module):
             else:
                 scaled = name.endswith(("linear_proj.weight", "linear_fc2.weight"))
                 p.normal_(0.0, residual_std if scaled else std, generator=g)
-        if self.rotary is not None:
-            self.rotary.reset()
+        for module in self.modules():  # buffers a module fills itself (RoPE tables, a router's expert bias)
+            if hasattr(module, "reset_buffers"):
+                module.reset_buffers()
 
     def forward(self, tokens: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         """Mean cross-entropy of next-token prediction; tokens and labels are [b, s]."""
@@ -195,12 +200,13 @@ class GPT(nn.Module):
 
 
 def build_model(cfg: ModelConfig, seed: int, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32,
-                backend: str = "torch", mlp_for: Optional[MlpFactory] = None) -> GPT:
+                backend: str = "torch", mlp_for: Optional[MlpFactory] = None,
+                attention: Optional[AttentionFactory] = None) -> GPT:
     """Build on the meta device, materialise on `device`, initialise from `seed`, cast to `dtype`.
     Two builds with the same seed on the same device are identical. On "meta" (shapes only, as
     FLOP counting uses it) nothing is initialised."""
     with torch.device("meta"):
-        model = GPT(cfg, backend, mlp_for)
+        model = GPT(cfg, backend, mlp_for, attention)
     model.to_empty(device=device)
     model.tie_weights()
     if torch.device(device).type != "meta":

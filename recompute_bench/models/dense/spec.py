@@ -24,10 +24,10 @@ from recompute_bench.models import (ELEMENT_BYTES, FP32_BYTES, MASK_BYTES, Saved
                                     vocab_rows)
 from recompute_bench.spec.config import Config
 
-# Matmuls core attention runs per pass, each of 2·b·s²·(a·d) FLOPs: QK^T and times V forward; the
-# backward's gradients of both (4), plus, for a kernel that kept no scores, QK^T once more.
-_CORE_ATTN_FORWARD_MATMULS = 2
-_CORE_ATTN_BACKWARD_MATMULS = {"math": 4, "sdpa_math": 4, "fused": 5}
+
+def linear(forward: float) -> Work:
+    """A linear layer's work: its backward is two GEMMs of its forward's size (data and weight gradient)."""
+    return Work(forward, 2 * forward)
 
 
 class DenseSpec:
@@ -71,23 +71,29 @@ class DenseSpec:
     def layer_flops(self, cfg: Config, samples: int | None = None, device: str = "cuda") -> dict[str, Work]:
         """FLOPs of one layer for `samples` sequences (default: one micro-batch), part by part:
         "qkv_proj", "core_attn", "out_proj", "mlp"."""
-        m, s = cfg.model, cfg.training.seq_length
+        m = cfg.model
         b = cfg.training.micro_batch_size if samples is None else samples
-        h, tokens = m.hidden_size, b * s
-        q, kv = m.kv_channels * m.num_attention_heads, m.kv_channels * m.groups
+        tokens = b * cfg.training.seq_length
         fc_widths = 3 if m.activation == "swiglu" else 2  # fc1 is h -> 2f under SwiGLU, fc2 f -> h
+        return self._attention_flops(cfg, b, device) | {"mlp": linear(2 * tokens * m.hidden_size * m.ffn_hidden_size * fc_widths)}
 
-        def linear(forward: float) -> Work:
-            return Work(forward, 2 * forward)
+    def _attention_flops(self, cfg: Config, b: int, device: str) -> dict[str, Work]:
+        """The attention block's parts for b sequences: "qkv_proj", "core_attn", "out_proj"."""
+        m = cfg.model
+        h, tokens = m.hidden_size, b * cfg.training.seq_length
+        q, kv = m.head_dim * m.num_attention_heads, m.head_dim * m.groups
+        return {"qkv_proj": linear(2 * tokens * h * (q + 2 * kv)),
+                "core_attn": self._core_attn_flops(cfg, b, device, q, q),
+                "out_proj": linear(2 * tokens * q * h)}
 
-        matmul = 2 * b * s * s * q  # one [b, a, s, d] x [b, a, d, s] product (or its transpose)
-        kernel = self.attention_kernel(cfg, device)
-        return {
-            "qkv_proj": linear(2 * tokens * h * (q + 2 * kv)),
-            "core_attn": Work(_CORE_ATTN_FORWARD_MATMULS * matmul, _CORE_ATTN_BACKWARD_MATMULS[kernel] * matmul),
-            "out_proj": linear(2 * tokens * q * h),
-            "mlp": linear(2 * tokens * h * m.ffn_hidden_size * fc_widths),
-        }
+    def _core_attn_flops(self, cfg: Config, b: int, device: str, qk_width: int, v_width: int) -> Work:
+        """Core attention over b sequences whose q and k have `qk_width` and v `v_width` elements per
+        token over all heads: QK^T and times V forward; the backward's gradients of both, plus QK^T
+        once more for a kernel that kept no scores (torch's `sdpa_backward_flop_count`)."""
+        s = cfg.training.seq_length
+        qk, pv = 2 * b * s * s * qk_width, 2 * b * s * s * v_width  # one [b, a, s, d] x [b, a, d, s] product each
+        fused = self.attention_kernel(cfg, device) == "fused"
+        return Work(qk + pv, (3 if fused else 2) * qk + 2 * pv)
 
     def selective_recompute_flops(self, cfg: Config, modules: Iterable[str], samples: int | None = None,
                                   device: str = "cuda") -> float:
@@ -103,12 +109,16 @@ class DenseSpec:
         and times V over the causal half of the square. Recompute is never counted."""
         m, s = cfg.model, cfg.training.seq_length
         b = cfg.training.micro_batch_size if samples is None else samples
-        h = m.hidden_size
-        q, kv = m.kv_channels * m.num_attention_heads, m.kv_channels * m.groups
         ffn_matrices = 3 if m.activation == "swiglu" else 2
-        per_token = 3 * 2 * (h * (q + 2 * kv) + q * h + ffn_matrices * h * m.ffn_hidden_size)
+        return b * s * 3 * 2 * ffn_matrices * m.hidden_size * m.ffn_hidden_size + self._attention_model_flops(cfg, b)
+
+    def _attention_model_flops(self, cfg: Config, b: int) -> float:
+        """The attention term of Megatron's model FLOPs for b sequences."""
+        m, s = cfg.model, cfg.training.seq_length
+        h = m.hidden_size
+        q, kv = m.head_dim * m.num_attention_heads, m.head_dim * m.groups
         core = 3 * 2 * (2 * q) // 2  # per query-key pair: QK^T and times V, the causal half
-        return b * s * per_token + b * s * s * core
+        return b * s * 3 * 2 * (h * (q + 2 * kv) + q * h) + b * s * s * core
 
     def output_layer_flops(self, cfg: Config, samples: int | None = None) -> Work:
         """The output layer over Megatron's padded vocabulary (a linear: backward twice forward)."""
@@ -137,8 +147,7 @@ class DenseSpec:
         are recomputed selectively."""
         m, tr, par = cfg.model, cfg.training, cfg.parallel
         e = ELEMENT_BYTES[tr.precision]
-        s, b, h = tr.seq_length, tr.micro_batch_size, m.hidden_size
-        tokens, q_width, kv_width = s * b, m.num_attention_heads * m.kv_channels, m.groups * m.kv_channels
+        tokens, h = tr.seq_length * tr.micro_batch_size, m.hidden_size
         mods = set(modules)
         saved = SavedBytes()
 
@@ -146,22 +155,8 @@ class DenseSpec:
         saved.add("layer_input", e * tokens * h, "sp")  # the norm (or its recompute function) keeps its input
         if "layernorm" not in mods:  # layernorm recompute frees the output and keeps no statistics
             saved.add("input_layernorm.stats", self.norm_stats_bytes(cfg, device, tokens), "sp")
-            saved.add("input_layernorm.output", e * tokens * h, "sp")  # linear_qkv's input
-        qkv = ("linear_qkv.output", e * tokens * (q_width + 2 * kv_width))
-        rope = m.position_embedding_type == "rope"
-        # q, k, v are views of the fused QKV output (laid out per query group); RoPE makes new q and k,
-        # but v stays a view, so the whole QKV output stays alive whenever v is saved as it is. With
-        # several heads per group q's heads are not adjacent in that layout: q is a copy.
-        q_copy = rope or m.groups != m.num_attention_heads
-        sources = {"q": ("rope.q" if rope else "linear_qkv.q", e * tokens * q_width) if q_copy else qkv,
-                   "k": ("rope.k", e * tokens * kv_width) if rope else qkv,
-                   "v": qkv}
-        if "core_attn" in mods:
-            for name, nbytes in sources.values():  # the checkpoint saves q, k and v
-                saved.add(name, nbytes, "tp")
-            saved.add("core_attention.output", e * tokens * q_width, "tp")  # linear_proj's input
-        else:
-            self._core_attention(saved, cfg, device, sources)
+            saved.add("input_layernorm.output", e * tokens * h, "sp")  # the attention's input
+        self._attention_saved(saved, cfg, mods, device)
         if m.hidden_dropout > 0:
             saved.add("attention.dropout_mask", MASK_BYTES * tokens * h, "sp")
 
@@ -194,46 +189,70 @@ class DenseSpec:
             saved.add(f"{prefix}mlp.silu_output", e * tokens * f, "tp")  # silu(gate), kept by the product
         saved.add(f"{prefix}linear_fc2.input", e * tokens * f, "tp")
 
-    def _core_attention(self, saved: SavedBytes, cfg: Config, device: str, sources: dict[str, tuple[str, float]]) -> None:
-        """What core attention keeps when it is not recomputed (see `attention_kernel`)."""
+    def _attention_saved(self, saved: SavedBytes, cfg: Config, mods: set[str], device: str) -> None:
+        """What the attention block keeps after its input (input_layernorm's output): RoPE's q and k
+        (or the fused QKV output) and what core attention keeps."""
+        m, tr = cfg.model, cfg.training
+        e, tokens = ELEMENT_BYTES[tr.precision], tr.seq_length * tr.micro_batch_size
+        q_width, kv_width = m.num_attention_heads * m.head_dim, m.groups * m.head_dim
+        qkv = ("linear_qkv.output", e * tokens * (q_width + 2 * kv_width))
+        rope = m.position_embedding_type == "rope"
+        # q, k, v are views of the fused QKV output (laid out per query group); RoPE makes new q and k,
+        # but v stays a view, so the whole QKV output stays alive whenever v is saved as it is. With
+        # several heads per group q's heads are not adjacent in that layout: q is a copy.
+        q_copy = rope or m.groups != m.num_attention_heads
+        sources = {"q": ("rope.q" if rope else "linear_qkv.q", e * tokens * q_width) if q_copy else qkv,
+                   "k": ("rope.k", e * tokens * kv_width) if rope else qkv,
+                   "v": qkv}
+        self._core_attention(saved, cfg, mods, device, sources, q_width, q_width, m.groups != m.num_attention_heads)
+
+    def _core_attention(self, saved: SavedBytes, cfg: Config, mods: set[str], device: str,
+                        sources: dict[str, tuple[str, float]], qk_width: int, v_width: int, gqa: bool) -> None:
+        """What core attention keeps (see `attention_kernel`), or its checkpoint when `core_attn` is
+        recomputed: q, k and v as they come (`sources`: storage name and bytes), `qk_width` and
+        `v_width` elements per token over all query heads."""
         m, tr = cfg.model, cfg.training
         e = ELEMENT_BYTES[tr.precision]
         s, b, a = tr.seq_length, tr.micro_batch_size, m.num_attention_heads
-        tokens, q_width = s * b, a * m.kv_channels
-        gqa = m.groups != a
+        tokens = s * b
+        if "core_attn" in mods:
+            for name, nbytes in sources.values():  # the checkpoint saves q, k and v
+                saved.add(name, nbytes, "tp")
+            saved.add("core_attention.output", e * tokens * v_width, "tp")  # linear_proj's input
+            return
         scores = a * s * s * b  # elements of one [b, a, s, s] tensor
         kernel = self.attention_kernel(cfg, device)
         if kernel == "fused":
             for name, nbytes in sources.values():
                 saved.add(name, nbytes, "tp")
-            saved.add("core_attention.output", e * tokens * q_width, "tp")  # also linear_proj's input (a view)
+            saved.add("core_attention.output", e * tokens * v_width, "tp")  # also linear_proj's input (a view)
             saved.add("core_attention.logsumexp", FP32_BYTES * b * a * s, "tp")
             return
         # matmul folds [b, heads, s, d] into [b*heads, s, d]: a view for b = 1, a copy of the transposed
         # view for b > 1, so a saved operand is either its source storage or a fresh copy.
         copy = b > 1
-        full_width = e * tokens * q_width
+        widths = {"q": qk_width, "k": qk_width, "v": v_width}
         if kernel == "math":
-            saved.add(*(("core_attention.q", full_width) if copy else sources["q"]), "tp")
+            saved.add(*(("core_attention.q", e * tokens * qk_width) if copy else sources["q"]), "tp")
             for x in ("k", "v"):  # GQA repeats k and v to every head first: a fresh tensor either way
-                saved.add(*((f"core_attention.{x}", full_width) if gqa or copy else sources[x]), "tp")
+                saved.add(*((f"core_attention.{x}", e * tokens * widths[x]) if gqa or copy else sources[x]), "tp")
             saved.add("core_attention.softmax", e * scores, "tp")
             if m.attention_dropout > 0:
                 saved.add("core_attention.dropout_mask", MASK_BYTES * scores, "tp")
                 saved.add("core_attention.dropout_output", e * scores, "tp")
         else:  # sdpa's math fallback: q and k scaled in fp32, v upcast (or repeated) unless already fp32 MHA
             acc = FP32_BYTES
-            saved.add("core_attention.q", acc * tokens * q_width, "tp")
-            saved.add("core_attention.k", acc * tokens * q_width, "tp")
+            saved.add("core_attention.q", acc * tokens * qk_width, "tp")
+            saved.add("core_attention.k", acc * tokens * qk_width, "tp")
             fresh_v = gqa or e < acc or copy
-            saved.add(*(("core_attention.v", acc * tokens * q_width) if fresh_v else sources["v"]), "tp")
+            saved.add(*(("core_attention.v", acc * tokens * v_width) if fresh_v else sources["v"]), "tp")
             saved.add("core_attention.softmax", acc * scores, "tp")
             if m.attention_dropout > 0:
                 # torch's own dropout there: a bool mask on CUDA, the scaled fp32 noise on a CPU
                 mask = MASK_BYTES if device_kind(device) == "cuda" else acc
                 saved.add("core_attention.dropout_mask", mask * scores, "tp")
                 saved.add("core_attention.dropout_output", acc * scores, "tp")
-        saved.add("core_attention.output", e * tokens * q_width, "tp")  # the [b, s, h] copy linear_proj keeps
+        saved.add("core_attention.output", e * tokens * v_width, "tp")  # the [b, s, h] copy linear_proj keeps
 
     # ----- parameters -----------------------------------------------------------------------------
 
@@ -242,14 +261,26 @@ class DenseSpec:
         weights and column-parallel biases) and "replicated" (norms, row-parallel biases)."""
         m, t = cfg.model, cfg.parallel.tensor_model_parallel_size
         h, f = m.hidden_size, m.ffn_hidden_size
-        qkv = (m.num_attention_heads + 2 * m.groups) * m.kv_channels
-        q = m.num_attention_heads * m.kv_channels
         fc1 = 2 * f if m.activation == "swiglu" else f
         bias = 1 if m.add_bias_linear else 0
-        norm = (2 if m.normalization == "LayerNorm" else 1) * h
-        sharded = h * qkv + bias * qkv + q * h + h * fc1 + bias * fc1 + f * h
-        replicated = 2 * norm + bias * 2 * h
+        attention = self._attention_parameters(cfg)
+        sharded = attention["sharded"] + h * fc1 + bias * fc1 + f * h
+        replicated = 2 * self._norm_parameters(cfg, h) + bias * h + attention["replicated"]
         return {"sharded": sharded / t, "replicated": replicated}
+
+    @staticmethod
+    def _norm_parameters(cfg: Config, width: int) -> int:
+        """A norm over `width` features: LayerNorm's weight and bias, RMSNorm's weight."""
+        return (2 if cfg.model.normalization == "LayerNorm" else 1) * width
+
+    def _attention_parameters(self, cfg: Config) -> dict[str, int]:
+        """The attention block's parameters on one rank before the tensor-parallel split: "sharded"
+        (QKV and output projection, column-parallel biases), "replicated" (the output bias)."""
+        m = cfg.model
+        h = m.hidden_size
+        qkv = (m.num_attention_heads + 2 * m.groups) * m.head_dim
+        q, bias = m.num_attention_heads * m.head_dim, 1 if m.add_bias_linear else 0
+        return {"sharded": h * qkv + bias * qkv + q * h, "replicated": bias * h}
 
     # ----- building -------------------------------------------------------------------------------
 

@@ -21,26 +21,94 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from recompute_bench.models.dense.layers import GPT, MLP, build_model as build_dense
+from recompute_bench.models.dense.layers import GPT, MLP, AttentionFactory, build_model as build_dense
 from recompute_bench.models.moe.dispatch import AllToAllDispatch, LocalDispatch
 from recompute_bench.spec.config import ModelConfig
 
 
+class _AuxLossGradient(torch.autograd.Function):
+    """Megatron's MoEAuxLossAutoScaler: the probabilities pass unchanged, and their backward also
+    starts the auxiliary loss's own backward (gradient 1), so the loss shapes the router's gradient
+    without being added to the language-model loss."""
+
+    @staticmethod
+    def forward(ctx, probs: torch.Tensor, aux_loss: torch.Tensor) -> torch.Tensor:
+        ctx.aux_shape = aux_loss.shape
+        ctx.aux_dtype = aux_loss.dtype
+        return probs.clone()
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return grad, torch.ones(ctx.aux_shape, dtype=ctx.aux_dtype, device=grad.device)
+
+
 class Router(nn.Module):
-    """Scores every expert for every token and keeps the top k: (probabilities [T, k], experts [T, k])."""
+    """Scores every expert for every token and keeps the top k: (probabilities [T, k], experts [T, k]).
+
+    sigmoid (DeepSeek-V3): independent scores; the experts are chosen on the scores plus the expert
+    bias, within the best `moe_router_group_topk` of `moe_router_num_groups` groups (a group scored
+    by the sum of its best k / group_topk experts), and their own scores, normalised over the k,
+    are the probabilities. The choice is made without a graph: only the gather of the chosen scores
+    carries gradient, as in Megatron, where the masked top-k's values are those scores.
+    `moe_router_topk_scaling_factor` scales the probabilities of either score function."""
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.topk, self.score_function = cfg.moe_router_topk, cfg.moe_router_score_function
+        self.groups, self.group_topk = cfg.moe_router_num_groups, cfg.moe_router_group_topk
+        self.scale = cfg.moe_router_topk_scaling_factor
+        self.aux_loss_coeff = cfg.moe_aux_loss_coeff
         self.weight = nn.Parameter(torch.empty(cfg.num_moe_experts, cfg.hidden_size))
+        # Megatron's expert bias is a buffer, not a parameter: no gradient, no optimizer state.
+        self.register_buffer("expert_bias", torch.empty(cfg.num_moe_experts) if cfg.moe_router_enable_expert_bias else None)
+
+    @torch.no_grad()
+    def reset_buffers(self) -> None:
+        """The expert bias starts at zero (called by `GPT.init_weights`)."""
+        if self.expert_bias is not None:
+            self.expert_bias.zero_()
+
+    def _choose(self, scores: torch.Tensor) -> torch.Tensor:
+        """The k experts of every token (no graph)."""
+        if self.expert_bias is not None:
+            scores = scores + self.expert_bias
+        if self.groups:
+            grouped = scores.unflatten(-1, (self.groups, -1))
+            best = grouped.topk(self.topk // self.group_topk, dim=-1).values.sum(-1).topk(self.group_topk, dim=-1).indices
+            keep = torch.zeros_like(grouped[..., 0], dtype=torch.bool).scatter_(-1, best, True)
+            scores = scores.masked_fill(~keep.repeat_interleave(grouped.shape[-1], dim=-1), float("-inf"))
+        return scores.topk(self.topk, dim=-1).indices
+
+    def _aux_loss(self, all_scores: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
+        """Switch/GShard load balancing (Megatron's switch_load_balancing_loss_func): coeff x E / (k T^2)
+        x sum over experts of (tokens routed to it) x (its score summed over tokens), the scores taken
+        over all E experts (softmax, or sigmoid normalised over all)."""
+        all_scores = all_scores.reshape(-1, all_scores.shape[-1])
+        tokens, num_experts = all_scores.shape
+        with torch.no_grad():
+            routed = torch.zeros(num_experts, dtype=all_scores.dtype, device=all_scores.device).index_add_(
+                0, experts.reshape(-1), torch.ones(experts.numel(), dtype=all_scores.dtype, device=all_scores.device))
+        weight = num_experts * self.aux_loss_coeff / (self.topk * tokens * tokens)
+        return (all_scores.sum(0) * routed).sum() * weight
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         logits = F.linear(x, self.weight)
-        if self.score_function == "sigmoid":  # DeepSeek-V3: independent scores, normalised over the chosen k
-            scores, experts = torch.topk(torch.sigmoid(logits), self.topk, dim=-1)
-            return scores / scores.sum(-1, keepdim=True), experts
-        logits, experts = torch.topk(logits, self.topk, dim=-1)  # Megatron's default: softmax after top-k
-        return torch.softmax(logits, dim=-1), experts
+        if self.score_function == "sigmoid":
+            all_scores = torch.sigmoid(logits)
+            with torch.no_grad():
+                experts = self._choose(all_scores)
+            scores = all_scores.gather(-1, experts)
+            probs = scores / scores.sum(-1, keepdim=True)
+            if self.aux_loss_coeff:
+                all_scores = all_scores / all_scores.sum(-1, keepdim=True)
+        else:
+            top, experts = torch.topk(logits, self.topk, dim=-1)  # Megatron's default: softmax after top-k
+            probs = torch.softmax(top, dim=-1)
+            if self.aux_loss_coeff:
+                all_scores = torch.softmax(logits, dim=-1)
+        if self.aux_loss_coeff:
+            probs = _AuxLossGradient.apply(probs, self._aux_loss(all_scores, experts))
+        return (probs if self.scale is None else probs * self.scale), experts
 
 
 class WeightedActivation(nn.Module):
@@ -115,9 +183,10 @@ class MoELayer(nn.Module):
 
 
 def build_model(cfg: ModelConfig, seed: int, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32,
-                backend: str = "torch") -> GPT:
+                backend: str = "torch", attention: AttentionFactory | None = None) -> GPT:
     """The dense GPT with a MoE block as the MLP of every MoE layer (`cfg.is_moe_layer`), built,
     materialised and initialised as `dense.layers.build_model` does (router and expert weights are
-    matrices: normal(0, std); the experts' fc2 scaled like every residual-feeding projection)."""
+    matrices: normal(0, std); the experts' fc2 scaled like every residual-feeding projection).
+    `attention`: another attention block (MLA), as the dense build takes it."""
     return build_dense(cfg, seed, device, dtype, backend,
-                       lambda i, b: MoELayer(cfg, b) if cfg.is_moe_layer(i) else None)
+                       lambda i, b: MoELayer(cfg, b) if cfg.is_moe_layer(i) else None, attention)

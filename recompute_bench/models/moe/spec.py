@@ -20,7 +20,7 @@ from __future__ import annotations
 from typing import Any, Iterable
 
 from recompute_bench.models import ELEMENT_BYTES, INDEX_BYTES, SavedBytes, Work
-from recompute_bench.models.dense.spec import DenseSpec
+from recompute_bench.models.dense.spec import DenseSpec, linear
 from recompute_bench.spec.config import Config, ModelConfig
 
 INT32_BYTES = 4  # the grouped matmul's cumulative expert offsets
@@ -68,6 +68,12 @@ class _MoELayer(DenseSpec):
             saved.add("router.score_sum", e * tokens, "none")
         else:
             saved.add("router.probs", e * rows, "none")
+        if m.moe_aux_loss_coeff:  # the scores over all experts (softmax's, or the sigmoid's normaliser) and the routed counts
+            if m.moe_router_score_function == "sigmoid":
+                saved.add("router.aux_score_sum", e * tokens, "none")
+            else:
+                saved.add("router.aux_softmax", e * tokens * m.num_moe_experts, "none")
+            saved.add("router.aux_routed", e * m.num_moe_experts, "none")
         # Permutation: the sort order (gathers the probabilities), each copy's token (gathers the
         # rows) and the inverse order (gathers the experts' output back into token order).
         saved.add("permutation.order", INDEX_BYTES * rows, "none")
@@ -95,10 +101,6 @@ class _MoELayer(DenseSpec):
         b = cfg.training.micro_batch_size if samples is None else samples
         tokens, h = b * cfg.training.seq_length, m.hidden_size
         widths = 3 if m.activation == "swiglu" else 2
-
-        def linear(forward: float) -> Work:
-            return Work(forward, 2 * forward)
-
         parts = {"router": linear(2 * tokens * h * m.num_moe_experts),
                  "experts": linear(2 * tokens * m.moe_router_topk * h * m.moe_ffn * widths)}
         if m.moe_shared_expert_intermediate_size:
@@ -110,6 +112,8 @@ class MoESpec(DenseSpec):
     """The mixture-of-experts GPT (Mixtral, Qwen3-MoE): MoE layers every `moe_layer_freq` layers."""
 
     name = "moe"
+    layer_spec: type = _MoELayer
+    """The spec of one MoE layer (another attention's, for MLA)."""
 
     def __init__(self, model: ModelConfig):
         dense = model.moe_layers < model.num_layers
@@ -119,7 +123,7 @@ class MoESpec(DenseSpec):
         if model.moe_shared_expert_intermediate_size:
             targets.append("shared_experts")
         self.recompute_targets = tuple(targets)
-        self._layer = _MoELayer()
+        self._layer = self.layer_spec()
 
     def layer_flops(self, cfg: Config, samples: int | None = None, device: str = "cuda") -> dict[str, Work]:
         """Mean FLOPs of one layer by part: attention's, "mlp" (dense layers), "router", "experts"
