@@ -52,7 +52,7 @@ def test_expert_parallel_over_two_ranks_matches_one_rank(tmp_path):
     estimate = record["metrics"]["estimated_activation_bytes"]
     no_ep = record_estimate(config("tiny-moe", sets=SETS, parallel__data_parallel_size=2), "cpu")
     assert sum(acts) / 2 == single["metrics"]["activation_bytes"] + estimate - no_ep["estimated_activation_bytes"]
-    saved = spec_for(cfg.model)._layer.layer_saved_bytes(cfg, [], "cpu")
+    saved = spec_for(cfg.model).layer_saved_bytes(cfg, [], "cpu")  # every layer of tiny-moe is a MoE layer
     per_row = sum(v for k, v in saved.items() if k.startswith(("experts.linear", "experts.silu", "experts.activation",
                                                                "experts.permuted", "dispatch."))) / (64 * 2)
     assert acts[0] - acts[1] == (rows[0] - rows[1]) * per_row
