@@ -6,8 +6,9 @@ import itertools
 import json
 
 import pytest
+import torch
 
-from conftest import config, invoke
+from conftest import config, invoke, probe
 from test_estimate import measure, shrunk
 from recompute_bench.analysis import auto
 from recompute_bench.analysis import flops
@@ -234,3 +235,124 @@ def test_sweep_adds_the_auto_point_and_measures_it(tmp_path):
     assert m["activation_bytes"] == m["estimated_activation_bytes"]
     assert m["measured_flops_per_step"] == m["estimated_hardware_flops_per_step"]
     assert m["estimated_peak_allocated_bytes"] <= 0.0105 * 2**30
+
+
+# ----- layers of two kinds: tiny-moe with a MoE layer every second layer (MoE, dense, MoE, dense) ------
+
+def moe_freq2(**overrides):  # one micro-batch of 2 per step, as the probe runs
+    return config("tiny-moe", model__num_layers=4, model__moe_layer_freq=2, training__global_batch_size=2, **overrides)
+
+
+def kind_tables(cfg):
+    """Per layer kind: bytes kept and recompute FLOPs of every selective subset of its targets, and
+    of the whole layer (the reference the exhaustive search adds up, independent of the solver)."""
+    targets = spec_for(cfg.model).recompute_targets
+    kinds = {}
+    for kind, index in (("moe", 0), ("dense", 1)):
+        mods = [m for m in targets if (m != "mlp" if kind == "moe" else m not in ("moe", "moe_act", "shared_experts"))]
+        c = E.kind_config(cfg, kind)
+        subsets = [frozenset(x) for n in range(len(mods) + 1) for x in itertools.combinations(mods, n)]
+        kinds[kind] = {s: (E.layer_activation_bytes(c, s, "cpu"),
+                           flops.policy_recompute_flops(cfg, [LayerPolicy(modules=s)], None, "cpu", first=index))
+                       for s in subsets}
+        kinds[kind][None] = (E.layer_activation_bytes(c, (), "cpu"),
+                             flops.policy_recompute_flops(cfg, [LayerPolicy(chunk=0)], None, "cpu", first=index))
+    return kinds
+
+
+def reference(cfg, tables, policy):
+    """(stored, backward peak, recompute FLOPs, modules) of a per-layer policy from the tables."""
+    kinds = ["moe" if cfg.model.is_moe_layer(i) else "dense" for i in range(len(policy))]
+    ckpt = E.checkpoint_input_bytes(cfg)
+    stored = peak = work = 0.0
+    mods = 0
+    i = 0
+    while i < len(policy):
+        p = policy[i]
+        if p.chunk is None:
+            nbytes, f = tables[kinds[i]][p.modules]
+            stored, work, mods, i = stored + nbytes, work + f, mods + len(p.modules), i + 1
+            continue
+        j = i
+        while j < len(policy) and policy[j].chunk == p.chunk:
+            j += 1
+        peak = max(peak, stored + sum(tables[kinds[k]][None][0] for k in range(i, j)))
+        work += sum(tables[kinds[k]][None][1] for k in range(i, j))
+        mods += (j - i) * (len(spec_for(cfg.model).recompute_targets) + 1)
+        stored += ckpt
+        i = j
+    return stored, max(peak, stored), work, mods
+
+
+def every_kind_policy(cfg, tables):
+    """Every per-layer mix where each layer takes a choice its kind has (or full, chunked every way)."""
+    kinds = ["moe" if cfg.model.is_moe_layer(i) else "dense" for i in range(cfg.model.num_layers)]
+    per_layer = [[LayerPolicy(modules=s) for s in tables[k] if s is not None] + ["full"] for k in kinds]
+    for picks in itertools.product(*per_layer):
+        joints = [i for i in range(1, len(picks)) if picks[i] == picks[i - 1] == "full"]
+        for new in itertools.product([False, True], repeat=len(joints)):
+            starts = {i for i, s in zip(joints, new) if s}
+            out, chunk = [], -1
+            for i, p in enumerate(picks):
+                if p != "full":
+                    out.append(p)
+                    continue
+                if i not in joints or i in starts:
+                    chunk += 1
+                out.append(LayerPolicy(chunk=chunk))
+            yield out
+
+
+def test_on_dense_and_moe_layers_the_solver_is_optimal_against_every_per_layer_mix():
+    cfg = moe_freq2(training__precision="fp32")
+    tables = kind_tables(cfg)
+    policies = list(every_kind_policy(cfg, tables))
+    refs = [reference(cfg, tables, p) for p in policies]
+    for p, r in zip(policies[::997], refs[::997]):  # the reference adds up as the analysis does
+        acts = E.policy_activations(cfg, p, "cpu")
+        assert (acts.stored_bytes, acts.peak_bytes, flops.policy_recompute_flops(cfg, p, None, "cpu")) == r[:3]
+    assert tables["moe"][frozenset()][0] != tables["dense"][frozenset()][0]  # the kinds do differ
+    peak = auto.rank_peak(dataclasses.replace(cfg, recompute=RecomputeConfig()), "cpu")
+    needs = [peak(E.StageActivations(4, r[0], r[1])) for r in refs]
+    lo, hi = min(needs), max(needs)
+    for fraction in (0.0, 0.15, 0.4, 0.7, 1.0):
+        budget = lo + fraction * (hi - lo)
+        best = min((r[2], r[3]) for r, n in zip(refs, needs) if n <= budget)
+        solved = auto.solve(cfg, 4, lambda a: peak(a) <= budget, "cpu")
+        got = reference(cfg, tables, solved)
+        assert peak(E.StageActivations(4, got[0], got[1])) <= budget
+        assert (got[2], got[3]) == best, (fraction, [p.entry for p in solved])
+        for i, p in enumerate(solved):  # MoE modules on MoE layers only, mlp on dense layers only
+            assert not p.modules & ({"mlp"} if i % 2 == 0 else {"moe", "moe_act", "shared_experts"})
+
+
+def test_on_dense_and_moe_layers_the_policy_run_for_real_fits_and_beats_every_fitting_uniform_setting():
+    cfg = moe_freq2()
+    n = cfg.model.num_layers
+    # Uniform settings by the analysis (exact to the byte and FLOP against the probe for every MoE
+    # setting: test_moe.py); the best fitting one and the solver's policy are measured here.
+    uniform = [(r, E.activation_bytes(c := dataclasses.replace(cfg, recompute=r), "cpu")["activation_bytes"],
+                flops.hardware_flops_per_step(c, "cpu")) for r in [RecomputeConfig()] + all_settings(n)]
+    outside = E.activation_bytes(cfg, "cpu")["activation_bytes"] - E.stage_activations(cfg, "cpu").stored_bytes
+    sizes = sorted({t for _, t, _ in uniform})
+    mixed_seen = False
+    for budget in (sizes[len(sizes) // 3], sizes[2 * len(sizes) // 3]):
+        solved = auto.solve(cfg, n, lambda a: outside + a.stored_bytes <= budget, "cpu")
+        total, _, measured_flops, _ = probe(running(cfg, solved), torch.bfloat16)
+        fitting = [(f, r) for r, t, f in uniform if t <= budget]
+        best_flops, best = min(fitting, key=lambda x: x[0])
+        _, _, _, uniform_flops = probe(dataclasses.replace(cfg, recompute=best), torch.bfloat16)
+        assert total <= budget
+        assert uniform_flops == best_flops and measured_flops <= uniform_flops, (budget, [p.entry for p in solved])
+        mixed_seen |= len({p.entry for p in solved}) > 1
+    assert mixed_seen
+
+
+def test_a_policy_file_offers_moe_modules_on_moe_layers_only(tmp_path):
+    path = tmp_path / "p.toml"
+    for layers, needle in (('["selective[moe]", "selective[moe]", "none", "none"]', "layer 1 is a dense layer"),
+                           ('["selective[mlp]", "none", "none", "none"]', "layer 0 is a moe layer")):
+        path.write_text(f'schema = "recompute-bench/policy/v1"\nlayers = {layers}\n')
+        result = invoke("run", "-w", "tiny-moe", "--num-layers", "4", "--set", "model.moe_layer_freq=2", "--policy", str(path))
+        assert result.exit_code == 2 and needle in result.stderr, result.output
+        assert len(result.stderr.strip().splitlines()) == 1
