@@ -14,7 +14,9 @@ from recompute_bench.analysis import auto
 from recompute_bench.analysis import flops
 from recompute_bench.analysis import memory as E
 from recompute_bench.models import spec_for
-from recompute_bench.recompute.policy import LayerPolicy, layer_policies
+from recompute_bench.analysis.profile_costs import ProfileCosts
+from recompute_bench.recompute.policy import LayerPolicy, layer_policies, parse_entry
+from recompute_bench.recompute.policy_file import check
 from recompute_bench.recompute.settings import all_settings
 from recompute_bench.results.records import key_fields, point_id
 from recompute_bench.spec.config import RecomputeConfig
@@ -356,3 +358,79 @@ def test_a_policy_file_offers_moe_modules_on_moe_layers_only(tmp_path):
         result = invoke("run", "-w", "tiny-moe", "--num-layers", "4", "--set", "model.moe_layer_freq=2", "--policy", str(path))
         assert result.exit_code == 2 and needle in result.stderr, result.output
         assert len(result.stderr.strip().splitlines()) == 1
+
+
+# ----- measured costs (--profile) and offload as a choice -------------------------------------
+
+def test_plan_auto_profile_measures_each_module_caches_it_and_prices_the_policy_by_it(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    args = ("plan", "--auto", "-w", "tiny", "--device", "cpu", "--allowance-gb", "0", "--allowance-fraction", "0",
+            "--memory-gb", "0.0105", "--profile", "--profile-steps", "2", "--output", "p.toml", "--json")
+    first = invoke(*args)
+    assert first.exit_code == 0, first.output
+    assert "measured on cpu" in first.stderr and "offload is not a choice on a CPU" in first.stderr
+    [path] = (tmp_path / "results" / "profiles").glob("cpu-*.json")
+    profile = json.loads(path.read_text())
+    dense = profile["kinds"]["dense"]
+    assert set(dense["seconds"]) == {"layer", "core_attn", "mlp", "layernorm"} and profile["host_link_bytes_per_s"] is None
+    assert all(t > 0 for t in dense["seconds"].values())
+    assert dense["seconds"]["layer"] > dense["seconds"]["core_attn"]  # the layer's forward contains its attention's
+    assert dense["saved_bytes"] == dense["analytical_saved_bytes"]    # the probe, target by target
+    plan = json.loads(first.stdout)
+    assert plan["costs"] == "measured seconds" and plan["predicted"]["device_bytes_needed"] <= 0.0105 * 2**30
+    costs = ProfileCosts(profile)
+    policy = [parse_entry(e) for e in plan["policy"]]
+    assert plan["predicted"]["recompute_cost"] == auto.policy_cost(config("tiny"), policy, costs, "cpu")
+    assert plan["predicted"]["recompute_cost"] <= plan["uniform"]["recompute_cost"]
+    again = invoke(*args)  # the second plan reads the cache: same costs, same policy
+    assert again.exit_code == 0 and "read from" in again.stderr
+    assert json.loads(again.stdout)["policy"] == plan["policy"]
+
+
+def test_profile_and_offload_flags_are_refused_where_they_cannot_apply():
+    for args, needle in ((["--profile"], "pass --device cpu"),                        # modelling CUDA, measuring a CPU
+                         (["--device", "cpu", "--host-link-gbps", "25"], "add --profile"),
+                         (["--device", "cpu", "--profile", "--tp", "2"], "--tp > 1")):
+        result = invoke("plan", "--auto", "-w", "tiny", "--memory-gb", "1", *args)
+        assert result.exit_code == 2 and needle in result.stderr, result.output
+        assert len(result.stderr.strip().splitlines()) == 1
+    result = invoke("plan", "-w", "tiny", "--memory-gb", "1", "--profile")
+    assert result.exit_code == 2 and "goes with plan --auto" in result.stderr
+
+
+def cuda_profile(cfg, link_bytes_per_s):
+    """A profile as a CUDA device would record it (this machine has none): every target's forward
+    proportional to its FLOPs at 100 TFLOP/s, and the given host link."""
+    rate, kinds = 100e12, {}
+    for kind in ("dense",):
+        c = E.kind_config(cfg, kind)
+        seconds = {m: flops.policy_recompute_flops(c, [LayerPolicy(modules=frozenset([m]))], None, "cuda") / rate
+                   for m in spec_for(cfg.model).recompute_targets}
+        seconds["layer"] = flops.policy_recompute_flops(c, [LayerPolicy(chunk=0)], None, "cuda") / rate
+        kinds[kind] = {"seconds": seconds}
+    return {"device": "cuda", "kinds": kinds, "host_link_bytes_per_s": link_bytes_per_s}
+
+
+def test_offload_is_a_choice_priced_by_host_link_time_not_hidden_by_compute():
+    cfg = config("llama3-8b", model__num_layers=8, training__seq_length=8192)
+    full = E.layer_activation_bytes(cfg, (), "cuda")
+    fast, slow = ProfileCosts(cuda_profile(cfg, 1e15)), ProfileCosts(cuda_profile(cfg, 1e9))
+    forward = fast.full("dense")
+    assert fast.offload("dense", full) == 0.0  # the copies hide behind compute
+    copy = full / 1e9
+    assert slow.offload("dense", full) == pytest.approx((copy - forward) + (copy - 2 * forward))
+    peak = auto.rank_peak(cfg, "cuda")
+    budget = peak(E.stage_activations(dataclasses.replace(cfg, recompute=RecomputeConfig("full", [], "uniform", 1)), "cuda")) * 1.05
+
+    def fits(a):
+        return peak(a) <= budget
+
+    with_link = auto.solve(cfg, 8, fits, "cuda", fast)
+    without = auto.solve(cfg, 8, fits, "cuda", slow)
+    assert any(p.offload for p in with_link) and not any(p.offload for p in without)
+    for policy in (with_link, without):
+        assert fits(E.policy_activations(cfg, policy, "cuda"))
+    assert auto.policy_cost(cfg, with_link, fast, "cuda") < auto.policy_cost(cfg, without, slow, "cuda")
+    # the chosen offload mix is a valid policy file for run --policy (CUDA) and its bytes are the analysis'
+    entries = [p.entry for p in with_link]
+    assert check(entries, cfg) == with_link

@@ -291,10 +291,11 @@ def auto_plan(cfg: Config, budget_bytes: float, device: str = "cuda",
     stage = solve(cfg, layers, lambda acts: model.device_bytes_needed(peak(acts), allowance_fraction,
                                                                       allowance_bytes) <= budget_bytes, device, costs)
     uniform = model.plan(cfg, budget_bytes, device, allowance_fraction, allowance_bytes)
-    best = uniform["fits"][0] if uniform["fits"] else None
-    if best is not None:
-        r = next(x for x in model.listed_settings(cfg, device) if x.label == best["label"])
-        best["recompute_cost"] = policy_cost(cfg, layer_policies(r, layers), costs, device)
+    settings = {r.label: r for r in model.listed_settings(cfg, device)}
+    for row in uniform["fits"]:
+        row["recompute_cost"] = policy_cost(cfg, layer_policies(settings[row["label"]], layers), costs, device)
+    # the cheapest fitting uniform setting by the same costs (measured ones may order them otherwise)
+    best = min(uniform["fits"], key=lambda row: row["recompute_cost"]) if uniform["fits"] else None
     out: dict[str, Any] = {"schema": AUTO_SCHEMA, "workload": cfg.workload, "config": cfg.to_dict(),
                            "device": model.device_kind(device), "budget_bytes": budget_bytes,
                            "allowance": {"fraction": allowance_fraction, "bytes": allowance_bytes},
