@@ -195,12 +195,12 @@ BAD = {
     "split chunk": ('layers = ["full:0", "none", "full:0", "none"]', "full:0 is split"),
     "malformed toml": ('layers = ["none", ', "is not valid TOML"),
 }
+RUN_ONLY = {"offload on a CPU": ('layers = ["offload", "none", "selective[mlp]", "full:0"]', "write none for the policy's offload")}
 
 
-@pytest.mark.parametrize("problem", list(BAD))
-@pytest.mark.parametrize("command", ["run", "verify"])
+@pytest.mark.parametrize("command,problem", [(c, p) for c in ("run", "verify") for p in BAD] + [("run", p) for p in RUN_ONLY])
 def test_a_bad_policy_file_is_one_line_and_exit_2(tmp_path, command, problem):
-    body, needle = BAD[problem]
+    body, needle = {**BAD, **RUN_ONLY}[problem]
     path = tmp_path / "bad.toml"
     path.write_text(f'schema = "recompute-bench/policy/v1"\nworkload = "tiny"\nnum_layers = 4\n{body}\n')
     result = invoke(command, "-w", "tiny", "--policy", str(path))

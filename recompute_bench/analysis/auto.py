@@ -95,8 +95,8 @@ class Choice:
 
 def choices(cfg: Config, kind: str, costs: Costs, device: str = "cuda") -> list[Choice]:
     """For a layer of `kind`: none, every selective subset of the targets it has and (where the
-    costs allow) offload, without those another choice beats on bytes and cost (they can never be
-    part of a best policy)."""
+    costs price it and there is one pipeline stage, Megatron's rule) offload, without those another
+    choice beats on bytes and cost (they can never be part of a best policy)."""
     targets = kind_targets(spec_for(cfg.model).recompute_targets, kind)
     c = model.kind_config(cfg, kind)
     out = []
@@ -104,7 +104,7 @@ def choices(cfg: Config, kind: str, costs: Costs, device: str = "cuda") -> list[
         out.append(Choice(LayerPolicy(modules=modules), model.layer_activation_bytes(c, modules, device),
                           (costs.selective(kind, modules) if modules else 0.0, len(modules))))
     full = model.layer_activation_bytes(c, (), device)
-    offload = costs.offload(kind, full)
+    offload = costs.offload(kind, full) if cfg.parallel.pipeline_model_parallel_size == 1 else None
     if offload is not None:
         out.append(Choice(LayerPolicy(offload=True), 0.0, (offload, 0), full))
     return [x for x in out if not any(_beats(y, x) for y in out)]
@@ -300,7 +300,8 @@ def auto_plan(cfg: Config, budget_bytes: float, device: str = "cuda",
                            "device": model.device_kind(device), "budget_bytes": budget_bytes,
                            "allowance": {"fraction": allowance_fraction, "bytes": allowance_bytes},
                            "solver": "exact dynamic programme over layers x (stored, peak, brought-back) bytes",
-                           "costs": costs.unit, "offload": costs.offload_note,
+                           "costs": costs.unit, "offload": costs.offload_note if cfg.parallel.pipeline_model_parallel_size == 1
+                           else "offload is not a choice with pipeline parallelism (Megatron's rule)",
                            "layer_kinds": [layer_kind(cfg.model, i) for i in range(layers)],
                            "policy": None, "predicted": None, "uniform": best,
                            "reason": uniform["reason"], "would_fit": uniform["would_fit"]}
