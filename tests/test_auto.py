@@ -434,3 +434,25 @@ def test_offload_is_a_choice_priced_by_host_link_time_not_hidden_by_compute():
     # the chosen offload mix is a valid policy file for run --policy (CUDA) and its bytes are the analysis'
     entries = [p.entry for p in with_link]
     assert check(entries, cfg) == with_link
+
+
+def test_the_issue_s_first_example_plans_many_ranks_from_the_rank_model(tmp_path):
+    base = ("plan", "--auto", "--workload", "llama3-70b", "--tp", "8", "--sequence-parallel", "--pp", "4", "--json")
+    plans = {}
+    for name, extra in (("80", ["--memory-gb", "80"]), ("60", ["--memory-gb", "60"]),
+                        ("60 dist-opt", ["--memory-gb", "60", "--use-distributed-optimizer", "--dp", "8"])):
+        result = invoke(*base, *extra, "--output", str(tmp_path / "p.toml"))
+        assert result.exit_code == 0, result.output
+        plans[name] = json.loads(result.stdout)
+    for name, plan in plans.items():
+        cfg = dataclasses.replace(config("llama3-70b", parallel__tensor_model_parallel_size=8, parallel__sequence_parallel=True,
+                                         parallel__pipeline_model_parallel_size=4,
+                                         parallel__data_parallel_size=8 if "dist" in name else 1,
+                                         parallel__use_distributed_optimizer="dist" in name),
+                                  recompute=RecomputeConfig(layer_policy=plan["policy"]))
+        need = E.device_bytes_needed(E.peak_rank_memory(cfg, "cuda").peak_allocated_bytes)
+        assert need == plan["predicted"]["device_bytes_needed"] <= float(name.split()[0]) * 2**30
+        assert plan["predicted"]["recompute_cost"] <= plan["uniform"]["recompute_cost"]
+    assert plans["80"]["predicted"]["recompute_overhead"] == 0  # 80 GiB holds every activation
+    assert 0 < plans["60"]["predicted"]["recompute_overhead"] < plans["60"]["uniform"]["recompute_overhead"]
+    assert plans["60 dist-opt"]["predicted"]["recompute_overhead"] == 0  # sharded Adam state frees the room

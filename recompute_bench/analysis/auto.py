@@ -291,9 +291,8 @@ def auto_plan(cfg: Config, budget_bytes: float, device: str = "cuda",
     stage = solve(cfg, layers, lambda acts: model.device_bytes_needed(peak(acts), allowance_fraction,
                                                                       allowance_bytes) <= budget_bytes, device, costs)
     uniform = model.plan(cfg, budget_bytes, device, allowance_fraction, allowance_bytes)
-    settings = {r.label: r for r in model.listed_settings(cfg, device)}
     for row in uniform["fits"]:
-        row["recompute_cost"] = policy_cost(cfg, layer_policies(settings[row["label"]], layers), costs, device)
+        row["recompute_cost"] = policy_cost(cfg, layer_policies(RecomputeConfig(**row["recompute"]), layers), costs, device)
     # the cheapest fitting uniform setting by the same costs (measured ones may order them otherwise)
     best = min(uniform["fits"], key=lambda row: row["recompute_cost"]) if uniform["fits"] else None
     out: dict[str, Any] = {"schema": AUTO_SCHEMA, "workload": cfg.workload, "config": cfg.to_dict(),

@@ -60,6 +60,7 @@ FLAGS: dict[str, Flag] = {
     "pipeline_model_parallel_size": Flag("Parallelism", ("--pp",), "-pp"),
     "data_parallel_size": Flag("Parallelism", ("--dp",), "-dp"),
     "sequence_parallel": Flag("Parallelism"),
+    "use_distributed_optimizer": Flag("Parallelism"),
     "recompute_granularity": Flag("Recompute"),
     "recompute_modules": Flag("Recompute"),
     "recompute_method": Flag("Recompute"),
