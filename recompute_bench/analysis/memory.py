@@ -106,10 +106,12 @@ def stage_activations(cfg: Config, device: str = "cuda", layers: int | None = No
     block N keeps N inputs plus the full activations of the model chunk's other layers; rebuilding
     checkpointed layer c holds c inputs and one layer's full activations. A stage of several model
     chunks holds all of them and rebuilds one at a time. Offloaded layers keep nothing on the device
-    and bring one layer back at a time in backward."""
+    and bring one layer back at a time in backward. A model of dense and MoE layers is counted layer
+    by layer (`policy_activations`): a chunk being rebuilt holds its own layers' bytes, not a mean."""
     r = cfg.recompute
     n_layers = layers if layers is not None else cfg.model.num_layers // cfg.parallel.pipeline_model_parallel_size
-    if r.layer_policy:
+    mixed = 0 < cfg.model.moe_layers < cfg.model.num_layers  # dense and MoE layers keep different bytes
+    if r.layer_policy or (mixed and not cfg.parallel.virtual_pipeline_model_parallel_size):
         return policy_activations(cfg, layer_policies(r, n_layers), device)
     full = layer_activation_bytes(cfg, (), device)
     ckpt = checkpoint_input_bytes(cfg)

@@ -85,7 +85,9 @@ class ProfileCosts:
                                  "max(0, B/W - F) + max(0, B/W - 2F) per layer")
 
     def selective(self, kind: str, modules: frozenset[str]) -> float:
-        return sum(self.seconds[kind][m] for m in modules)
+        """Summed forward times of `modules`; a module this kind lacks (a uniform setting's `mlp` on
+        a MoE layer) runs nothing there."""
+        return sum(self.seconds[kind].get(m, 0.0) for m in modules if m != "layer")
 
     def full(self, kind: str) -> float:
         return self.seconds[kind]["layer"]
