@@ -44,7 +44,13 @@ def every_policy(cfg):
     runs of full layers into chunks."""
     targets = spec_for(cfg.model).recompute_targets
     subsets = [LayerPolicy(modules=frozenset(c)) for n in range(len(targets) + 1) for c in itertools.combinations(targets, n)]
-    for kinds in itertools.product([*subsets, "full"], repeat=cfg.model.num_layers):
+    return mixes([[*subsets, "full"]] * cfg.model.num_layers)
+
+
+def mixes(per_layer):
+    """Every policy taking one of each layer's choices ("full": checkpointed whole), with every way
+    to split the runs of full layers into chunks."""
+    for kinds in itertools.product(*per_layer):
         # a full layer after a full layer either continues its chunk or starts the next one
         joints = [i for i in range(1, len(kinds)) if kinds[i] == kinds[i - 1] == "full"]
         for new in itertools.product([False, True], repeat=len(joints)):
@@ -290,19 +296,7 @@ def every_kind_policy(cfg, tables):
     """Every per-layer mix where each layer takes a choice its kind has (or full, chunked every way)."""
     kinds = ["moe" if cfg.model.is_moe_layer(i) else "dense" for i in range(cfg.model.num_layers)]
     per_layer = [[LayerPolicy(modules=s) for s in tables[k] if s is not None] + ["full"] for k in kinds]
-    for picks in itertools.product(*per_layer):
-        joints = [i for i in range(1, len(picks)) if picks[i] == picks[i - 1] == "full"]
-        for new in itertools.product([False, True], repeat=len(joints)):
-            starts = {i for i, s in zip(joints, new) if s}
-            out, chunk = [], -1
-            for i, p in enumerate(picks):
-                if p != "full":
-                    out.append(p)
-                    continue
-                if i not in joints or i in starts:
-                    chunk += 1
-                out.append(LayerPolicy(chunk=chunk))
-            yield out
+    return mixes(per_layer)
 
 
 def test_on_dense_and_moe_layers_the_solver_is_optimal_against_every_per_layer_mix():
