@@ -6,14 +6,17 @@ import itertools
 import json
 
 import pytest
+import torch
 
-from conftest import config, invoke
+from conftest import config, invoke, probe
 from test_estimate import measure, shrunk
 from recompute_bench.analysis import auto
 from recompute_bench.analysis import flops
 from recompute_bench.analysis import memory as E
 from recompute_bench.models import spec_for
-from recompute_bench.recompute.policy import LayerPolicy, layer_policies
+from recompute_bench.analysis.profile_costs import ProfileCosts
+from recompute_bench.recompute.policy import LayerPolicy, layer_policies, parse_entry
+from recompute_bench.recompute.policy_file import check
 from recompute_bench.recompute.settings import all_settings
 from recompute_bench.results.records import key_fields, point_id
 from recompute_bench.spec.config import RecomputeConfig
@@ -41,7 +44,13 @@ def every_policy(cfg):
     runs of full layers into chunks."""
     targets = spec_for(cfg.model).recompute_targets
     subsets = [LayerPolicy(modules=frozenset(c)) for n in range(len(targets) + 1) for c in itertools.combinations(targets, n)]
-    for kinds in itertools.product([*subsets, "full"], repeat=cfg.model.num_layers):
+    return mixes([[*subsets, "full"]] * cfg.model.num_layers)
+
+
+def mixes(per_layer):
+    """Every policy taking one of each layer's choices ("full": checkpointed whole), with every way
+    to split the runs of full layers into chunks."""
+    for kinds in itertools.product(*per_layer):
         # a full layer after a full layer either continues its chunk or starts the next one
         joints = [i for i in range(1, len(kinds)) if kinds[i] == kinds[i - 1] == "full"]
         for new in itertools.product([False, True], repeat=len(joints)):
@@ -192,12 +201,12 @@ BAD = {
     "split chunk": ('layers = ["full:0", "none", "full:0", "none"]', "full:0 is split"),
     "malformed toml": ('layers = ["none", ', "is not valid TOML"),
 }
+RUN_ONLY = {"offload on a CPU": ('layers = ["offload", "none", "selective[mlp]", "full:0"]', "write none for the policy's offload")}
 
 
-@pytest.mark.parametrize("problem", list(BAD))
-@pytest.mark.parametrize("command", ["run", "verify"])
+@pytest.mark.parametrize("command,problem", [(c, p) for c in ("run", "verify") for p in BAD] + [("run", p) for p in RUN_ONLY])
 def test_a_bad_policy_file_is_one_line_and_exit_2(tmp_path, command, problem):
-    body, needle = BAD[problem]
+    body, needle = {**BAD, **RUN_ONLY}[problem]
     path = tmp_path / "bad.toml"
     path.write_text(f'schema = "recompute-bench/policy/v1"\nworkload = "tiny"\nnum_layers = 4\n{body}\n')
     result = invoke(command, "-w", "tiny", "--policy", str(path))
@@ -234,3 +243,210 @@ def test_sweep_adds_the_auto_point_and_measures_it(tmp_path):
     assert m["activation_bytes"] == m["estimated_activation_bytes"]
     assert m["measured_flops_per_step"] == m["estimated_hardware_flops_per_step"]
     assert m["estimated_peak_allocated_bytes"] <= 0.0105 * 2**30
+
+
+# ----- layers of two kinds: tiny-moe with a MoE layer every second layer (MoE, dense, MoE, dense) ------
+
+def moe_freq2(**overrides):  # one micro-batch of 2 per step, as the probe runs
+    return config("tiny-moe", model__num_layers=4, model__moe_layer_freq=2, training__global_batch_size=2, **overrides)
+
+
+def kind_tables(cfg):
+    """Per layer kind: bytes kept and recompute FLOPs of every selective subset of its targets, and
+    of the whole layer (the reference the exhaustive search adds up, independent of the solver)."""
+    targets = spec_for(cfg.model).recompute_targets
+    kinds = {}
+    for kind, index in (("moe", 0), ("dense", 1)):
+        mods = [m for m in targets if (m != "mlp" if kind == "moe" else m not in ("moe", "moe_act", "shared_experts"))]
+        c = E.kind_config(cfg, kind)
+        subsets = [frozenset(x) for n in range(len(mods) + 1) for x in itertools.combinations(mods, n)]
+        kinds[kind] = {s: (E.layer_activation_bytes(c, s, "cpu"),
+                           flops.policy_recompute_flops(cfg, [LayerPolicy(modules=s)], None, "cpu", first=index))
+                       for s in subsets}
+        kinds[kind][None] = (E.layer_activation_bytes(c, (), "cpu"),
+                             flops.policy_recompute_flops(cfg, [LayerPolicy(chunk=0)], None, "cpu", first=index))
+    return kinds
+
+
+def reference(cfg, tables, policy):
+    """(stored, backward peak, recompute FLOPs, modules) of a per-layer policy from the tables."""
+    kinds = ["moe" if cfg.model.is_moe_layer(i) else "dense" for i in range(len(policy))]
+    ckpt = E.checkpoint_input_bytes(cfg)
+    stored = peak = work = 0.0
+    mods = 0
+    i = 0
+    while i < len(policy):
+        p = policy[i]
+        if p.chunk is None:
+            nbytes, f = tables[kinds[i]][p.modules]
+            stored, work, mods, i = stored + nbytes, work + f, mods + len(p.modules), i + 1
+            continue
+        j = i
+        while j < len(policy) and policy[j].chunk == p.chunk:
+            j += 1
+        peak = max(peak, stored + sum(tables[kinds[k]][None][0] for k in range(i, j)))
+        work += sum(tables[kinds[k]][None][1] for k in range(i, j))
+        mods += (j - i) * (len(spec_for(cfg.model).recompute_targets) + 1)
+        stored += ckpt
+        i = j
+    return stored, max(peak, stored), work, mods
+
+
+def every_kind_policy(cfg, tables):
+    """Every per-layer mix where each layer takes a choice its kind has (or full, chunked every way)."""
+    kinds = ["moe" if cfg.model.is_moe_layer(i) else "dense" for i in range(cfg.model.num_layers)]
+    per_layer = [[LayerPolicy(modules=s) for s in tables[k] if s is not None] + ["full"] for k in kinds]
+    return mixes(per_layer)
+
+
+def test_on_dense_and_moe_layers_the_solver_is_optimal_against_every_per_layer_mix():
+    cfg = moe_freq2(training__precision="fp32")
+    tables = kind_tables(cfg)
+    policies = list(every_kind_policy(cfg, tables))
+    refs = [reference(cfg, tables, p) for p in policies]
+    for p, r in zip(policies[::997], refs[::997]):  # the reference adds up as the analysis does
+        acts = E.policy_activations(cfg, p, "cpu")
+        assert (acts.stored_bytes, acts.peak_bytes, flops.policy_recompute_flops(cfg, p, None, "cpu")) == r[:3]
+    assert tables["moe"][frozenset()][0] != tables["dense"][frozenset()][0]  # the kinds do differ
+    peak = auto.rank_peak(dataclasses.replace(cfg, recompute=RecomputeConfig()), "cpu")
+    needs = [peak(E.StageActivations(4, r[0], r[1])) for r in refs]
+    lo, hi = min(needs), max(needs)
+    for fraction in (0.0, 0.15, 0.4, 0.7, 1.0):
+        budget = lo + fraction * (hi - lo)
+        best = min((r[2], r[3]) for r, n in zip(refs, needs) if n <= budget)
+        solved = auto.solve(cfg, 4, lambda a: peak(a) <= budget, "cpu")
+        got = reference(cfg, tables, solved)
+        assert peak(E.StageActivations(4, got[0], got[1])) <= budget
+        assert (got[2], got[3]) == best, (fraction, [p.entry for p in solved])
+        for i, p in enumerate(solved):  # MoE modules on MoE layers only, mlp on dense layers only
+            assert not p.modules & ({"mlp"} if i % 2 == 0 else {"moe", "moe_act", "shared_experts"})
+
+
+def test_on_dense_and_moe_layers_the_policy_run_for_real_fits_and_beats_every_fitting_uniform_setting():
+    cfg = moe_freq2()
+    n = cfg.model.num_layers
+    # Uniform settings by the analysis (exact to the byte and FLOP against the probe for every MoE
+    # setting: test_moe.py); the best fitting one and the solver's policy are measured here.
+    uniform = [(r, E.activation_bytes(c := dataclasses.replace(cfg, recompute=r), "cpu")["activation_bytes"],
+                flops.hardware_flops_per_step(c, "cpu")) for r in [RecomputeConfig()] + all_settings(n)]
+    outside = E.activation_bytes(cfg, "cpu")["activation_bytes"] - E.stage_activations(cfg, "cpu").stored_bytes
+    sizes = sorted({t for _, t, _ in uniform})
+    mixed_seen = False
+    for budget in (sizes[len(sizes) // 3], sizes[2 * len(sizes) // 3]):
+        solved = auto.solve(cfg, n, lambda a: outside + a.stored_bytes <= budget, "cpu")
+        total, _, measured_flops, _ = probe(running(cfg, solved), torch.bfloat16)
+        fitting = [(f, r) for r, t, f in uniform if t <= budget]
+        best_flops, best = min(fitting, key=lambda x: x[0])
+        _, _, _, uniform_flops = probe(dataclasses.replace(cfg, recompute=best), torch.bfloat16)
+        assert total <= budget
+        assert uniform_flops == best_flops and measured_flops <= uniform_flops, (budget, [p.entry for p in solved])
+        mixed_seen |= len({p.entry for p in solved}) > 1
+    assert mixed_seen
+
+
+def test_a_policy_file_offers_moe_modules_on_moe_layers_only(tmp_path):
+    path = tmp_path / "p.toml"
+    for layers, needle in (('["selective[moe]", "selective[moe]", "none", "none"]', "layer 1 is a dense layer"),
+                           ('["selective[mlp]", "none", "none", "none"]', "layer 0 is a moe layer")):
+        path.write_text(f'schema = "recompute-bench/policy/v1"\nlayers = {layers}\n')
+        result = invoke("run", "-w", "tiny-moe", "--num-layers", "4", "--set", "model.moe_layer_freq=2", "--policy", str(path))
+        assert result.exit_code == 2 and needle in result.stderr, result.output
+        assert len(result.stderr.strip().splitlines()) == 1
+
+
+# ----- measured costs (--profile) and offload as a choice -------------------------------------
+
+def test_plan_auto_profile_measures_each_module_caches_it_and_prices_the_policy_by_it(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    args = ("plan", "--auto", "-w", "tiny", "--device", "cpu", "--allowance-gb", "0", "--allowance-fraction", "0",
+            "--memory-gb", "0.0105", "--profile", "--profile-steps", "2", "--output", "p.toml", "--json")
+    first = invoke(*args)
+    assert first.exit_code == 0, first.output
+    assert "measured on cpu" in first.stderr and "offload is not a choice on a CPU" in first.stderr
+    [path] = (tmp_path / "results" / "profiles").glob("cpu-*.json")
+    profile = json.loads(path.read_text())
+    dense = profile["kinds"]["dense"]
+    assert set(dense["seconds"]) == {"layer", "core_attn", "mlp", "layernorm"} and profile["host_link_bytes_per_s"] is None
+    assert all(t > 0 for t in dense["seconds"].values())
+    assert dense["seconds"]["layer"] > dense["seconds"]["core_attn"]  # the layer's forward contains its attention's
+    assert dense["saved_bytes"] == dense["analytical_saved_bytes"]    # the probe, target by target
+    plan = json.loads(first.stdout)
+    assert plan["costs"] == "measured seconds" and plan["predicted"]["device_bytes_needed"] <= 0.0105 * 2**30
+    costs = ProfileCosts(profile)
+    policy = [parse_entry(e) for e in plan["policy"]]
+    assert plan["predicted"]["recompute_cost"] == auto.policy_cost(config("tiny"), policy, costs, "cpu")
+    assert plan["predicted"]["recompute_cost"] <= plan["uniform"]["recompute_cost"]
+    again = invoke(*args)  # the second plan reads the cache: same costs, same policy
+    assert again.exit_code == 0 and "read from" in again.stderr
+    assert json.loads(again.stdout)["policy"] == plan["policy"]
+
+
+def test_profile_and_offload_flags_are_refused_where_they_cannot_apply():
+    for args, needle in ((["--profile"], "pass --device cpu"),                        # modelling CUDA, measuring a CPU
+                         (["--device", "cpu", "--host-link-gbps", "25"], "add --profile"),
+                         (["--device", "cpu", "--profile", "--tp", "2"], "--tp > 1")):
+        result = invoke("plan", "--auto", "-w", "tiny", "--memory-gb", "1", *args)
+        assert result.exit_code == 2 and needle in result.stderr, result.output
+        assert len(result.stderr.strip().splitlines()) == 1
+    result = invoke("plan", "-w", "tiny", "--memory-gb", "1", "--profile")
+    assert result.exit_code == 2 and "goes with plan --auto" in result.stderr
+
+
+def cuda_profile(cfg, link_bytes_per_s):
+    """A profile as a CUDA device would record it (this machine has none): every target's forward
+    proportional to its FLOPs at 100 TFLOP/s, and the given host link."""
+    rate, kinds = 100e12, {}
+    for kind in ("dense",):
+        c = E.kind_config(cfg, kind)
+        seconds = {m: flops.policy_recompute_flops(c, [LayerPolicy(modules=frozenset([m]))], None, "cuda") / rate
+                   for m in spec_for(cfg.model).recompute_targets}
+        seconds["layer"] = flops.policy_recompute_flops(c, [LayerPolicy(chunk=0)], None, "cuda") / rate
+        kinds[kind] = {"seconds": seconds}
+    return {"device": "cuda", "kinds": kinds, "host_link_bytes_per_s": link_bytes_per_s}
+
+
+def test_offload_is_a_choice_priced_by_host_link_time_not_hidden_by_compute():
+    cfg = config("llama3-8b", model__num_layers=8, training__seq_length=8192)
+    full = E.layer_activation_bytes(cfg, (), "cuda")
+    fast, slow = ProfileCosts(cuda_profile(cfg, 1e15)), ProfileCosts(cuda_profile(cfg, 1e9))
+    forward = fast.full("dense")
+    assert fast.offload("dense", full) == 0.0  # the copies hide behind compute
+    copy = full / 1e9
+    assert slow.offload("dense", full) == pytest.approx((copy - forward) + (copy - 2 * forward))
+    peak = auto.rank_peak(cfg, "cuda")
+    budget = peak(E.stage_activations(dataclasses.replace(cfg, recompute=RecomputeConfig("full", [], "uniform", 1)), "cuda")) * 1.05
+
+    def fits(a):
+        return peak(a) <= budget
+
+    with_link = auto.solve(cfg, 8, fits, "cuda", fast)
+    without = auto.solve(cfg, 8, fits, "cuda", slow)
+    assert any(p.offload for p in with_link) and not any(p.offload for p in without)
+    for policy in (with_link, without):
+        assert fits(E.policy_activations(cfg, policy, "cuda"))
+    assert auto.policy_cost(cfg, with_link, fast, "cuda") < auto.policy_cost(cfg, without, slow, "cuda")
+    # the chosen offload mix is a valid policy file for run --policy (CUDA) and its bytes are the analysis'
+    entries = [p.entry for p in with_link]
+    assert check(entries, cfg) == with_link
+
+
+def test_the_issue_s_first_example_plans_many_ranks_from_the_rank_model(tmp_path):
+    base = ("plan", "--auto", "--workload", "llama3-70b", "--tp", "8", "--sequence-parallel", "--pp", "4", "--json")
+    plans = {}
+    for name, extra in (("80", ["--memory-gb", "80"]), ("60", ["--memory-gb", "60"]),
+                        ("60 dist-opt", ["--memory-gb", "60", "--use-distributed-optimizer", "--dp", "8"])):
+        result = invoke(*base, *extra, "--output", str(tmp_path / "p.toml"))
+        assert result.exit_code == 0, result.output
+        plans[name] = json.loads(result.stdout)
+    for name, plan in plans.items():
+        cfg = dataclasses.replace(config("llama3-70b", parallel__tensor_model_parallel_size=8, parallel__sequence_parallel=True,
+                                         parallel__pipeline_model_parallel_size=4,
+                                         parallel__data_parallel_size=8 if "dist" in name else 1,
+                                         parallel__use_distributed_optimizer="dist" in name),
+                                  recompute=RecomputeConfig(layer_policy=plan["policy"]))
+        need = E.device_bytes_needed(E.peak_rank_memory(cfg, "cuda").peak_allocated_bytes)
+        assert need == plan["predicted"]["device_bytes_needed"] <= float(name.split()[0]) * 2**30
+        assert plan["predicted"]["recompute_cost"] <= plan["uniform"]["recompute_cost"]
+    assert plans["80"]["predicted"]["recompute_overhead"] == 0  # 80 GiB holds every activation
+    assert 0 < plans["60"]["predicted"]["recompute_overhead"] < plans["60"]["uniform"]["recompute_overhead"]
+    assert plans["60 dist-opt"]["predicted"]["recompute_overhead"] == 0  # sharded Adam state frees the room

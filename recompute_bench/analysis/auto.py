@@ -1,22 +1,29 @@
 """`plan --auto`: the per-layer recompute policy with the least recompute work that fits a budget.
 
 Each layer of a pipeline stage takes one choice: keep everything (none), recompute any selective
-subset of the model's `recompute_targets`, or be checkpointed whole as part of a full-recompute
-chunk of consecutive layers. Costs are the analytical model's: saved bytes from
-`memory.policy_activations`, recompute work from `flops.policy_recompute_flops` (forward FLOPs run
-again in backward; one rate for every op, so time scales with FLOPs). At equal FLOPs the policy that
-recomputes fewer modules wins (`layernorm` adds no FLOPs but costs memory-bound time). Activation
-offload is not a choice: its cost is host-link time, which FLOPs do not measure.
+subset of the targets its kind has (a dense layer: core_attn, mlp, layernorm; a mixture-of-experts
+layer: core_attn, layernorm, moe, moe_act, shared_experts), be checkpointed whole as part of a
+full-recompute chunk of consecutive layers, or (CUDA, with measured costs) offload its activations
+to host memory. Dense and MoE layers (`moe_layer_freq` > 1) keep different bytes and cost
+different time, so every figure is the layer's kind's (`memory.kind_config`), never a mean.
+
+Costs (`FlopCosts`, `profile.ProfileCosts`): saved bytes always come from the analytical model
+(`memory.policy_activations`, exact to the byte on CPU); the recompute cost of a choice is either
+the forward FLOPs it runs again (one rate for every op, so time scales with FLOPs) or, with a
+measured profile (`--profile`), the median measured forward time of the modules it re-runs. At
+equal cost the policy that recomputes fewer modules wins (`layernorm` adds no FLOPs but costs
+memory-bound time). Offload costs host-link time, which FLOPs cannot price, so it is a choice only
+with a profile measured on CUDA (see `profile.offload_seconds` for the model).
 
 The constraint is the whole-rank peak (`memory.peak_rank_memory` with the candidate's activations:
 in-flight micro-batches, the loss, the recompute working set), which grows with both the stage's
 stored bytes and its backward peak. So the solver is an exact dynamic programme over layers whose
-state is the pair (stored bytes so far, largest backward peak so far): a choice for layer i (or a
-chunk starting at i) adds to the stored bytes and may raise the peak; states another state beats on
-stored bytes, peak and cost are dropped, and states that already cannot fit are cut. Byte values
-are kept exactly (no buckets), so the result is optimal for the model, with no gap to report;
-layers with the same choice have the same bytes, which keeps the frontier small (a few thousand
-states for 32 layers). Pure Python.
+state is (stored bytes so far, largest backward peak so far, largest offloaded layer so far): a
+choice for layer i (or a chunk starting at i) adds to the stored bytes and may raise the peak;
+states another state beats on every coordinate and cost are dropped, and states that already
+cannot fit are cut. Byte values are kept exactly (no buckets), so the result is optimal for the
+model, with no gap to report; layers with the same choice have the same bytes, which keeps the
+frontier small (a few thousand states for 32 layers). Pure Python.
 """
 
 from __future__ import annotations
@@ -24,17 +31,55 @@ from __future__ import annotations
 import dataclasses
 import itertools
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, Protocol
 
 from recompute_bench.analysis import flops
 from recompute_bench.analysis import memory as model
 from recompute_bench.models import spec_for
-from recompute_bench.recompute.policy import LayerPolicy
+from recompute_bench.recompute.policy import LayerPolicy, kind_targets, layer_kind, layer_policies
 from recompute_bench.spec.config import Config, ConfigError, RecomputeConfig
 
-AUTO_SCHEMA = "recompute-bench/plan-auto/v1"
+AUTO_SCHEMA = "recompute-bench/plan-auto/v2"
 Cost = tuple[float, int]
-"""(forward FLOPs recomputed per micro-batch, selective modules recomputed): compared in order."""
+"""(recompute cost per micro-batch in the costs' unit, selective modules recomputed): compared in order."""
+
+
+class Costs(Protocol):
+    """What re-running part of a layer of one kind costs, in one unit (`unit`)."""
+
+    unit: str
+    offload_note: str
+    """Why offload is or is not a choice, in one line for the output."""
+
+    def selective(self, kind: str, modules: frozenset[str]) -> float: ...
+    def full(self, kind: str) -> float: ...
+    def offload(self, kind: str, nbytes: float) -> float | None:
+        """The added time of offloading `nbytes` of a layer of `kind`, or None: not a choice."""
+
+
+class FlopCosts:
+    """Analytical costs: the forward FLOPs a choice runs again (`flops.policy_recompute_flops`)."""
+
+    unit = "recomputed FLOPs"
+
+    def __init__(self, cfg: Config, device: str = "cuda"):
+        self.cfg, self.device = cfg, device
+        self.offload_note = ("offload is not a choice on a CPU (CUDA only)" if model.device_kind(device) == "cpu" else
+                             "offload is not a choice with analytical costs (its cost is host-link time, which FLOPs "
+                             "do not price); pass --profile on the CUDA device to weigh it")
+
+    def _flops(self, kind: str, policy: LayerPolicy) -> float:
+        index = next(i for i in range(self.cfg.model.num_layers) if layer_kind(self.cfg.model, i) == kind)
+        return flops.policy_recompute_flops(self.cfg, [policy], None, self.device, first=index)
+
+    def selective(self, kind: str, modules: frozenset[str]) -> float:
+        return self._flops(kind, LayerPolicy(modules=modules))
+
+    def full(self, kind: str) -> float:
+        return self._flops(kind, LayerPolicy(chunk=0))
+
+    def offload(self, kind: str, nbytes: float) -> float | None:
+        return None
 
 
 @dataclass(frozen=True)
@@ -44,44 +89,68 @@ class Choice:
     policy: LayerPolicy
     stored_bytes: float
     cost: Cost
+    brought_bytes: float = 0.0
+    """Offload: the layer's activations, brought back to the device in backward."""
 
 
-def choices(cfg: Config, device: str = "cuda") -> list[Choice]:
-    """none and every selective subset of the model's targets, without those another choice beats
-    on both bytes and cost (they can never be part of a best policy)."""
-    targets = spec_for(cfg.model).recompute_targets
-    subsets = [frozenset(c) for n in range(len(targets) + 1) for c in itertools.combinations(targets, n)]
+def choices(cfg: Config, kind: str, costs: Costs, device: str = "cuda") -> list[Choice]:
+    """For a layer of `kind`: none, every selective subset of the targets it has and (where the
+    costs price it and there is one pipeline stage, Megatron's rule) offload, without those another
+    choice beats on bytes and cost (they can never be part of a best policy)."""
+    targets = kind_targets(spec_for(cfg.model).recompute_targets, kind)
+    c = model.kind_config(cfg, kind)
     out = []
-    for modules in subsets:
-        p = LayerPolicy(modules=modules)
-        out.append(Choice(p, model.layer_activation_bytes(cfg, modules, device),
-                          (flops.policy_recompute_flops(cfg, [p], None, device), len(modules))))
-    return [c for c in out if not any(d.stored_bytes <= c.stored_bytes and d.cost <= c.cost
-                                      and (d.stored_bytes, d.cost) != (c.stored_bytes, c.cost) for d in out)]
+    for modules in (frozenset(x) for n in range(len(targets) + 1) for x in itertools.combinations(targets, n)):
+        out.append(Choice(LayerPolicy(modules=modules), model.layer_activation_bytes(c, modules, device),
+                          (costs.selective(kind, modules) if modules else 0.0, len(modules))))
+    full = model.layer_activation_bytes(c, (), device)
+    offload = costs.offload(kind, full) if cfg.parallel.pipeline_model_parallel_size == 1 else None
+    if offload is not None:
+        out.append(Choice(LayerPolicy(offload=True), 0.0, (offload, 0), full))
+    return [x for x in out if not any(_beats(y, x) for y in out)]
+
+
+def _beats(a: Choice, b: Choice) -> bool:
+    mine, theirs = (a.stored_bytes, a.brought_bytes, a.cost), (b.stored_bytes, b.brought_bytes, b.cost)
+    return mine != theirs and all(x <= y for x, y in zip(mine, theirs))
 
 
 def _add(a: Cost, b: Cost) -> Cost:
     return a[0] + b[0], a[1] + b[1]
 
 
+def check_stage_kinds(cfg: Config) -> None:
+    """plan --auto runs one policy in every pipeline stage, so every stage must have its layers'
+    kinds (dense, MoE) in the same order; a ConfigError naming the fix if not."""
+    m, p = cfg.model, cfg.parallel.pipeline_model_parallel_size
+    n = m.num_layers // p
+    first = [layer_kind(m, i) for i in range(n)]
+    if any(layer_kind(m, s * n + i) != first[i] for s in range(p) for i in range(n)):
+        raise ConfigError(f"plan --auto runs one policy in every pipeline stage, but with moe_layer_freq "
+                          f"{m.moe_layer_freq} the stages' {n} layers differ in kind; choose a pipeline size whose "
+                          f"layers per stage are a multiple of {m.moe_layer_freq}")
+
+
 def solve(cfg: Config, layers: int, fits: Callable[[model.StageActivations], bool],
-          device: str = "cuda") -> list[LayerPolicy] | None:
-    """The cheapest policy list for `layers` layers whose stage activations `fits` accepts, or None.
-    `fits` must be monotone: if it accepts (stored, peak) it accepts anything no larger."""
-    options = choices(cfg, device)
-    full = model.layer_activation_bytes(cfg, (), device)
+          device: str = "cuda", costs: Costs | None = None) -> list[LayerPolicy] | None:
+    """The cheapest policy list for the first `layers` layers whose stage activations `fits`
+    accepts, or None. `fits` must be monotone: if it accepts (stored, peak) it accepts anything no
+    larger. `costs`: FlopCosts(cfg, device) unless given."""
+    costs = costs or FlopCosts(cfg, device)
+    kinds = [layer_kind(cfg.model, i) for i in range(layers)]
+    options = {k: choices(cfg, k, costs, device) for k in set(kinds)}
+    full_bytes = {k: model.layer_activation_bytes(model.kind_config(cfg, k), (), device) for k in set(kinds)}
+    full_cost = {k: (costs.full(k), len(spec_for(cfg.model).recompute_targets) + 1) for k in set(kinds)}
     ckpt = model.checkpoint_input_bytes(cfg)
-    layer_fwd = flops.policy_recompute_flops(cfg, [LayerPolicy(chunk=0)], None, device)
-    full_work = len(spec_for(cfg.model).recompute_targets) + 1  # a whole layer: more than any subset
-    # frontier[i]: (stored, peak) -> (cost, previous state key, previous i, step taken) after i layers
-    frontier: list[dict[tuple[float, float], tuple]] = [dict() for _ in range(layers + 1)]
-    frontier[0][(0.0, 0.0)] = ((0.0, 0), None, None, None)
+    # frontier[i]: (stored, peak, brought) -> (cost, previous state key, previous i, step taken) after i layers
+    frontier: list[dict[tuple[float, float, float], tuple]] = [dict() for _ in range(layers + 1)]
+    frontier[0][(0.0, 0.0, 0.0)] = ((0.0, 0), None, None, None)
 
-    fitting: dict[tuple[float, float], bool] = {}
+    fitting: dict[tuple[float, float, float], bool] = {}
 
-    def offer(i: int, key: tuple[float, float], entry: tuple) -> None:
+    def offer(i: int, key: tuple[float, float, float], entry: tuple) -> None:
         if key not in fitting:
-            fitting[key] = fits(model.StageActivations(layers, key[0], max(key)))
+            fitting[key] = fits(model.StageActivations(layers, key[0], max(key[1], key[0] + key[2])))
         if not fitting[key]:
             return
         old = frontier[i].get(key)
@@ -90,20 +159,32 @@ def solve(cfg: Config, layers: int, fits: Callable[[model.StageActivations], boo
 
     for i in range(layers):
         for key, (cost, *_rest) in _pareto(frontier[i]).items():
-            stored, peak = key
-            for c in options:
-                offer(i + 1, (stored + c.stored_bytes, peak), (_add(cost, c.cost), key, i, c.policy))
+            stored, peak, brought = key
+            for c in options[kinds[i]]:
+                offer(i + 1, (stored + c.stored_bytes, peak, max(brought, c.brought_bytes)),
+                      (_add(cost, c.cost), key, i, c.policy))
+            chunk_bytes, step = 0.0, (0.0, 0)
             for k in range(1, layers - i + 1):
-                step = (k * layer_fwd, k * full_work)
-                offer(i + k, (stored + ckpt, max(peak, stored + k * full)), (_add(cost, step), key, i, k))
+                chunk_bytes += full_bytes[kinds[i + k - 1]]
+                step = _add(step, full_cost[kinds[i + k - 1]])
+                offer(i + k, (stored + ckpt, max(peak, stored + chunk_bytes), brought), (_add(cost, step), key, i, k))
     final = frontier[layers]
     if not final:
         return None
-    key = min(final, key=lambda k: (final[k][0], max(k), k[0]))
+    key = min(final, key=lambda k: (final[k][0], max(k[1], k[0] + k[2]), k[0]))
     return _walk_back(frontier, layers, key)
 
 
-def _pareto(states: dict[tuple[float, float], tuple]) -> dict[tuple[float, float], tuple]:
+def _pareto(states: dict[tuple[float, float, float], tuple]) -> dict[tuple[float, float, float], tuple]:
+    """The states no other state with the same brought-back bytes beats on stored bytes, peak and
+    cost at once (brought-back bytes take a few values: none, or one layer kind's)."""
+    kept: dict[tuple[float, float, float], tuple] = {}
+    for brought in {k[2] for k in states}:
+        kept |= _pareto2({k: v for k, v in states.items() if k[2] == brought})
+    return kept
+
+
+def _pareto2(states: dict[tuple, tuple]) -> dict[tuple, tuple]:
     """The states no other state beats on stored bytes, peak and cost at once. Taken in order of
     stored bytes, a state is beaten when one kept before it has no higher peak and no higher cost:
     a Fenwick tree over the peaks answers the least cost kept at or below a peak."""
@@ -128,7 +209,7 @@ def _pareto(states: dict[tuple[float, float], tuple]) -> dict[tuple[float, float
     return kept
 
 
-def _walk_back(frontier: list[dict], i: int, key: tuple[float, float]) -> list[LayerPolicy]:
+def _walk_back(frontier: list[dict], i: int, key: tuple[float, float, float]) -> list[LayerPolicy]:
     steps = []
     while i:
         _cost, prev_key, prev_i, step = frontier[i][key]
@@ -177,33 +258,58 @@ def rank_peak(cfg: Config, device: str = "cuda") -> Callable[[model.StageActivat
     return peak
 
 
+def policy_cost(cfg: Config, policies: list[LayerPolicy], costs: Costs, device: str = "cuda") -> float:
+    """What `policies` (a stage's layers, from model layer 0) cost in `costs`' unit per micro-batch:
+    the solver's objective."""
+    total = 0.0
+    for i, p in enumerate(policies):
+        kind = layer_kind(cfg.model, i)
+        if p.chunk is not None:
+            total += costs.full(kind)
+        elif p.offload:
+            total += costs.offload(kind, model.layer_activation_bytes(model.kind_config(cfg, kind), (), device)) or 0.0
+        elif p.modules:
+            total += costs.selective(kind, p.modules)
+    return total
+
+
 def auto_plan(cfg: Config, budget_bytes: float, device: str = "cuda",
               allowance_fraction: float = model.ALLOWANCE_FRACTION,
-              allowance_bytes: float = model.ALLOWANCE_BYTES) -> dict[str, Any]:
+              allowance_bytes: float = model.ALLOWANCE_BYTES, costs: Costs | None = None) -> dict[str, Any]:
     """The cheapest per-layer policy whose whole-rank need (allocated peak plus the allowance) fits
-    `budget_bytes`, its predicted figures, and beside it `memory.plan`'s best uniform setting."""
+    `budget_bytes`, its predicted figures, and beside it `memory.plan`'s best uniform setting, both
+    priced by `costs` (analytical FLOPs unless given)."""
     if cfg.parallel.virtual_pipeline_model_parallel_size:
         raise ConfigError("plan --auto plans one model chunk per pipeline stage; drop "
                           "--set parallel.virtual_pipeline_model_parallel_size")
+    check_stage_kinds(cfg)
+    costs = costs or FlopCosts(cfg, device)
     layers = cfg.model.num_layers // cfg.parallel.pipeline_model_parallel_size
     base = dataclasses.replace(cfg, recompute=RecomputeConfig())
 
     peak = rank_peak(base, device)
     stage = solve(cfg, layers, lambda acts: model.device_bytes_needed(peak(acts), allowance_fraction,
-                                                                      allowance_bytes) <= budget_bytes, device)
+                                                                      allowance_bytes) <= budget_bytes, device, costs)
     uniform = model.plan(cfg, budget_bytes, device, allowance_fraction, allowance_bytes)
+    for row in uniform["fits"]:
+        row["recompute_cost"] = policy_cost(cfg, layer_policies(RecomputeConfig(**row["recompute"]), layers), costs, device)
+    # the cheapest fitting uniform setting by the same costs (measured ones may order them otherwise)
+    best = min(uniform["fits"], key=lambda row: row["recompute_cost"]) if uniform["fits"] else None
     out: dict[str, Any] = {"schema": AUTO_SCHEMA, "workload": cfg.workload, "config": cfg.to_dict(),
                            "device": model.device_kind(device), "budget_bytes": budget_bytes,
                            "allowance": {"fraction": allowance_fraction, "bytes": allowance_bytes},
-                           "solver": "exact dynamic programme over layers x (stored, peak) bytes",
-                           "policy": None, "predicted": None,
-                           "uniform": uniform["fits"][0] if uniform["fits"] else None,
+                           "solver": "exact dynamic programme over layers x (stored, peak, brought-back) bytes",
+                           "costs": costs.unit, "offload": costs.offload_note if cfg.parallel.pipeline_model_parallel_size == 1
+                           else "offload is not a choice with pipeline parallelism (Megatron's rule)",
+                           "layer_kinds": [layer_kind(cfg.model, i) for i in range(layers)],
+                           "policy": None, "predicted": None, "uniform": best,
                            "reason": uniform["reason"], "would_fit": uniform["would_fit"]}
     if stage is None:
         return out
     chosen = stage_policy_config(cfg, stage)
     row = model.setting_estimate(chosen, device)
     row["device_bytes_needed"] = model.device_bytes_needed(row["peak_allocated_bytes"], allowance_fraction, allowance_bytes)
+    row["recompute_cost"] = policy_cost(cfg, stage, costs, device)
     out["policy"] = chosen.recompute.layer_policy
     out["predicted"] = row
     return out

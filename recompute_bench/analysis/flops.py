@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from recompute_bench.models import spec_for
 from recompute_bench.spec.config import Config
-from recompute_bench.recompute.policy import LayerPolicy, layer_policies, recomputed_layers as count_recomputed
+from recompute_bench.recompute.policy import LayerPolicy, layer_kind, layer_policies, recomputed_layers as count_recomputed
 from recompute_bench.spec.rules import layers_per_model_chunk
 
 
@@ -49,9 +49,7 @@ def recompute_forward_flops(cfg: Config, samples: int | None = None, device: str
     """Forward FLOPs that the recompute setting runs a second time, for `samples` sequences."""
     spec, r = spec_for(cfg.model), cfg.recompute
     if r.layer_policy:
-        stage = cfg.model.num_layers // cfg.parallel.pipeline_model_parallel_size
-        per_stage = policy_recompute_flops(cfg, layer_policies(r, stage), samples, device)
-        return cfg.parallel.pipeline_model_parallel_size * per_stage
+        return policy_recompute_flops(cfg, layer_policies(r, cfg.model.num_layers), samples, device)
     if r.granularity == "full":
         layer = spec.layer_flops(cfg, samples, device)
         return recomputed_layers(cfg) * sum(w.forward for w in layer.values())
@@ -61,20 +59,24 @@ def recompute_forward_flops(cfg: Config, samples: int | None = None, device: str
 
 
 def policy_recompute_flops(cfg: Config, policies: list[LayerPolicy], samples: int | None = None,
-                           device: str = "cuda") -> float:
-    """Forward FLOPs a per-layer policy list runs a second time, for `samples` sequences: a whole
-    layer's forward per checkpointed layer, the selective modules' forward per other layer."""
-    spec = spec_for(cfg.model)
-    layer = sum(w.forward for w in spec.layer_flops(cfg, samples, device).values())
-    by_modules: dict[frozenset[str], float] = {}
+                           device: str = "cuda", first: int = 0) -> float:
+    """Forward FLOPs a per-layer policy list (model layers `first`, `first` + 1, ...) runs a second
+    time, for `samples` sequences: a whole layer's forward per checkpointed layer, the selective
+    modules' forward per other layer, each as its kind (dense or MoE) runs them."""
+    from recompute_bench.analysis.memory import kind_config  # memory imports this module
+
+    cache: dict[tuple[str, frozenset[str] | None], float] = {}
     total = 0.0
-    for p in policies:
-        if p.chunk is not None:
-            total += layer
-        elif p.modules:
-            if p.modules not in by_modules:
-                by_modules[p.modules] = spec.selective_recompute_flops(cfg, sorted(p.modules), samples, device)
-            total += by_modules[p.modules]
+    for i, p in enumerate(policies):
+        if p.chunk is None and not p.modules:
+            continue
+        key = (layer_kind(cfg.model, first + i), None if p.chunk is not None else p.modules)
+        if key not in cache:
+            c = kind_config(cfg, key[0])
+            spec = spec_for(c.model)
+            cache[key] = (sum(w.forward for w in spec.layer_flops(c, samples, device).values()) if key[1] is None
+                          else spec.selective_recompute_flops(c, sorted(key[1]), samples, device))
+        total += cache[key]
     return total
 
 

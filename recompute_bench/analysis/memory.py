@@ -30,7 +30,7 @@ from typing import Any, Iterable
 from recompute_bench.analysis import flops
 from recompute_bench.models import (ELEMENT_BYTES, FP32_BYTES, INDEX_BYTES, MASK_BYTES, device_kind,  # noqa: F401
                                     spec_for, vocab_rows)
-from recompute_bench.recompute.policy import LayerPolicy, chunks, layer_policies
+from recompute_bench.recompute.policy import LayerPolicy, chunks, layer_kind, layer_policies
 from recompute_bench.recompute.settings import selective_settings
 from recompute_bench.spec.config import Config, RecomputeConfig
 from recompute_bench.spec.rules import layers_per_model_chunk
@@ -106,10 +106,12 @@ def stage_activations(cfg: Config, device: str = "cuda", layers: int | None = No
     block N keeps N inputs plus the full activations of the model chunk's other layers; rebuilding
     checkpointed layer c holds c inputs and one layer's full activations. A stage of several model
     chunks holds all of them and rebuilds one at a time. Offloaded layers keep nothing on the device
-    and bring one layer back at a time in backward."""
+    and bring one layer back at a time in backward. A model of dense and MoE layers is counted layer
+    by layer (`policy_activations`): a chunk being rebuilt holds its own layers' bytes, not a mean."""
     r = cfg.recompute
     n_layers = layers if layers is not None else cfg.model.num_layers // cfg.parallel.pipeline_model_parallel_size
-    if r.layer_policy:
+    mixed = 0 < cfg.model.moe_layers < cfg.model.num_layers  # dense and MoE layers keep different bytes
+    if r.layer_policy or (mixed and not cfg.parallel.virtual_pipeline_model_parallel_size):
         return policy_activations(cfg, layer_policies(r, n_layers), device)
     full = layer_activation_bytes(cfg, (), device)
     ckpt = checkpoint_input_bytes(cfg)
@@ -133,29 +135,44 @@ def stage_activations(cfg: Config, device: str = "cuda", layers: int | None = No
     return StageActivations(n_layers, stored, stored + (full if offloaded else 0.0))
 
 
-def policy_activations(cfg: Config, policies: list[LayerPolicy], device: str = "cuda") -> StageActivations:
-    """`stage_activations` of any per-layer policy list (one model chunk), one unit at a time
-    (`chunks`): a full chunk keeps its input, a layer keeps `layer_activation_bytes` of its
-    selective modules, an offloaded layer keeps nothing. Backward runs the units last to first, so
-    rebuilding full chunk u holds what the units before u keep plus the chunk's full activations;
-    an offloaded layer brought back adds one layer's full activations to all that is kept (as the
-    closed forms count it). Equals the closed forms for every Megatron setting (tested)."""
-    full = layer_activation_bytes(cfg, (), device)
+def kind_config(cfg: Config, kind: str) -> Config:
+    """cfg as a model whose every layer is of `kind` ("dense" or "moe", `policy.layer_kind`), so that
+    the spec's per-layer answers (a mean over the model's layers) are that kind's exactly."""
+    m = cfg.model
+    if not m.num_moe_experts or (kind == "moe" and m.moe_layers == m.num_layers):
+        return cfg
+    model = dataclasses.replace(m, moe_layer_freq=1) if kind == "moe" else dataclasses.replace(m, num_moe_experts=None)
+    return dataclasses.replace(cfg, model=model)
+
+
+def policy_activations(cfg: Config, policies: list[LayerPolicy], device: str = "cuda", first: int = 0) -> StageActivations:
+    """`stage_activations` of any per-layer policy list (one model chunk whose first layer is model
+    layer `first`), one unit at a time (`chunks`): a full chunk keeps its input, a layer keeps
+    `layer_activation_bytes` of its kind (dense or MoE) and selective modules, an offloaded layer
+    keeps nothing. Backward runs the units last to first, so rebuilding full chunk u holds what the
+    units before u keep plus the chunk's full activations; an offloaded layer brought back adds its
+    full activations to all that is kept (as the closed forms count it). Equals the closed forms for
+    every Megatron setting on a model of one layer kind (tested)."""
     ckpt = checkpoint_input_bytes(cfg)
-    stored, peak, offloaded = 0.0, 0.0, False
-    by_modules: dict[frozenset[str], float] = {}
+    cache: dict[tuple[str, frozenset[str]], float] = {}
+
+    def layer(i: int, modules: frozenset[str] = frozenset()) -> float:
+        key = (layer_kind(cfg.model, first + i), modules)
+        if key not in cache:
+            cache[key] = layer_activation_bytes(kind_config(cfg, key[0]), modules, device)
+        return cache[key]
+
+    stored, peak, brought = 0.0, 0.0, 0.0
     for start, stop in chunks(policies):
         p = policies[start]
         if p.chunk is not None:
-            peak = max(peak, stored + (stop - start) * full)
+            peak = max(peak, stored + sum(layer(i) for i in range(start, stop)))
             stored += ckpt
         elif p.offload:
-            offloaded = True
+            brought = max(brought, layer(start))
         else:
-            if p.modules not in by_modules:
-                by_modules[p.modules] = layer_activation_bytes(cfg, p.modules, device)
-            stored += by_modules[p.modules]
-    return StageActivations(len(policies), stored, max(peak, stored + (full if offloaded else 0.0)))
+            stored += layer(start, p.modules)
+    return StageActivations(len(policies), stored, max(peak, stored + brought))
 
 
 # ----- outside the layers ---------------------------------------------------------------------

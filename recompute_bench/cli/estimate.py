@@ -78,6 +78,15 @@ def plan(
     output: Annotated[Optional[Path], typer.Option(help="With --auto: the policy file to write; default "
                                                    "results/plans/<workload>-<memory>g.toml.",
                                                    rich_help_panel="Estimate")] = None,
+    profile: Annotated[bool, typer.Option("--profile", help="With --auto: price recompute by a short measured profile "
+                                          "of each module's forward time on this machine's device (one layer of each "
+                                          "kind, medians), cached under results/profiles/.",
+                                          rich_help_panel="Estimate")] = False,
+    profile_steps: Annotated[int, typer.Option(help="With --profile: measured steps (medians over them).",
+                                               rich_help_panel="Estimate")] = 5,
+    host_link_gbps: Annotated[Optional[float], typer.Option(help="With --profile on CUDA: the host link's bandwidth "
+                                                            "in GB/s for offload's cost (default: measured).",
+                                                            rich_help_panel="Estimate")] = None,
     json_out: JsonOut = False,
 ) -> None:
     """List the recompute settings that fit a memory budget, fastest first, and recommend one (or
@@ -95,9 +104,13 @@ def plan(
         raise fail(str(e)) from None
     show_notes(notes)
     if auto:
-        return _plan_auto(cfg, memory_gb, device, allowance_fraction, allowance_gb, output, json_out)
-    if output is not None:
-        raise fail("--output names the policy file of --auto; add --auto or drop --output")
+        costs = _profile_costs(cfg, device, profile_steps, host_link_gbps) if profile else None
+        if host_link_gbps is not None and not profile:
+            raise fail("--host-link-gbps prices offload with measured costs; add --profile or drop --host-link-gbps")
+        return _plan_auto(cfg, memory_gb, device, allowance_fraction, allowance_gb, output, json_out, costs)
+    for flag, given in (("--output", output is not None), ("--profile", profile), ("--host-link-gbps", host_link_gbps is not None)):
+        if given:
+            raise fail(f"{flag} goes with plan --auto; add --auto or drop {flag}")
     result = model.plan(cfg, memory_gb * 2**30, device, allowance_fraction, allowance_gb * 2**30)
     if result["fits"]:
         err.print(plan_table(result))
@@ -111,15 +124,39 @@ def plan(
         raise typer.Exit(1)
 
 
+def _profile_costs(cfg, device: str, steps: int, host_link_gbps: Optional[float]):
+    """The measured costs of `--profile` (cached per device and shape), or exit 2 naming the fix."""
+    from recompute_bench.analysis.profile_costs import ProfileCosts
+    from recompute_bench.measure.point import pick_device
+    from recompute_bench.measure.profile import cached_profile
+
+    here = pick_device()
+    if cfg.parallel.tensor_model_parallel_size > 1:
+        raise fail("--profile measures one device's whole layer; with --tp > 1 plan with analytical costs (drop --profile)")
+    if here.type != device.split(":")[0]:
+        raise fail(f"--profile measures on this machine's {here.type}, but --device is {device}; "
+                   f"pass --device {here.type} or profile on the target device")
+    if steps < 1 or (host_link_gbps is not None and host_link_gbps <= 0):
+        raise fail("--profile-steps and --host-link-gbps must be positive; pass --profile-steps 5")
+    profile, path, cached = cached_profile(cfg, here, steps)
+    err.print(f"profile: {'read from' if cached else 'measured on ' + escape(profile['key']['device_name']) + ', cached in'} "
+              f"{escape(str(path))}", highlight=False)
+    for kind, v in profile["kinds"].items():
+        off = {t: (b, v["analytical_saved_bytes"][t]) for t, b in v["saved_bytes"].items() if b != v["analytical_saved_bytes"][t]}
+        err.print(f"profile, {kind} layer: forward {1e3 * v['seconds']['layer']:.3f} ms; saved bytes "
+                  + ("equal the analysis for every target" if not off else f"differ from the analysis: {off}"), highlight=False)
+    return ProfileCosts(profile, host_link_gbps)
+
+
 def _plan_auto(cfg, memory_gb: float, device: str, allowance_fraction: float, allowance_gb: float,
-               output: Optional[Path], json_out: bool) -> None:
+               output: Optional[Path], json_out: bool, costs=None) -> None:
     """plan --auto: solve, write the policy file, show it beside the best uniform setting."""
     from recompute_bench.analysis.auto import auto_plan
     from recompute_bench.recompute.policy_file import write_policy
     from recompute_bench.render.estimate import auto_table, would_fit_table
 
     try:
-        result = auto_plan(cfg, memory_gb * 2**30, device, allowance_fraction, allowance_gb * 2**30)
+        result = auto_plan(cfg, memory_gb * 2**30, device, allowance_fraction, allowance_gb * 2**30, costs)
     except ConfigError as e:
         raise fail(str(e)) from None
     if result["policy"] is None:
@@ -132,15 +169,21 @@ def _plan_auto(cfg, memory_gb: float, device: str, allowance_fraction: float, al
     auto, uniform = result["predicted"], result["uniform"]
     figures = {"budget_bytes": result["budget_bytes"], "device": result["device"],
                "peak_allocated_bytes": auto["peak_allocated_bytes"], "device_bytes_needed": auto["device_bytes_needed"],
-               "hardware_flops_per_step": auto["hardware_flops_per_step"], "recompute_overhead": auto["recompute_overhead"]}
+               "hardware_flops_per_step": auto["hardware_flops_per_step"], "recompute_overhead": auto["recompute_overhead"],
+               "costs": result["costs"], "recompute_cost": auto["recompute_cost"]}
     if uniform:
         figures.update({"uniform_setting": uniform["label"], "uniform_device_bytes_needed": uniform["device_bytes_needed"],
-                        "uniform_recompute_overhead": uniform["recompute_overhead"]})
+                        "uniform_recompute_overhead": uniform["recompute_overhead"],
+                        "uniform_recompute_cost": uniform["recompute_cost"]})
     try:
         write_policy(path, cfg, result["policy"], figures)
     except OSError as e:
         raise fail(f"cannot write the policy file {path} ({e}); pass --output to a writable path") from None
     err.print(auto_table(result))
+    kinds = result["layer_kinds"]
+    if len(set(kinds)) > 1:
+        err.print(f"layer kinds per stage: {escape(' '.join(kinds))} (each kind chooses from its own modules)", highlight=False)
+    err.print(f"costs: {escape(result['costs'])}; {escape(result['offload'])}", highlight=False)
     err.print(f"[green]policy:[/] {escape(auto['label'])} ({escape(result['solver'])}); written to {escape(str(path))}",
               highlight=False)
     if json_out:

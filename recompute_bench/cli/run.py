@@ -91,7 +91,8 @@ def check_runnable(cfg: Config, device: str | None, launch: Launch | None = None
     offloads = cfg.recompute.activation_offload_layers or any("offload" in e for e in cfg.recompute.layer_policy)
     if offloads and not on_cuda:
         raise ConfigError("activation offload moves saved tensors from a CUDA device to host memory and there is "
-                          "no CUDA device here; drop --activation-offload-layers")
+                          "no CUDA device here; " + ("write none for the policy's offload layers" if cfg.recompute.layer_policy
+                                                     else "drop --activation-offload-layers"))
     if device and device.startswith("cuda") and not cuda_here:
         raise ConfigError(f"--device {device} asks for CUDA but no CUDA device is visible here; pass --device cpu")
     return cfg

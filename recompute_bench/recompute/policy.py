@@ -16,7 +16,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from recompute_bench.spec.config import RecomputeConfig
+from recompute_bench.spec.config import ModelConfig, RecomputeConfig
+
+MOE_MODULES = ("moe", "moe_act", "shared_experts")
+"""Selective targets that exist on mixture-of-experts layers only (`mlp` exists on dense layers only)."""
 
 
 @dataclass(frozen=True)
@@ -83,6 +86,19 @@ def layer_policies(r: RecomputeConfig, num_layers: int) -> list[LayerPolicy]:
         return [LayerPolicy(chunk=i if i < n else None, offload=offload[i]) for i in range(num_layers)]
     modules = frozenset(r.modules) if r.granularity == "selective" else frozenset()
     return [LayerPolicy(modules=modules, offload=offload[i]) for i in range(num_layers)]
+
+
+def layer_kind(model: ModelConfig, index: int) -> str:
+    """"moe" or "dense": what layer `index` (from 0, over the whole model) is. Layers of one kind
+    keep the same bytes and cost the same; a policy may choose differently for each kind."""
+    return "moe" if model.is_moe_layer(index) else "dense"
+
+
+def kind_targets(targets: tuple[str, ...], kind: str) -> tuple[str, ...]:
+    """The selective targets of the model (`targets`) that a layer of `kind` has: MoE modules on
+    MoE layers only, `mlp` on dense layers only."""
+    absent = ("mlp",) if kind == "moe" else MOE_MODULES
+    return tuple(t for t in targets if t not in absent)
 
 
 def chunks(policies: list[LayerPolicy]) -> list[tuple[int, int]]:

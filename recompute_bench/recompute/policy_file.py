@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from recompute_bench.models import spec_for
-from recompute_bench.recompute.policy import LayerPolicy, chunks, parse_entry
+from recompute_bench.recompute.policy import LayerPolicy, chunks, kind_targets, layer_kind, parse_entry
 from recompute_bench.spec.config import RECOMPUTE_MODULES, Config, ConfigError, RecomputeConfig
 
 POLICY_SCHEMA = "recompute-bench/policy/v1"
@@ -57,7 +57,8 @@ def with_policy(cfg: Config, path: Path) -> Config:
 
 def check(entries: list[str], cfg: Config, where: str = "the policy") -> list[LayerPolicy]:
     """The policies of `entries`, or a ConfigError naming the first problem: a malformed entry, a
-    module no model has or this model lacks, the wrong number of layers, a split chunk."""
+    module no model has, this model lacks or this layer's kind lacks (MoE modules on a dense layer,
+    `mlp` on a MoE layer), the wrong number of layers, a split chunk."""
     n = cfg.model.num_layers
     if len(entries) != n:
         raise ConfigError(f"{where} lists {len(entries)} layers but {cfg.workload} has {n}; write one entry per "
@@ -75,6 +76,10 @@ def check(entries: list[str], cfg: Config, where: str = "the policy") -> list[La
             if module not in offered:
                 raise ConfigError(f"{where}, layer {i}: {cfg.workload}'s model has no {module} to recompute; "
                                   f"use one of {', '.join(offered)}")
+            kind = layer_kind(cfg.model, i)
+            if module not in kind_targets(offered, kind):
+                raise ConfigError(f"{where}, layer {i} is a {kind} layer (moe_layer_freq {cfg.model.moe_layer_freq}) and "
+                                  f"has no {module}; use one of {', '.join(kind_targets(offered, kind))}")
         if p.offload and (p.modules or p.chunk is not None):
             raise ConfigError(f"{where}, layer {i}: offload goes with no recompute (Megatron's rule); write offload alone")
         policies.append(p)

@@ -139,12 +139,15 @@ def would_fit_table(result: dict[str, Any]) -> Table:
 def auto_table(result: dict[str, Any]) -> Table:
     """`plan --auto`: the per-layer policy beside the best uniform setting at the same budget."""
     table = Table(title=f"per-layer policy and best uniform setting in {_gib(result['budget_bytes'])}", header_style="bold")
-    for col in ("", "setting", "peak allocated", "with allowance", "overhead", "rel. TFLOP/s"):
+    cost = "recompute ms" if result["costs"] == "measured seconds" else "recomputed FLOPs"
+    for col in ("", "setting", "peak allocated", "with allowance", "overhead", "rel. TFLOP/s", cost):
         table.add_column(col, justify="left" if col in ("", "setting") else "right")
     for name, r in (("auto", result["predicted"]), ("uniform", result["uniform"])):
         if r is None:
-            table.add_row(name, "[red]nothing fits[/]", "-", "-", "-", "-")
+            table.add_row(name, "[red]nothing fits[/]", "-", "-", "-", "-", "-")
             continue
+        spent = (f"{1e3 * r['recompute_cost']:.3f}" if result["costs"] == "measured seconds"
+                 else fmt_flops(r["recompute_cost"]))
         table.add_row(name, escape(r["label"]), _gib(r["peak_allocated_bytes"]), _gib(r["device_bytes_needed"]),
-                      f"{100 * r['recompute_overhead']:.1f}%", f"{r['relative_tflops_per_gpu']:.3f}")
+                      f"{100 * r['recompute_overhead']:.1f}%", f"{r['relative_tflops_per_gpu']:.3f}", spent)
     return table

@@ -64,6 +64,7 @@ FLAGS: dict[str, Flag] = {
     "data_parallel_size": Flag("Parallelism", ("--dp",), "-dp"),
     "expert_model_parallel_size": Flag("Parallelism", ("--ep",), "-ep"),
     "sequence_parallel": Flag("Parallelism"),
+    "use_distributed_optimizer": Flag("Parallelism"),
     "recompute_granularity": Flag("Recompute"),
     "recompute_modules": Flag("Recompute"),
     "recompute_method": Flag("Recompute"),
