@@ -38,6 +38,10 @@ POINTS = {
     "distributed": ("tiny", [*SETS, *TP2, *FULL_1, "recompute.distribute_saved_activations=true"]),
     "llama": ("llama3-8b", [*SETS, *LLAMA, *TP2, "parallel.sequence_parallel=true", *MATH]),
 }
+GATHERED = {  # one micro-batch's gradients, gathered (full_tensor) and compared with one rank's
+    "grads tp": ("llama3-8b", [*SETS, *LLAMA, *TP2, *MATH]),
+    "grads tp+sp": ("llama3-8b", [*SETS, *LLAMA, *TP2, "parallel.sequence_parallel=true", *MATH]),
+}
 
 
 @pytest.fixture(scope="module")
@@ -48,7 +52,8 @@ def two_ranks(tmp_path_factory) -> list[dict]:
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(here.parent), str(here)])}
     done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--rdzv-backend", "c10d",
                            "--rdzv-endpoint", "localhost:0", str(here / "tensor_parallel_ranks.py"), str(out),
-                           json.dumps(POINTS)], env=env, capture_output=True, text=True, timeout=300)
+                           json.dumps(POINTS), json.dumps(GATHERED)], env=env, capture_output=True, text=True,
+                          timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     return [json.loads((out / f"rank{r}.json").read_text()) for r in (0, 1)]
 
@@ -80,6 +85,16 @@ def test_tp2_with_sequence_parallel_on_a_llama_layer(two_ranks):
     m = ranks[0]["metrics"]
     assert m["activation_bytes"] == pytest.approx(m["estimated_activation_bytes"], rel=0.02)
     assert m["measured_flops_per_step"] == alone["metrics"]["measured_flops_per_step"]
+
+
+@pytest.mark.parametrize("point", GATHERED)
+def test_tp2_gathered_gradients_equal_one_ranks(two_ranks, point):
+    got = two_ranks[0][point]
+    # fp32, the same sums in another order (the row-parallel all-reduce, the reduce-scatter, the
+    # vocabulary-parallel softmax): within 1e-6 of the largest gradient, and every parameter present
+    # under its single-rank name (a missing or renamed one is inf).
+    assert got["loss_diff"] <= 1e-6
+    assert got["max_grad_diff"] <= 1e-6 * got["max_grad"], got["worst_parameter"]
 
 
 def test_tp2_distribute_saved_activations_halves_the_checkpointed_inputs(two_ranks):
