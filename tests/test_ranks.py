@@ -158,7 +158,7 @@ def test_a_sweep_over_two_ranks_records_one_ranks_oom_and_goes_on(tmp_path, monk
     records = [json.loads(line) for line in (tmp_path / "two" / "results.jsonl").read_text().splitlines()]
     assert [(r["point"]["name"], r["status"]) for r in records] == [("Baseline", "oom"), ("Exp 1", "ok")]
     assert records[0]["failure"]["summary"] == "OOM rank1; waiting rank0"
-    assert [len(r["ranks"]) for r in records] == [2, 2] and "OOM rank 1" in " ".join(result.stderr.split())
+    assert [len(r["ranks"]) for r in records] == [2, 2] and "OOM rank1" in " ".join(result.stderr.split())
 
 
 def test_verify_over_two_fsdp_ranks_is_exact_and_matches_one_rank(tmp_path, monkeypatch):

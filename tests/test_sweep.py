@@ -187,7 +187,7 @@ def test_error_hang_and_oom_are_recorded_and_the_sweep_goes_on(tmp_path, monkeyp
     assert (oom["failure"]["phase"], oom["failure"]["step"], oom["failure"]["rank"]) == ("backward", 0, 0)
     assert ok["metrics"]["tflops_per_gpu"] > 0 and ok["ranks"][0]["status"] == "ok"
     table = " ".join(result.stderr.split())
-    assert "OOM rank 0" in table and "Timeout" in table and "Error" in table
+    assert "OOM rank0" in table and "Timeout" in table and "Error" in table
     assert [row["status"] for row in json.loads(result.stdout)["rows"]] == ["error", "timeout", "oom", "ok"]
     assert time.monotonic() - t0 < 60
 

@@ -49,11 +49,11 @@ def fmt_metric(name: str, value: Any) -> str:
 
 
 def result_text(row: RowResult) -> str:
-    """The Result column: OK, OOM rank N, Timeout, Error, or the verdict in words."""
+    """The Result column: OK, OOM rankN, Timeout, Error, or the verdict in words."""
     actual = row.actual or {}
     status = actual.get("status")
     rank = actual.get("failure_rank")
-    oom = f"OOM rank {rank if rank is not None else '?'}"
+    oom = f"OOM rank{rank if rank is not None else '?'}"  # the seeds' form, as `rank_summary` writes it
     if status in ("timeout", "error") or row.verdict == FAILED:
         return "Timeout" if status == "timeout" else "Error"
     if row.verdict is None or row.verdict == PASS:

@@ -59,7 +59,7 @@ def _ratio(value, base) -> str:
 
 def _oom(r: pd.Series) -> str:
     rank = _num(r.get("failure_rank"))
-    return f"OOM rank {int(rank)}" if rank is not None else "OOM"
+    return f"OOM rank{int(rank)}" if rank is not None else "OOM"
 
 
 def _label(r: pd.Series) -> str:
