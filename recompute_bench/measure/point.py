@@ -442,14 +442,18 @@ def _measure(cfg: Config, device: torch.device, peak_tflops: float | None, layou
 
 def _tokens_per_expert(model: torch.nn.Module) -> dict[str, float]:
     """Routed rows per expert in the probe step's last micro-batch, over every MoE layer: the max
-    (the busiest expert) and the mean (tokens x top-k / experts); nothing for a dense model. Read
+    (the busiest expert) and the mean (tokens x top-k / experts; what the experts ran, after any
+    token dropping), and the routed rows dropped over capacity summed over the MoE layers; nothing
+    for a dense model. Read
     once, after the probe step, never inside a timed one."""
     counts = [layer.mlp.tokens_per_expert for layer in model.layers
               if getattr(layer.mlp, "tokens_per_expert", None) is not None]
     if not counts:
         return {}
     stacked = torch.stack(counts).float()
-    return {"tokens_per_expert_max": stacked.max().item(), "tokens_per_expert_mean": stacked.mean().item()}
+    dropped = sum(int(layer.mlp.tokens_dropped) for layer in model.layers if getattr(layer.mlp, "tokens_dropped", None) is not None)
+    return {"tokens_per_expert_max": stacked.max().item(), "tokens_per_expert_mean": stacked.mean().item(),
+            "tokens_dropped": dropped}
 
 
 def _failure(stepper: Stepper | None, e: BaseException, with_traceback: bool = False) -> dict:
