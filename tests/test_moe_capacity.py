@@ -76,3 +76,10 @@ def test_capacity_bad_input_is_one_line_and_exit_2(argv, needle):
     assert result.exit_code == 2
     assert needle in result.stderr and "Traceback" not in result.output
     assert len(result.stderr.strip().splitlines()) == 1
+
+
+def test_capacity_under_expert_parallel_is_refused_in_one_line(tmp_path):
+    result = invoke("run", "--device", "cpu", "--results", str(tmp_path / "r.jsonl"), "-w", "tiny-moe",
+                    "--nproc-per-node", "2", "--ep", "2", "--set", "model.moe_expert_capacity_factor=1.0")
+    assert result.exit_code == 2 and "under expert parallel is not modelled" in result.output
+    assert "Traceback" not in result.output and len(result.output.strip().splitlines()) == 1

@@ -24,6 +24,7 @@ import torch
 from torch.utils.flop_counter import FlopCounterMode
 
 from recompute_bench.analysis import flops
+from recompute_bench.backends.pytorch import grouped_gemm_path
 from recompute_bench.spec.config import Config
 from recompute_bench.models import spec_for
 from recompute_bench.models.dense.layers import GPT
@@ -360,7 +361,10 @@ def run_point(cfg: Config, *, device: torch.device | None = None, peak_tflops: f
     device = device or pick_device()
     with float32_matmul_precision(device, cfg.training.precision) as tf32:
         metrics, rank_entry = _measure(cfg, device, peak_tflops, layout or SingleRank(), progress or (lambda *_: None))
-    return make_record(cfg, environment(device, tf32), rank_entry, metrics)
+    env = environment(device, tf32)
+    if cfg.model.num_moe_experts:  # which grouped-matmul path the experts ran
+        env["grouped_gemm_path"] = grouped_gemm_path(cfg.model.moe_grouped_gemm, device)
+    return make_record(cfg, env, rank_entry, metrics)
 
 
 def _measure(cfg: Config, device: torch.device, peak_tflops: float | None, layout,
