@@ -155,6 +155,8 @@ def test_run_records_tokens_per_expert_and_the_estimate_beside_the_measurement()
     (["--set", "model.moe_router_score_function=relu"], "moe_router_score_function"),
     (["--set", "model.add_bias_linear=true"], "add_bias_linear=false"),
     (["--set", "model.moe_ffn_hidden_size=60"], "multiples of 8"),
+    (["--set", "model.moe_expert_capacity_factor=0"], "moe_expert_capacity_factor must be positive"),
+    (["--set", "model.moe_token_drop_policy=random"], "moe_token_drop_policy"),
 ])
 def test_moe_bad_input_is_one_line_and_exit_2(argv, needle):
     result = invoke("estimate", "-w", "tiny-moe", *argv)
