@@ -199,7 +199,7 @@ class MoELayer(nn.Module):
         """Token dropping (Megatron's capacity factor): each expert keeps at most `expert_capacity`
         copies, its highest-probability ones (`probs`) or its first tokens (`position`); the kept
         copies stay sorted by expert, tokens in order. No graph. The kept count is read on the host
-        (a boolean mask's size), one sync per MoE layer, as Megatron's dropping permutation does."""
+        (a boolean mask's size): one sync per MoE layer, only with a capacity factor."""
         capacity = expert_capacity(flat.numel() // self.topk, self.topk, self.num_experts, self.capacity_factor)
         ranked = order
         if self.drop_policy == "probs":  # by expert, the highest probability first within one
