@@ -137,6 +137,8 @@ def test_run_records_tokens_per_expert_and_the_estimate_beside_the_measurement()
                     "--no-save", "--json", "--recompute-granularity", "selective", "--recompute-modules", "moe_act,layernorm")
     assert result.exit_code == 0, result.output
     m = json.loads(result.stdout)["metrics"]
+    assert json.loads(result.stdout)["env"]["grouped_gemm_path"] == "grouped_mm"
+    assert m["tokens_dropped"] == 0  # dropless
     assert m["estimated_activation_bytes"] == m["activation_bytes"]
     assert m["estimated_hardware_flops_per_step"] == m["measured_flops_per_step"]
     cfg = config("tiny-moe")
@@ -153,6 +155,8 @@ def test_run_records_tokens_per_expert_and_the_estimate_beside_the_measurement()
     (["--set", "model.moe_router_score_function=relu"], "moe_router_score_function"),
     (["--set", "model.add_bias_linear=true"], "add_bias_linear=false"),
     (["--set", "model.moe_ffn_hidden_size=60"], "multiples of 8"),
+    (["--set", "model.moe_expert_capacity_factor=0"], "moe_expert_capacity_factor must be positive"),
+    (["--set", "model.moe_token_drop_policy=random"], "moe_token_drop_policy"),
 ])
 def test_moe_bad_input_is_one_line_and_exit_2(argv, needle):
     result = invoke("estimate", "-w", "tiny-moe", *argv)

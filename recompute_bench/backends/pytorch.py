@@ -138,8 +138,10 @@ class GroupedLinear(nn.Module):
     """`num_experts` bias-free linears, weight [experts, out, in], applied to consecutive row groups of
     one [rows, in] input: expert e takes the rows up to `offsets[e]` (int32 cumulative counts).
 
-    `grouped`: one `torch._grouped_mm` for all experts (no host read of the counts); otherwise one
-    matmul per expert, the CPU reference, which reads the counts on the host to slice the rows."""
+    `grouped`: one `torch._grouped_mm` for all experts (no host read of the counts), or, where the
+    torch in use lacks it or its device cannot run it, the padded batched path (`_PaddedBmm`);
+    otherwise one matmul per expert, the CPU reference, which reads the counts on the host to slice
+    the rows. `grouped_gemm_path` names the path that runs."""
 
     def __init__(self, num_experts: int, in_features: int, out_features: int, grouped: bool):
         super().__init__()
@@ -149,7 +151,9 @@ class GroupedLinear(nn.Module):
     def forward(self, x: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
         w = self.weight.transpose(-2, -1)  # [experts, in, out], column-major as the CUDA kernel wants it
         if self.grouped:
-            return torch._grouped_mm(x, w, offs=offsets)
+            if grouped_gemm_path(True, x.device) == "grouped_mm":
+                return torch._grouped_mm(x, w, offs=offsets)
+            return _PaddedBmm.apply(x, w, offsets)
         bounds = [0, *offsets.tolist()]
         return torch.cat([x[a:b] @ w[e] for e, (a, b) in enumerate(zip(bounds, bounds[1:]))])
 
@@ -162,6 +166,50 @@ def grouped_linear(num_experts: int, in_features: int, out_features: int, groupe
 def grouped_mm_available() -> bool:
     """Whether the torch in use has `torch._grouped_mm`."""
     return hasattr(torch, "_grouped_mm")
+
+
+def grouped_gemm_path(grouped: bool, device: torch.device | str = "cpu") -> str:
+    """The experts' matmul path: "grouped_mm" (torch has `_grouped_mm` and the device runs it: the
+    CPU, or a CUDA GPU of compute capability 9.0 or more, the Hopper kernel), "padded_bmm" (grouped
+    otherwise), "per_expert" (`moe_grouped_gemm` false)."""
+    if not grouped:
+        return "per_expert"
+    device = torch.device(device)
+    runs = device.type != "cuda" or torch.cuda.get_device_capability(device) >= (9, 0)
+    return "grouped_mm" if grouped_mm_available() and runs else "padded_bmm"
+
+
+class _PaddedBmm(torch.autograd.Function):
+    """Grouped matmuls as one `torch.bmm` over [experts, most rows, in]: every expert's rows padded
+    with zeros to the busiest expert's count (one host read of the counts). It saves what
+    `_grouped_mm` saves (the rows, the weights, the offsets), never the padded copy, and pads again
+    in backward; the zero rows add nothing to the weight gradient. The matmuls run E x max rows."""
+
+    @staticmethod
+    def _layout(offsets: torch.Tensor, rows: int) -> tuple[torch.Tensor, torch.Tensor, int]:
+        counts = torch.diff(offsets, prepend=offsets.new_zeros(1)).long()
+        expert = torch.repeat_interleave(torch.arange(counts.numel(), device=offsets.device), counts, output_size=rows)
+        position = torch.arange(rows, device=offsets.device) - (offsets.long() - counts).index_select(0, expert)
+        return expert, position, int(counts.max()) if counts.numel() else 0
+
+    @staticmethod
+    def _pad(a: torch.Tensor, expert: torch.Tensor, position: torch.Tensor, experts: int, most: int) -> torch.Tensor:
+        return a.new_zeros(experts, most, a.shape[-1]).index_put_((expert, position), a)
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(x, w, offsets)
+        expert, position, most = _PaddedBmm._layout(offsets, x.shape[0])
+        return torch.bmm(_PaddedBmm._pad(x, expert, position, w.shape[0], most), w)[expert, position]
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        x, w, offsets = ctx.saved_tensors
+        expert, position, most = _PaddedBmm._layout(offsets, x.shape[0])
+        g = _PaddedBmm._pad(grad, expert, position, w.shape[0], most)
+        grad_x = torch.bmm(g, w.transpose(-2, -1))[expert, position]
+        grad_w = torch.bmm(_PaddedBmm._pad(x, expert, position, w.shape[0], most).transpose(-2, -1), g)
+        return grad_x, grad_w, None
 
 
 def _grouped_mm_flops(a_shape, b_shape, *args, out_shape=None, **kwargs) -> int:

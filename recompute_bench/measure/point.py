@@ -24,6 +24,7 @@ import torch
 from torch.utils.flop_counter import FlopCounterMode
 
 from recompute_bench.analysis import flops
+from recompute_bench.backends.pytorch import grouped_gemm_path
 from recompute_bench.spec.config import Config
 from recompute_bench.models import spec_for
 from recompute_bench.models.dense.layers import GPT
@@ -360,7 +361,10 @@ def run_point(cfg: Config, *, device: torch.device | None = None, peak_tflops: f
     device = device or pick_device()
     with float32_matmul_precision(device, cfg.training.precision) as tf32:
         metrics, rank_entry = _measure(cfg, device, peak_tflops, layout or SingleRank(), progress or (lambda *_: None))
-    return make_record(cfg, environment(device, tf32), rank_entry, metrics)
+    env = environment(device, tf32)
+    if cfg.model.num_moe_experts:  # which grouped-matmul path the experts ran
+        env["grouped_gemm_path"] = grouped_gemm_path(cfg.model.moe_grouped_gemm, device)
+    return make_record(cfg, env, rank_entry, metrics)
 
 
 def _measure(cfg: Config, device: torch.device, peak_tflops: float | None, layout,
@@ -442,14 +446,18 @@ def _measure(cfg: Config, device: torch.device, peak_tflops: float | None, layou
 
 def _tokens_per_expert(model: torch.nn.Module) -> dict[str, float]:
     """Routed rows per expert in the probe step's last micro-batch, over every MoE layer: the max
-    (the busiest expert) and the mean (tokens x top-k / experts); nothing for a dense model. Read
+    (the busiest expert) and the mean (tokens x top-k / experts; what the experts ran, after any
+    token dropping), and the routed rows dropped over capacity summed over the MoE layers; nothing
+    for a dense model. Read
     once, after the probe step, never inside a timed one."""
     counts = [layer.mlp.tokens_per_expert for layer in model.layers
               if getattr(layer.mlp, "tokens_per_expert", None) is not None]
     if not counts:
         return {}
     stacked = torch.stack(counts).float()
-    return {"tokens_per_expert_max": stacked.max().item(), "tokens_per_expert_mean": stacked.mean().item()}
+    dropped = sum(int(layer.mlp.tokens_dropped) for layer in model.layers if getattr(layer.mlp, "tokens_dropped", None) is not None)
+    return {"tokens_per_expert_max": stacked.max().item(), "tokens_per_expert_mean": stacked.mean().item(),
+            "tokens_dropped": dropped}
 
 
 def _failure(stepper: Stepper | None, e: BaseException, with_traceback: bool = False) -> dict:

@@ -21,6 +21,7 @@ NORMALIZATIONS = ("LayerNorm", "RMSNorm")
 ACTIVATIONS = ("gelu", "swiglu")
 POSITION_EMBEDDINGS = ("learned_absolute", "rope")
 ROUTER_SCORE_FUNCTIONS = ("softmax", "sigmoid")
+TOKEN_DROP_POLICIES = ("probs", "position")
 
 # Every module name Megatron accepts, in Megatron's order; the order is also the canonical
 # order of a module list in records and golden keys.
@@ -139,6 +140,11 @@ class ModelConfig:
     """Group-limited routing: experts fall into this many groups (DeepSeek-V3: 8); None: no groups."""
     moe_router_group_topk: Optional[int] = None
     """Group-limited routing: each token's experts come from its best this-many groups (DeepSeek-V3: 4)."""
+    moe_expert_capacity_factor: Optional[float] = None
+    """Token dropping: each expert runs at most ceil(tokens x top-k / experts x this) routed rows (Megatron's
+    get_capacity), the rest are dropped (the token keeps its residual); None: dropless."""
+    moe_token_drop_policy: str = "probs"
+    """Which rows an expert over capacity keeps: probs (its highest routing probabilities) or position (the first tokens)."""
     moe_grouped_gemm: bool = False
     """Run all experts as grouped matmuls (torch._grouped_mm); false: one matmul per expert."""
     multi_latent_attention: bool = False

@@ -32,7 +32,8 @@ LATER_KEYS = ("num_moe_experts", "moe_router_topk", "moe_ffn_hidden_size", "moe_
               "moe_layer_freq", "moe_router_score_function", "moe_grouped_gemm", "expert_model_parallel_size",
               "multi_latent_attention", "q_lora_rank", "kv_lora_rank", "qk_head_dim", "qk_pos_emb_head_dim",
               "v_head_dim", "kv_channels", "moe_router_topk_scaling_factor", "moe_router_enable_expert_bias",
-              "moe_router_num_groups", "moe_router_group_topk", "moe_aux_loss_coeff")
+              "moe_router_num_groups", "moe_router_group_topk", "moe_aux_loss_coeff",
+              "moe_expert_capacity_factor", "moe_token_drop_policy")
 # The default of a field that has none (the model's shape): a record must hold it.
 REQUIRED = object()
 # Recompute fields whose attribute is not already Megatron's argument name.

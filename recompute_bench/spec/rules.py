@@ -11,7 +11,7 @@ from typing import Any
 
 from recompute_bench.models import spec_for
 from recompute_bench.spec.config import (ACTIVATIONS, ATTENTION_BACKENDS, GRANULARITIES, METHODS, NORMALIZATIONS,
-                                         POSITION_EMBEDDINGS, PRECISIONS, RECOMPUTE_MODULES, ROUTER_SCORE_FUNCTIONS, SECTIONS,
+                                         POSITION_EMBEDDINGS, PRECISIONS, RECOMPUTE_MODULES, ROUTER_SCORE_FUNCTIONS, SECTIONS, TOKEN_DROP_POLICIES,
                                          _MODULE_NEEDS, Config, ConfigError)
 
 VPP_FLAG = "--set parallel.virtual_pipeline_model_parallel_size"
@@ -191,6 +191,14 @@ def _validate_router(cfg: Config) -> None:
     if factor is not None and not factor > 0:
         raise ConfigError(f"moe_router_topk_scaling_factor must be positive, got {factor}; "
                           "pass --set model.moe_router_topk_scaling_factor=2.5 or leave it unset")
+    capacity = m.moe_expert_capacity_factor
+    if capacity is not None and not capacity > 0:
+        raise ConfigError(f"moe_expert_capacity_factor must be positive, got {capacity}; "
+                          "pass --set model.moe_expert_capacity_factor=1.0 or leave it unset (dropless)")
+    _choice("moe_token_drop_policy", m.moe_token_drop_policy, TOKEN_DROP_POLICIES, "set model.moe_token_drop_policy")
+    if capacity is not None and cfg.parallel.expert_model_parallel_size > 1:
+        raise ConfigError("token dropping (moe_expert_capacity_factor) under expert parallel is not modelled yet; "
+                          "pass --ep 1 or leave moe_expert_capacity_factor unset")
 
 
 def _validate_mla(cfg: Config) -> None:

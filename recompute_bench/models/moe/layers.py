@@ -3,7 +3,8 @@
 
     shared = shared_experts(x)                                   (optional dense MLP every token runs)
     probs, experts = top_k(router(x))                            (softmax over the top-k logits, or sigmoid)
-    permuted = x[tokens sorted by expert]                        (dropless: every routed copy is kept)
+    permuted = x[tokens sorted by expert]                        (dropless: every routed copy is kept;
+                                                                  with a capacity factor, at most capacity per expert)
     permuted = dispatch(permuted)                                (expert parallel: all-to-all, `dispatch.py`)
     routed = fc2(activation(fc1(permuted)) * probs)              (grouped matmuls over the experts)
     y = shared + sum over each token's k copies of combine(routed)
@@ -23,6 +24,7 @@ from torch import nn
 
 from recompute_bench.models.dense.layers import GPT, MLP, AttentionFactory, build_model as build_dense
 from recompute_bench.models.moe.dispatch import AllToAllDispatch, LocalDispatch
+from recompute_bench.models.moe.spec import expert_capacity
 from recompute_bench.spec.config import ModelConfig
 
 
@@ -157,7 +159,9 @@ class MoELayer(nn.Module):
         self.experts = GroupedMLP(cfg, backend)
         shared = cfg.moe_shared_expert_intermediate_size
         self.shared_experts = MLP(cfg, backend, shared) if shared else None
+        self.capacity_factor, self.drop_policy = cfg.moe_expert_capacity_factor, cfg.moe_token_drop_policy
         self.tokens_per_expert: torch.Tensor | None = None
+        self.tokens_dropped: torch.Tensor | None = None
         self.dispatch: LocalDispatch | AllToAllDispatch = LocalDispatch()
         """Copies to the experts and back: all here, or by all-to-all under expert parallel."""
 
@@ -171,6 +175,10 @@ class MoELayer(nn.Module):
         order = flat.argsort(stable=True)  # routed copies sorted by expert, tokens in order within one
         counts = torch.zeros(self.num_experts, dtype=torch.int32, device=x.device).index_add_(
             0, flat, torch.ones_like(flat, dtype=torch.int32))  # no host read (bincount would sync)
+        routed_counts = counts
+        if self.capacity_factor is not None:
+            order, counts = self._drop(order, counts, probs.detach().reshape(-1), flat)
+        self.tokens_dropped = (routed_counts - counts).sum().detach()
         token = order // self.topk
         rows, row_probs, counts, combine = self.dispatch(x.index_select(0, token), probs.reshape(-1).index_select(0, order),
                                                          counts)
@@ -178,8 +186,29 @@ class MoELayer(nn.Module):
         routed = combine(self.experts(rows, counts.cumsum(0, dtype=torch.int32), row_probs))
         # Un-permute by a gather back to token order and a sum over each token's k copies: index_add
         # would keep the routed rows for its backward, and on CUDA adds with atomics (not bitwise stable).
-        y = routed.index_select(0, order.argsort()).view(*shape[:-1], self.topk, shape[-1]).sum(-2)
+        if self.capacity_factor is None:
+            inverse = order.argsort()
+        else:  # a dropped copy gathers an appended zero row: it adds nothing, the token keeps its residual
+            routed = torch.cat([routed, routed.new_zeros(1, routed.shape[-1])])
+            inverse = torch.full_like(flat, order.numel()).index_copy_(0, order, torch.arange(order.numel(), device=x.device))
+        y = routed.index_select(0, inverse).view(*shape[:-1], self.topk, shape[-1]).sum(-2)
         return y if shared is None else y + shared
+
+    def _drop(self, order: torch.Tensor, counts: torch.Tensor, probs: torch.Tensor,
+              flat: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Token dropping (Megatron's capacity factor): each expert keeps at most `expert_capacity`
+        copies, its highest-probability ones (`probs`) or its first tokens (`position`); the kept
+        copies stay sorted by expert, tokens in order. No graph. The kept count is read on the host
+        (a boolean mask's size): one sync per MoE layer, only with a capacity factor."""
+        capacity = expert_capacity(flat.numel() // self.topk, self.topk, self.num_experts, self.capacity_factor)
+        ranked = order
+        if self.drop_policy == "probs":  # by expert, the highest probability first within one
+            by_prob = (-probs).argsort(stable=True)
+            ranked = by_prob.index_select(0, flat.index_select(0, by_prob).argsort(stable=True))
+        starts = counts.cumsum(0) - counts
+        rank = torch.arange(flat.numel(), device=flat.device) - starts.index_select(0, flat.index_select(0, ranked))
+        keep = torch.zeros_like(flat, dtype=torch.bool).index_fill_(0, ranked[rank < capacity], True)
+        return order[keep.index_select(0, order)], counts.clamp(max=capacity)
 
 
 def build_model(cfg: ModelConfig, seed: int, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32,

@@ -13,10 +13,15 @@ each) a rank's experts keep the rows every rank of its group sent them: T·k und
 which the estimate assumes; summed over the group it is exact for any routing, and one rank's
 bytes differ by (rows received - T·k) x the bytes kept per routed row. The record carries the probe
 step's tokens per expert (max/mean), per rank as well.
+
+With a capacity factor (token dropping) the experts run sum over experts of min(routed_e, capacity)
+rows; the estimate takes min(T·k, E x capacity), exact when every expert receives at least its
+capacity (uniform routing and a factor of at most 1); the record carries `tokens_dropped`.
 """
 
 from __future__ import annotations
 
+import math
 from typing import Any, Iterable
 
 from recompute_bench.models import ELEMENT_BYTES, INDEX_BYTES, SavedBytes, Work
@@ -25,6 +30,23 @@ from recompute_bench.spec.config import Config, ModelConfig
 
 INT32_BYTES = 4  # the grouped matmul's cumulative expert offsets
 MOE_PARTS = ("router", "experts", "shared_experts")
+
+
+def expert_capacity(tokens: int, topk: int, experts: int, factor: float) -> int:
+    """Routed rows one expert may run under a capacity factor: Megatron's get_capacity,
+    ceil(tokens x top-k / experts x factor)."""
+    return math.ceil(tokens * topk / experts * factor)
+
+
+def routed_rows(m: ModelConfig, tokens: int) -> int:
+    """Rows the experts run for `tokens` tokens: tokens x k dropless (any routing); with a capacity
+    factor min(tokens x k, experts x capacity), which assumes every expert receives at least its
+    capacity (uniform routing with a factor of at most 1; exact for any routing that fills them)."""
+    rows = tokens * m.moe_router_topk
+    if m.moe_expert_capacity_factor is None:
+        return rows
+    return min(rows, m.num_moe_experts * expert_capacity(tokens, m.moe_router_topk, m.num_moe_experts,
+                                                         m.moe_expert_capacity_factor))
 
 
 def _mean(dense: dict[str, Any], moe: dict[str, Any], cfg: Config) -> dict[str, Any]:
@@ -56,7 +78,7 @@ class _MoELayer(DenseSpec):
         m, tr = cfg.model, cfg.training
         e = ELEMENT_BYTES[tr.precision]
         tokens, k, f, h = tr.seq_length * tr.micro_batch_size, m.moe_router_topk, m.moe_ffn, m.hidden_size
-        rows = tokens * k
+        rows, kept = tokens * k, routed_rows(m, tokens)
         if m.moe_shared_expert_intermediate_size and "shared_experts" not in mods:
             self._dense_mlp_saved(saved, cfg, "shared_experts.", tokens, m.moe_shared_expert_intermediate_size)
         # Router: top-k keeps its indices; softmax its output, or sigmoid its scores and the
@@ -76,9 +98,10 @@ class _MoELayer(DenseSpec):
             saved.add("router.aux_routed", e * m.num_moe_experts, "none")
         # Permutation: the sort order (gathers the probabilities), each copy's token (gathers the
         # rows) and the inverse order (gathers the experts' output back into token order).
-        saved.add("permutation.order", INDEX_BYTES * rows, "none")
-        saved.add("permutation.token", INDEX_BYTES * rows, "none")
-        saved.add("permutation.inverse", INDEX_BYTES * rows, "none")  # gathers the copies back
+        saved.add("permutation.order", INDEX_BYTES * kept, "none")
+        saved.add("permutation.token", INDEX_BYTES * kept, "none")
+        saved.add("permutation.inverse", INDEX_BYTES * rows, "none")  # gathers the copies back (dropped: a zero row)
+        rows = kept  # what the experts run
         ep = cfg.parallel.expert_model_parallel_size
         if ep > 1:  # the arrivals' sort by local expert, and its inverse (the copies sent keep nothing)
             saved.add("dispatch.order", INDEX_BYTES * rows, "none")
@@ -102,7 +125,7 @@ class _MoELayer(DenseSpec):
         tokens, h = b * cfg.training.seq_length, m.hidden_size
         widths = 3 if m.activation == "swiglu" else 2
         parts = {"router": linear(2 * tokens * h * m.num_moe_experts),
-                 "experts": linear(2 * tokens * m.moe_router_topk * h * m.moe_ffn * widths)}
+                 "experts": linear(2 * routed_rows(m, tokens) * h * m.moe_ffn * widths)}
         if m.moe_shared_expert_intermediate_size:
             parts["shared_experts"] = linear(2 * tokens * h * m.moe_shared_expert_intermediate_size * widths)
         return parts
