@@ -41,18 +41,30 @@ def optimizer_bytes_per_parameter(cfg: Config) -> dict[str, float]:
             "adam_moments": 8 / shards, "step_temporaries": 0}
 
 
-def microbatches_in_flight(cfg: Config, stage: int = 0) -> float:
-    """Micro-batches whose activations a pipeline stage holds at once. 1F1B: stage i holds p - i
-    (at most the number of micro-batches). Interleaved with m chunks per rank, the first stage holds
-    p (1 + (p - 1)/(p m)) micro-batches' worth of its layers (the paper's factor)."""
+def chunks_in_flight(cfg: Config, stage: int = 0) -> int:
+    """Model-chunk forwards whose activations pipeline rank `stage` holds at once, Megatron's warm-up
+    plus the steady state's one forward before its backward (megatron/core/pipeline_parallel/
+    schedules.py, `get_pp_rank_microbatches`): without virtual stages (1F1B) p - r - 1 warm-up
+    forwards, so p - r micro-batches; interleaved with vp model chunks per rank,
+    2 (p - r - 1) + (vp - 1) p warm-up chunk-forwards (the micro-batch group per virtual stage is p,
+    Megatron's default), so 2 (p - r - 1) + (vp - 1) p + 1 chunks. Either is capped by the step's
+    chunk-forwards, the micro-batches times vp (all of them in warm-up: the forwards run first)."""
     par = cfg.parallel
-    p, m = par.pipeline_model_parallel_size, par.virtual_pipeline_model_parallel_size or 1
-    n = cfg.num_microbatches
+    p, vp = par.pipeline_model_parallel_size, par.virtual_pipeline_model_parallel_size or 1
+    total = cfg.num_microbatches * vp
     if p == 1:
-        return 1.0
-    if m > 1 and stage == 0:
-        return min(float(n), p * (1 + (p - 1) / (p * m)))
-    return float(min(p - stage, n))
+        return vp  # no pipeline: one micro-batch through every layer
+    if vp == 1:
+        return min(p - stage, total)
+    return min(2 * (p - stage - 1) + (vp - 1) * p + 1, total)
+
+
+def microbatches_in_flight(cfg: Config, stage: int = 0) -> float:
+    """Micro-batches' worth of its layers that pipeline rank `stage` holds at once: `chunks_in_flight`
+    over the model chunks per rank. 1F1B: stage r holds p - r; interleaved, the first stage
+    2 (p - 1) + (vp - 1) p + 1 chunks, p (1 + (p - 1)/(p vp)) micro-batches (the paper's factor),
+    the last (vp - 1) p + 1 chunks, not one micro-batch."""
+    return chunks_in_flight(cfg, stage) / (cfg.parallel.virtual_pipeline_model_parallel_size or 1)
 
 
 @dataclass
