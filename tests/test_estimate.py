@@ -286,8 +286,8 @@ def test_first_stage_holds_p_microbatches_and_the_interleave_factor():
     assert [chunks_in_flight(vpp, r) for r in range(8)] == [2 * (8 - r - 1) + 2 * 8 + 1 for r in range(8)]
     assert chunks_in_flight(vpp, 7) == 17 and microbatches_in_flight(vpp, 7) == pytest.approx(17 / 3)  # not 1
     few = config("gpt3-175b", parallel__pipeline_model_parallel_size=8, parallel__virtual_pipeline_model_parallel_size=3,
-                 training__global_batch_size=4)
-    assert chunks_in_flight(few, 0) == 4 * 3  # capped by the step's chunk-forwards
+                 training__global_batch_size=8)
+    assert chunks_in_flight(few, 0) == 8 * 3  # capped by the step's chunk-forwards (31 otherwise)
     rank = rank_memory(cfg, 0)
     stored = stage_activations(cfg).stored_bytes
     assert rank.items["activations of the other in-flight micro-batches"] == 3 * stored
