@@ -48,7 +48,7 @@ def sweep(
                                                   rich_help_panel="Sweep")] = None,
     resume: Annotated[Optional[str], typer.Option(help="Continue the sweep RUN_ID with its saved plan; points with an ok "
                                                   "or oom record are skipped.", rich_help_panel="Sweep")] = None,
-    timeout: Annotated[float, typer.Option(help="Time limit of one point in seconds (process start included).",
+    timeout: Annotated[float, typer.Option(help="Time limit of one point in seconds (from the moment its process has started; the start has its own limit of 300 s).",
                                            rich_help_panel="Sweep")] = 600.0,
     device: Annotated[Optional[str], typer.Option(help="torch device of every point; default CUDA if present.",
                                                   rich_help_panel="Sweep")] = None,
