@@ -15,7 +15,8 @@ from recompute_bench.cli.options import normalize_argv
 
 app = typer.Typer(no_args_is_help=True, add_completion=True, pretty_exceptions_enable=False,
                   context_settings={"help_option_names": ["-h", "--help"]},
-                  help="Measure, predict and gate activation-recomputation settings of GPT training.")
+                  help="Measure, predict and gate activation-recomputation settings of GPT training. An on/off flag "
+                       "(--sequence-parallel, ...) has a --no- form that turns it off.")
 
 
 def _print_version(value: bool) -> None:

@@ -31,10 +31,10 @@ def sweep(
     modules: Annotated[Optional[list[str]], typer.Option(help="Each non-empty subset of these modules as a selective "
                                                          "setting (space or comma separated).", rich_help_panel="Sweep")] = None,
     methods: Annotated[Optional[list[str]], typer.Option(help="Full recompute methods (uniform, block), crossed with "
-                                                         "--num-layers-recompute.", rich_help_panel="Sweep")] = None,
+                                                         "the layer counts below.", rich_help_panel="Sweep")] = None,
     num_layers_recompute: Annotated[Optional[list[str]], typer.Option(help="Full recompute layer counts N; alone they "
                                                                       "mean method block.", rich_help_panel="Sweep")] = None,
-    baseline: Annotated[bool, typer.Option(help="Add the point without recompute (Baseline).", rich_help_panel="Sweep")] = False,
+    baseline: Annotated[bool, typer.Option("--baseline", help="Add the point without recompute (Baseline).", rich_help_panel="Sweep")] = False,
     grid: Annotated[Optional[Path], typer.Option(help="TOML file listing the points ([[point]] tables) instead of the flags.",
                                                  rich_help_panel="Sweep")] = None,
     policy: Annotated[Optional[str], typer.Option(help="Add a per-layer policy point named Auto: `auto` (what `plan "
