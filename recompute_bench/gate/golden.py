@@ -97,6 +97,13 @@ def golden_path_for(device_kind: str, results_dir: Path = Path("results")) -> Pa
     return Path(results_dir) / "golden" / f"{device_kind}.csv"
 
 
+def choose_golden(given: Path | None, device_kind: str, results_dir: Path) -> tuple[Path, list[dict] | None]:
+    """The golden a run of `device_kind` is compared with: `given`, else the kind's file under
+    `results_dir` (None rows where that default does not exist; a given file must exist)."""
+    path = given or golden_path_for(device_kind, results_dir)
+    return path, read_golden(path) if given is not None or path.is_file() else None
+
+
 # ----- tolerances ---------------------------------------------------------------------------------
 def parse_tolerance(spec: str, where: str = "--tolerance") -> tuple[str, float | None]:
     """"tflops_per_gpu:10%" -> ("tflops_per_gpu", 0.1); "0.1" means 10% too; "off" reports only."""
