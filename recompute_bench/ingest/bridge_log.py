@@ -49,7 +49,7 @@ SECTION_ARGUMENTS = {
     ("train", "global_batch_size"): "global_batch_size",
     ("train", "micro_batch_size"): "micro_batch_size",
     ("dataset", "seq_length"): "seq_length",
-    ("tokenizer", "vocab_size"): "vocab_size",
+    ("ddp", "use_distributed_optimizer"): "use_distributed_optimizer",
 }
 
 
@@ -78,15 +78,18 @@ def read(path: Path) -> ParsedRun:
             elif (m := SETTING.match(text)) and section:
                 name = m.group("name")
                 argument = name if section == "model" else SECTION_ARGUMENTS.get((section, name))
-                if argument and not (argument == "vocab_size" and "vocab_size" in run.arguments):
+                if argument:
                     run.arguments[argument] = printed_value(m.group("value"))
                     run.argument_lines[argument] = line.number
             elif text.startswith("=") and section is not None:
                 in_summary = False
             continue
-        if m := PRESET_VOCAB.search(text) or PADDED_VOCAB.search(text):
-            run.arguments["vocab_size"] = int(m.group("size"))
-            run.argument_lines["vocab_size"] = line.number
+        if m := PRESET_VOCAB.search(text):
+            run.arguments["padded_vocab_size"] = int(m.group("size"))
+            run.argument_lines["padded_vocab_size"] = line.number
+        elif m := PADDED_VOCAB.search(text):
+            run.arguments["padded_vocab_size"] = int(m.group("padded"))
+            run.argument_lines["padded_vocab_size"] = line.number
         elif STEP_TIME_START.search(text):
             step_times.append((line, parse_line(path, line, STEP_TIME, "Bridge `Step Time` line")))
         elif ITERATION_START.match(text):

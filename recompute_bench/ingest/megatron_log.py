@@ -4,8 +4,8 @@
   `  <name> <dots> <value>` per argument (`megatron/training/arguments.py`, `_print_args`): the run's
   whole configuration, Megatron's own names, printed with `str()`;
 - ` > padded vocab (size: N) with D dummy tokens (new size: M)` (`megatron/training/vocab_utils.py`,
-  `calculate_padded_vocab_size`): the tokenizer's vocabulary, which the dump leaves unset when it
-  comes from a vocabulary file;
+  `calculate_padded_vocab_size`): the padded vocabulary, which the dump leaves unset (it is printed
+  before the tokenizer is built);
 - ` [time] iteration N/ M | consumed samples: ... | elapsed time per iteration (ms): T |
   throughput per GPU (TFLOP/s/GPU): F | ... | lm loss: L | ...` (`megatron/training/training.py`,
   `training_log`), printed by the last rank;
@@ -29,7 +29,7 @@ FORMAT = "megatron-lm"
 ARGS_START = re.compile(r"^-+ arguments -+$")
 ARGS_END = re.compile(r"^-+ end of arguments -+$")
 ARGUMENT = re.compile(r"^  (?P<name>\w+) \.* ?(?P<value>.*)$")
-PADDED_VOCAB = re.compile(r"> padded vocab \(size: (?P<size>\d+)\) with \d+ dummy tokens \(new size: \d+\)")
+PADDED_VOCAB = re.compile(r"> padded vocab \(size: (?P<size>\d+)\) with \d+ dummy tokens \(new size: (?P<padded>\d+)\)")
 ITERATION_START = re.compile(r"^\s*(?:\[(?P<time>[^\]]*)\])?\s*iteration\s+\d+/")
 ITERATION = re.compile(r"iteration\s+(?P<step>\d+)/\s*(?P<of>\d+) \|.*? elapsed time per iteration \(ms\): (?P<ms>[\d.]+) \|"
                        r".*\|\s*$")
@@ -73,9 +73,10 @@ def read(path: Path) -> ParsedRun:
     run.arguments, run.argument_lines = read_arguments(path, lines)
     for line in lines:
         text = line.text
-        if (m := PADDED_VOCAB.search(text)) and run.arguments.get("vocab_size") is None:
-            run.arguments["vocab_size"] = int(m.group("size"))
-            run.argument_lines["vocab_size"] = line.number
+        if (m := PADDED_VOCAB.search(text)) and run.arguments.get("padded_vocab_size") is None:
+            # The dump is printed before the tokenizer is built, so it holds padded_vocab_size None.
+            run.arguments["padded_vocab_size"] = int(m.group("padded"))
+            run.argument_lines["padded_vocab_size"] = line.number
         elif ITERATION_START.match(text):
             m = parse_line(path, line, ITERATION, "Megatron iteration line")
             throughput, loss = THROUGHPUT.search(text), LM_LOSS.search(text)
