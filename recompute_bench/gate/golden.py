@@ -295,8 +295,10 @@ def compare_row(actual: dict | None, golden: dict | None, overrides: dict[str, f
     elif golden["status"] == "ok" and status == "oom":
         row.verdicts, row.reasons = [UNEXPECTED_OOM], [f"out of memory on rank {actual.get('failure_rank')}: "
                                                        f"{actual.get('failure_message')}"]
+        row.metrics = _oom_metrics(golden, actual)
     elif golden["status"] == "oom" and status == "oom":
         row.verdicts = [EXPECTED_OOM]
+        row.metrics = _oom_metrics(golden, actual)
     elif golden["status"] == "oom":
         row.verdicts, row.reasons = [NOW_FITS], ["the golden says out of memory; run `golden update` to record the fit"]
     else:
@@ -311,6 +313,14 @@ def compare_row(actual: dict | None, golden: dict | None, overrides: dict[str, f
         row.verdicts = row.verdicts or [PASS]
     row.verdict = min(row.verdicts, key=SEVERITY.index)
     return row
+
+
+def _oom_metrics(golden: dict, actual: dict) -> list[MetricResult]:
+    """TFLOP/s and peak memory of a point that ran out of memory, beside the golden's, reported and not
+    gated: an imported run measured steps before it failed (the seeds' "~704 TFLOP/s, OOM rank0")."""
+    names = ("tflops_per_gpu", "peak_allocated_bytes")
+    return [_compare_metric(METRICS[n], golden.get(n), actual.get(n), None) for n in names
+            if golden.get(n) is not None and actual.get(n) is not None]
 
 
 def describe_metric(m: MetricResult) -> str:

@@ -29,7 +29,7 @@ def detect(path: Path) -> str:
             head = f.read(HEAD_BYTES).decode("utf-8", errors="replace")
     except OSError as e:
         raise bad(path, None, f"cannot be read ({e.strerror}); pass a log or golden-values file") from None
-    if head.lstrip().startswith(("{", "[")):
+    if head.lstrip().startswith("{"):
         data = _json(path)
         for name, reader in JSON_READERS.items():
             if reader.detect_json(data):

@@ -76,6 +76,9 @@ class ParsedRun:
     world_size: int | None = None
     name: str | None = None
     """A workload name the source gives (a Megatron functional-test case)."""
+    peaks_since_start: bool = True
+    """Whether the ranks' peaks count since the process started (Megatron, Bridge) rather than since the
+    previous report (torchtitan resets them after each metric line)."""
     memory_rule: str = ""
     """Which memory figure the record's peaks are, in words."""
     peaks: dict[str, float | None] = field(default_factory=dict)

@@ -41,11 +41,10 @@ def _rank_entries(run: ParsedRun, cfg: Config, device_name: str, failure: dict |
                                 None if mine is None else {k: mine[k] for k in ("step", "phase", "message")})
         m = memory.get(r)
         if m is not None:
-            # The sources' peaks count since the process started: the whole run's peak and, for lack of
-            # a reset after warm-up, the record's peak too.
             entry.update(peak_allocated_bytes=m.peak_allocated_bytes, peak_reserved_bytes=m.peak_reserved_bytes,
-                         run_peak_allocated_bytes=m.peak_allocated_bytes, run_peak_reserved_bytes=m.peak_reserved_bytes,
                          alloc_retries=m.alloc_retries, after_step=m.after_step)
+            if run.peaks_since_start:  # the whole run's peak and, for lack of a reset after warm-up, the record's
+                entry.update(run_peak_allocated_bytes=m.peak_allocated_bytes, run_peak_reserved_bytes=m.peak_reserved_bytes)
         entry.update(stage=stage, estimated_peak_allocated_bytes=estimates[stage],
                      nvml_total_bytes=run.failure.device_total_bytes if run.failure else None)
         entries.append(entry)

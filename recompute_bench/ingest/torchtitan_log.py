@@ -41,7 +41,7 @@ def detect(head: str) -> bool:
 def read(path: Path) -> ParsedRun:
     """Read one torchtitan log."""
     lines = read_lines(path)
-    run = ParsedRun(FORMAT, Path(path), timing="torchtitan", complete=False,
+    run = ParsedRun(FORMAT, Path(path), timing="torchtitan", complete=False, peaks_since_start=False,
                     memory_rule="torchtitan's `memory` of the last metric line of each rank: max reserved since the "
                                 "previous metric line (GiB = 2**30 bytes); max allocated is not printed")
     steps: dict[int, Step] = {}
