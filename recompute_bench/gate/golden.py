@@ -269,7 +269,7 @@ def _compare_metric(metric: Metric, golden: Any, actual: Any, tolerance: float |
 
 def _not_comparable(golden: dict, actual: dict) -> list[str]:
     reasons = []
-    if golden.get("device_name") != actual.get("device_name"):
+    if (golden.get("device_name") or None) != (actual.get("device_name") or None):  # a CSV cell "" is None
         reasons.append(f"golden measured on {golden.get('device_name')!r}, results on {actual.get('device_name')!r}")
     if _torch_minor(golden.get("torch_version")) != _torch_minor(actual.get("torch_version")):
         reasons.append(f"golden from torch {golden.get('torch_version')}, results from torch {actual.get('torch_version')}")

@@ -32,7 +32,7 @@ ARGUMENT = re.compile(r"^  (?P<name>\w+) \.* ?(?P<value>.*)$")
 PADDED_VOCAB = re.compile(r"> padded vocab \(size: (?P<size>\d+)\) with \d+ dummy tokens \(new size: (?P<padded>\d+)\)")
 ITERATION_START = re.compile(r"^\s*(?:\[(?P<time>[^\]]*)\])?\s*iteration\s+\d+/")
 ITERATION = re.compile(r"iteration\s+(?P<step>\d+)/\s*(?P<of>\d+) \|.*? elapsed time per iteration \(ms\): (?P<ms>[\d.]+) \|"
-                       r".*\|\s*$")
+                       r".* number of nan iterations: +\d+ \|")  # the line's last field (RL runs append more)
 THROUGHPUT = re.compile(r" throughput per GPU \(TFLOP/s/GPU\): (?P<value>[\d.]+) \|")
 LM_LOSS = re.compile(r" lm loss: (?P<value>[-+\d.eEinfa]+) \|")
 MEMORY_START = re.compile(r"\[Rank \d+\] \(after \d+ iterations\) memory \(MB\)")
