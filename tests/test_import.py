@@ -188,6 +188,11 @@ def test_a_bridge_log_without_a_preset_says_what_to_pass(tmp_path):
     assert "Exp 1.log" in line and "--workload" in line
 
 
+def test_a_flag_for_what_the_log_states_is_refused(tmp_path):
+    line = _one_error_line(_import(tmp_path, SEED / "Exp 1.log", *SEED_ARGS, "-gb", "64")[0])
+    assert "Exp 1.log" in line and "training.global_batch_size" in line
+
+
 def test_what_other_files_gave_is_still_written(tmp_path):
     bad = tmp_path / "empty.json"
     bad.write_text("{}\n")

@@ -10,7 +10,8 @@ the file states only part of it, a preset (`--workload` and its flags) for the r
 - A Bridge golden file and a torchtitan log state no config: the preset is the config, checked
   against what the log does state (torchtitan's tokens per step and context length).
 
-A flag given for a value the file states is refused: the file says what ran.
+A flag given for a value the file states is refused: the file says what ran. (For a Bridge log that
+is every value but the GPT model's own fields and the data-parallel size.)
 """
 
 from __future__ import annotations
@@ -82,10 +83,12 @@ def _bridge_config(run: ParsedRun, base: Config, overrides: dict[str, Any], labe
         raise _cannot(run, e) from None
     except ConfigError as e:
         raise bad(run.path, None, f"{e}") from None
-    stated = {f"{s}.{k}" for s, t in tables.items() for k in t}
-    clash = sorted(k for k in overrides if k in stated and k.split(".")[1] not in GPT_MODEL_FIELDS)
+    # The summary states every other value, a value it omits being Megatron Core's default.
+    open_fields = {f"model.{f}" for f in GPT_MODEL_FIELDS} | {"parallel.data_parallel_size"}
+    clash = sorted(k for k in overrides if k not in open_fields)
     if clash:
-        raise bad(run.path, None, f"states {', '.join(clash)} itself; drop the flag(s) for it")
+        raise bad(run.path, None, f"states {', '.join(clash)} itself (a value its summary omits is Megatron Core's "
+                                  "default); drop the flag(s) for it")
     for field in GPT_MODEL_FIELDS:
         if not (field == "vocab_size" and "padded_vocab_size" in args):
             tables["model"][field] = getattr(base.model, field)
