@@ -10,7 +10,7 @@ import typer
 from rich.markup import escape
 from rich.table import Table
 
-from recompute_bench.cli.common import (DEFAULT_WORKLOAD, GoldenFile, ResultsDir, Strict, device_kind, err, fail,
+from recompute_bench.cli.common import (DEFAULT_WORKLOAD, GoldenFile, ResultsDir, Strict, err, hardware_kind, fail,
                                         resolve_point, show_notes)
 from recompute_bench.cli.hints import command_line, print_command, run_locator, update_command
 from recompute_bench.cli.options import PointOptions, point_options, split_list
@@ -48,7 +48,7 @@ def sweep(
                                                   rich_help_panel="Sweep")] = None,
     resume: Annotated[Optional[str], typer.Option(help="Continue the sweep RUN_ID with its saved plan; points with an ok "
                                                   "or oom record are skipped.", rich_help_panel="Sweep")] = None,
-    timeout: Annotated[float, typer.Option(help="Time limit of one point in seconds (process start included).",
+    timeout: Annotated[float, typer.Option(help="Time limit of one point in seconds (from the moment its process has started; the start has its own limit of 300 s).",
                                            rich_help_panel="Sweep")] = 600.0,
     device: Annotated[Optional[str], typer.Option(help="torch device of every point; default CUDA if present.",
                                                   rich_help_panel="Sweep")] = None,
@@ -83,7 +83,7 @@ def sweep(
                 raise ConfigError(f"--num-layers-recompute takes integers, got {' '.join(num_layers_recompute)}; "
                                   "pass for example --num-layers-recompute 1 2") from None
         overrides, sets, gpu = point.overrides, point.sets, point.gpu
-        kind = gpu or device_kind(device, None)
+        kind = gpu or hardware_kind(device, None)
         notes: list[str] = []
         if resume:
             given = plan_flags + [n for n, v in (("--workload", workload), ("--set", sets), ("--run-id", run_id)) if v]
@@ -110,7 +110,7 @@ def sweep(
             raise ConfigError("--memory-gb is the budget of --policy auto; add --policy auto or drop --memory-gb")
         for p in points:
             p.cfg = check_runnable(p.cfg, device, launch)
-        golden_file = None if no_golden else (golden or gold.golden_path_for(device_kind(device, gpu), results_dir))
+        golden_file = None if no_golden else (golden or gold.golden_path_for(hardware_kind(device, gpu), results_dir))
         golden_rows = None
         if golden_file is not None and (golden is not None or golden_file.is_file()):
             golden_rows = gold.read_golden(golden_file)

@@ -39,9 +39,6 @@ from recompute_bench.spec.config import ConfigError
 from recompute_bench.results.records import KEY_COLUMNS, key_text
 from recompute_bench.spec.fields import LATER_KEYS, field as registry_field
 
-GOLDEN_DIR = Path("results") / "golden"
-
-
 @dataclass(frozen=True)
 class Metric:
     """How one metric is compared: kind, direction and default relative tolerance."""

@@ -45,7 +45,9 @@ from recompute_bench.recompute.settings import all_settings, full_settings, sele
 from recompute_bench.launch.worker import config_from_dict
 from recompute_bench.spec.presets import resolve
 
-PLAN_SCHEMA = "recompute-bench/plan/v1"
+PLAN_SCHEMA = "recompute-bench/sweep-plan/v1"
+OLD_PLAN_SCHEMAS = ("recompute-bench/plan/v1",)
+"""What sweeps before 0.1.0's last release called their plan.json (the same content): still resumed."""
 DONE_STATUSES = ("ok", "oom")
 # Keys a [[point]] of a grid file may set, and the config field each one overrides.
 
@@ -234,7 +236,7 @@ def load_plan(run_dir: Path) -> list[Point]:
                           "(a folder under results/ with a plan.json)")
     try:
         data = json.loads(path.read_text())
-        if data.get("schema") != PLAN_SCHEMA:
+        if data.get("schema") not in (PLAN_SCHEMA, *OLD_PLAN_SCHEMAS):
             raise ValueError(f"schema {data.get('schema')!r}")
         return [Point(p["name"], config_from_dict(p["config"])) for p in data["points"]]
     except (ValueError, KeyError, TypeError, AttributeError) as e:
