@@ -10,7 +10,7 @@ from __future__ import annotations
 from typing import Any
 
 from recompute_bench.analysis import flops
-from recompute_bench.analysis.memory import rank_memory
+from recompute_bench.analysis.rank import rank_memory
 from recompute_bench.ingest.parsed import ParsedRun
 from recompute_bench.ingest.timing import window
 from recompute_bench.measure.record import SCHEMA, rank_summary, unmeasured_metrics, unmeasured_rank
