@@ -273,7 +273,7 @@ def _compare_metric(metric: Metric, golden: Any, actual: Any, tolerance: float |
 
 def _not_comparable(golden: dict, actual: dict) -> list[str]:
     reasons = []
-    if golden.get("device_name") != actual.get("device_name"):
+    if (golden.get("device_name") or None) != (actual.get("device_name") or None):  # a CSV cell "" is None
         reasons.append(f"golden measured on {golden.get('device_name')!r}, results on {actual.get('device_name')!r}")
     if _torch_minor(golden.get("torch_version")) != _torch_minor(actual.get("torch_version")):
         reasons.append(f"golden from torch {golden.get('torch_version')}, results from torch {actual.get('torch_version')}")
@@ -299,8 +299,10 @@ def compare_row(actual: dict | None, golden: dict | None, overrides: dict[str, f
     elif golden["status"] == "ok" and status == "oom":
         row.verdicts, row.reasons = [UNEXPECTED_OOM], [f"out of memory on rank {actual.get('failure_rank')}: "
                                                        f"{actual.get('failure_message')}"]
+        row.metrics = _oom_metrics(golden, actual)
     elif golden["status"] == "oom" and status == "oom":
         row.verdicts = [EXPECTED_OOM]
+        row.metrics = _oom_metrics(golden, actual)
     elif golden["status"] == "oom":
         row.verdicts, row.reasons = [NOW_FITS], ["the golden says out of memory; run `golden update` to record the fit"]
     else:
@@ -315,6 +317,14 @@ def compare_row(actual: dict | None, golden: dict | None, overrides: dict[str, f
         row.verdicts = row.verdicts or [PASS]
     row.verdict = min(row.verdicts, key=SEVERITY.index)
     return row
+
+
+def _oom_metrics(golden: dict, actual: dict) -> list[MetricResult]:
+    """TFLOP/s and peak memory of a point that ran out of memory, beside the golden's, reported and not
+    gated: an imported run measured steps before it failed (the seeds' "~704 TFLOP/s, OOM rank0")."""
+    names = ("tflops_per_gpu", "peak_allocated_bytes")
+    return [_compare_metric(METRICS[n], golden.get(n), actual.get(n), None) for n in names
+            if golden.get(n) is not None and actual.get(n) is not None]
 
 
 def describe_metric(m: MetricResult) -> str:

@@ -199,7 +199,7 @@ def markdown_report(df: pd.DataFrame, title: str, image: str | None) -> str:
     env = df.iloc[0]
     measured_with = ", ".join(dict.fromkeys(str(v) for v in df.get("package_version", pd.Series(dtype=str)).dropna()))
     lines = [f"# {title}", "",
-             f"device `{env.get('device_name')}`, torch {env.get('torch_version')}, "
+             f"device `{env.get('device_name')}`, torch {env.get('torch_version') or 'n/a'}, "
              f"measured with recompute-bench {measured_with or 'n/a'} (git {str(env.get('git_sha') or 'n/a')[:10]}), "
              f"{len(df)} points; report written by recompute-bench {__version__}", "",
              "| Experiment | recompute setting | status | TFLOP/s/GPU | step time | Peak Mem | Activations "
@@ -231,12 +231,15 @@ def markdown_report(df: pd.DataFrame, title: str, image: str | None) -> str:
     return "\n".join(lines)
 
 
-def write_report(df: pd.DataFrame, out_dir: Path, title: str) -> tuple[Path, Path]:
-    """Write `report.md` and `pareto.png` into `out_dir`; returns both paths."""
+def write_report(df: pd.DataFrame, out_dir: Path, title: str, records: list[dict] | None = None) -> tuple[Path, Path]:
+    """Write `report.md` and `pareto.png` into `out_dir`; returns both paths. `records` (the rows'
+    records) add each rank's measured memory beside its estimate where the records carry one."""
+    from recompute_bench.render.ranks import rank_lines
+
     if df.empty:
-        raise ConfigError("the results hold no record to report on; run `recompute-bench sweep` first")
+        raise ConfigError("the results hold no record to report on; run `recompute-bench sweep` or `import` first")
     out_dir = Path(out_dir)
     png = plot_pareto(df, out_dir / "pareto.png", title)
     md = out_dir / "report.md"
-    md.write_text(markdown_report(df, title, png.name))
+    md.write_text(markdown_report(df, title, png.name) + "\n".join(["", *rank_lines(records or [])]))
     return md, png
