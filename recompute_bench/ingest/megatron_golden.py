@@ -14,7 +14,6 @@ the GPU. `model_config.yaml` holds the run's arguments under `MODEL_ARGS` (`--nu
 
 from __future__ import annotations
 
-import json
 import re
 from pathlib import Path
 
