@@ -386,18 +386,18 @@ def test_estimate_commands_of_the_issue():
 
 
 def test_plan_recommends_the_fastest_setting_that_fits():
-    result = invoke("plan", "--workload", "llama3-70b", "--tp", "8", "--pp", "4", "--memory-gb", "80", "--json")
+    result = invoke("plan", "--workload", "llama3-70b", "--tp", "8", "--sequence-parallel", "--pp", "4", "--memory-gb", "64", "--json")
     assert result.exit_code == 0, result.output
     plan = json.loads(result.stdout)
     fits = plan["fits"]
-    assert fits and all(r["device_bytes_needed"] <= 80 * GiB for r in fits)
+    assert fits and all(r["device_bytes_needed"] <= 64 * GiB for r in fits)
     assert [r["hardware_flops_per_step"] for r in fits] == sorted(r["hardware_flops_per_step"] for r in fits)
     assert plan["recommended"] == fits[0]["label"] and "recommended" in result.stderr
-    assert "none" not in [r["label"] for r in fits]  # no recompute does not fit 80 GiB there
+    assert "none" not in [r["label"] for r in fits]  # no recompute does not fit 64 GiB there
 
 
 def test_plan_says_when_nothing_fits_and_what_would():
-    result = invoke("plan", "--workload", "llama3-70b", "--tp", "8", "--pp", "4", "--memory-gb", "40", "--json")
+    result = invoke("plan", "--workload", "llama3-70b", "--tp", "8", "--sequence-parallel", "--pp", "4", "--memory-gb", "32", "--json")
     assert result.exit_code == 1
     plan = json.loads(result.stdout)
     assert not plan["fits"] and "nothing fits" in result.stderr

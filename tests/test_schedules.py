@@ -13,8 +13,7 @@ from torch.distributed.pipelining import schedules as torch_schedules
 
 from conftest import config
 from recompute_bench.analysis.rank import chunks_in_flight
-from recompute_bench.analysis.schedules import (Action, bubble_fraction, live_after_forwards, peak_chunks, rank_actions,
-                                                rank_stages)
+from recompute_bench.analysis.schedules import Action, bubble_fraction, peak_chunks, rank_actions, rank_stages, walk
 
 KIND = {"FORWARD": "F", "FULL_BACKWARD": "B", "BACKWARD_INPUT": "I", "BACKWARD_WEIGHT": "W"}
 CASES = [("1F1B", 1, p, n) for p in (2, 3, 4) for n in (4, 8, 12)] + \
@@ -79,7 +78,8 @@ def test_gpipe_holds_every_microbatch_and_zero_bubble_frees_at_w():
     assert peak_chunks(rank_actions("GPipe", 4, 1, 8, 3)) == {3: 8}
     # I frees nothing (torch retains the graph for W): a chunk weighs until its W.
     order = [Action("F", 0, 0), Action("F", 0, 1), Action("I", 0, 0), Action("F", 0, 2), Action("W", 0, 0), Action("F", 0, 3)]
-    assert live_after_forwards(order, lambda stage: 10.0) == [10, 20, 30, 30]
+    held = walk(order, lambda stage: 10.0, lambda stage: 5.0)
+    assert (held.saved_peak, held.held, held.backward_peak) == (30, {0: 3}, 25)
 
 
 @pytest.mark.parametrize("schedule, vp", [("1F1B", 1), ("GPipe", 1), ("Interleaved1F1B", 2), ("Interleaved1F1B", 4)])

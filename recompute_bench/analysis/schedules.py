@@ -8,10 +8,11 @@ against torch's own `_calculate_single_rank_operations`. For 1F1B and the interl
 also Megatron's (`megatron/core/pipeline_parallel/schedules.py`: warm-up, then one forward and one
 backward in turn, then the cool-down), when the micro-batches are a multiple of p.
 
-Memory follows from an order (`peak_chunks`): a chunk-forward's saved tensors live from its F until
-its B, or, split in two, until its W: torch's input-gradient pass runs `autograd.grad(...,
-retain_graph=True)` (`stage_backward_input`), which frees nothing, and the weight pass frees the
-graph (measured: a chunk's saved bytes stay whole through I and are gone after W).
+Memory follows from an order (`walk`): a chunk-forward's saved tensors live from its F until its B,
+or, split in two, until its W: torch's input-gradient pass runs `autograd.grad(...,
+retain_graph=True)` (`stage_backward_input`), which frees nothing but the loss's saved tensors on the
+last stage (it detaches the loss, the only reference to the loss's nodes), and the weight pass frees
+the graph (measured: a chunk's saved bytes stay through I, but the loss's, and are gone after W).
 """
 
 from __future__ import annotations
@@ -201,32 +202,52 @@ def _dualpipev(p: int, n: int, rank: int) -> list[Action]:
     return out
 
 
-def live_after_forwards(actions: Iterable[Action], nbytes: Callable[[int], float]) -> list[float]:
-    """What a rank holds after each of its forwards: the summed `nbytes(stage)` of the chunk-forwards
-    whose backward has not freed them yet (B frees; I frees nothing; W frees)."""
-    live, out = 0.0, []
+class Walk(NamedTuple):
+    """What a rank's order holds (`walk`): after a forward, and during a backward."""
+
+    saved_peak: float
+    """The most held at once right after a forward (the saved tensors of every chunk-forward not yet freed)."""
+    held: dict[int, int]
+    """Chunk-forwards held then, by virtual stage (the first time that most is held)."""
+    backward_peak: float
+    """The most held during a backward: all that is held then plus that chunk's own transient."""
+    in_backward: int | None
+    """The virtual stage whose backward gives `backward_peak` (None: no backward)."""
+
+
+def walk(actions: Iterable[Action], stored: Callable[[int], float], transient: Callable[[int], float] = lambda _: 0.0,
+         freed_at_input: Callable[[int], float] = lambda _: 0.0) -> Walk:
+    """Follow a rank's order with each chunk-forward weighing `stored(stage)`: F adds it, B frees it,
+    I adds `transient(stage)` while it runs and frees `freed_at_input(stage)` (torch keeps the graph
+    for W, all but what hangs below the stage's output: the loss, whose tensor it detaches), W frees
+    the rest."""
+    live, held = 0.0, {}
+    saved_peak, at_peak = 0.0, {}
+    backward_peak, in_backward = 0.0, None
     for a in actions:
         if a.kind == "F":
-            live += nbytes(a.stage)
-            out.append(live)
-        elif a.kind in ("B", "W"):
-            live -= nbytes(a.stage)
-    return out
+            live += stored(a.stage)
+            held[a.stage] = held.get(a.stage, 0) + 1
+            if live > saved_peak:
+                saved_peak, at_peak = live, dict(held)
+            continue
+        if a.kind in ("B", "I") and live + transient(a.stage) > backward_peak:
+            backward_peak, in_backward = live + transient(a.stage), a.stage
+        if a.kind == "I":
+            live -= freed_at_input(a.stage)
+        elif a.kind == "B":
+            live -= stored(a.stage)
+            held[a.stage] -= 1
+        elif a.kind == "W":
+            live -= stored(a.stage) - freed_at_input(a.stage)
+            held[a.stage] -= 1
+    return Walk(saved_peak, at_peak, backward_peak, in_backward)
 
 
 def peak_chunks(actions: list[Action]) -> dict[int, int]:
-    """The chunk-forwards held, by virtual stage, at the first moment the most are held (all chunks
-    weigh alike here; `live_after_forwards` weighs them)."""
-    held: dict[int, int] = {}
-    best: dict[int, int] = {}
-    for a in actions:
-        if a.kind == "F":
-            held[a.stage] = held.get(a.stage, 0) + 1
-            if sum(held.values()) > sum(best.values()):
-                best = dict(held)
-        elif a.kind in ("B", "W"):
-            held[a.stage] -= 1
-    return best
+    """The chunk-forwards held, by virtual stage, at the first moment the most are held (every chunk
+    weighing alike)."""
+    return walk(actions, lambda _: 1.0).held
 
 
 def bubble_fraction(schedule: str, p: int, vp: int, n: int) -> float:

@@ -128,10 +128,30 @@ def synthetic_batches(cfg: Config, device: torch.device) -> torch.Tensor:
     return torch.randint(0, cfg.model.vocab_size, shape, generator=g).to(device)
 
 
+class _GlobalOnly:
+    """A module tracker that tracks nothing: every FLOP counts under "Global" alone."""
+
+    parents = ("Global",)
+
+    def __enter__(self) -> "_GlobalOnly":
+        return self
+
+    def __exit__(self, *_: Any) -> None:
+        return None
+
+
 class LocalFlopCounter(FlopCounterMode):
     """`FlopCounterMode` counting the FLOPs this rank runs: an op on DTensors (a tensor-parallel
     linear) is counted by the shapes of its local shards, not its global shapes (the mode sees
-    DTensor ops before they are split into local ones). Plain tensors count as they are."""
+    DTensor ops before they are split into local ones). Plain tensors count as they are.
+
+    Only the total is read, so no module is tracked: torch's module tracker hooks every module's
+    inputs for backward (`register_multi_grad_hook`), which fails inside the `autograd.grad(inputs=)`
+    of a zero-bubble pipeline schedule's input-gradient pass."""
+
+    def __init__(self, **kwargs: Any):
+        super().__init__(**kwargs)
+        self.mod_tracker = _GlobalOnly()
 
     def _count_flops(self, func_packet, out, args, kwargs):
         from torch.utils._pytree import tree_map
@@ -156,6 +176,7 @@ class SavedTensorProbe:
 
     def __init__(self, model: GPT):
         self.model = model
+        self.num_layers = len(model.layers)
         # Storages are keyed by their StorageImpl (`_cdata`), not their address. Parameters live
         # for the whole run, so their keys cannot be reused by another storage.
         self.excluded = self._storages_of_parameters()
@@ -219,6 +240,10 @@ class SavedTensorProbe:
         read when it ended."""
         return self.result
 
+    def fields(self) -> dict[str, Any]:
+        """Figures beyond `bytes()` for the rank's entry: none for one micro-batch's forward."""
+        return {}
+
 
 def _fault(phase: str, step: int) -> None:
     """Fail as RECOMPUTE_BENCH_FAULT says ("KIND:PHASE:STEP[@RANK]"); no "@RANK" means every rank.
@@ -251,6 +276,10 @@ class Stepper:
         self.phase = "setup"
         self.no_sync = getattr(model, "no_sync", None)
         """DDP's: micro-batches before the last accumulate locally, the last one all-reduces."""
+
+    def fields(self, step_times_s: list[float]) -> dict[str, Any]:
+        """Figures of the measured steps beyond their times (a pipeline's: `measure.pipeline`); none here."""
+        return {}
 
     def step(self, probe: SavedTensorProbe | None = None) -> torch.Tensor:
         """One optimizer step over every micro-batch; returns the mean loss as a 0-dim fp32 tensor
@@ -351,6 +380,18 @@ class SingleRank:
         """The whole model's parameter count (DTensors count their global size)."""
         return sum(p.numel() for p in model.parameters())
 
+    def stepper(self, cfg: Config, model: torch.nn.Module, optimizer, batches: torch.Tensor) -> Stepper:
+        """What runs this layout's training steps."""
+        return Stepper(cfg, model, optimizer, batches, self.context)
+
+    def probe(self, model: torch.nn.Module) -> SavedTensorProbe:
+        """What measures the probe step's saved tensors: the first micro-batch's forward."""
+        return SavedTensorProbe(getattr(model, "module", model))  # DDP wraps the GPT
+
+    def world_flops(self, local_flops: int) -> int:
+        """The step's FLOPs over every rank from this rank's: each rank runs the same share."""
+        return local_flops * self.world_size
+
 
 def run_point(cfg: Config, *, device: torch.device | None = None, peak_tflops: float | None = None,
               layout=None, progress: Callable[[dict, dict], None] | None = None) -> dict:
@@ -383,7 +424,7 @@ def _measure(cfg: Config, device: torch.device, peak_tflops: float | None, layou
         model = layout.build(cfg, device)
         model.train()
         metrics["num_parameters"] = layout.num_parameters(model)  # DTensors count their global size
-        stepper = Stepper(cfg, model, layout.optimizer(model, t.precision), layout.batches(cfg, device), layout.context)
+        stepper = layout.stepper(cfg, model, layout.optimizer(model, t.precision), layout.batches(cfg, device))
         torch.manual_seed(t.seed)  # dropout masks
 
         def done(loss: torch.Tensor) -> None:
@@ -392,15 +433,16 @@ def _measure(cfg: Config, device: torch.device, peak_tflops: float | None, layou
             rank_entry.update({k: v for k, v in cuda_memory(device).items() if v is not None})
             progress(metrics, rank_entry)
 
-        probe = SavedTensorProbe(getattr(model, "module", model))
+        probe = layout.probe(model)
         with LocalFlopCounter(display=False) as counter:
             loss = stepper.step(probe)
         done(loss)
         metrics["loss"] = rank_entry["losses"][0]
-        metrics["measured_flops_per_step"] = counter.get_total_flops() * world_size  # this rank's share x ranks
+        metrics["measured_flops_per_step"] = layout.world_flops(counter.get_total_flops())
         total_bytes, layer_bytes = probe.bytes()
         metrics["activation_bytes"] = rank_entry["activation_bytes"] = total_bytes
-        metrics["activation_bytes_per_layer"] = layer_bytes / m.num_layers
+        metrics["activation_bytes_per_layer"] = layer_bytes / probe.num_layers
+        rank_entry.update(probe.fields())
         routed = _tokens_per_expert(getattr(model, "module", model))  # DDP wraps the GPT
         metrics.update(routed)
         rank_entry.update(routed)  # under expert parallel each rank's experts receive their own share
@@ -416,6 +458,7 @@ def _measure(cfg: Config, device: torch.device, peak_tflops: float | None, layou
                 rank_entry["step_times_s"].append(_timed(device, lambda: losses.append(stepper.step())))
                 done(losses[0])
         times = rank_entry["step_times_s"]
+        rank_entry.update(stepper.fields(times))
         window = cuda_memory(device)
         rank_entry.update(window)
         if device.type == "cuda":

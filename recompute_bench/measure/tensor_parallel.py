@@ -136,14 +136,15 @@ def swiglu_rows(ffn_hidden_size: int, tp: int) -> torch.Tensor:
 
 
 class TensorParallel:
-    """The (dp, tp) mesh of the process group and the GPT's tensor-parallel plan."""
+    """The (dp, tp) mesh of the process group (or a larger one with those dimensions: the pipeline's
+    (pp, dp, tp)) and the GPT's tensor-parallel plan."""
 
-    def __init__(self, tp: int, sequence_parallel: bool, device_type: str):
+    def __init__(self, tp: int, sequence_parallel: bool, device_type: str, mesh: DeviceMesh | None = None):
         world = dist.get_world_size()
         if world % tp:
             raise ValueError(f"tensor_model_parallel_size {tp} does not divide the {world} ranks")
         self.size, self.sequence_parallel = tp, sequence_parallel
-        self.mesh: DeviceMesh = init_device_mesh(device_type, (world // tp, tp), mesh_dim_names=("dp", "tp"))
+        self.mesh: DeviceMesh = mesh or init_device_mesh(device_type, (world // tp, tp), mesh_dim_names=("dp", "tp"))
 
     @property
     def group(self) -> dist.ProcessGroup:
@@ -155,16 +156,24 @@ class TensorParallel:
         return self.mesh["dp"]
 
     def parallelize(self, model: nn.Module) -> nn.Module:
-        """Shard `model` (built whole, seeded as on one rank) over the "tp" mesh, in place."""
+        """Shard `model` (built whole, seeded as on one rank) over the "tp" mesh, in place; its loss
+        comes out as this rank's plain tensor."""
+        self.parallelize_parts(model)
+        model.register_forward_hook(_local_loss)
+        return model
+
+    def parallelize_parts(self, model: nn.Module) -> nn.Module:
+        """Shard the parts of the GPT that `model` holds (the whole model, or a pipeline stage's
+        chunk: its layers, and the embedding or the output layer where it has them), in place."""
         tp_mesh = self.mesh["tp"]
         for layer in model.layers:
             mlp = layer.mlp
             if getattr(mlp, "swiglu", False):
                 self._reorder_fc1(mlp.linear_fc1, mlp.linear_fc2.in_features)
             parallelize_module(layer, tp_mesh, layer_plan(self.sequence_parallel))
-        parallelize_module(model, tp_mesh, model_plan(self.sequence_parallel))
+        plan = {name: style for name, style in model_plan(self.sequence_parallel).items() if getattr(model, name, None) is not None}
+        parallelize_module(model, tp_mesh, plan)
         model.tie_weights()  # the output layer shares the embedding's vocabulary shard again
-        model.register_forward_hook(_local_loss)
         return model
 
     @torch.no_grad()

@@ -185,18 +185,26 @@ class GPT(nn.Module):
             if hasattr(module, "reset_buffers"):
                 module.reset_buffers()
 
-    def forward(self, tokens: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        """Mean cross-entropy of next-token prediction; tokens and labels are [b, s]."""
-        s = tokens.shape[1]
+    def embed(self, tokens: torch.Tensor) -> torch.Tensor:
+        """The hidden states entering layer 0: word (and learned position) embeddings, then dropout."""
         x = self.word_embeddings(tokens)
         if self.position_embeddings is not None:
-            x = x + self.position_embeddings.weight[:s]
-        x = self.embedding_dropout(x)
-        rope = self.rotary(s) if self.rotary is not None else ()
-        x = self.layers(x, *rope)
-        logits = self.output_layer(self.final_layernorm(x))
-        # Cross-entropy in fp32, as Megatron does: the fp32 log-softmax is what the loss saves.
+            x = x + self.position_embeddings.weight[:tokens.shape[1]]
+        return self.embedding_dropout(x)
+
+    def head(self, x: torch.Tensor) -> torch.Tensor:
+        """The logits of the last layer's hidden states: final norm, then the output layer."""
+        return self.output_layer(self.final_layernorm(x))
+
+    @staticmethod
+    def loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """Mean cross-entropy in fp32, as Megatron computes it: the fp32 log-softmax is what it saves."""
         return F.cross_entropy(logits.float().view(-1, logits.shape[-1]), labels.reshape(-1))
+
+    def forward(self, tokens: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """Mean cross-entropy of next-token prediction; tokens and labels are [b, s]."""
+        rope = self.rotary(tokens.shape[1]) if self.rotary is not None else ()
+        return self.loss(self.head(self.layers(self.embed(tokens), *rope)), labels)
 
 
 def build_model(cfg: ModelConfig, seed: int, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32,
