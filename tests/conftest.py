@@ -42,6 +42,55 @@ def probe(cfg, dtype=torch.float32):
     return total, layers, fwd, fwd + bwd_counter.get_total_flops()
 
 
+def held_tensors(model, optimizer) -> list[torch.Tensor]:
+    """Every tensor a rank holds for its parameters, read from the live objects: the weights (a
+    DTensor by its local tensor: a tensor-parallel or FSDP shard), their gradients and main
+    gradients, everything the optimizer reaches through attributes, dicts, lists and tuples (not
+    descending into modules), and what FSDP2 keeps per parameter: unsharded gradients and
+    all-gathered weights (a freed one has an empty storage)."""
+    roots = [list(model.parameters()), optimizer]
+    for module in model.modules():
+        if hasattr(module, "_get_fsdp_state"):
+            for group in module._get_fsdp_state()._fsdp_param_groups:
+                for p in group.fsdp_params:
+                    unsharded = getattr(p, "_unsharded_param", None)
+                    roots += [p.unsharded_accumulated_grad, unsharded, list(getattr(p, "all_gather_outputs", []))]
+    found: list[torch.Tensor] = []
+    seen: set[int] = set()
+
+    def walk(obj) -> None:
+        if id(obj) in seen or isinstance(obj, torch.nn.Module):
+            return
+        seen.add(id(obj))
+        if isinstance(obj, torch.Tensor):
+            found.append(getattr(obj, "_local_tensor", obj))
+            # its gradient and tensors hung on it (a parameter's main_grad), not a DTensor's spec
+            children = [obj.grad, *(v for v in vars(obj).values() if isinstance(v, torch.Tensor))]
+        elif isinstance(obj, dict):
+            children = [*obj.keys(), *obj.values()]
+        elif isinstance(obj, (list, tuple, set)):
+            children = list(obj)
+        elif hasattr(obj, "__dict__") and not isinstance(obj, type):
+            children = list(vars(obj).values())
+        else:
+            return
+        for child in children:
+            walk(child)
+
+    walk(roots)
+    return found
+
+
+def held_bytes(model, optimizer) -> int:
+    """Bytes of the distinct storages of `held_tensors`. 0-dim tensors (Adam's step counters, 4
+    bytes each) are left out."""
+    storages = {}
+    for t in held_tensors(model, optimizer):
+        if t.dim() > 0:
+            storages[t.untyped_storage()._cdata] = t.untyped_storage().nbytes()
+    return sum(storages.values())
+
+
 def invoke(*args: str):
     """Run the CLI in-process the way `main()` does (argv normalised first)."""
     return CliRunner().invoke(app, normalize_argv(list(args)))
