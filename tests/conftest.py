@@ -42,6 +42,29 @@ def probe(cfg, dtype=torch.float32):
     return total, layers, fwd, fwd + bwd_counter.get_total_flops()
 
 
+def fsdp_param_groups(model) -> list:
+    """FSDP2's parameter groups of `model` (one per `fully_shard` call), none for other layouts."""
+    return [group for module in model.modules() if hasattr(module, "_get_fsdp_state")
+            for group in module._get_fsdp_state()._fsdp_param_groups]
+
+
+def all_gathered(group) -> list[torch.Tensor]:
+    """An FSDP2 group's all-gathered weights: each parameter's unsharded tensors and, between the
+    all-gather and the copy into them, the flat all-gather output (freed ones have empty storages)."""
+    pending = group._all_gather_result
+    return [*(t for p in group.fsdp_params for t in getattr(p, "all_gather_outputs", [])),
+            *([pending.all_gather_output] if pending is not None else [])]
+
+
+def storage_bytes(tensors) -> int:
+    """Bytes of the distinct storages of `tensors`, 0-dim ones left out (Adam's step counters)."""
+    storages = {}
+    for t in tensors:
+        if t.dim() > 0:
+            storages[t.untyped_storage()._cdata] = t.untyped_storage().nbytes()
+    return sum(storages.values())
+
+
 def held_tensors(model, optimizer) -> list[torch.Tensor]:
     """Every tensor a rank holds for its parameters, read from the live objects: the weights (a
     DTensor by its local tensor: a tensor-parallel or FSDP shard), their gradients and main
@@ -49,12 +72,9 @@ def held_tensors(model, optimizer) -> list[torch.Tensor]:
     descending into modules), and what FSDP2 keeps per parameter: unsharded gradients and
     all-gathered weights (a freed one has an empty storage)."""
     roots = [list(model.parameters()), optimizer]
-    for module in model.modules():
-        if hasattr(module, "_get_fsdp_state"):
-            for group in module._get_fsdp_state()._fsdp_param_groups:
-                for p in group.fsdp_params:
-                    unsharded = getattr(p, "_unsharded_param", None)
-                    roots += [p.unsharded_accumulated_grad, unsharded, list(getattr(p, "all_gather_outputs", []))]
+    for group in fsdp_param_groups(model):
+        roots.append(all_gathered(group))
+        roots += [(p.unsharded_accumulated_grad, getattr(p, "_unsharded_param", None)) for p in group.fsdp_params]
     found: list[torch.Tensor] = []
     seen: set[int] = set()
 
@@ -82,13 +102,8 @@ def held_tensors(model, optimizer) -> list[torch.Tensor]:
 
 
 def held_bytes(model, optimizer) -> int:
-    """Bytes of the distinct storages of `held_tensors`. 0-dim tensors (Adam's step counters, 4
-    bytes each) are left out."""
-    storages = {}
-    for t in held_tensors(model, optimizer):
-        if t.dim() > 0:
-            storages[t.untyped_storage()._cdata] = t.untyped_storage().nbytes()
-    return sum(storages.values())
+    """Bytes of the distinct storages of `held_tensors`, Adam's 0-dim step counters left out."""
+    return storage_bytes(held_tensors(model, optimizer))
 
 
 def invoke(*args: str):

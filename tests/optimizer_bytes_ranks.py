@@ -15,9 +15,12 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from conftest import config, held_bytes
-from recompute_bench.analysis.rank import is_fsdp, optimizer_bytes_per_parameter
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from conftest import all_gathered, config, fsdp_param_groups, held_bytes, storage_bytes
+from recompute_bench.analysis.rank import fsdp_unsharded_bytes, is_fsdp, optimizer_bytes_per_parameter
 from recompute_bench.analysis.stage import stage_parameters
+from recompute_bench.measure import distributed
 from recompute_bench.measure.distributed import DataParallel, init_process_group
 from recompute_bench.measure.point import SingleRank, Stepper, local
 
@@ -65,6 +68,20 @@ def update_reads(optimizer):
         del owner.step
 
 
+class AllGatheredPeak(TorchDispatchMode):
+    """The most bytes of FSDP's all-gathered weights alive after any op of a backward."""
+
+    def __init__(self, model, stepper: Stepper):
+        super().__init__()
+        self.groups, self.stepper, self.peak = fsdp_param_groups(model), stepper, 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if self.stepper.phase == "backward":
+            self.peak = max(self.peak, storage_bytes(t for g in self.groups for t in all_gathered(g)))
+        return out
+
+
 def run(cfg, kind: str | None) -> dict:
     """Two steps of `cfg` under `kind` (None: one rank alone): the gradients the first one's update
     reads and the collectives it runs, what the second one holds."""
@@ -76,6 +93,13 @@ def run(cfg, kind: str | None) -> dict:
                       lambda: layout.no_sync(model, optimizer))
     torch.manual_seed(cfg.training.seed)
     out = {"parameters_local": sum(local(p).numel() for p in model.parameters())}
+    grads = getattr(optimizer, "grads", None)
+    finish = getattr(grads, "finish", None)
+    if finish:
+        def watched_finish():
+            out["buckets_started_in_backward"] = len(getattr(grads, "handles", ()))
+            finish()
+        grads.finish = watched_finish
     with update_reads(optimizer) as read:
         for c in COLLECTIVES:
             c.calls, c.counting = 0, True
@@ -83,6 +107,9 @@ def run(cfg, kind: str | None) -> dict:
         for c in COLLECTIVES:
             c.counting = False
             out[c.name] = c.calls
+    if finish:
+        del grads.finish
+        out["buckets"] = len(getattr(grads, "buckets", ()))
     by_param = {id(p): g for p, g in read}
     out["grads"] = {n: by_param[id(p)] for n, p in model.named_parameters()}
 
@@ -104,20 +131,25 @@ def run(cfg, kind: str | None) -> dict:
         step()
 
     optimizer.step = watched_step
-    stepper.step()
+    with AllGatheredPeak(model, stepper) as peak:
+        stepper.step()
+    out["all_gathered_peak_in_backward"] = peak.peak
     return out
 
 
-def main(out: Path, layouts: dict[str, tuple[str, str, list[str]]]) -> None:
+def main(out: Path, layouts: dict[str, tuple[str, str, list[str], int | None]]) -> None:
     init_process_group(CPU, 120.0)
     results = {}
-    for name, (kind, workload, sets) in layouts.items():
+    default_bucket = distributed.BUCKET_PARAMETERS
+    for name, (kind, workload, sets, bucket_parameters) in layouts.items():
         cfg = config(workload, sets=sets)
+        distributed.BUCKET_PARAMETERS = bucket_parameters or default_bucket
         mine = run(cfg, kind)
         grads = mine.pop("grads")
         result = {**mine, "held": [h.__dict__ for h in optimizer_bytes_per_parameter(cfg)],
                   "parameters": stage_parameters(cfg, 0), "num_microbatches": cfg.num_microbatches,
-                  "fsdp_shards": cfg.parallel.data_parallel_size if is_fsdp(cfg) else 1}
+                  "fsdp_shards": cfg.parallel.data_parallel_size if is_fsdp(cfg) else 1,
+                  "fsdp_unsharded": fsdp_unsharded_bytes(cfg)}
         if cfg.training.precision == "fp32" and cfg.parallel.tensor_model_parallel_size == 1 and \
                 cfg.parallel.expert_model_parallel_size == 1:
             alone_cfg = config(workload, sets=[*sets, "parallel.data_parallel_size=1",

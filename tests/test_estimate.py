@@ -304,7 +304,8 @@ def test_the_whole_rank_lists_only_what_the_layout_holds():
     # The root (embedding, final norm, untied output layer) stays all-gathered from forward to
     # backward, with its unsharded gradients: bf16 weights and gradients, 2 + 2 bytes each.
     outside = 2 * 128256 * 4096 + 4096
-    assert rank.items["FSDP: all-gathered weights and unsharded gradients outside the layers"] == (2 + 2) * outside
+    assert rank.items["FSDP: all-gathered weights outside the layers"] == 2 * outside
+    assert rank.items["FSDP: unsharded gradients outside the layers"] == 2 * outside
     assert rank.optimizer_step_bytes == 16 / 8 * params + rank.items["token ids (all micro-batches of the step)"]
 
 

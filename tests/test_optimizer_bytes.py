@@ -1,9 +1,9 @@
 """What each layout's ranks hold for their parameters equals the estimate's bytes per parameter
 times the rank's parameters, read back from the live objects on 4 gloo ranks (tiny, seq 32, two
 micro-batches per rank): DDP in fp32 and bf16, DDP with expert parallel, FSDP2 in fp32 and bf16,
-tensor parallel alone and tensor parallel x FSDP. DDP reduces once per step, FSDP reduce-scatters
-once per unit per step (not once per micro-batch), and the gradients the update reads equal one
-rank's over the same global batch."""
+tensor parallel alone and tensor parallel x FSDP. DDP all-reduces each bucket once per step, inside
+the backward; FSDP reduce-scatters once per unit per step (not once per micro-batch) and all-gathers
+what the estimate says; the gradients the update reads equal one rank's over the same global batch."""
 
 from __future__ import annotations
 
@@ -26,16 +26,17 @@ def _sets(precision: str, dp: int, fsdp: bool = False, *extra: str) -> list[str]
             f"parallel.data_parallel_size={dp}", f"parallel.use_distributed_optimizer={str(fsdp).lower()}", *extra]
 
 
-LAYOUTS = {  # name -> (data parallel kind, workload, sets)
-    "ddp fp32": ("ddp", "tiny", _sets("fp32", WORLD)),
-    "ddp bf16": ("ddp", "tiny", _sets("bf16", WORLD)),
-    "ddp bf16 ep 2": ("ddp", "tiny-moe", _sets("bf16", WORLD, False, "parallel.expert_model_parallel_size=2")),
-    "fsdp fp32": ("fsdp", "tiny", _sets("fp32", WORLD, True)),
-    "fsdp bf16": ("fsdp", "tiny", _sets("bf16", WORLD, True)),
+LAYOUTS = {  # name -> (data parallel kind, workload, sets, DDP bucket parameters or None: Megatron's)
+    "ddp fp32": ("ddp", "tiny", _sets("fp32", WORLD), None),
+    "ddp fp32, 50k buckets": ("ddp", "tiny", _sets("fp32", WORLD), 50_000),
+    "ddp bf16": ("ddp", "tiny", _sets("bf16", WORLD), None),
+    "ddp bf16 ep 2": ("ddp", "tiny-moe", _sets("bf16", WORLD, False, "parallel.expert_model_parallel_size=2"), None),
+    "fsdp fp32": ("fsdp", "tiny", _sets("fp32", WORLD, True), None),
+    "fsdp bf16": ("fsdp", "tiny", _sets("bf16", WORLD, True), None),
     "tp 4 bf16": ("ddp", "tiny", _sets("bf16", 1, False, f"parallel.tensor_model_parallel_size={WORLD}",
-                                       "parallel.sequence_parallel=true")),
+                                       "parallel.sequence_parallel=true"), None),
     "tp 2 x fsdp 2 bf16": ("fsdp", "tiny", _sets("bf16", 2, True, "parallel.tensor_model_parallel_size=2",
-                                                 "parallel.sequence_parallel=true")),
+                                                 "parallel.sequence_parallel=true"), None),
 }
 
 
@@ -76,20 +77,38 @@ def test_no_layout_keeps_a_16_bit_gradient_or_a_bucket_copy(ranks):
     assert ranks[0]["ddp fp32"]["at_step"] == 16 * ranks[0]["ddp fp32"]["parameters_local"]
 
 
-def test_ddp_reduces_once_per_step_and_fsdp_reduce_scatters_once_per_unit(ranks):
+def test_ddp_reduces_each_bucket_once_per_step_during_the_backward(ranks):
     for rank in ranks:
-        # One bucket for tiny's 0.1 M parameters (Megatron's 40 M); with expert parallel a second one
-        # for the experts, over the ranks that hold the same experts.
-        assert rank["ddp fp32"]["all_reduce"] == rank["ddp bf16"]["all_reduce"] == 1
-        assert rank["ddp bf16 ep 2"]["all_reduce"] == 2
-        assert rank["ddp fp32"]["reduce_scatter_single"] == 0
-        # FSDP: one reduce-scatter per unit (tiny's 4 layers and the root) per step, from the last
+        # One bucket for tiny's 0.2 M parameters (Megatron's 40 M); with expert parallel a second one
+        # for the experts, over the ranks that hold the same experts; 5 of 50 k parameters each.
+        for name, buckets in (("ddp fp32", 1), ("ddp bf16", 1), ("ddp bf16 ep 2", 2), ("ddp fp32, 50k buckets", 5)):
+            r = rank[name]
+            assert r["buckets"] == r["all_reduce"] == buckets and r["reduce_scatter_single"] == 0
+            # Every bucket's all-reduce started inside the last micro-batch's backward, none after it.
+            assert r["buckets_started_in_backward"] == buckets
+
+
+def test_fsdp_reduce_scatters_once_per_unit_per_step(ranks):
+    for rank in ranks:
+        # One reduce-scatter per unit (tiny's 4 layers and the root) per step, from the last
         # micro-batch's backward only: 5, not 2 x 5.
         for name in ("fsdp fp32", "fsdp bf16", "tp 2 x fsdp 2 bf16"):
             assert rank[name]["reduce_scatter_single"] == 4 + 1
+            assert rank[name]["all_reduce"] == 0
 
 
-@pytest.mark.parametrize("layout", ["ddp fp32", "fsdp fp32"])
+@pytest.mark.parametrize("layout", ["fsdp fp32", "fsdp bf16", "tp 2 x fsdp 2 bf16"])
+def test_fsdp_all_gathers_the_root_and_two_layers_in_backward(ranks, layout):
+    # The most all-gathered weights alive in a backward: the root's (kept from forward) and two
+    # layers' (the one in backward and the one prefetched), as the estimate counts them.
+    for rank in ranks:
+        r = rank[layout]
+        modelled = r["fsdp_unsharded"]
+        assert r["all_gathered_peak_in_backward"] == (modelled["FSDP: all-gathered weights outside the layers"]
+                                                      + modelled["FSDP: all-gathered weights of two layers (in backward, prefetched)"])
+
+
+@pytest.mark.parametrize("layout", ["ddp fp32", "ddp fp32, 50k buckets", "fsdp fp32"])
 def test_the_update_reads_one_ranks_gradients(ranks, layout):
     r = ranks[0][layout]
     assert r["grad_names_match"]

@@ -77,22 +77,30 @@ def optimizer_bytes_per_parameter(cfg: Config) -> tuple[Held, ...]:
     return (*held, Held("Adam moments (fp32)", 2 * FP32_BYTES, state=True))
 
 
+OUTSIDE_WEIGHTS = "FSDP: all-gathered weights outside the layers"
+OUTSIDE_GRADS = "FSDP: unsharded gradients outside the layers"
+LAYER_WEIGHTS = "FSDP: all-gathered weights of two layers (in backward, prefetched)"
+LAYER_GRADS = "FSDP: a layer's unsharded gradients and fp32 reduce-scatter input"
+
+
 def fsdp_unsharded_bytes(cfg: Config, stage: int = 0) -> dict[str, float]:
-    """What FSDP2 holds unsharded in a backward, beyond `optimizer_bytes_per_parameter`: the root's
-    all-gathered weights (everything outside the layers; the root does not reshard after forward,
-    torch/distributed/fsdp/_fully_shard/_fsdp_state.py `FSDPState._lazy_init`) and their unsharded
-    gradients (from the output layer's backward to the root's reduce-scatter at the end), held
-    throughout; and in a layer's backward, two layers' all-gathered weights (the layer's and the one
-    prefetched, `FSDPParamGroup._backward_prefetch`), the layer's unsharded gradient and the fp32
-    reduce-scatter input it is copied into (`foreach_reduce`), for the largest layer. Weights and
-    gradients in the training precision (`MixedPrecisionPolicy.param_dtype`); nothing for other layouts."""
+    """What FSDP2 holds unsharded in a backward, beyond `optimizer_bytes_per_parameter`, in the
+    training precision (`MixedPrecisionPolicy.param_dtype`); nothing for other layouts. Throughout:
+    the root's all-gathered weights (everything outside the layers: the root does not reshard after
+    forward, torch/distributed/fsdp/_fully_shard/_fsdp_state.py `FSDPState._lazy_init`) and their
+    unsharded gradients (from the output layer's backward to the root's reduce-scatter at the end).
+    In a layer's backward, for the largest layer: its all-gathered weights and the previous layer's,
+    prefetched (`_fsdp_param_group.py`, `FSDPParamGroup._backward_prefetch`), and its unsharded
+    gradients with the fp32 reduce-scatter input they are copied into (`_fsdp_collectives.py`,
+    `foreach_reduce`)."""
     if not is_fsdp(cfg):
         return {}
     e = ELEMENT_BYTES[cfg.training.precision]
     kinds = ("dense", "moe") if cfg.model.num_moe_experts else ("dense",)
     layer = max(sum(layer_parameters(kind_config(cfg, kind)).values()) for kind in kinds)
-    return {"outside the layers": 2 * e * outside_parameters(cfg, stage),
-            "in a layer's backward": (3 * e + FP32_BYTES) * layer}
+    outside = outside_parameters(cfg, stage)
+    return {OUTSIDE_WEIGHTS: e * outside, OUTSIDE_GRADS: e * outside,
+            LAYER_WEIGHTS: 2 * e * layer, LAYER_GRADS: (e + FP32_BYTES) * layer}
 
 
 def microbatches_in_flight(cfg: Config, stage: int = 0) -> float:
@@ -155,10 +163,9 @@ def rank_memory(cfg: Config, stage: int = 0, device: str = "cuda", acts: StageAc
     # the layers' backward, where full recompute rebuilds a chunk (and FSDP unshards a layer).
     at_loss = acts.stored_bytes + emb + (loss + loss_workspace_bytes(cfg) if last else 0.0)
     in_layers = acts.peak_bytes + emb + layer_workspace_bytes(cfg, device)
-    layer_window = unsharded.get("in a layer's backward", 0.0)
+    layer_window = unsharded.get(LAYER_WEIGHTS, 0.0) + unsharded.get(LAYER_GRADS, 0.0)
     items = {h.name: h.per_parameter * params for h in held if h.backward}
-    if unsharded:
-        items["FSDP: all-gathered weights and unsharded gradients outside the layers"] = unsharded["outside the layers"]
+    items.update({name: unsharded[name] for name in (OUTSIDE_WEIGHTS, OUTSIDE_GRADS) if name in unsharded})
     items.update({
         "token ids (all micro-batches of the step)": tokens,
         "activations of the other in-flight micro-batches": (in_flight - 1) * (acts.stored_bytes + emb + loss),
@@ -166,7 +173,7 @@ def rank_memory(cfg: Config, stage: int = 0, device: str = "cuda", acts: StageAc
     })
     if in_layers + layer_window >= at_loss:
         items["backward transient (recompute, loss, gradients)"] = in_layers - (acts.stored_bytes + emb + loss)
-        items["FSDP: a layer's all-gathered weights (and the prefetched one's), unsharded gradients"] = layer_window
+        items.update({name: unsharded[name] for name in (LAYER_WEIGHTS, LAYER_GRADS) if name in unsharded})
     else:
         items["backward transient (recompute, loss, gradients)"] = at_loss - (acts.stored_bytes + emb + loss)
     items = {name: value for name, value in items.items() if value}

@@ -124,7 +124,7 @@ class DataParallel(SingleRank):
         dense = [p for p in params if id(p) not in experts]
         ordered = dense[::-1] + [p for p in params if id(p) in experts][::-1]
         groups = [dist.group.WORLD] * len(dense) + [self.expert_dp_group] * (len(ordered) - len(dense))
-        return MainGradAdam(BucketedGrads(ordered, groups, self.dp_size), precision)
+        return MainGradAdam(BucketedGrads(ordered, groups, self.dp_size, BUCKET_PARAMETERS), precision)
 
     def no_sync(self, model: torch.nn.Module, optimizer) -> AbstractContextManager:
         """Around a micro-batch but the last: DDP accumulates into the main gradients without
@@ -148,8 +148,9 @@ class DataParallel(SingleRank):
 
 
 BUCKET_PARAMETERS = 40_000_000
-"""Parameters per gradient bucket: Megatron's default when the reduction overlaps the backward,
-max(40M, 1M x dp) (megatron/core/distributed/distributed_data_parallel.py, `DistributedDataParallel.__init__`)."""
+"""Parameters per gradient bucket. Megatron's default when the reduction overlaps the backward is
+max(40M, 1M x dp) (megatron/core/distributed/distributed_data_parallel.py,
+`DistributedDataParallel.__init__`): the same up to 40 data-parallel ranks."""
 
 
 class BucketedGrads(MainGrads):
@@ -164,8 +165,7 @@ class BucketedGrads(MainGrads):
     got no gradient) and waits for all. Under `no_sync` gradients are only accumulated. The buffer is
     the communication buffer: no bucket copy, nothing held beyond the 4 bytes per parameter."""
 
-    def __init__(self, params: list[torch.nn.Parameter], groups: list, dp_size: int,
-                 bucket_parameters: int = BUCKET_PARAMETERS):
+    def __init__(self, params: list[torch.nn.Parameter], groups: list, dp_size: int, bucket_parameters: int):
         super().__init__(params)
         self.scale = 1.0 / dp_size
         self.sync = True
