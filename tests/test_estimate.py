@@ -285,6 +285,10 @@ def test_optimizer_bytes_per_parameter_are_the_layouts_own_buffers_only():
     assert one.num_microbatches == 1
     assert per(one) == {"weights (fp32 shards)": 1, "gradients (fp32 shards, reduce-scattered)": 1,
                         "Adam moments (fp32 shards)": 2}
+    # Megatron's own distributed optimizer (framework megatron): 6 + 12/dp.
+    megatron = dataclasses.replace(one, training=dataclasses.replace(one.training, framework="megatron"))
+    assert per(megatron) == {"weights (bf16)": 2, "main gradients (fp32)": 4, "master weights (fp32 shards)": 1,
+                             "Adam moments (fp32 shards)": 2}
     two = dataclasses.replace(one, training=dataclasses.replace(one.training, global_batch_size=16))
     held = {h.name: h for h in optimizer_bytes_per_parameter(two)}
     assert held.keys() - per(one).keys() == {"gradients (fp32, unsharded, accumulated over micro-batches)"}

@@ -42,9 +42,10 @@ class Held:
 
 def is_fsdp(cfg: Config) -> bool:
     """Whether cfg's data-parallel ranks run FSDP2: `run` records `--data-parallel fsdp` as
-    `use_distributed_optimizer` (and refuses it with DDP), so here a distributed optimizer is FSDP's."""
+    `use_distributed_optimizer` (and refuses it with DDP), so in this harness a distributed optimizer
+    is FSDP's; under framework megatron it is Megatron's."""
     par = cfg.parallel
-    return par.data_parallel_size > 1 and par.use_distributed_optimizer
+    return cfg.training.framework == "recompute-bench" and par.data_parallel_size > 1 and par.use_distributed_optimizer
 
 
 def optimizer_bytes_per_parameter(cfg: Config) -> tuple[Held, ...]:
@@ -55,6 +56,8 @@ def optimizer_bytes_per_parameter(cfg: Config) -> tuple[Held, ...]:
     (`measure.point.MainGradAdam`): weights in the training precision, an fp32 main gradient each
     gradient is added into and freed, which DDP all-reduces in place (no bucket copy); under
     bf16/fp16 fp32 master weights; Adam's two fp32 moments: 2 + 4 + 4 + 8 = 18 bytes, 16 in fp32.
+    Megatron's own distributed optimizer (framework megatron) shards the master weights and moments
+    over dp and keeps the whole gradient buffer: 6 + 12/dp.
 
     FSDP2 (`measure.distributed`) shards fp32 weights, fp32 gradients (from the reduce-scatter to the
     step) and the moments over dp: 16/dp. With more than one micro-batch per rank it reduce-scatters
@@ -71,10 +74,12 @@ def optimizer_bytes_per_parameter(cfg: Config) -> tuple[Held, ...]:
             held.append(Held("gradients (fp32, unsharded, accumulated over micro-batches)", FP32_BYTES, step=False))
         return tuple(held)
     precision = cfg.training.precision
+    sharded = dp > 1 and cfg.parallel.use_distributed_optimizer  # Megatron's distributed optimizer
+    shards, where = (dp, " shards") if sharded else (1, "")
     held = [Held(f"weights ({precision})", ELEMENT_BYTES[precision]), Held("main gradients (fp32)", FP32_BYTES)]
     if precision != "fp32":
-        held.append(Held("master weights (fp32)", FP32_BYTES, state=True))
-    return (*held, Held("Adam moments (fp32)", 2 * FP32_BYTES, state=True))
+        held.append(Held(f"master weights (fp32{where})", FP32_BYTES / shards, state=True))
+    return (*held, Held(f"Adam moments (fp32{where})", 2 * FP32_BYTES / shards, state=True))
 
 
 OUTSIDE_WEIGHTS = "FSDP: all-gathered weights outside the layers"
