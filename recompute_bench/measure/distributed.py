@@ -222,8 +222,8 @@ class BucketedGrads(MainGrads):
 
 @contextmanager
 def _fsdp_no_sync(model: torch.nn.Module) -> Iterator[None]:
-    """FSDP2 without reduce-scatter: each layer keeps its unsharded gradient (upcast to the fp32
-    reduce dtype, torch/distributed/fsdp/_fully_shard/_fsdp_param.py `to_accumulated_grad_if_needed`;
+    """FSDP2 without reduce-scatter: each layer keeps its unsharded gradient in the fp32 reduce dtype
+    (a 16-bit one upcast, torch/distributed/fsdp/_fully_shard/_fsdp_param.py `to_accumulated_grad_if_needed`;
     the next micro-batch adds into it, `accumulate_unsharded_grad_if_needed`) until a backward with
     gradient sync reduce-scatters the sum (`_fsdp_param_group.py`, `FSDPParamGroup.post_backward`)."""
     model.set_requires_gradient_sync(False)
