@@ -1,6 +1,7 @@
-"""The whole rank: parameters times the optimizer's bytes per parameter, the activations of the
-micro-batches a pipeline stage holds in flight, the backward transient, the optimizer step's peak,
-the allocator allowance on top, and the estimate `run` stores beside each measurement.
+"""The whole rank: parameters times the layout's bytes per parameter and what FSDP unshards, the
+activations of the micro-batches a pipeline stage holds in flight (its model chunks, walked through
+its schedule's order), the backward transient, the optimizer step's peak, the allocator allowance on
+top, and the estimate `run` stores beside each measurement (per pipeline stage too).
 """
 
 from __future__ import annotations
@@ -9,12 +10,12 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from recompute_bench.analysis import flops
+from recompute_bench.analysis.layer import kind_config, layer_parameters, layer_workspace_bytes
 from recompute_bench.analysis.schedules import Walk, bubble_fraction, peak_chunks, rank_actions, rank_stages, walk
-from recompute_bench.analysis.layer import layer_workspace_bytes
 from recompute_bench.analysis.stage import (StageActivations, activation_bytes, embedding_saved_bytes,
-                                            loss_saved_bytes, loss_workspace_bytes, stage_activations,
-                                            stage_parameters, token_bytes)
-from recompute_bench.models import ELEMENT_BYTES, vocab_rows
+                                            loss_saved_bytes, loss_workspace_bytes, outside_parameters,
+                                            stage_activations, stage_parameters, token_bytes)
+from recompute_bench.models import ELEMENT_BYTES, FP32_BYTES, vocab_rows
 from recompute_bench.spec.config import Config
 
 
@@ -26,22 +27,95 @@ ALLOWANCE_BYTES = 2**30
 `torch.cuda.max_memory_allocated` does not show but the device must hold."""
 
 
-def optimizer_bytes_per_parameter(cfg: Config) -> dict[str, float]:
-    """Bytes per parameter as `measure.point`'s optimizers hold them (tests/test_measure.py measures
-    them). 16-bit (Megatron's layout): weights 2; no 16-bit gradient is kept (a hook adds each one
-    into the fp32 main gradient as soon as autograd produced it and frees it, so only one
-    parameter's exists at a time: a transient, not a per-parameter cost); fp32 main gradients 4,
-    fp32 master weights 4, Adam moments 8: 18 held. fp32: plain Adam, weights 4, gradients 4,
-    moments 8: 16. Step temporaries 0: Adam runs fused (torch's fused kernel on CUDA and CPU)
-    and allocates nothing the size of the parameters. A distributed optimizer (Megatron's:
-    6 + 12/dp held) shards master weights and moments over dp."""
+@dataclass(frozen=True)
+class Held:
+    """One buffer a rank holds for each of its parameters, as `estimate` names it."""
+
+    name: str
+    per_parameter: float
+    """Bytes per parameter of the rank (its tensor-parallel shard of the model)."""
+    backward: bool = True
+    """Held at the backward peak."""
+    step: bool = True
+    """Held during the optimizer step."""
+    state: bool = False
+    """Optimizer state that host memory could hold instead (the planner's offload line)."""
+
+
+def is_fsdp(cfg: Config) -> bool:
+    """Whether cfg's data-parallel ranks run FSDP2: `run` records `--data-parallel fsdp` as
+    `use_distributed_optimizer` (and refuses it with DDP), so in this harness a distributed optimizer
+    is FSDP's; under framework megatron it is Megatron's."""
     par = cfg.parallel
-    shards = par.data_parallel_size if par.use_distributed_optimizer else 1
-    if cfg.training.precision == "fp32":
-        return {"weights": 4, "grads16": 0, "main_grads": 4, "master_weights": 0,
-                "adam_moments": 8 / shards, "step_temporaries": 0}
-    return {"weights": 2, "grads16": 0, "main_grads": 4, "master_weights": 4 / shards,
-            "adam_moments": 8 / shards, "step_temporaries": 0}
+    return cfg.training.framework == "recompute-bench" and par.data_parallel_size > 1 and par.use_distributed_optimizer
+
+
+def optimizer_bytes_per_parameter(cfg: Config) -> tuple[Held, ...]:
+    """The buffers `measure`'s layout of cfg holds per parameter, only those it has (the tests read
+    them back from the live objects of every layout on gloo ranks: tests/test_optimizer_bytes.py).
+
+    One rank, DDP (expert parallel included) and tensor parallel alone run Megatron's scheme
+    (`measure.point.MainGradAdam`): weights in the training precision, an fp32 main gradient each
+    gradient is added into and freed, which DDP all-reduces in place (no bucket copy); under
+    bf16/fp16 fp32 master weights; Adam's two fp32 moments: 2 + 4 + 4 + 8 = 18 bytes, 16 in fp32.
+    Megatron's own distributed optimizer (framework megatron) shards the master weights and moments
+    over dp and keeps the whole gradient buffer: 6 + 12/dp.
+
+    FSDP2 (`measure.distributed`) shards fp32 weights, fp32 gradients (from the reduce-scatter to the
+    step) and the moments over dp: 16/dp. With more than one micro-batch per rank it reduce-scatters
+    only in the last one; until then it keeps every layer's unsharded gradient in the fp32 reduce
+    dtype (torch/distributed/fsdp/_fully_shard/_fsdp_param.py, `to_accumulated_grad_if_needed`): 4
+    bytes per parameter, unsharded, through the backward. What FSDP unshards for compute is
+    `fsdp_unsharded_bytes`."""
+    dp = cfg.parallel.data_parallel_size
+    if is_fsdp(cfg):
+        held = [Held("weights (fp32 shards)", 4 / dp, state=True),
+                Held("gradients (fp32 shards, reduce-scattered)", 4 / dp, backward=False, state=True),
+                Held("Adam moments (fp32 shards)", 8 / dp, state=True)]
+        if cfg.num_microbatches > 1:
+            held.append(Held("gradients (fp32, unsharded, accumulated over micro-batches)", FP32_BYTES, step=False))
+        return tuple(held)
+    precision = cfg.training.precision
+    sharded = dp > 1 and cfg.parallel.use_distributed_optimizer  # Megatron's distributed optimizer
+    shards, where = (dp, " shards") if sharded else (1, "")
+    held = [Held(f"weights ({precision})", ELEMENT_BYTES[precision]), Held("main gradients (fp32)", FP32_BYTES)]
+    if precision != "fp32":
+        held.append(Held(f"master weights (fp32{where})", FP32_BYTES / shards, state=True))
+    return (*held, Held(f"Adam moments (fp32{where})", 2 * FP32_BYTES / shards, state=True))
+
+
+OUTSIDE_WEIGHTS = "FSDP: all-gathered weights outside the layers"
+OUTSIDE_GRADS = "FSDP: unsharded gradients outside the layers"
+LAYER_WEIGHTS = "FSDP: all-gathered weights of two layers (in backward, prefetched)"
+LAYER_GRADS = "FSDP: a layer's unsharded gradients and fp32 reduce-scatter input"
+STAGE_WEIGHTS = "FSDP: all-gathered weights of every layer (pipeline: not resharded after forward)"
+
+
+def fsdp_unsharded_bytes(cfg: Config, stage: int = 0) -> dict[str, float]:
+    """What FSDP2 holds unsharded in a backward, beyond `optimizer_bytes_per_parameter`, in the
+    training precision (`MixedPrecisionPolicy.param_dtype`); nothing for other layouts. Throughout:
+    the root's all-gathered weights (everything outside the layers: the root does not reshard after
+    forward, torch/distributed/fsdp/_fully_shard/_fsdp_state.py `FSDPState._lazy_init`) and their
+    unsharded gradients (from the output layer's backward to the root's reduce-scatter at the end).
+    In a layer's backward, for the largest layer: its all-gathered weights and the previous layer's,
+    prefetched (`_fsdp_param_group.py`, `FSDPParamGroup._backward_prefetch`), and its unsharded
+    gradients with the fp32 reduce-scatter input they are copied into (`_fsdp_collectives.py`,
+    `foreach_reduce`). Under pipeline parallelism no layer reshards after its forward
+    (`measure.pipeline`, as torchtitan runs FSDP with pp): every layer's weights stay all-gathered
+    from the step's first forward to its end, in place of the two-layer window."""
+    if not is_fsdp(cfg):
+        return {}
+    e = ELEMENT_BYTES[cfg.training.precision]
+    kinds = ("dense", "moe") if cfg.model.num_moe_experts else ("dense",)
+    layer = max(sum(layer_parameters(kind_config(cfg, kind)).values()) for kind in kinds)
+    outside = outside_parameters(cfg, stage)
+    out = {OUTSIDE_WEIGHTS: e * outside, OUTSIDE_GRADS: e * outside}
+    if cfg.parallel.pipeline_model_parallel_size > 1:
+        out[STAGE_WEIGHTS] = e * (stage_parameters(cfg, stage) - outside)
+    else:
+        out[LAYER_WEIGHTS] = 2 * e * layer
+    out[LAYER_GRADS] = (e + FP32_BYTES) * layer
+    return out
 
 
 def chunks_in_flight(cfg: Config, stage: int = 0) -> int:
@@ -87,27 +161,38 @@ class ModelChunk:
     """Saved by the final norm, the output layer and the loss (the last virtual stage only)."""
     loss_function_bytes: float = 0.0
     """Of `loss_bytes`, what the loss function itself saves (below the logits)."""
-    transient_bytes: float = 0.0
-    """Held on top of `stored_bytes` while this chunk runs a micro-batch's backward."""
+    at_loss_bytes: float = 0.0
+    """Held in the loss's backward (the last virtual stage): all its layers' activations still stored."""
+    in_layers_bytes: float = 0.0
+    """Held at worst in its layers' backward (full recompute rebuilds a chunk there)."""
+    window_bytes: float = 0.0
+    """What FSDP unshards on top while a layer runs its backward."""
 
     @property
     def stored_bytes(self) -> float:
         """Kept from this chunk's forward of a micro-batch until its backward."""
         return self.layers.stored_bytes + self.embedding_bytes + self.loss_bytes
 
+    @property
+    def transient_bytes(self) -> float:
+        """Held on top of `stored_bytes` while this chunk runs a micro-batch's backward."""
+        return max(self.at_loss_bytes, self.in_layers_bytes + self.window_bytes) - self.stored_bytes
+
 
 def model_chunks(cfg: Config, stage: int = 0, device: str = "cuda", acts: StageActivations | None = None) -> list[ModelChunk]:
     """The model chunks pipeline rank `stage` holds, in order (rank r: virtual stages r, r + p, ...;
     under a V schedule r and 2p - 1 - r), each with its layers' activations under cfg.recompute
     (`acts` in their place: the planner's candidate, for a rank of one chunk), the embedding's and
-    the loss's, and its backward transient: first the loss's backward (all its layers still
-    stored), then the layers', where full recompute rebuilds a chunk."""
+    the loss's, and what its backward holds: first the loss's backward (all its layers still
+    stored), then the layers', where full recompute rebuilds a chunk (and FSDP unshards a layer)."""
     par = cfg.parallel
     p, vp = par.pipeline_model_parallel_size, par.virtual_pipeline_model_parallel_size or 1
     per = cfg.model.num_layers // (p * vp)
     stages = rank_stages(par.schedule, p, vp, stage) if p > 1 else list(range(vp))
     if acts is not None and len(stages) > 1:
         raise ValueError("a candidate's activations replace one model chunk's; this rank holds several")
+    unsharded = fsdp_unsharded_bytes(cfg, stage)
+    window = unsharded.get(LAYER_WEIGHTS, 0.0) + unsharded.get(LAYER_GRADS, 0.0)
     out = []
     for v in stages:
         layers = acts or stage_activations(cfg, device, per, v * per)
@@ -115,11 +200,10 @@ def model_chunks(cfg: Config, stage: int = 0, device: str = "cuda", acts: StageA
         emb = sum(embedding_saved_bytes(cfg).values()) if first else 0.0
         saved = loss_saved_bytes(cfg, device) if last else {}
         loss = sum(saved.values())
-        stored = layers.stored_bytes + emb + loss
-        at_loss = stored + (loss_workspace_bytes(cfg) if last else 0.0)
+        at_loss = layers.stored_bytes + emb + loss + (loss_workspace_bytes(cfg) if last else 0.0)
         in_layers = layers.peak_bytes + emb + layer_workspace_bytes(cfg, device)
         below_logits = sum(b for name, b in saved.items() if name.startswith("loss."))
-        out.append(ModelChunk(v, v * per, layers, emb, loss, below_logits, max(at_loss, in_layers) - stored))
+        out.append(ModelChunk(v, v * per, layers, emb, loss, below_logits, at_loss, in_layers, window))
     return out
 
 
@@ -196,33 +280,37 @@ class RankMemory:
 
 
 def rank_memory(cfg: Config, stage: int = 0, device: str = "cuda", acts: StageActivations | None = None) -> RankMemory:
-    """Peak allocated bytes of one rank of pipeline stage `stage` under cfg (parameters, gradients,
-    optimizer state, in-flight activations, embedding/loss buffers, transient workspaces); `acts`
-    replaces the stage's activations under cfg.recompute (the planner's candidate policies). The
-    backward peak is the most its schedule holds while one chunk-forward runs its backward
-    (`schedule_walk`), plus what torch's pipeline runtime keeps beside the saved tensors."""
+    """Peak allocated bytes of one rank of pipeline stage `stage` under cfg (the layout's weights,
+    gradients and optimizer state, what FSDP unshards, in-flight activations, embedding/loss buffers,
+    transient workspaces, what torch's pipeline runtime keeps); `acts` replaces the stage's
+    activations under cfg.recompute (the planner's candidate policies). The backward peak is the most
+    its schedule holds while one chunk-forward runs its backward (`schedule_walk`). Only the items
+    the layout has are listed."""
     par = cfg.parallel
     p = par.pipeline_model_parallel_size
     params = stage_parameters(cfg, stage)
-    per = optimizer_bytes_per_parameter(cfg)
-    chunks, held = schedule_walk(cfg, stage, device, acts)
-    backward = next(c for c in chunks if c.virtual_stage == held.in_backward)
+    held = optimizer_bytes_per_parameter(cfg)
+    unsharded = fsdp_unsharded_bytes(cfg, stage)
+    chunks, walked = schedule_walk(cfg, stage, device, acts)
+    backward = next(c for c in chunks if c.virtual_stage == walked.in_backward)
     ends = {0, p * (par.virtual_pipeline_model_parallel_size or 1) - 1}
-    items = {
-        "weights": per["weights"] * params,
-        "gradients (16-bit, until the step)": per["grads16"] * params,
-        "main gradients (fp32)": per["main_grads"] * params,
-        "master weights (fp32)": per["master_weights"] * params,
-        "Adam moments (fp32)": per["adam_moments"] * params,
-        "token ids (all micro-batches of the step)": token_bytes(cfg) if ends & {c.virtual_stage for c in chunks} else 0.0,
-        "activations of the other in-flight micro-batches": held.backward_peak - backward.transient_bytes - backward.stored_bytes,
+    tokens = token_bytes(cfg) if ends & {c.virtual_stage for c in chunks} else 0.0
+    items = {h.name: h.per_parameter * params for h in held if h.backward}
+    items.update({name: unsharded[name] for name in (OUTSIDE_WEIGHTS, OUTSIDE_GRADS, STAGE_WEIGHTS) if name in unsharded})
+    items.update({
+        "token ids (all micro-batches of the step)": tokens,
+        "activations of the other in-flight micro-batches": walked.backward_peak - backward.transient_bytes - backward.stored_bytes,
         "activations of the micro-batch in backward (stored)": backward.stored_bytes,
-        "backward transient (recompute, loss, gradients)": backward.transient_bytes,
-    }
+    })
+    if backward.in_layers_bytes + backward.window_bytes >= backward.at_loss_bytes:
+        items["backward transient (recompute, loss, gradients)"] = backward.in_layers_bytes - backward.stored_bytes
+        items.update({name: unsharded[name] for name in (LAYER_WEIGHTS, LAYER_GRADS) if name in unsharded})
+    else:
+        items["backward transient (recompute, loss, gradients)"] = backward.at_loss_bytes - backward.stored_bytes
     if p > 1 and cfg.training.framework != "megatron":  # Megatron receives into fresh tensors and frees sent outputs
         items["pipeline buffers (received activations and gradients, outputs held for backward)"] = pipeline_buffer_bytes(cfg, stage)
-    step = sum(per[k] for k in ("weights", "main_grads", "master_weights", "adam_moments", "step_temporaries")) * params
-    step += items["token ids (all micro-batches of the step)"]
+    items = {name: value for name, value in items.items() if value}
+    step = sum(h.per_parameter for h in held if h.step) * params + tokens
     return RankMemory(stage=stage, parameters=params, items=items, optimizer_step_bytes=step)
 
 

@@ -157,17 +157,22 @@ def activation_bytes(cfg: Config, device: str = "cuda") -> dict[str, float]:
 
 
 def stage_parameters(cfg: Config, stage: int) -> float:
-    """Parameters held by one rank of pipeline stage `stage` (0-based): its layers, the embedding
-    where it holds the first virtual stage, the final norm and output layer where it holds the last
-    (tied to the embedding: a copy of it, unless the same rank holds both, as a V schedule's first)."""
+    """Parameters held by one rank of pipeline stage `stage` (0-based)."""
+    m, p = cfg.model, cfg.parallel.pipeline_model_parallel_size
+    return m.num_layers // p * sum(layer_parameters(cfg).values()) + outside_parameters(cfg, stage)
+
+
+def outside_parameters(cfg: Config, stage: int) -> float:
+    """Parameters of one rank of pipeline stage `stage` outside its layers: the embeddings where it
+    holds the first virtual stage, the final norm and the output layer where it holds the last (tied
+    to the embedding: a copy of it, unless the same rank holds both, as a V schedule's first)."""
     m, par = cfg.model, cfg.parallel
     p, t = par.pipeline_model_parallel_size, par.tensor_model_parallel_size
     vp = par.virtual_pipeline_model_parallel_size or 1
-    per_layer = sum(layer_parameters(cfg).values())
-    n = m.num_layers // p * per_layer
     vocab = vocab_rows(cfg) * m.hidden_size / t  # the padded vocabulary's rows, sharded over TP
     mine = set(rank_stages(par.schedule, p, vp, stage)) if p > 1 else {0, vp - 1}
     first, last = 0 in mine, p * vp - 1 in mine
+    n = 0.0
     if first:
         n += vocab
         if m.position_embedding_type == "learned_absolute":

@@ -8,7 +8,9 @@ stage has the embedding, the last the final norm and the output layer (the loss 
 loss function), every one its layers under their model-wide names (`layers.4...`), so gradients
 compare by name with one rank's. A chunk is built as torchtitan builds one: tensor parallel, then
 recompute, then FSDP2 (`reshard_after_forward=False`: the schedule runs many micro-batches through a
-chunk, so its all-gathered weights stay for the step) or DDP over the data-parallel group.
+chunk, so its all-gathered weights stay for the step) over the data-parallel group; under `ddp` the
+optimizer's main-gradient buckets are all-reduced over it (`measure.distributed.BucketedGrads`) at
+the optimizer's step.
 
 Each chunk is a hand-made `PipelineStage` with its input and output shapes given (no shape inference
 at run time, which needs numpy): the received activation is marked as requiring grad, which is what
@@ -31,8 +33,8 @@ import torch.distributed as dist
 from torch import nn
 
 from recompute_bench.analysis.schedules import rank_stages
-from recompute_bench.measure.distributed import DataParallel
-from recompute_bench.measure.point import DTYPES, Stepper, _fault, local
+from recompute_bench.measure.distributed import BUCKET_PARAMETERS, BucketedGrads, DataParallel
+from recompute_bench.measure.point import DTYPES, MainGradAdam, MainGrads, Stepper, _adam, _fault, local
 from recompute_bench.models import spec_for
 from recompute_bench.models.dense.layers import GPT, TransformerLayers
 from recompute_bench.recompute.apply import apply_recompute
@@ -83,17 +85,12 @@ class GPTStage(GPT):
 
 
 class PipelineChunks(nn.ModuleList):
-    """The model chunks of this rank, in its order (each maybe wrapped in DDP)."""
+    """The model chunks (`GPTStage`s) of this rank, in its order."""
 
     @property
     def layers(self) -> list[nn.Module]:
         """Every layer of every chunk (the MoE routing counts read them)."""
-        return [layer for chunk in self for layer in unwrap(chunk).layers]
-
-
-def unwrap(chunk: nn.Module) -> GPTStage:
-    """The GPTStage inside a DDP wrapper (FSDP2 keeps the module itself)."""
-    return getattr(chunk, "module", chunk)
+        return [layer for chunk in self for layer in chunk.layers]
 
 
 class PipelineParallel(DataParallel):
@@ -155,22 +152,27 @@ class PipelineParallel(DataParallel):
             if self.tensor:
                 self.tensor.parallelize_parts(chunk)
             apply_recompute(chunk, cfg.recompute, self.tensor_group, first=v * per)
-            chunks.append(self._data_parallel(chunk, cfg, device))
+            if fsdp:
+                self._shard(chunk, cfg)
+            chunks.append(chunk)
         return chunks
 
-    def _data_parallel(self, chunk: GPTStage, cfg: Config, device: torch.device) -> nn.Module:
-        if self.dp_size == 1:
-            return chunk
-        if self.kind == "ddp":
-            from torch.nn.parallel import DistributedDataParallel
-            return DistributedDataParallel(chunk, process_group=self.mesh["dp"].get_group(), broadcast_buffers=False,
-                                           device_ids=[device.index] if device.type == "cuda" else None)
+    def _shard(self, chunk: GPTStage, cfg: Config) -> None:
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
         policy = MixedPrecisionPolicy(param_dtype=DTYPES[cfg.training.precision], reduce_dtype=torch.float32)
         for layer in chunk.layers:
             fully_shard(layer, mesh=self.mesh["dp"], mp_policy=policy, reshard_after_forward=False)
         fully_shard(chunk, mesh=self.mesh["dp"], mp_policy=policy, reshard_after_forward=False)
-        return chunk
+
+    def optimizer(self, model: nn.Module, precision: str):
+        """As `DataParallel.optimizer`, its reduction over this rank's data-parallel group."""
+        params = [p for p in model.parameters() if p.requires_grad]
+        if self.kind == "fsdp" and self.dp_size > 1:
+            return _adam(params, 1e-4)
+        if self.dp_size == 1:
+            return MainGradAdam(MainGrads(params), precision)
+        group = self.mesh["dp"].get_group()
+        return MainGradAdam(BucketedGrads(params[::-1], [group] * len(params), self.dp_size, BUCKET_PARAMETERS), precision)
 
     def num_parameters(self, model: nn.Module) -> int:
         """The whole model's parameters (counted before it was cut into stages)."""
@@ -207,8 +209,7 @@ class PipelineParallel(DataParallel):
         become the sum. Where the optimizer moves gradients into fp32 main gradients, those."""
         if self.embedding_group is None:
             return
-        for chunk in model:
-            stage = unwrap(chunk)
+        for stage in model:
             module = stage.word_embeddings if stage.word_embeddings is not None else stage.output_layer
             if module is None:
                 continue
@@ -277,6 +278,9 @@ class PipelineStepper(Stepper):
             with self._timed(), probe:
                 return forward(i, *args, **kwargs)
 
+        grads = getattr(self.optimizer, "grads", None)  # the main gradients (not under FSDP)
+        params = [p for p in stage.submod.parameters() if p.requires_grad]
+
         def backward_one_chunk(i: int, *args: Any, **kwargs: Any):
             self.phase = "backward"
             _fault("backward", self.step_index)
@@ -285,7 +289,13 @@ class PipelineStepper(Stepper):
 
         def backward_weight_one_chunk(i: int, *args: Any, **kwargs: Any):
             with self._timed():
-                return weight(i, *args, **kwargs)
+                weight(i, *args, **kwargs)
+                if grads is not None:
+                    # The weight pass assigns `.grad` (stage_backward_weight) instead of accumulating
+                    # it, so no post-accumulate hook moved it into the main gradients: move it here.
+                    for p in params:
+                        if p.grad is not None:
+                            grads._accumulate(p)
 
         stage.forward_one_chunk, stage.backward_one_chunk = forward_one_chunk, backward_one_chunk
         stage.backward_weight_one_chunk = backward_weight_one_chunk
@@ -318,7 +328,11 @@ class PipelineStepper(Stepper):
         target = rows[:, 1:] if layout.last else None
         losses: list[torch.Tensor] = []
         self._compute, self.probe = 0.0, probe
-        with probe.watch() if probe else nullcontext(), self.context():
+        grads = getattr(self.optimizer, "grads", None)
+        # Main gradients only accumulate in the schedule; the optimizer's step reduces them over the
+        # data-parallel ranks (`finish`): a rank may hold one parameter in two chunks (a tied
+        # embedding under a V schedule), so no chunk's last backward is the parameter's last.
+        with probe.watch() if probe else nullcontext(), self.context(), grads.no_sync() if grads else nullcontext():
             self.schedule.step(*args, target=target, losses=losses if layout.last else None, return_outputs=False)
         self.probe = None
         self.compute_times_s.append(self._compute)
@@ -361,7 +375,7 @@ class ScheduleProbe:
 
     def __init__(self, model: PipelineChunks, stages: list[int]):
         self.model, self.stages = model, stages
-        self.num_layers = sum(len(unwrap(c).layers) for c in model)
+        self.num_layers = sum(len(c.layers) for c in model)
         self.excluded: set[int] = set()
         self.live: dict[int, list] = {}  # storage key -> [weakref to it, references held, first tag, in layers]
         self.tags: dict[tuple[int, int], int] = {}  # (virtual stage, micro-batch) -> references its forward saved, still held
@@ -413,8 +427,7 @@ class ScheduleProbe:
     def watch(self) -> Iterator["ScheduleProbe"]:
         """Follow what the schedule's step saves."""
         handles = []
-        for chunk in self.model:
-            stage = unwrap(chunk)
+        for stage in self.model:
             handles += [stage.layers.register_forward_pre_hook(self._enter), stage.layers.register_forward_hook(self._leave)]
             for module in [stage, *stage.layers]:
                 handles.append(module.register_forward_pre_hook(self._exclude_parameters))
