@@ -10,7 +10,7 @@ import json
 import pytest
 
 from conftest import config, invoke
-from recompute_bench.analysis.memory import record_estimate
+from recompute_bench.analysis.rank import record_estimate
 from recompute_bench.launch.torchrun import Launch, check_launch, run_ranks, verify_over_ranks
 from recompute_bench.measure.point import run_point
 from recompute_bench.models import spec_for

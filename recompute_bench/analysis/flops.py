@@ -14,6 +14,7 @@ recompute setting repeats in backward. The per-layer terms come from the model's
 
 from __future__ import annotations
 
+from recompute_bench.analysis.layer import kind_config
 from recompute_bench.models import spec_for
 from recompute_bench.spec.config import Config
 from recompute_bench.recompute.policy import LayerPolicy, layer_kind, layer_policies, recomputed_layers as count_recomputed
@@ -63,8 +64,6 @@ def policy_recompute_flops(cfg: Config, policies: list[LayerPolicy], samples: in
     """Forward FLOPs a per-layer policy list (model layers `first`, `first` + 1, ...) runs a second
     time, for `samples` sequences: a whole layer's forward per checkpointed layer, the selective
     modules' forward per other layer, each as its kind (dense or MoE) runs them."""
-    from recompute_bench.analysis.memory import kind_config  # memory imports this module
-
     cache: dict[tuple[str, frozenset[str] | None], float] = {}
     total = 0.0
     for i, p in enumerate(policies):
