@@ -43,6 +43,7 @@ test: $(STAMP)
 bench: $(STAMP)
 	$(PY) bench/recompute_overhead.py
 	$(PY) bench/auto_policy.py
+	$(PY) bench/megatron_check.py
 
 clean:
 	rm -rf $(VENV) results/runs.jsonl

@@ -104,10 +104,10 @@ def main() -> None:
             if not allocated or not peak:
                 continue
             # A golden of a platform the recipes no longer list was measured on the same folder's nodes.
-            folder = "gb200" if gpu == "gb200" else "h100"
-            placed = counts.get(case, {}).get(folder)
+            nodes = "gb200" if gpu == "gb200" else "h100"
+            placed = counts.get(case, {}).get(nodes)
             if placed is None and mode_of(config) == "training" and config.get("TEST_TYPE") != "release":
-                placed = suite[folder + ("_1node" if folder == "gb200" and case.endswith("_1node") else "")]
+                placed = suite[nodes + ("_1node" if nodes == "gb200" and case.endswith("_1node") else "")]
             goldens[f"{env}_{gpu}"] = {"path": path, "step": peak[0], "allocated_bytes": int(allocated[1]),
                                        "max_allocated_bytes": int(peak[1]),
                                        "gpus": placed["gpus"] if placed else None,

@@ -24,11 +24,18 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
-from typing import Iterable
+from typing import Any, Iterable
 
+from recompute_bench.analysis.paper import (built_minus_paper_bytes, paper_flops_per_step, paper_layer_bytes,
+                                            paper_layer_differences)
+from recompute_bench.analysis.planner import ESTIMATE_SCHEMA, _with, compute
+from recompute_bench.analysis.rank import ALLOWANCE_BYTES, ALLOWANCE_FRACTION, device_bytes_needed
+from recompute_bench.analysis.schedule import chunk_forwards_in_flight, schedule_peak
+from recompute_bench.analysis.stage import stage_parameters
 from recompute_bench.models import ELEMENT_BYTES, FP32_BYTES, INDEX_BYTES, MASK_BYTES, SavedBytes, vocab_rows
 from recompute_bench.recompute.policy import chunks, layer_policies
-from recompute_bench.spec.config import Config, ConfigError
+from recompute_bench.spec.config import Config, ConfigError, RecomputeConfig
+from recompute_bench.spec.rules import layers_per_model_chunk
 
 MiB = 2**20
 
@@ -153,13 +160,22 @@ def attention_path(cfg: Config, run: MegatronRun) -> str:
     return "fused" if run.compute_capability >= 90 else "flash"
 
 
+MEGATRON_SELECTIVE = ("core_attn", "mlp")
+"""The selective recompute targets modelled for Megatron's dense layer (transformer_layer.py)."""
+
+
 def layer_saved_bytes(cfg: Config, run: MegatronRun, modules: Iterable[str] = ()) -> dict[str, float]:
     """Bytes one Megatron GPT layer keeps for backward, one micro-batch on one tensor-parallel rank,
     storage by storage (names after the module that keeps each), when `modules` are recomputed
-    selectively (core_attn only: Megatron's `_checkpointed_attention_forward`)."""
+    selectively: core_attn (attention.py `_checkpointed_attention_forward`) or mlp
+    (transformer_layer.py checkpoints `self.mlp`, which with TE includes fc1's fused norm)."""
     m, tr = cfg.model, cfg.training
-    e, tokens, h = ELEMENT_BYTES[tr.precision], tr.seq_length * tr.micro_batch_size, m.hidden_size
-    d, a, g, f = m.head_dim, m.num_attention_heads, m.groups, m.ffn_hidden_size
+    e, tokens, h, f = ELEMENT_BYTES[tr.precision], tr.seq_length * tr.micro_batch_size, m.hidden_size, m.ffn_hidden_size
+    mods = set(modules)
+    unknown = mods - set(MEGATRON_SELECTIVE)
+    if unknown:
+        raise ConfigError(f"framework megatron models selective recompute of {', '.join(MEGATRON_SELECTIVE)} only, not "
+                          f"{', '.join(sorted(unknown))}; pass --recompute-modules core_attn mlp or full recompute")
     saved = SavedBytes()
     te = m.transformer_impl == "transformer_engine"
     stats = (2 if m.normalization == "LayerNorm" else 1) * FP32_BYTES * tokens  # mu and rsigma, fp32
@@ -167,18 +183,20 @@ def layer_saved_bytes(cfg: Config, run: MegatronRun, modules: Iterable[str] = ()
     # norm saves its input and statistics and ColumnParallelLinear saves the norm's output.
     for block in ("linear_qkv", "linear_fc1"):
         name = block if te else {"linear_qkv": "input_layernorm", "linear_fc1": "pre_mlp_layernorm"}[block]
-        saved.add(f"{name}.input", e * tokens * h, "sp")
+        saved.add(f"{name}.input", e * tokens * h, "sp")  # the mlp checkpoint's input too
+        if block == "linear_fc1" and "mlp" in mods and te:
+            continue  # recomputed inside the checkpoint with the rest of the MLP
         saved.add(f"{name}.norm_stats", stats, "sp")
         saved.add(f"{name}.ln_out" if te else f"{block}.input", e * tokens * h, "sp")
         if block == "linear_qkv":
-            _attention_saved(saved, cfg, run, set(modules))
+            _attention_saved(saved, cfg, run, mods)
             if m.hidden_dropout > 0:  # fused_bias_dropout.py: the dropout mask of bias-dropout-add
                 saved.add("self_attn_bda.dropout_mask", MASK_BYTES * tokens * h, "sp")
-    if m.activation == "swiglu":  # fused bias_swiglu (SwiGLUFunction) saves fc1's output only
-        saved.add("linear_fc1.output", e * tokens * 2 * f, "tp")
-    else:  # bias_gelu (GeLUFunction) saves fc1's output; the activation's output is fc2's input
-        saved.add("linear_fc1.output", e * tokens * f, "tp")
-    saved.add("linear_fc2.input", e * tokens * f, "tp")
+    if "mlp" not in mods:
+        # fused bias_swiglu (SwiGLUFunction) saves fc1's output only; bias_gelu (GeLUFunction) saves
+        # fc1's output, and the activation's output is fc2's input
+        saved.add("linear_fc1.output", e * tokens * (2 * f if m.activation == "swiglu" else f), "tp")
+        saved.add("linear_fc2.input", e * tokens * f, "tp")
     if m.hidden_dropout > 0:
         saved.add("mlp_bda.dropout_mask", MASK_BYTES * tokens * h, "sp")
     par = cfg.parallel
@@ -341,48 +359,6 @@ def batch_bytes(cfg: Config, mask: bool = True) -> float:
     return (3 * INDEX_BYTES + FP32_BYTES) * tokens + (tr.micro_batch_size * tr.seq_length ** 2 if mask else 0)
 
 
-# ----- pipeline schedule -------------------------------------------------------------------------
-
-def schedule(cfg: Config, stage: int) -> list[tuple[str, int, int]]:
-    """The forward and backward passes one pipeline stage runs in a step, in order, as
-    ("F" or "B", micro-batch, model chunk): schedules.py `forward_backward_pipelining_without_interleaving`
-    (warm-up p - r - 1 forwards, then one forward and one backward at a time, then the rest of the
-    backwards) and `..._with_interleaving` (warm-up (p - r - 1) x 2 + (vp - 1) x group chunk
-    forwards, group = microbatch_group_size_per_vp_stage = p, chunks in `get_schedule_table` order,
-    backwards through the chunks in reverse), or all of a micro-batch at once without pipelining."""
-    par = cfg.parallel
-    p, vp, n = par.pipeline_model_parallel_size, par.virtual_pipeline_model_parallel_size or 1, cfg.num_microbatches
-    if p == 1:
-        return [ev for mb in range(n) for ev in (("F", mb, 0), ("B", mb, 0))]
-    if vp == 1:
-        warmup = min(n, p - stage - 1)
-        table = [(mb, 0) for mb in range(n)]
-        backward_table = table
-    else:
-        group = p
-        table = []
-        for first in range(0, n, group):
-            last = n if first + group >= n else first + group
-            table += [(mb, chunk) for chunk in range(vp) for mb in range(first, last)]
-        backward_table = [(mb, vp - 1 - chunk) for mb, chunk in table]
-        warmup = min(n * vp, (p - stage - 1) * 2 + (vp - 1) * group)
-    total = len(table)
-    events = [("F", *table[i]) for i in range(warmup)]
-    for k in range(total - warmup):
-        events += [("F", *table[warmup + k]), ("B", *backward_table[k])]
-    events += [("B", *backward_table[k]) for k in range(total - warmup, total)]
-    return events
-
-
-def chunk_forwards_in_flight(cfg: Config, stage: int) -> int:
-    """The most model-chunk forwards a stage holds at once (their activations wait for backward)."""
-    held = most = 0
-    for kind, _, _ in schedule(cfg, stage):
-        held += 1 if kind == "F" else -1
-        most = max(most, held)
-    return most
-
-
 # ----- one rank --------------------------------------------------------------------------------
 
 @dataclass(frozen=True)
@@ -445,16 +421,13 @@ ACTIVATION_ITEMS = ("activations of the other micro-batches in flight", "activat
 def stage_peak(cfg: Config, stage: int, run: MegatronRun) -> StagePeak:
     """Megatron's peak allocated bytes on a rank of pipeline stage `stage`: parameters, gradients
     and optimizer state (`bytes_per_parameter`), the buffers (`buffer_bytes`), and the most the
-    step's passes hold at once (`schedule`): the chunks whose forward waits for its backward, plus
-    the pass in flight (the loss's fp32 logits on the last stage's last chunk, a layer's backward)."""
-    from recompute_bench.analysis.memory import stage_parameters
-
+    step's passes hold at once (analysis/schedule.py): the chunk forwards waiting for their
+    backward, plus the pass in flight (the loss on the last stage's last chunk, whose forward also
+    holds the micro-batch's inputs; a layer's backward)."""
     par = cfg.parallel
     p, vp = par.pipeline_model_parallel_size, par.virtual_pipeline_model_parallel_size or 1
-    per_chunk = cfg.model.num_layers // p // vp
-    chunk = chunk_bytes(cfg, run, per_chunk)
+    chunk = chunk_bytes(cfg, run, cfg.model.num_layers // p // vp)
     first, last = stage == 0, stage == p - 1
-    loss_chunk = vp - 1
     params = stage_parameters(cfg, stage)
     per = bytes_per_parameter(cfg)
     # The fp32 gradient copies live from the optimizer step to the next step's zero_grad, which
@@ -462,46 +435,131 @@ def stage_peak(cfg: Config, stage: int, run: MegatronRun) -> StagePeak:
     static = {name: b * params for name, b in per.items() if b and name != "fp32 gradient copies"}
     static.update(buffer_bytes(cfg, run))
 
-    def stored(c: int) -> float:
-        extra = embedding_saved_bytes(cfg) if first and c == 0 else 0.0
-        if last and c == loss_chunk:
-            extra += output_saved_bytes(cfg) + loss_saved_bytes(cfg)
-        return chunk.stored + extra
+    def embeds(c: int) -> bool:
+        return first and c == 0
 
-    held, best = 0.0, (-1.0, 0.0, 0.0, "")
-    for kind, _, c in schedule(cfg, stage):
-        if kind == "F":
-            if last and c == loss_chunk:  # the loss's forward: logits and their fp32 copy at once
-                mine = chunk.stored + output_saved_bytes(cfg) + (embedding_saved_bytes(cfg) if first and c == 0 else 0.0)
-                transient = loss_peak_bytes(cfg) + batch_bytes(cfg)
-                if held + mine + transient > best[0]:
-                    best = (held + mine + transient, held, mine, "the loss (cross-entropy) of the last chunk")
-            held += stored(c)
-            continue
-        mine = stored(c)
-        others = held - mine
-        if last and c == loss_chunk:  # the loss's backward: the fp32 gradient and its 16-bit cast
-            transient = loss_peak_bytes(cfg) - loss_saved_bytes(cfg)
-            if others + mine + transient > best[0]:
-                best = (others + mine + transient, others, mine, "the loss's backward")
-            mine_layers = mine - output_saved_bytes(cfg) - loss_saved_bytes(cfg)
-        else:
-            mine_layers = mine
-        transient = chunk.backward - chunk.stored
-        if others + mine_layers + transient > best[0]:
-            best = (others + mine_layers + transient, others, mine_layers, "a layer's backward")
-        held -= mine
-    _, others, mine, phase = best
-    items = {**static, "activations of the other micro-batches in flight": others,
-             "activations of the pass at the peak": mine,
-             "transient of the pass at the peak": best[0] - others - mine}
+    def loses(c: int) -> bool:
+        return last and c == vp - 1
+
+    output, kept = output_saved_bytes(cfg), loss_saved_bytes(cfg)
+
+    def stored(c: int) -> float:
+        return chunk.stored + (embedding_saved_bytes(cfg) if embeds(c) else 0.0) + ((output + kept) if loses(c) else 0.0)
+
+    def forward(c: int) -> float:
+        extra = batch_bytes(cfg) if embeds(c) or loses(c) else 0.0
+        return extra + (loss_peak_bytes(cfg) - kept if loses(c) else 0.0)
+
+    def backward(c: int) -> float:
+        layers = chunk.backward - chunk.stored
+        if loses(c):  # the loss's backward first, then the layers' with the loss and output freed
+            return max(loss_peak_bytes(cfg) - kept, layers - output - kept)
+        return layers
+
+    peak = schedule_peak(cfg, stage, stored, backward, forward)
+    items = {**static, "activations of the other micro-batches in flight": peak.others,
+             "activations of the pass at the peak": peak.own, "transient of the pass at the peak": peak.transient}
+    phase = ("the loss's " if loses(peak.chunk) else "") + ("forward" if peak.kind == "F" else "backward") + \
+        (f" of model chunk {peak.chunk}" if vp > 1 else "")
     copies = per["fp32 gradient copies"] * params
-    if copies > best[0]:  # the optimizer step holds the copies instead of activations
-        items = {**static, "fp32 gradient copies": copies}
-        phase = "the optimizer step"
+    if copies > peak.total:  # the optimizer step holds the copies instead of activations
+        items, phase = {**static, "fp32 gradient copies": copies}, "the optimizer step"
     return StagePeak(stage, params, items, phase, copies)
 
 
 def stage_peaks(cfg: Config, run: MegatronRun) -> list[StagePeak]:
     """`stage_peak` of every pipeline stage."""
     return [stage_peak(cfg, r, run) for r in range(cfg.parallel.pipeline_model_parallel_size)]
+
+
+# ----- what `estimate --framework megatron` prints -----------------------------------------------
+
+def _settings(cfg: Config) -> list[RecomputeConfig]:
+    """The settings tabulated: none, each selective subset Megatron's layer is modelled for, full
+    uniform 1 and full block at a few layer counts of a model chunk, and cfg's own."""
+    n = layers_per_model_chunk(cfg)
+    out = [RecomputeConfig(), RecomputeConfig("selective", ["core_attn"]), RecomputeConfig("selective", ["mlp"]),
+           RecomputeConfig("selective", ["core_attn", "mlp"]), RecomputeConfig("full", [], "uniform", 1)]
+    out += [RecomputeConfig("full", [], "block", k) for k in sorted({1, n // 4, n // 2, 3 * n // 4, n} - {0})]
+    if cfg.recompute.label not in {r.label for r in out}:
+        out.insert(0, cfg.recompute)
+    return out
+
+
+def setting_estimate(cfg: Config, run: MegatronRun) -> dict[str, Any]:
+    """One recompute setting: Megatron's bytes per layer and per stage, the peak rank, FLOPs."""
+    par = cfg.parallel
+    vp = par.virtual_pipeline_model_parallel_size or 1
+    layers = layers_per_model_chunk(cfg)
+    chunk = chunk_bytes(cfg, run, layers)
+    peak = max(stage_peaks(cfg, run), key=lambda r: r.peak_allocated_bytes)
+    return {
+        "label": cfg.recompute.label,
+        "recompute": cfg.record_fields()["recompute"],
+        "activation_bytes_per_layer": chunk.stored / layers,
+        "stage_activation_bytes": vp * chunk.stored,
+        "stage_activation_peak_bytes": (vp - 1) * chunk.stored + chunk.backward - layer_backward_bytes(cfg, run),
+        "peak_allocated_bytes": peak.peak_allocated_bytes,
+        "peak_stage": peak.stage,
+        "peak_phase": peak.phase,
+        **compute(cfg, "cuda"),
+    }
+
+
+def _stage_row(r: StagePeak, fraction: float, fixed: float) -> dict[str, Any]:
+    return {"stage": r.stage, "peak_allocated_bytes": r.peak_allocated_bytes, "phase": r.phase,
+            "device_bytes_needed": device_bytes_needed(r.peak_allocated_bytes, fraction, fixed),
+            "bytes_after_step": r.static_bytes, "parameters_on_rank": r.parameters, "breakdown": dict(r.items)}
+
+
+def estimate_report(cfg: Config, run: MegatronRun, allowance_fraction: float = ALLOWANCE_FRACTION,
+                    allowance_bytes: float = ALLOWANCE_BYTES) -> dict[str, Any]:
+    """What `estimate --framework megatron` prints, in the layout of `planner.estimate_report`: the
+    settings table, the paper's Table 2 beside Megatron's layer, the peak rank's breakdown of cfg's
+    own setting, and every pipeline stage's peak and parts."""
+    m, tr, par = cfg.model, cfg.training, cfg.parallel
+    stages = stage_peaks(cfg, run)
+    peak = max(stages, key=lambda r: r.peak_allocated_bytes)
+    settings = [setting_estimate(_with(cfg, r), run) for r in _settings(cfg)]
+    for row in settings:
+        row["device_bytes_needed"] = device_bytes_needed(row["peak_allocated_bytes"], allowance_fraction, allowance_bytes)
+    paper_rows = []
+    for name, modules, kind in (("none", (), "none"), ("selective", ("core_attn",), "selective"), ("full", None, "full")):
+        paper_rows.append({"recompute": name,
+                           "paper_bytes": paper_layer_bytes(tr.seq_length, tr.micro_batch_size, m.hidden_size,
+                                                            m.num_attention_heads, par.tensor_model_parallel_size,
+                                                            par.sequence_parallel, kind),
+                           "built_bytes": layer_input_bytes(cfg) if modules is None else layer_bytes(cfg, run, modules),
+                           "paper_flops": paper_flops_per_step(cfg, kind)})
+    path = attention_path(cfg, run)
+    differences = [d for d in paper_layer_differences(cfg, "cuda") if not d.startswith("attention runs")]
+    if path in ("flash", "fused"):
+        differences.insert(0, f"attention runs Transformer Engine's {path} kernel, not the paper's explicit softmax path")
+    if m.transformer_impl == "transformer_engine" or m.activation == "swiglu":
+        differences.append("Megatron's layer keeps what its modules keep (TE's fused norm-linear, fused bias-activation)")
+    modules = cfg.recompute.modules if cfg.recompute.granularity == "selective" else ()
+    return {
+        "schema": ESTIMATE_SCHEMA,
+        "framework": "megatron",
+        "workload": cfg.workload,
+        "config": cfg.to_dict(),
+        "recompute": cfg.record_fields()["recompute"],
+        "device": "cuda",
+        "gpu": run.gpu,
+        "cublas_workspace_config": run.cublas_workspace_config,
+        "attention_kernel": path,
+        "num_microbatches": cfg.num_microbatches,
+        "microbatches_in_flight": chunk_forwards_in_flight(cfg, 0) / (par.virtual_pipeline_model_parallel_size or 1),
+        "allowance": {"fraction": allowance_fraction, "bytes": allowance_bytes},
+        "setting": {**setting_estimate(cfg, run),
+                    "device_bytes_needed": device_bytes_needed(peak.peak_allocated_bytes, allowance_fraction, allowance_bytes),
+                    "layer_saved_bytes": layer_saved_bytes(cfg, run, modules),
+                    "breakdown": dict(peak.items), "parameters_on_rank": peak.parameters},
+        "stages": [_stage_row(r, allowance_fraction, allowance_bytes) for r in stages],
+        "settings": settings,
+        "paper": {"differences": differences, "norm_stats_bytes": built_minus_paper_bytes(cfg, "cuda"), "rows": paper_rows},
+        "other_optimizer": None if par.data_parallel_size == 1 else {
+            "use_distributed_optimizer": not par.use_distributed_optimizer,
+            "peak_allocated_bytes": max(r.peak_allocated_bytes for r in stage_peaks(
+                _with(cfg, use_distributed_optimizer=not par.use_distributed_optimizer), run))},
+    }

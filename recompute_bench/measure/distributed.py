@@ -69,9 +69,6 @@ class DataParallel(SingleRank):
     def split(self, model: torch.nn.Module) -> torch.nn.Module:
         return self.tensor.parallelize(model) if self.tensor else model
 
-    def context(self):
-        return self.tensor.context() if self.tensor else super().context()
-
     def build(self, cfg: Config, device: torch.device, dtype: torch.dtype | None = None) -> torch.nn.Module:
         if self.dp_size == 1:  # tensor parallel only
             return super().build(cfg, device, dtype)
@@ -231,7 +228,7 @@ def gathered_loss_and_grads(cfg: Config, tokens: torch.Tensor, device: torch.dev
     seeded with the training seed before the micro-batch, on every rank."""
     model = layout.build(cfg, device)
     model.train()
-    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []), layout.context():
+    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
         torch.manual_seed(cfg.training.seed)
         loss = model(tokens[:, :-1], tokens[:, 1:])
         loss.backward()

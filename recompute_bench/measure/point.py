@@ -242,11 +242,8 @@ def _fault(phase: str, step: int) -> None:
 class Stepper:
     """Runs training steps and remembers where it is, so a failure can say so."""
 
-    def __init__(self, cfg: Config, model: GPT, optimizer, batches: torch.Tensor,
-                 context: Callable[[], Any] = nullcontext):
+    def __init__(self, cfg: Config, model: GPT, optimizer, batches: torch.Tensor):
         self.cfg, self.model, self.optimizer, self.batches = cfg, model, optimizer, batches
-        self.context = context
-        """Around each micro-batch's forward and backward (tensor parallel: the vocabulary-parallel loss)."""
         self.step_index = 0
         self.phase = "setup"
         self.no_sync = getattr(model, "no_sync", None)
@@ -259,7 +256,7 @@ class Stepper:
         n = len(self.batches)
         total = torch.zeros((), dtype=torch.float32, device=self.batches.device)
         for i, tokens in enumerate(self.batches):
-            with self.no_sync() if self.no_sync and i < n - 1 else nullcontext(), self.context():
+            with self.no_sync() if self.no_sync and i < n - 1 else nullcontext():
                 self.phase = "forward"
                 _fault("forward", self.step_index)
                 if probe is not None and i == 0:
@@ -332,10 +329,6 @@ class SingleRank:
         """This rank's part of the whole model: all of it."""
         return model
 
-    def context(self):
-        """What each forward and backward runs inside: nothing here."""
-        return nullcontext()
-
     def optimizer(self, model: torch.nn.Module, precision: str):
         return make_optimizer(model, precision)
 
@@ -383,7 +376,7 @@ def _measure(cfg: Config, device: torch.device, peak_tflops: float | None, layou
         model = layout.build(cfg, device)
         model.train()
         metrics["num_parameters"] = layout.num_parameters(model)  # DTensors count their global size
-        stepper = Stepper(cfg, model, layout.optimizer(model, t.precision), layout.batches(cfg, device), layout.context)
+        stepper = Stepper(cfg, model, layout.optimizer(model, t.precision), layout.batches(cfg, device))
         torch.manual_seed(t.seed)  # dropout masks
 
         def done(loss: torch.Tensor) -> None:
