@@ -160,6 +160,7 @@ def test_estimate_framework_megatron_json_carries_every_stage():
     (["--framework", "megatron", "--device", "cpu"], "Megatron runs on CUDA"),
     (["--framework", "megatron", "--gpu", "tpu"], "unknown GPU kind"),
     (["--framework", "megatron", "--recompute-modules", "layernorm"], "core_attn, mlp"),
+    (["-w", "tiny-moe", "--framework", "megatron"], "dense GPT layers"),
 ])
 def test_framework_megatron_bad_input(argv, words):
     result = invoke("estimate", *argv)

@@ -350,13 +350,13 @@ def loss_peak_bytes(cfg: Config) -> float:
     return held * logits(cfg)
 
 
-def batch_bytes(cfg: Config, mask: bool = True) -> float:
+def batch_bytes(cfg: Config) -> float:
     """One micro-batch's inputs on the GPU on the first and last stages (pretrain_gpt.py get_batch):
     tokens, labels and position ids (int64), the loss mask (fp32) and, with
     create_attention_mask_in_dataloader (Megatron's default), the [b, 1, s, s] bool attention mask."""
     tr = cfg.training
     tokens = tr.seq_length * tr.micro_batch_size
-    return (3 * INDEX_BYTES + FP32_BYTES) * tokens + (tr.micro_batch_size * tr.seq_length ** 2 if mask else 0)
+    return (3 * INDEX_BYTES + FP32_BYTES) * tokens + MASK_BYTES * tr.micro_batch_size * tr.seq_length ** 2
 
 
 # ----- one rank --------------------------------------------------------------------------------

@@ -245,7 +245,7 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, logits, target, start, group):
-        work = logits.float()  # fp32 logits are worked in place, as Megatron does
+        work = logits.detach().float()  # fp32 logits are worked in place, as Megatron does
         top = work.max(dim=-1).values
         if group is not None:
             torch.distributed.all_reduce(top, op=torch.distributed.ReduceOp.MAX, group=group)

@@ -129,6 +129,9 @@ def _validate_framework(cfg: Config) -> None:
         if m.attention_backend == "local" and m.transformer_impl != "local":
             raise ConfigError("Megatron runs --attention-backend local only with its local layers; pass "
                               "--transformer-impl local or another --attention-backend")
+        if m.num_moe_experts or m.multi_latent_attention:
+            raise ConfigError("framework megatron models dense GPT layers; mixture-of-experts and multi-latent "
+                              "attention are not modelled for it yet: drop --framework megatron for this workload")
         return
     _choice("attention_backend", m.attention_backend, ATTENTION_BACKENDS,
             "pass --attention-backend sdpa or math (Megatron's names go with --framework megatron)")
