@@ -5,7 +5,6 @@ modules, and Megatron's rules on ep as one line, exit 2. Two launches in all (~2
 
 from __future__ import annotations
 
-import json
 
 import pytest
 

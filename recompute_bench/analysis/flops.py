@@ -26,11 +26,6 @@ def layer_forward_flops(cfg: Config, samples: int | None = None, device: str = "
     return {name: work.forward for name, work in spec_for(cfg.model).layer_flops(cfg, samples, device).items()}
 
 
-def logits_forward_flops(cfg: Config, samples: int | None = None) -> float:
-    """Forward FLOPs of the output layer (over the padded vocabulary)."""
-    return spec_for(cfg.model).output_layer_flops(cfg, samples).forward
-
-
 def model_flops_per_step(cfg: Config) -> float:
     """Megatron's model FLOPs for one optimizer step over the global batch (recompute excluded)."""
     spec, batch = spec_for(cfg.model), cfg.training.global_batch_size

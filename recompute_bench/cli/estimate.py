@@ -105,7 +105,7 @@ def plan(
                                        "recompute FLOPs that fits, written as a policy file for `run --policy`.",
                                        rich_help_panel="Estimate")] = False,
     output: Annotated[Optional[Path], typer.Option(help="With --auto: the policy file to write; default "
-                                                   "results/plans/<workload>-<memory>g.toml.",
+                                                   "results/plans/, named after the workload and the budget (llama3-8b-72g.toml).",
                                                    rich_help_panel="Estimate")] = None,
     profile: Annotated[bool, typer.Option("--profile", help="With --auto: price recompute by a short measured profile "
                                           "of each module's forward time on this machine's device (one layer of each "

@@ -48,7 +48,7 @@ class Flag:
     panel: str
     """The help panel: Workload, Parallelism or Recompute."""
     aliases: tuple[str, ...] = ()
-    """Further long spellings (--tp)."""
+    """Further long spellings (--tp), rewritten before parsing."""
     short: str | None = None
     """Megatron Bridge's short flag (-tp, -rl), rewritten before parsing."""
 
@@ -174,9 +174,10 @@ def flagged() -> list[Field]:
     return [field(k) for k in FLAGS]
 
 
-def short_flags() -> dict[str, str]:
-    """Megatron Bridge's short flags -> the long flag they mean."""
-    return {f.flag.short: f.option for f in flagged() if f.flag.short}
+def other_spellings() -> dict[str, str]:
+    """Further spellings of a flag (--tp, and Megatron Bridge's short flags -tp, -rl) -> the long
+    flag they mean; the command line is rewritten with them before it is parsed."""
+    return {other: f.option for f in flagged() for other in (*f.flag.aliases, f.flag.short) if other}
 
 
 def overrides_from_keys(values: dict[str, Any]) -> dict[str, Any]:
