@@ -170,3 +170,25 @@ def test_framework_megatron_bad_input(argv, words):
 def test_plan_refuses_framework_megatron():
     result = invoke("plan", "--framework", "megatron", "--memory-gb", "80")
     assert result.exit_code == 2 and "plan chooses settings for this harness" in result.stderr
+
+
+def test_an_imported_megatron_golden_carries_megatrons_estimate(tmp_path):
+    # `import` puts framework megatron's estimate beside the measured peak: for this case (full
+    # recompute, H100) within 0.3% of what the last rank logged.
+    golden = (Path(__file__).parent / "data" / "ingest" / "megatron-golden"
+              / "gpt3_mcore_te_tp1_pp1_resume_torch_dist_uniform_full_recompute" / "golden_values_dev_dgx_h100.json")
+    out = tmp_path / "cluster.jsonl"
+    result = invoke("import", str(golden), "--results", str(out), "--world-size", "8")
+    assert result.exit_code == 0, result.output
+    (record,) = [json.loads(line) for line in out.read_text().splitlines()]
+    (rank,) = record["ranks"]
+    cfg = config_from_megatron({"--" + k: v for k, v in _yaml_args(golden.parent / "model_config.yaml").items()},
+                               world_size=8)
+    assert rank["estimated_peak_allocated_bytes"] == mg.stage_peak(cfg, 0, mg.MegatronRun("h100")).peak_allocated_bytes
+    assert rank["estimated_peak_allocated_bytes"] == pytest.approx(rank["peak_allocated_bytes"], rel=0.003)
+    assert record["metrics"]["estimated_peak_allocated_bytes"] == rank["estimated_peak_allocated_bytes"]
+
+
+def _yaml_args(path):
+    from recompute_bench.ingest.megatron_golden import read_model_config
+    return read_model_config(path)[0]

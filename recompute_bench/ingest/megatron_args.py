@@ -12,7 +12,7 @@ map one to one; the rest are Megatron's spellings of a field (`--swiglu` is `act
   ones included (`ffn_hidden_size`, `virtual_pipeline_model_parallel_size`, `padded_vocab_size`).
 
 An argument that changes what a rank holds but that the estimate cannot express (context parallel,
-FP8, FSDP, cross-entropy fusion, ...) raises `CannotExpress` naming it, unless it holds Megatron's
+FP8, FSDP, MoE, ...) raises `CannotExpress` naming it, unless it holds Megatron's
 neutral value (`context_parallel_size 1`, `fp8 None`): a log's dump lists them all. Every other
 argument (data, logging, checkpointing, learning rate, timers) changes nothing the estimate holds and
 is not read. Pure Python.
