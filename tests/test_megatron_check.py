@@ -159,12 +159,22 @@ def test_estimate_framework_megatron_json_carries_every_stage():
 @pytest.mark.parametrize("argv,words", [
     (["--framework", "megatron", "--device", "cpu"], "Megatron runs on CUDA"),
     (["--framework", "megatron", "--gpu", "tpu"], "unknown GPU kind"),
-    (["--framework", "megatron", "--recompute-modules", "layernorm"], "core_attn, mlp"),
     (["-w", "tiny-moe", "--framework", "megatron"], "dense GPT layers"),
 ])
 def test_framework_megatron_bad_input(argv, words):
     result = invoke("estimate", *argv)
     assert result.exit_code == 2 and words in result.stderr and len(result.stderr.strip().splitlines()) == 1
+
+
+def test_selective_layernorm_frees_the_local_norms_and_nothing_with_te():
+    base = {"--num-layers": 2, "--hidden-size": 64, "--num-attention-heads": 4, "--seq-length": 128,
+            "--max-position-embeddings": 128, "--micro-batch-size": 2, "--global-batch-size": 2}
+    run = mg.MegatronRun("h100")
+    te = config_from_megatron(base)
+    local = config_from_megatron({**base, "--transformer-impl": "local"})
+    assert mg.layer_saved_bytes(te, run, ["layernorm"]) == mg.layer_saved_bytes(te, run)  # IdentityOp norms
+    dropped = set(mg.layer_saved_bytes(local, run)) - set(mg.layer_saved_bytes(local, run, ["layernorm"]))
+    assert dropped == {"input_layernorm.norm_stats", "linear_qkv.input", "pre_mlp_layernorm.norm_stats", "linear_fc1.input"}
 
 
 def test_plan_refuses_framework_megatron():

@@ -34,6 +34,7 @@ from recompute_bench.analysis.schedule import chunk_forwards_in_flight, schedule
 from recompute_bench.analysis.stage import stage_parameters
 from recompute_bench.models import ELEMENT_BYTES, FP32_BYTES, INDEX_BYTES, MASK_BYTES, SavedBytes, vocab_rows
 from recompute_bench.recompute.policy import chunks, layer_policies
+from recompute_bench.recompute.settings import selective_settings
 from recompute_bench.spec.config import Config, ConfigError, RecomputeConfig
 from recompute_bench.spec.rules import layers_per_model_chunk
 
@@ -160,24 +161,20 @@ def attention_path(cfg: Config, run: MegatronRun) -> str:
     return "fused" if run.compute_capability >= 90 else "flash"
 
 
-MEGATRON_SELECTIVE = ("core_attn", "mlp")
-"""The selective recompute targets modelled for Megatron's dense layer (transformer_layer.py)."""
-
-
 def layer_saved_bytes(cfg: Config, run: MegatronRun, modules: Iterable[str] = ()) -> dict[str, float]:
     """Bytes one Megatron GPT layer keeps for backward, one micro-batch on one tensor-parallel rank,
     storage by storage (names after the module that keeps each), when `modules` are recomputed
-    selectively: core_attn (attention.py `_checkpointed_attention_forward`) or mlp
-    (transformer_layer.py checkpoints `self.mlp`, which with TE includes fc1's fused norm)."""
+    selectively: core_attn (attention.py `_checkpointed_attention_forward`), mlp
+    (transformer_layer.py checkpoints `self.mlp`, which with TE includes fc1's fused norm), layernorm
+    (transformer_layer.py `CheckpointWithoutOutput` around the local spec's norms, whose output is
+    dropped once the next linear saved it; TE's norms are fused into the linear, its IdentityOp
+    norms leave nothing to recompute)."""
     m, tr = cfg.model, cfg.training
     e, tokens, h, f = ELEMENT_BYTES[tr.precision], tr.seq_length * tr.micro_batch_size, m.hidden_size, m.ffn_hidden_size
     mods = set(modules)
-    unknown = mods - set(MEGATRON_SELECTIVE)
-    if unknown:
-        raise ConfigError(f"framework megatron models selective recompute of {', '.join(MEGATRON_SELECTIVE)} only, not "
-                          f"{', '.join(sorted(unknown))}; pass --recompute-modules core_attn mlp or full recompute")
     saved = SavedBytes()
     te = m.transformer_impl == "transformer_engine"
+    norms_kept = te or "layernorm" not in mods
     stats = (2 if m.normalization == "LayerNorm" else 1) * FP32_BYTES * tokens  # mu and rsigma, fp32
     # TE's _LayerNormLinear.forward saves `inputmat` and `ln_out` (and mu, rsigma); the local spec's
     # norm saves its input and statistics and ColumnParallelLinear saves the norm's output.
@@ -186,8 +183,9 @@ def layer_saved_bytes(cfg: Config, run: MegatronRun, modules: Iterable[str] = ()
         saved.add(f"{name}.input", e * tokens * h, "sp")  # the mlp checkpoint's input too
         if block == "linear_fc1" and "mlp" in mods and te:
             continue  # recomputed inside the checkpoint with the rest of the MLP
-        saved.add(f"{name}.norm_stats", stats, "sp")
-        saved.add(f"{name}.ln_out" if te else f"{block}.input", e * tokens * h, "sp")
+        if norms_kept:
+            saved.add(f"{name}.norm_stats", stats, "sp")
+            saved.add(f"{name}.ln_out" if te else f"{block}.input", e * tokens * h, "sp")
         if block == "linear_qkv":
             _attention_saved(saved, cfg, run, mods)
             if m.hidden_dropout > 0:  # fused_bias_dropout.py: the dropout mask of bias-dropout-add
@@ -475,11 +473,10 @@ def stage_peaks(cfg: Config, run: MegatronRun) -> list[StagePeak]:
 # ----- what `estimate --framework megatron` prints -----------------------------------------------
 
 def _settings(cfg: Config) -> list[RecomputeConfig]:
-    """The settings tabulated: none, each selective subset Megatron's layer is modelled for, full
-    uniform 1 and full block at a few layer counts of a model chunk, and cfg's own."""
+    """The settings tabulated: none, every selective subset, full uniform 1 and full block at a few
+    layer counts of a model chunk, and cfg's own."""
     n = layers_per_model_chunk(cfg)
-    out = [RecomputeConfig(), RecomputeConfig("selective", ["core_attn"]), RecomputeConfig("selective", ["mlp"]),
-           RecomputeConfig("selective", ["core_attn", "mlp"]), RecomputeConfig("full", [], "uniform", 1)]
+    out = [RecomputeConfig(), *selective_settings(("core_attn", "mlp", "layernorm")), RecomputeConfig("full", [], "uniform", 1)]
     out += [RecomputeConfig("full", [], "block", k) for k in sorted({1, n // 4, n // 2, 3 * n // 4, n} - {0})]
     if cfg.recompute.label not in {r.label for r in out}:
         out.insert(0, cfg.recompute)
