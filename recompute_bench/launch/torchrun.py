@@ -98,6 +98,13 @@ def check_launch(cfg: Config, launch: Launch, device_type: str) -> Config:
                               "drop --memory-limit-gb")
         if launch.memory_limit_gb <= 0:
             raise ConfigError(f"--memory-limit-gb must be a positive number of GiB, got {launch.memory_limit_gb:g}")
+    if device_type == "cuda":
+        from recompute_bench.launch.devices import visible_gpu_count
+        gpus = visible_gpu_count()  # from NVML: the launcher holds no CUDA context
+        if gpus is not None and launch.nproc_per_node > gpus:
+            raise ConfigError(f"--nproc-per-node {launch.nproc_per_node} needs one GPU per rank and this node shows "
+                              f"{gpus}; pass --nproc-per-node {max(gpus, 1)}"
+                              + (" (or --device cpu)" if gpus == 0 else " (or make more GPUs visible through CUDA_VISIBLE_DEVICES)"))
     if p.pipeline_model_parallel_size > 1:
         raise ConfigError("pipeline parallelism is not measured yet (a later issue); pass "
                           "--pipeline-model-parallel-size 1 (use `estimate` for pipeline layouts)")
