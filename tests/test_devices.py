@@ -163,3 +163,72 @@ def test_run_no_save_leaves_no_scratch_in_the_working_folder(tmp_path, monkeypat
                     "--set", "model.attention_dropout=0")
     assert result.exit_code == 0, result.output
     assert list(tmp_path.iterdir()) == []
+
+
+# ----- verify on CUDA ------------------------------------------------------------------------------
+def test_verify_on_cuda_runs_torchs_deterministic_kernels_and_says_so(monkeypatch):
+    from recompute_bench.measure import verify as verify_module
+    from recompute_bench.spec.config import RecomputeConfig
+
+    seen = []
+
+    def loss_and_grads(cfg, recompute, tokens, device):
+        seen.append((torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled(),
+                     os.environ.get("CUBLAS_WORKSPACE_CONFIG")))
+        return torch.zeros(()), {"w": torch.ones(2)}
+
+    monkeypatch.setattr(verify_module, "loss_and_grads", loss_and_grads)
+    monkeypatch.delenv("CUBLAS_WORKSPACE_CONFIG", raising=False)
+    try:
+        full = RecomputeConfig("full", method="uniform", num_layers=1)
+        outcomes = verify_module.verify(config(), [full], ["sdpa"], torch.device("cuda", 0))
+        # not warn-only: only then does torch run flash's deterministic backward (attention_backward.cu)
+        assert seen == [(True, False, ":4096:8")] * 2 and outcomes[0].exact
+        assert not torch.are_deterministic_algorithms_enabled()  # restored
+        seen.clear()
+        verify_module.verify(config(), [full], ["sdpa"], CPU)
+        assert [s[:2] for s in seen] == [(False, False)] * 2  # a CPU's fp32 kernels need nothing
+    finally:
+        os.environ.pop("CUBLAS_WORKSPACE_CONFIG", None)
+    assert "torch.use_deterministic_algorithms(True), CUBLAS_WORKSPACE_CONFIG=:4096:8" in verify_module.determinism("cuda")
+
+
+def test_verify_output_says_how_equal_bits_are_made(tmp_path):
+    result = invoke("verify", "--seq-length", "16", "--recompute-granularity", "full", "--recompute-method", "uniform",
+                    "--recompute-num-layers", "1", "--attention-backend", "math", "--json")
+    assert result.exit_code == 0, result.output
+    assert json.loads(result.stdout)[0]["determinism"] == "cpu: its fp32 kernels are deterministic"
+    assert "its fp32 kernels are deterministic" in " ".join(result.stderr.split())
+
+
+# ----- the peak MFU divides by, and DDP's buffers ------------------------------------------------------
+def test_the_record_says_which_peak_its_mfu_divides_by(monkeypatch):
+    record = measure(config(sets=FAST), peak_tflops=100.0)
+    m = record["metrics"]
+    assert (m["peak_source"], m["peak_tflops"]) == ("--peak-tflops", 100.0)
+    assert m["mfu"] == pytest.approx(m["model_flops_per_step"] / m["step_time_s"] / 100e12)
+    monkeypatch.setattr(point, "device_name", lambda device: "NVIDIA H100 NVL")  # as CUDA names that card
+    m = measure(config(sets=FAST))["metrics"]
+    assert (m["peak_source"], m["peak_tflops"]) == ("H100 NVL bf16", 835.5)
+    assert m["mfu"] == pytest.approx(m["model_flops_per_step"] / m["step_time_s"] / 835.5e12)
+    m = measure(config(sets=FAST, training__precision="fp32"))["metrics"]
+    assert (m["peak_source"], m["peak_tflops"]) == ("H100 NVL tf32", 417.5)
+
+
+@pytest.fixture
+def one_rank_group():
+    import torch.distributed as dist
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
+def test_ddp_does_not_broadcast_buffers_every_forward(one_rank_group):
+    from recompute_bench.measure.distributed import DataParallel
+
+    cfg = config("tiny-moe")  # RoPE: its cos/sin tables are buffers
+    layout = DataParallel("ddp", cfg)
+    layout.dp_size = 2  # as on two ranks: the layout wraps the model in DDP
+    model = layout.build(cfg, CPU)
+    assert list(model.module.buffers())  # the RoPE tables: buffers there would be to broadcast
+    assert not model.will_sync_module_buffers()

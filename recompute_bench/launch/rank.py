@@ -70,15 +70,17 @@ def verify(argv: list[str]) -> int:
         import torch.distributed as dist
         from recompute_bench.launch.worker import config_from_dict
         from recompute_bench.measure.distributed import init_process_group, rank_device, verify_ranks
+        from recompute_bench.measure.verify import deterministic
         from recompute_bench.results.store import write_json_atomic
         from recompute_bench.spec.config import RecomputeConfig
 
         given = json.loads((args.pieces / "verify-in.json").read_text())
         cfg = config_from_dict(given["config"])
         device = rank_device(args.device)
-        init_process_group(device, args.watchdog_s)
-        result = verify_ranks(cfg, [RecomputeConfig(**r) for r in given["settings"]], given["backends"], device,
-                              args.data_parallel)
+        with deterministic(device):  # before the process group: NCCL then leaves out its NVLS reductions
+            init_process_group(device, args.watchdog_s)
+            result = verify_ranks(cfg, [RecomputeConfig(**r) for r in given["settings"]], given["backends"], device,
+                                  args.data_parallel)
         if dist.get_rank() == 0:
             write_json_atomic(args.pieces / "verify.json", result)
         dist.destroy_process_group()

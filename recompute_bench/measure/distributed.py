@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
+import inspect
 import os
 import statistics
 import sys
@@ -82,7 +83,13 @@ class DataParallel(SingleRank):
             from torch.nn.parallel import DistributedDataParallel
             model = super().build(cfg, device, dtype)
             self._shard_experts(model)
-            return DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
+            # No buffer to broadcast: the RoPE tables are computed alike on every rank, and DDP's
+            # default would send them from rank 0 before every forward. torch 2.13 renamed the
+            # switch (`forward_sync_buffers`; `broadcast_buffers` is deprecated there).
+            forward_sync = ("forward_sync_buffers" if "forward_sync_buffers" in
+                            inspect.signature(DistributedDataParallel).parameters else "broadcast_buffers")
+            return DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None,
+                                           **{forward_sync: False})
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
         model = super().build(cfg, device, torch.float32)  # fp32 sharded weights: FSDP casts for compute
         policy = MixedPrecisionPolicy(param_dtype=DTYPES[cfg.training.precision], reduce_dtype=torch.float32)

@@ -475,7 +475,11 @@ def _measure(cfg: Config, device: torch.device, peak_tflops: float | None, layou
         rank_entry["nvml_used_bytes"], rank_entry["nvml_total_bytes"] = nvml.peak, nvml.total
 
         step_time = statistics.median(times)
-        peak = peak_tflops * 1e12 if peak_tflops else flops.peak_flops(device_name(device), t.precision)
+        peak = peak_tflops * 1e12 if peak_tflops else None
+        metrics["peak_source"] = "--peak-tflops" if peak_tflops else None
+        if peak is None and (known := flops.peak(device_name(device), t.precision)):
+            metrics["peak_source"], peak = known  # the datasheet figure of this exact product
+        metrics["peak_tflops"] = peak / 1e12 if peak else None
         metrics.update({
             "step_time_s": step_time,
             "step_times_s": times,

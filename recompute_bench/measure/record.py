@@ -26,7 +26,7 @@ def unmeasured_metrics(cfg: Config, device_type: str) -> dict[str, Any]:
     the config alone: the formula FLOPs and the analytical estimate."""
     return {
         "step_time_s": None, "step_times_s": [], "step_time_spread_s": None, "tflops_per_gpu": None, "tokens_per_s_per_gpu": None,
-        "mfu": None, "hfu": None,
+        "mfu": None, "hfu": None, "peak_tflops": None, "peak_source": None,
         "model_flops_per_step": flops.model_flops_per_step(cfg),
         "hardware_flops_per_step": flops.hardware_flops_per_step(cfg, device_type),
         "measured_flops_per_step": None,
