@@ -4,7 +4,8 @@ The first step is the probe step (not timed): `FlopCounterMode` counts every FLO
 step, recompute included (a tensor-parallel DTensor op by its local shards: `LocalFlopCounter`),
 and saved-tensor hooks around the first micro-batch's forward collect the storages autograd keeps
 for backward (a DTensor's local shard). Then warm-up steps, a reset of the CUDA peak counters,
-and the measured steps, each timed between device synchronisations.
+and the measured steps, each timed between device synchronisations on the measured device's stream,
+started after a barrier over the ranks; a step's time is its slowest rank's (`SingleRank.slowest`).
 
 A CUDA out-of-memory error becomes `status: "oom"` with the step and phase; any other exception
 becomes `status: "error"`. Either way the record is complete, with what was not measured as None.
