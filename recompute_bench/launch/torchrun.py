@@ -98,6 +98,9 @@ def check_launch(cfg: Config, launch: Launch, device_type: str) -> Config:
                               "drop --memory-limit-gb")
         if launch.memory_limit_gb <= 0:
             raise ConfigError(f"--memory-limit-gb must be a positive number of GiB, got {launch.memory_limit_gb:g}")
+    if cfg.training.framework != "recompute-bench":
+        raise ConfigError(f"framework {cfg.training.framework} is estimated, not run: this harness measures its own "
+                          "layers; drop --framework (or use `estimate --framework megatron`)")
     if device_type == "cuda":
         from recompute_bench.launch.devices import visible_gpu_count
         gpus = visible_gpu_count()  # from NVML: the launcher holds no CUDA context
