@@ -163,6 +163,44 @@ def test_a_gloo_timeout_names_the_collective_and_the_rank(tmp_path, monkeypatch)
     assert [r["status"] for r in record["ranks"]] == ["timeout", "waiting"]
 
 
+def test_a_failed_rank_leaves_through_destroy_process_group(tmp_path, monkeypatch):
+    from recompute_bench.launch import rank as rank_program
+    from recompute_bench.measure import distributed
+
+    (tmp_path / "config.json").write_text(json.dumps(config(sets=SETS).to_dict()))
+    monkeypatch.setenv("RANK", "1")
+    left = []
+    monkeypatch.setattr(distributed, "measure_rank", lambda cfg, **kw: {"rank_entry": {"status": "oom"}})
+    monkeypatch.setattr(distributed, "leave_group", lambda: left.append("destroyed") or True)
+    assert rank_program.measure(["--pieces", str(tmp_path)]) == 1  # torchrun then stops the peers
+    assert left == ["destroyed"]
+
+
+def test_leaving_the_group_is_bounded_in_time(monkeypatch):
+    import torch.distributed as dist
+    from recompute_bench.measure.distributed import leave_group
+
+    release = threading.Event()
+    monkeypatch.setattr(dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(dist, "destroy_process_group", lambda: release.wait(60))  # a destroy that blocks
+    started = time.monotonic()
+    try:
+        assert leave_group(0.2) is False and time.monotonic() - started < 5
+    finally:
+        release.set()
+    monkeypatch.setattr(dist, "destroy_process_group", lambda: None)
+    assert leave_group(0.2) is True
+
+
+def test_a_hung_ranks_stack_is_read_through_torchruns_line_prefix():
+    from recompute_bench.launch.process import _innermost_frame
+
+    dump = ("[default1]:Current thread 0x00007f (most recent call first):\n"
+            '[default1]:  File "/x/recompute_bench/measure/point.py", line 245 in _fault\n'
+            '[default1]:  File "/x/recompute_bench/measure/point.py", line 280 in step\n')
+    assert _innermost_frame(dump) == "point.py:245 in _fault"
+
+
 # Lines as torch writes them (`WorkNCCL::checkTimeout`): the prefix of torch 2.5+, and of torch 2.1.
 NCCL_TIMEOUTS = [
     "[rank1]:[E1123 20:27:21.433063423 ProcessGroupNCCL.cpp:632] [PG ID 0 PG GUID 0(default_pg) Rank 1] Watchdog caught "
