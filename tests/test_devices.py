@@ -223,12 +223,20 @@ def one_rank_group():
     dist.destroy_process_group()
 
 
-def test_ddp_does_not_broadcast_buffers_every_forward(one_rank_group):
+def test_ddp_broadcasts_no_buffer_before_a_forward(one_rank_group, monkeypatch):
+    import torch.distributed as dist
     from recompute_bench.measure.distributed import DataParallel
+    from recompute_bench.measure.point import synthetic_batches
 
+    sent = []
+    for name in ("broadcast", "_broadcast_coalesced"):
+        monkeypatch.setattr(dist, name, lambda *a, _name=name, **k: sent.append(_name))
     cfg = config("tiny-moe")  # RoPE: its cos/sin tables are buffers
     layout = DataParallel("ddp", cfg)
-    layout.dp_size = 2  # as on two ranks: the layout wraps the model in DDP
+    layout.dp_size = 2  # as on two ranks: the data-parallel layout, not tensor parallel alone
     model = layout.build(cfg, CPU)
-    assert list(model.module.buffers())  # the RoPE tables: buffers there would be to broadcast
-    assert not model.will_sync_module_buffers()
+    assert list(model.buffers())
+    sent.clear()  # what building sends is not the question
+    tokens = synthetic_batches(cfg, CPU)[0]
+    model(tokens[:, :-1], tokens[:, 1:])
+    assert sent == []
