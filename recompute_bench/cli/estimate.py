@@ -159,10 +159,11 @@ def plan(
 def _profile_costs(cfg, device: str, steps: int, host_link_gbps: Optional[float]):
     """The measured costs of `--profile` (cached per device and shape), or exit 2 naming the fix."""
     from recompute_bench.analysis.profile_costs import ProfileCosts
+    from recompute_bench.launch.devices import default_device_type
     from recompute_bench.measure.point import pick_device
     from recompute_bench.measure.profile import cached_profile
 
-    here = pick_device()
+    here = pick_device(default_device_type())  # the device `run` and `sweep` measure on
     if cfg.parallel.tensor_model_parallel_size > 1:
         raise fail("--profile measures one device's whole layer; with --tp > 1 plan with analytical costs (drop --profile)")
     if here.type != device.split(":")[0]:

@@ -90,8 +90,9 @@ def import_record(run: ParsedRun, cfg: Config, *, device_name: str | None = None
         tflops = None
     if tflops is None and step_time:
         tflops = metrics["model_flops_per_step"] / step_time / world / 1e12
-    peak = flops.peak_flops(device or "", tr.precision)
+    source, peak = flops.peak(device or "", tr.precision) or (None, None)  # the exact CUDA name, else none
     metrics.update(
+        peak_tflops=peak / 1e12 if peak else None, peak_source=source,
         step_time_s=step_time, step_times_s=[s.step_time_s for s in chosen.steps] if chosen else [],
         tflops_per_gpu=tflops,
         tokens_per_s_per_gpu=tr.global_batch_size * tr.seq_length / step_time / world if step_time else None,

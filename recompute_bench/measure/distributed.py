@@ -30,6 +30,9 @@ from __future__ import annotations
 import dataclasses
 import datetime
 import os
+import statistics
+import sys
+import threading
 from contextlib import AbstractContextManager, contextmanager
 from typing import Iterator
 
@@ -143,6 +146,20 @@ class DataParallel(SingleRank):
         dist.all_reduce(value)
         return value / self.world_size
 
+    def barrier(self) -> None:
+        """Every rank waits here for the others (NCCL: the host waits for the barrier's kernel too,
+        `WorkNCCL::wait` on a barrier op), so a timed step starts on every rank at once."""
+        dist.barrier()
+
+    def slowest(self, times: list[float]) -> tuple[list[float], float | None]:
+        """Each step's time on its slowest rank (the one every other rank waited for at the step's
+        collectives) and the median over steps of slowest minus fastest, gathered once the timed
+        steps are over."""
+        every: list[list[float] | None] = [None] * self.world_size
+        dist.all_gather_object(every, list(times))
+        steps = list(zip(*every))
+        return [max(s) for s in steps], statistics.median(max(s) - min(s) for s in steps) if steps else None
+
 
 BUCKET_PARAMETERS = 40_000_000
 """Parameters per gradient bucket. Megatron's default when the reduction overlaps the backward is
@@ -236,6 +253,25 @@ def init_process_group(device: torch.device, watchdog_s: float) -> None:
     backend = "nccl" if device.type == "cuda" else "gloo"
     dist.init_process_group(backend, timeout=datetime.timedelta(seconds=watchdog_s),
                             device_id=device if device.type == "cuda" else None)
+
+
+LEAVE_GROUP_S = 30.0
+"""How long a rank waits for `destroy_process_group` before it exits without it."""
+
+
+def leave_group(limit_s: float = LEAVE_GROUP_S) -> bool:
+    """`destroy_process_group`, given at most `limit_s` seconds; whether it returned. A rank whose
+    peer died or hung may wait on its communicators there (NCCL's abort and destroy can block, and
+    torch's own default, TORCH_NCCL_ASYNC_ERROR_HANDLING=3, exists to skip them), so the call runs in
+    a thread the rank stops waiting for: a rank always gets to exit with its verdict."""
+    if not dist.is_initialized():
+        return True
+    leaving = threading.Thread(target=dist.destroy_process_group, name="destroy-process-group", daemon=True)
+    leaving.start()
+    leaving.join(limit_s)
+    if leaving.is_alive():
+        sys.stderr.write(f"destroy_process_group did not return within {limit_s:g} s; exiting without it\n")
+    return not leaving.is_alive()
 
 
 def rank_device(requested: str | None) -> torch.device:

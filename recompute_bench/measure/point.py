@@ -4,7 +4,8 @@ The first step is the probe step (not timed): `FlopCounterMode` counts every FLO
 step, recompute included (a tensor-parallel DTensor op by its local shards: `LocalFlopCounter`),
 and saved-tensor hooks around the first micro-batch's forward collect the storages autograd keeps
 for backward (a DTensor's local shard). Then warm-up steps, a reset of the CUDA peak counters,
-and the measured steps, each timed between device synchronisations.
+and the measured steps, each timed between device synchronisations on the measured device's stream,
+started after a barrier over the ranks; a step's time is its slowest rank's (`SingleRank.slowest`).
 
 A CUDA out-of-memory error becomes `status: "oom"` with the step and phase; any other exception
 becomes `status: "error"`. Either way the record is complete, with what was not measured as None.
@@ -14,6 +15,7 @@ from __future__ import annotations
 
 import os
 import statistics
+import sys
 import time
 import traceback
 import weakref
@@ -249,9 +251,14 @@ class SavedTensorProbe:
         return self.result
 
 
+FAULT_DELAY_S = 3.0
+"""How long a "delay" fault holds its rank."""
+
+
 def _fault(phase: str, step: int) -> None:
     """Fail as RECOMPUTE_BENCH_FAULT says ("KIND:PHASE:STEP[@RANK]"); no "@RANK" means every rank.
-    The rank is torchrun's RANK (0 on a single-rank point)."""
+    The rank is torchrun's RANK (0 on a single-rank point). Phases: forward, backward, optimizer
+    (inside a step) and write (after a step, before its piece is written)."""
     spec = os.environ.get(FAULT_ENV)
     if not spec:
         return
@@ -259,12 +266,26 @@ def _fault(phase: str, step: int) -> None:
     kind, want_phase, want_step = where.split(":")
     if want_phase != phase or int(want_step) != step:
         return
-    if want_rank and int(want_rank) != int(os.environ.get("RANK", "0")):
+    rank = int(os.environ.get("RANK", "0"))
+    if want_rank and int(want_rank) != rank:
         return
     if kind == "oom":
         raise torch.OutOfMemoryError(f"CUDA out of memory (injected by {FAULT_ENV}={spec})")
     if kind == "hang":
         time.sleep(10**6)
+    if kind == "delay":  # a slow rank, as a slow disk makes its piece write
+        time.sleep(FAULT_DELAY_S)
+        return
+    if kind == "watchdog":
+        # ProcessGroupNCCL's end under TORCH_NCCL_ASYNC_ERROR_HANDLING=3 (its default): the watchdog
+        # thread logs the timed-out work (`WorkNCCL::checkTimeout`, c10 LOG(ERROR) to stderr), then
+        # rethrows from that thread (`WorkNCCL::handleException`): std::terminate, SIGABRT, no
+        # Python exception on the main thread. Written here as torch writes it.
+        sys.stderr.write(f"[rank{rank}]:[E1123 12:00:00.000000000 ProcessGroupNCCL.cpp:632] [PG ID 0 PG GUID 0(default_pg) "
+                         f"Rank {rank}] Watchdog caught collective operation timeout: WorkNCCL(SeqNum=7, OpType=ALLREDUCE, "
+                         "NumelIn=1, NumelOut=1, Timeout(ms)=300000) ran for 300042 milliseconds before timing out.\n")
+        sys.stderr.flush()
+        os.abort()
     raise RuntimeError(f"injected failure ({FAULT_ENV}={spec})")
 
 
@@ -307,15 +328,27 @@ class Stepper:
         return total / n
 
 
-def _timed(device: torch.device, fn: Callable[[], Any]) -> float:
+def cuda_event(device: torch.device) -> "torch.cuda.Event":
+    """A timing event recorded now on `device`'s current stream. `Event.record()` without a stream
+    records on the current device's stream, GPU 0's unless it was set: on `cuda:1` the event would
+    time nothing of the work (torch/cuda/streams.py, `Event.record`)."""
+    event = torch.cuda.Event(enable_timing=True)
+    event.record(torch.cuda.current_stream(device))
+    return event
+
+
+def _timed(device: torch.device, fn: Callable[[], Any], barrier: Callable[[], None] = lambda: None) -> float:
+    """Seconds `fn` takes on `device`, started when every rank has reached `barrier` (so one rank's
+    late start, a slow piece write between steps, is not timed as another rank's wait)."""
     if device.type == "cuda":
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         torch.cuda.synchronize(device)
-        start.record()
+        barrier()
+        start = cuda_event(device)
         fn()
-        end.record()
+        end = cuda_event(device)
         end.synchronize()
         return start.elapsed_time(end) / 1e3
+    barrier()
     t0 = time.perf_counter()
     fn()
     return time.perf_counter() - t0
@@ -334,11 +367,21 @@ def float32_matmul_precision(device: torch.device, precision: str) -> Iterator[b
         torch.set_float32_matmul_precision(before)
 
 
-def pick_device(requested: str | None = None) -> torch.device:
-    """CUDA when present (or asked for), else CPU."""
-    if requested:
-        return torch.device(requested)
-    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+def pick_device(requested: str | torch.device | None = None) -> torch.device:
+    """The device this process measures on, made the current CUDA device: `requested` ("cuda" is the
+    current GPU, "cuda:1" the second), else CUDA when torch sees a GPU, else the CPU.
+
+    Making it current matters beyond the model's tensors: streams, events, cuBLAS handles and
+    every kernel launched without an explicit device go to the current device, which is GPU 0
+    until it is set (a stray context there, and events that time nothing of the work on GPU N)."""
+    if requested is None:
+        requested = "cuda" if torch.cuda.is_available() else "cpu"
+    device = torch.device(requested)
+    if device.type == "cuda":
+        if device.index is None:
+            device = torch.device("cuda", torch.cuda.current_device())
+        torch.cuda.set_device(device)
+    return device
 
 
 class SingleRank:
@@ -381,6 +424,14 @@ class SingleRank:
         """The whole model's parameter count (DTensors count their global size)."""
         return sum(p.numel() for p in model.parameters())
 
+    def barrier(self) -> None:
+        """Wait until every rank gets here: one rank, nothing to wait for."""
+
+    def slowest(self, times: list[float]) -> tuple[list[float], float | None]:
+        """(each measured step's time on the slowest rank, the median spread between the slowest and
+        the fastest rank): one rank is its own slowest, and has no spread."""
+        return times, None
+
 
 def run_point(cfg: Config, *, device: torch.device | None = None, peak_tflops: float | None = None,
               layout=None, progress: Callable[[dict, dict], None] | None = None) -> dict:
@@ -388,7 +439,7 @@ def run_point(cfg: Config, *, device: torch.device | None = None, peak_tflops: f
     an OOM or a failing step; those become the record's status). `layout` places the model and
     batch over ranks (default one rank); `progress(metrics, rank_entry)` is called after every step
     and at the end, so a rank can leave what it has measured before a later step kills it."""
-    device = device or pick_device()
+    device = pick_device(device)
     with float32_matmul_precision(device, cfg.training.precision) as tf32:
         metrics, rank_entry = _measure(cfg, device, peak_tflops, layout or SingleRank(), progress or (lambda *_: None))
     env = environment(device, tf32)
@@ -421,6 +472,7 @@ def _measure(cfg: Config, device: torch.device, peak_tflops: float | None, layou
             rank_entry["losses"].append(layout.mean(loss).item())  # after the step, which is not timed
             rank_entry["step"] = stepper.step_index
             rank_entry.update({k: v for k, v in cuda_memory(device).items() if v is not None})
+            _fault("write", stepper.step_index)
             progress(metrics, rank_entry)
 
         probe = SavedTensorProbe(model)
@@ -444,9 +496,9 @@ def _measure(cfg: Config, device: torch.device, peak_tflops: float | None, layou
         with NvmlSampler(device) as nvml:
             for _ in range(t.measured_steps):
                 losses: list[torch.Tensor] = []
-                rank_entry["step_times_s"].append(_timed(device, lambda: losses.append(stepper.step())))
-                done(losses[0])
-        times = rank_entry["step_times_s"]
+                rank_entry["step_times_s"].append(_timed(device, lambda: losses.append(stepper.step()), layout.barrier))
+                done(losses[0])  # writes the piece: between steps, before the next step's barrier
+        times, spread = layout.slowest(rank_entry["step_times_s"])  # the slowest rank bounds each step
         window = cuda_memory(device)
         rank_entry.update(window)
         if device.type == "cuda":
@@ -455,10 +507,15 @@ def _measure(cfg: Config, device: torch.device, peak_tflops: float | None, layou
         rank_entry["nvml_used_bytes"], rank_entry["nvml_total_bytes"] = nvml.peak, nvml.total
 
         step_time = statistics.median(times)
-        peak = peak_tflops * 1e12 if peak_tflops else flops.peak_flops(device_name(device), t.precision)
+        peak = peak_tflops * 1e12 if peak_tflops else None
+        metrics["peak_source"] = "--peak-tflops" if peak_tflops else None
+        if peak is None and (known := flops.peak(device_name(device), t.precision)):
+            metrics["peak_source"], peak = known  # the datasheet figure of this exact product
+        metrics["peak_tflops"] = peak / 1e12 if peak else None
         metrics.update({
             "step_time_s": step_time,
             "step_times_s": times,
+            "step_time_spread_s": spread,
             "tflops_per_gpu": metrics["model_flops_per_step"] / step_time / world_size / 1e12,
             "tokens_per_s_per_gpu": t.global_batch_size * t.seq_length / step_time / world_size,
             "mfu": metrics["model_flops_per_step"] / step_time / world_size / peak if peak else None,
