@@ -27,7 +27,7 @@ from recompute_bench.analysis import flops
 from recompute_bench.backends.pytorch import grouped_gemm_path
 from recompute_bench.spec.config import Config
 from recompute_bench.models import spec_for
-from recompute_bench.models.dense.layers import GPT
+from recompute_bench.models.dense.layers import GPT, materialize
 from recompute_bench.recompute.apply import apply_recompute
 from recompute_bench.measure.record import FAULT_ENV, SCHEMA, make_record, unmeasured_metrics, unmeasured_rank
 from recompute_bench.measure.telemetry import NvmlSampler, cuda_memory, device_name, environment, uses_tf32
@@ -321,15 +321,35 @@ class SingleRank:
     rank = 0
     tensor_group = None
     """The tensor-parallel process group (None: no tensor parallelism)."""
+    splits = False
+    """Whether this rank holds only part of the model's weights (tensor parallel, FSDP)."""
 
     def build(self, cfg: Config, device: torch.device, dtype: torch.dtype | None = None) -> GPT:
-        """The model this rank trains, split over the tensor-parallel group (`split`), then recompute
-        installed; weights in `dtype` (default the training precision)."""
-        model = spec_for(cfg.model).build(cfg, device, dtype or DTYPES[cfg.training.precision])
-        return apply_recompute(self.split(model), cfg.recompute, self.tensor_group)
+        """The model this rank trains, split over the tensor-parallel group (`split`), recompute
+        installed, then sharded (`shard`); weights in `dtype` (default the training precision).
+
+        A layout that `splits` the weights does it as torchtitan does: the model is built on the
+        meta device, split, given its recompute and sharded there, and only then materialised, so a
+        rank allocates and initialises its own shards (the whole model never exists on one rank),
+        with the values one rank's build holds (`models.dense.layers.materialize`). The cache the
+        initialisation's one whole parameter at a time leaves is handed back, so that the reserved
+        peak measures the training, not the build."""
+        dtype = dtype or DTYPES[cfg.training.precision]
+        spec = spec_for(cfg.model)
+        if not self.splits:
+            return apply_recompute(spec.build(cfg, device, dtype), cfg.recompute, self.tensor_group)
+        model = apply_recompute(self.split(spec.build(cfg, "meta", dtype)), cfg.recompute, self.tensor_group)
+        model = materialize(self.shard(model, cfg), device, cfg.training.seed)
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+        return model
 
     def split(self, model: GPT) -> GPT:
         """This rank's part of the whole model: all of it."""
+        return model
+
+    def shard(self, model: GPT, cfg: Config) -> GPT:
+        """The model with its weights sharded over the data-parallel ranks: not at all here."""
         return model
 
     def context(self):
