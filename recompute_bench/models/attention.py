@@ -32,9 +32,13 @@ Tile sizes matter little for long sequences: on CUDA at s = 8192 every tile abov
 
 from __future__ import annotations
 
+import functools
+
 FUSED_KERNELS = ("flash", "efficient", "cudnn")
 """torch's fused attention kernels (`torch.nn.attention.SDPBackend`'s names): they keep no s x s
 tensor, and their backward recomputes QK^T."""
+ATTENTION_KERNELS = ("math", "sdpa_math", *FUSED_KERNELS)
+"""Every kernel the analysis models (`DenseSpec.attention_kernel`)."""
 
 _FLASH_SM90 = {  # rounded head dim: (forward, forward with dropout, backward) tiles
     32: ((128, 128), (128, 128), (128, 128)),
@@ -65,6 +69,7 @@ def attention_tiles(kernel: str, device: str, head_dim: int, seq_length: int,
     return (128, 128), (128, 128)
 
 
+@functools.lru_cache(maxsize=None)
 def causal_pairs(seq_length: int, rows: int, cols: int) -> int:
     """(query, key) pairs a causal kernel with `rows` x `cols` tiles evaluates over an s x s score
     matrix: every tile holding at least one pair the mask keeps (key <= query), whole, clipped to

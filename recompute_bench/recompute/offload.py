@@ -11,6 +11,9 @@ weight to the host).
 
 A tensor-parallel DTensor is a wrapper whose own storage holds no data: what moves is its local
 shard, and the unpacked tensor is a DTensor again, with the saved one's mesh, placements and shape.
+So is the AsyncCollectiveTensor a functional collective returns (a tensor-parallel module's local
+output, the embedding's all-reduced one that the first norm saves): it is waited for, and what moves
+and comes back is the tensor it wraps. A wrapper of any other kind stays on the device.
 
 Copies overlap with compute both ways, as Megatron's do. Forward: when autograd saves a tensor
 inside an offloaded layer, its storage is copied to pinned host memory on a side stream (which
@@ -102,6 +105,22 @@ def _local(t: torch.Tensor) -> torch.Tensor:
     return getattr(t, "_local_tensor", t)
 
 
+def _data(t: torch.Tensor) -> tuple[torch.Tensor | None, _DTensorLayout | None]:
+    """The plain tensor holding t's data (None for a wrapper subclass this module does not open) and,
+    for a DTensor, what rebuilds it: a DTensor's local shard, an AsyncCollectiveTensor's result once
+    its collective is done (its `elem` may still be being written)."""
+    from torch.distributed._functional_collectives import AsyncCollectiveTensor
+    from torch.utils._python_dispatch import is_traceable_wrapper_subclass
+
+    layout = None
+    if hasattr(t, "_local_tensor"):
+        layout = _DTensorLayout(t.device_mesh, t.placements, t.shape, t.stride())
+        t = t._local_tensor
+    if isinstance(t, AsyncCollectiveTensor):
+        t = t.trigger_wait()
+    return (None if is_traceable_wrapper_subclass(t) else t), layout
+
+
 @dataclass
 class _LayerState:
     stored: list[weakref.ref] = field(default_factory=list)  # weak: autograd's handles own the copies
@@ -146,7 +165,9 @@ class ActivationOffloader:
         keep = {t.untyped_storage()._cdata for t in kept}
 
         def pack(t: torch.Tensor):
-            data = _local(t)
+            data, layout = _data(t)
+            if data is None:
+                return t
             storage = data.untyped_storage()
             key = storage._cdata
             if key in keep or data.device != self.device or storage.nbytes() == 0:
@@ -159,7 +180,6 @@ class ActivationOffloader:
                 state.packed_bytes += hit[1].nbytes
             stored = hit[1]
             stored.unpacks_left += 1
-            layout = _DTensorLayout(t.device_mesh, t.placements, t.shape, t.stride()) if data is not t else None
             return _Packed(stored, data.dtype, data.storage_offset(), tuple(data.shape), tuple(data.stride()), layout)
 
         with torch.autograd.graph.saved_tensors_hooks(pack, self._unpack):
