@@ -13,7 +13,8 @@ from torch.utils.flop_counter import FlopCounterMode, flop_registry, shape_wrapp
 
 from conftest import FAST, config
 from recompute_bench.analysis import flops
-from recompute_bench.analysis import memory as E
+from recompute_bench.analysis.layer import attention_kernel
+from recompute_bench.analysis.stage import activation_bytes
 from recompute_bench.backends import pytorch as backend
 from recompute_bench.measure.point import run_point
 from recompute_bench.models import DeviceKernels
@@ -53,28 +54,28 @@ def test_the_estimate_follows_the_kernel_that_ran_not_the_table():
     # the bytes saved and of the hardware FLOPs is that kernel's, equal to what the probe and
     # FlopCounterMode measured (the flash prediction is off by the scores, and its FLOPs uncounted).
     cfg = config(sets=[*FAST, "training.seq_length=32", "model.attention_dropout=0"])
-    assert E.attention_kernel(cfg, "cpu") == "flash"
+    assert attention_kernel(cfg, "cpu") == "flash"
     with sdpa_kernel([SDPBackend.MATH]):
         record = run_point(cfg, device=CPU)
     m = record["metrics"]
     assert record["env"]["attention_kernel"] == "sdpa_math"
     assert m["estimated_activation_bytes"] == m["activation_bytes"]
     assert m["hardware_flops_per_step"] == m["estimated_hardware_flops_per_step"] == m["measured_flops_per_step"]
-    predicted = E.activation_bytes(cfg, "cpu")["activation_bytes"]
+    predicted = activation_bytes(cfg, "cpu")["activation_bytes"]
     assert predicted < m["activation_bytes"]
-    assert E.activation_bytes(cfg, DeviceKernels("cpu", "sdpa_math"))["activation_bytes"] == m["activation_bytes"]
+    assert activation_bytes(cfg, DeviceKernels("cpu", "sdpa_math"))["activation_bytes"] == m["activation_bytes"]
 
 
 def test_a_measured_kernel_replaces_the_tables_prediction_in_the_analysis():
     cfg = config("llama3-8b", sets=["model.num_layers=2"])
-    assert E.attention_kernel(cfg, "cuda") == "flash"
+    assert attention_kernel(cfg, "cuda") == "flash"
     for kernel in ("efficient", "cudnn", "sdpa_math"):
-        assert E.attention_kernel(cfg, DeviceKernels("cuda", kernel)) == kernel
-    assert E.attention_kernel(cfg, DeviceKernels("cuda", "overrideable")) == "flash"  # not modelled: predicted
+        assert attention_kernel(cfg, DeviceKernels("cuda", kernel)) == kernel
+    assert attention_kernel(cfg, DeviceKernels("cuda", "overrideable")) == "flash"  # not modelled: predicted
     # cuDNN and flash save the same tensors; the math fallback keeps the s² scores in fp32.
-    same = E.activation_bytes(cfg, DeviceKernels("cuda", "cudnn"))
-    assert same == E.activation_bytes(cfg, "cuda")
-    assert E.activation_bytes(cfg, DeviceKernels("cuda", "sdpa_math"))["activation_bytes"] > 3 * same["activation_bytes"]
+    same = activation_bytes(cfg, DeviceKernels("cuda", "cudnn"))
+    assert same == activation_bytes(cfg, "cuda")
+    assert activation_bytes(cfg, DeviceKernels("cuda", "sdpa_math"))["activation_bytes"] > 3 * same["activation_bytes"]
     # The math fallback runs the whole s x s square: about twice the fused kernels' attention FLOPs.
     assert flops.hardware_flops_per_step(cfg, DeviceKernels("cuda", "sdpa_math")) > flops.hardware_flops_per_step(cfg)
 

@@ -12,7 +12,9 @@ from conftest import config, invoke, probe
 from test_estimate import measure, shrunk
 from recompute_bench.analysis import auto
 from recompute_bench.analysis import flops
-from recompute_bench.analysis import memory as E
+from recompute_bench.analysis.layer import checkpoint_input_bytes, kind_config, layer_activation_bytes
+from recompute_bench.analysis.rank import device_bytes_needed, peak_rank_memory
+from recompute_bench.analysis.stage import StageActivations, activation_bytes, policy_activations, stage_activations
 from recompute_bench.models import spec_for
 from recompute_bench.analysis.profile_costs import ProfileCosts
 from recompute_bench.recompute.policy import LayerPolicy, layer_policies, parse_entry
@@ -36,7 +38,7 @@ def running(cfg, policies):
 
 def outside_layers(cfg):
     """Activation bytes `run` measures outside the layers (tokens, embedding, loss)."""
-    return E.activation_bytes(cfg, "cpu")["activation_bytes"] - E.stage_activations(cfg, "cpu").stored_bytes
+    return activation_bytes(cfg, "cpu")["activation_bytes"] - stage_activations(cfg, "cpu").stored_bytes
 
 
 def every_policy(cfg):
@@ -77,11 +79,11 @@ def test_the_policy_analysis_equals_the_closed_forms_of_every_megatron_setting(w
     n = cfg.model.num_layers
     for r in [RecomputeConfig(), RecomputeConfig(activation_offload_layers=2)] + all_settings(n):
         c = dataclasses.replace(cfg, recompute=r)
-        closed, general = E.stage_activations(c, "cpu"), E.policy_activations(c, layer_policies(r, n), "cpu")
+        closed, general = stage_activations(c, "cpu"), policy_activations(c, layer_policies(r, n), "cpu")
         assert (closed.stored_bytes, closed.peak_bytes) == (general.stored_bytes, general.peak_bytes), r.label
         as_policy = running(cfg, layer_policies(r, n))
         assert flops.hardware_flops_per_step(as_policy, "cpu") == flops.hardware_flops_per_step(c, "cpu"), r.label
-        assert E.peak_rank_memory(as_policy, "cpu").peak_allocated_bytes == E.peak_rank_memory(c, "cpu").peak_allocated_bytes
+        assert peak_rank_memory(as_policy, "cpu").peak_allocated_bytes == peak_rank_memory(c, "cpu").peak_allocated_bytes
 
 
 def test_the_solver_reads_the_whole_rank_peak_as_the_rank_model_computes_it():
@@ -91,8 +93,8 @@ def test_the_solver_reads_the_whole_rank_peak_as_the_rank_model_computes_it():
         peak = auto.rank_peak(cfg, "cuda")
         layers = cfg.model.num_layers // cfg.parallel.pipeline_model_parallel_size
         for stored, top in ((0, 0), (1e9, 1e9), (3e9, 9e9), (2e10, 2e10)):
-            acts = E.StageActivations(layers, stored, top)
-            assert peak(acts) == pytest.approx(E.peak_rank_memory(cfg, "cuda", acts).peak_allocated_bytes, rel=1e-12)
+            acts = StageActivations(layers, stored, top)
+            assert peak(acts) == pytest.approx(peak_rank_memory(cfg, "cuda", acts).peak_allocated_bytes, rel=1e-12)
 
 
 MIXED = {"tiny": ["selective[layernorm,mlp]", "full:0", "full:0", "none"],
@@ -105,7 +107,7 @@ def test_a_mixed_policy_s_bytes_and_flops_are_what_the_probe_and_the_flop_counte
     base = fp32(workload, dropout)
     cfg = dataclasses.replace(base, recompute=RecomputeConfig(layer_policy=MIXED[workload]))
     total, per_layer, measured_flops, _ = measure(cfg, count_flops=True)
-    est = E.activation_bytes(cfg, "cpu")
+    est = activation_bytes(cfg, "cpu")
     assert est["activation_bytes"] == total
     assert est["activation_bytes_per_layer"] == per_layer
     assert flops.hardware_flops_per_step(cfg, "cpu") == measured_flops
@@ -115,7 +117,7 @@ def test_a_mixed_policy_s_bytes_and_flops_are_what_the_probe_and_the_flop_counte
 def test_the_solver_is_optimal_against_exhaustive_search_over_every_per_layer_mix(workload):
     cfg = fp32(workload)
     policies = list(every_policy(cfg))
-    acts = [E.policy_activations(cfg, p, "cpu") for p in policies]
+    acts = [policy_activations(cfg, p, "cpu") for p in policies]
     costs = [cost(cfg, p) for p in policies]
     peak = auto.rank_peak(dataclasses.replace(cfg, recompute=RecomputeConfig()), "cpu")
     lo, hi = min(peak(a) for a in acts), max(peak(a) for a in acts)
@@ -124,7 +126,7 @@ def test_the_solver_is_optimal_against_exhaustive_search_over_every_per_layer_mi
         fits = [peak(a) <= budget for a in acts]
         best = min(c for c, f in zip(costs, fits) if f)
         solved = auto.solve(cfg, cfg.model.num_layers, lambda a: peak(a) <= budget, "cpu")
-        assert peak(E.policy_activations(cfg, solved, "cpu")) <= budget
+        assert peak(policy_activations(cfg, solved, "cpu")) <= budget
         assert cost(cfg, solved) == best, (fraction, [p.entry for p in solved])
     assert auto.solve(cfg, cfg.model.num_layers, lambda a: peak(a) < lo, "cpu") is None
 
@@ -258,12 +260,12 @@ def kind_tables(cfg):
     kinds = {}
     for kind, index in (("moe", 0), ("dense", 1)):
         mods = [m for m in targets if (m != "mlp" if kind == "moe" else m not in ("moe", "moe_act", "shared_experts"))]
-        c = E.kind_config(cfg, kind)
+        c = kind_config(cfg, kind)
         subsets = [frozenset(x) for n in range(len(mods) + 1) for x in itertools.combinations(mods, n)]
-        kinds[kind] = {s: (E.layer_activation_bytes(c, s, "cpu"),
+        kinds[kind] = {s: (layer_activation_bytes(c, s, "cpu"),
                            flops.policy_recompute_flops(cfg, [LayerPolicy(modules=s)], None, "cpu", first=index))
                        for s in subsets}
-        kinds[kind][None] = (E.layer_activation_bytes(c, (), "cpu"),
+        kinds[kind][None] = (layer_activation_bytes(c, (), "cpu"),
                              flops.policy_recompute_flops(cfg, [LayerPolicy(chunk=0)], None, "cpu", first=index))
     return kinds
 
@@ -271,7 +273,7 @@ def kind_tables(cfg):
 def reference(cfg, tables, policy):
     """(stored, backward peak, recompute FLOPs, modules) of a per-layer policy from the tables."""
     kinds = ["moe" if cfg.model.is_moe_layer(i) else "dense" for i in range(len(policy))]
-    ckpt = E.checkpoint_input_bytes(cfg)
+    ckpt = checkpoint_input_bytes(cfg)
     stored = peak = work = 0.0
     mods = 0
     i = 0
@@ -305,18 +307,18 @@ def test_on_dense_and_moe_layers_the_solver_is_optimal_against_every_per_layer_m
     policies = list(every_kind_policy(cfg, tables))
     refs = [reference(cfg, tables, p) for p in policies]
     for p, r in zip(policies[::997], refs[::997]):  # the reference adds up as the analysis does
-        acts = E.policy_activations(cfg, p, "cpu")
+        acts = policy_activations(cfg, p, "cpu")
         assert (acts.stored_bytes, acts.peak_bytes, flops.policy_recompute_flops(cfg, p, None, "cpu")) == r[:3]
     assert tables["moe"][frozenset()][0] != tables["dense"][frozenset()][0]  # the kinds do differ
     peak = auto.rank_peak(dataclasses.replace(cfg, recompute=RecomputeConfig()), "cpu")
-    needs = [peak(E.StageActivations(4, r[0], r[1])) for r in refs]
+    needs = [peak(StageActivations(4, r[0], r[1])) for r in refs]
     lo, hi = min(needs), max(needs)
     for fraction in (0.0, 0.15, 0.4, 0.7, 1.0):
         budget = lo + fraction * (hi - lo)
         best = min((r[2], r[3]) for r, n in zip(refs, needs) if n <= budget)
         solved = auto.solve(cfg, 4, lambda a: peak(a) <= budget, "cpu")
         got = reference(cfg, tables, solved)
-        assert peak(E.StageActivations(4, got[0], got[1])) <= budget
+        assert peak(StageActivations(4, got[0], got[1])) <= budget
         assert (got[2], got[3]) == best, (fraction, [p.entry for p in solved])
         for i, p in enumerate(solved):  # MoE modules on MoE layers only, mlp on dense layers only
             assert not p.modules & ({"mlp"} if i % 2 == 0 else {"moe", "moe_act", "shared_experts"})
@@ -327,9 +329,9 @@ def test_on_dense_and_moe_layers_the_policy_run_for_real_fits_and_beats_every_fi
     n = cfg.model.num_layers
     # Uniform settings by the analysis (exact to the byte and FLOP against the probe for every MoE
     # setting: test_moe.py); the best fitting one and the solver's policy are measured here.
-    uniform = [(r, E.activation_bytes(c := dataclasses.replace(cfg, recompute=r), "cpu")["activation_bytes"],
+    uniform = [(r, activation_bytes(c := dataclasses.replace(cfg, recompute=r), "cpu")["activation_bytes"],
                 flops.hardware_flops_per_step(c, "cpu")) for r in [RecomputeConfig()] + all_settings(n)]
-    outside = E.activation_bytes(cfg, "cpu")["activation_bytes"] - E.stage_activations(cfg, "cpu").stored_bytes
+    outside = activation_bytes(cfg, "cpu")["activation_bytes"] - stage_activations(cfg, "cpu").stored_bytes
     sizes = sorted({t for _, t, _ in uniform})
     mixed_seen = False
     for budget in (sizes[len(sizes) // 3], sizes[2 * len(sizes) // 3]):
@@ -397,7 +399,7 @@ def cuda_profile(cfg, link_bytes_per_s):
     proportional to its FLOPs at 100 TFLOP/s, and the given host link."""
     rate, kinds = 100e12, {}
     for kind in ("dense",):
-        c = E.kind_config(cfg, kind)
+        c = kind_config(cfg, kind)
         seconds = {m: flops.policy_recompute_flops(c, [LayerPolicy(modules=frozenset([m]))], None, "cuda") / rate
                    for m in spec_for(cfg.model).recompute_targets}
         seconds["layer"] = flops.policy_recompute_flops(c, [LayerPolicy(chunk=0)], None, "cuda") / rate
@@ -407,14 +409,14 @@ def cuda_profile(cfg, link_bytes_per_s):
 
 def test_offload_is_a_choice_priced_by_host_link_time_not_hidden_by_compute():
     cfg = config("llama3-8b", model__num_layers=8, training__seq_length=8192)
-    full = E.layer_activation_bytes(cfg, (), "cuda")
+    full = layer_activation_bytes(cfg, (), "cuda")
     fast, slow = ProfileCosts(cuda_profile(cfg, 1e15)), ProfileCosts(cuda_profile(cfg, 1e9))
     forward = fast.full("dense")
     assert fast.offload("dense", full) == 0.0  # the copies hide behind compute
     copy = full / 1e9
     assert slow.offload("dense", full) == pytest.approx((copy - forward) + (copy - 2 * forward))
     peak = auto.rank_peak(cfg, "cuda")
-    budget = peak(E.stage_activations(dataclasses.replace(cfg, recompute=RecomputeConfig("full", [], "uniform", 1)), "cuda")) * 1.05
+    budget = peak(stage_activations(dataclasses.replace(cfg, recompute=RecomputeConfig("full", [], "uniform", 1)), "cuda")) * 1.05
 
     def fits(a):
         return peak(a) <= budget
@@ -423,7 +425,7 @@ def test_offload_is_a_choice_priced_by_host_link_time_not_hidden_by_compute():
     without = auto.solve(cfg, 8, fits, "cuda", slow)
     assert any(p.offload for p in with_link) and not any(p.offload for p in without)
     for policy in (with_link, without):
-        assert fits(E.policy_activations(cfg, policy, "cuda"))
+        assert fits(policy_activations(cfg, policy, "cuda"))
     assert auto.policy_cost(cfg, with_link, fast, "cuda") < auto.policy_cost(cfg, without, slow, "cuda")
     # the chosen offload mix is a valid policy file for run --policy (CUDA) and its bytes are the analysis'
     entries = [p.entry for p in with_link]
@@ -444,7 +446,7 @@ def test_the_issue_s_first_example_plans_many_ranks_from_the_rank_model(tmp_path
                                          parallel__data_parallel_size=8 if "dist" in name else 1,
                                          parallel__use_distributed_optimizer="dist" in name),
                                   recompute=RecomputeConfig(layer_policy=plan["policy"]))
-        need = E.device_bytes_needed(E.peak_rank_memory(cfg, "cuda").peak_allocated_bytes)
+        need = device_bytes_needed(peak_rank_memory(cfg, "cuda").peak_allocated_bytes)
         assert need == plan["predicted"]["device_bytes_needed"] <= float(name.split()[0]) * 2**30
         assert plan["predicted"]["recompute_cost"] <= plan["uniform"]["recompute_cost"]
     assert plans["80"]["predicted"]["recompute_overhead"] == 0  # 80 GiB holds every activation

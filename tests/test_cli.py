@@ -194,3 +194,36 @@ def test_per_gpu_recompute_table_and_user_preset_file(tmp_path):
     own.write_text((__import__("pathlib").Path("workloads/tiny.toml")).read_text().replace("num_layers = 4", "num_layers = 6"))
     cfg, _ = resolve(str(own))
     assert cfg.model.num_layers == 6 and cfg.workload == "mine"
+
+
+def test_help_at_80_columns_keeps_every_option_name_whole(monkeypatch):
+    import typer.main
+    from recompute_bench.cli.app import app
+
+    monkeypatch.setenv("COLUMNS", "80")
+    monkeypatch.setattr("typer.rich_utils.MAX_WIDTH", 80)
+    group = typer.main.get_command(app)
+    commands = [[name] for name in group.commands if name != "golden"] + [["golden", "update"]]
+    for words in commands:
+        result = invoke(*words, "--help")
+        assert result.exit_code == 0, result.output
+        assert "…" not in result.output, (words, [line for line in result.output.splitlines() if "…" in line])
+        command = group
+        for w in words:
+            command = command.commands[w]
+        for param in command.params:
+            if param.param_type_name == "option" and not param.hidden:
+                for name in param.opts:
+                    assert name in result.output, (words, name)
+
+
+def test_a_boolean_field_and_the_other_spellings_parse_as_before():
+    from recompute_bench.cli.options import normalize_argv
+
+    assert normalize_argv(["--tp", "2", "-pp", "4", "--no-sequence-parallel"]) == [
+        "--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "4", "--no-sequence-parallel"]
+    on = json.loads(invoke("estimate", "--tp", "2", "--sequence-parallel", "--json").stdout)
+    off = json.loads(invoke("estimate", "--tp", "2", "--sequence-parallel", "--no-sequence-parallel", "--json").stdout)
+    assert on["config"]["parallel"]["sequence_parallel"] is True and off["config"]["parallel"]["sequence_parallel"] is False
+    preset = json.loads(invoke("estimate", "--tp", "2", "--json").stdout)
+    assert preset["config"]["parallel"]["sequence_parallel"] is False  # neither flag: the preset's value

@@ -5,12 +5,11 @@ modules, and Megatron's rules on ep as one line, exit 2. Two launches in all (~2
 
 from __future__ import annotations
 
-import json
 
 import pytest
 
 from conftest import config, invoke
-from recompute_bench.analysis.memory import record_estimate
+from recompute_bench.analysis.rank import record_estimate
 from recompute_bench.launch.torchrun import Launch, check_launch, run_ranks, verify_over_ranks
 from recompute_bench.measure.point import run_point
 from recompute_bench.models import spec_for

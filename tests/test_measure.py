@@ -23,7 +23,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from conftest import config
 from recompute_bench.analysis.flops import peak_flops
-from recompute_bench.analysis.memory import optimizer_bytes_per_parameter
+from recompute_bench.analysis.rank import optimizer_bytes_per_parameter
 from recompute_bench.measure.point import DTYPES, SavedTensorProbe, Stepper, make_optimizer, run_point, synthetic_batches
 from recompute_bench.models.dense.layers import build_model
 from recompute_bench.recompute.apply import apply_recompute

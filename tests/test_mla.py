@@ -8,7 +8,7 @@ import torch
 
 from conftest import config, invoke, probe
 from recompute_bench.analysis import flops
-from recompute_bench.analysis import memory as E
+from recompute_bench.analysis.stage import activation_bytes, stage_parameters
 from recompute_bench.measure.point import DTYPES
 from recompute_bench.measure.verify import verify
 from recompute_bench.models import spec_for
@@ -54,7 +54,7 @@ def test_every_mla_setting_s_bytes_and_flops_are_what_the_probe_and_the_flop_cou
             setting = tuple(m for m in setting if m not in ("moe", "moe_act")) + ("mlp",)
         cfg = with_recompute(base, full=True) if setting == "full" else with_recompute(base, *setting)
         total, counted = measure(cfg)
-        assert E.activation_bytes(cfg, "cpu")["activation_bytes"] == total, cfg.recompute.label
+        assert activation_bytes(cfg, "cpu")["activation_bytes"] == total, cfg.recompute.label
         assert flops.hardware_flops_per_step(cfg, "cpu") == counted, cfg.recompute.label
 
 
@@ -105,7 +105,7 @@ def test_deepseek_v3_has_its_published_size_and_megatron_s_flops():
     cfg = config("deepseek-v3")
     m, B, s = cfg.model, cfg.training.global_batch_size, cfg.training.seq_length
     assert (m.num_layers, m.moe_layers) == (61, 58)
-    assert round(E.stage_parameters(cfg, 0) / 1e9) == 671  # the published 671B (without multi-token prediction)
+    assert round(stage_parameters(cfg, 0) / 1e9) == 671  # the published 671B (without multi-token prediction)
     h, n = 7168, 128
     attn = 3 * 2 * (1536 * (h + n * 192 + 1) + 512 * (h + n * 256 + 1) + h * 64 + n * 128 * h)
     mlp = 3 * 2 * h * 3 * (18432 * 3 + (2048 * 8 + 2048) * 58)
@@ -118,7 +118,7 @@ def test_parameter_count_matches_the_built_model(q_lora):
     cfg = config("tiny-mla")
     cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, q_lora_rank=q_lora))
     built = sum(p.numel() for p in spec_for(cfg.model).build(cfg, "meta").parameters())
-    assert built == E.stage_parameters(cfg, 0)
+    assert built == stage_parameters(cfg, 0)
 
 
 @pytest.mark.parametrize("argv,needle", [

@@ -10,7 +10,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from conftest import config, invoke, probe
 from recompute_bench.analysis import flops
-from recompute_bench.analysis import memory as E
+from recompute_bench.analysis.stage import activation_bytes, stage_parameters
 from recompute_bench.measure.point import DTYPES, synthetic_batches
 from recompute_bench.measure.verify import verify
 from recompute_bench.models import spec_for
@@ -55,7 +55,7 @@ def test_every_moe_setting_s_bytes_and_flops_are_what_the_probe_and_the_flop_cou
     for cfg in settings_of(variant, precision):
         total, counted = measure(cfg)
         # exact, up to one rounding of the mean over dense and MoE layers (moe_layer_freq 2)
-        assert E.activation_bytes(cfg, "cpu")["activation_bytes"] == pytest.approx(total, rel=1e-12), cfg.recompute.label
+        assert activation_bytes(cfg, "cpu")["activation_bytes"] == pytest.approx(total, rel=1e-12), cfg.recompute.label
         assert flops.hardware_flops_per_step(cfg, "cpu") == pytest.approx(counted, rel=1e-12), cfg.recompute.label
 
 
@@ -125,11 +125,11 @@ def test_model_flops_follow_megatron_s_moe_formula():
 def test_parameter_count_matches_the_built_model(workload, overrides):
     cfg = config(workload, **overrides)
     built = sum(p.numel() for p in spec_for(cfg.model).build(cfg, "meta").parameters())
-    assert built == E.stage_parameters(cfg, 0)
+    assert built == stage_parameters(cfg, 0)
 
 
 def test_mixtral_has_its_published_parameter_count():
-    assert round(E.stage_parameters(config("mixtral-8x7b"), 0) / 1e9, 1) == 46.7
+    assert round(stage_parameters(config("mixtral-8x7b"), 0) / 1e9, 1) == 46.7
 
 
 def test_run_records_tokens_per_expert_and_the_estimate_beside_the_measurement():

@@ -8,7 +8,7 @@ import torch.nn.functional as F
 
 from conftest import config, invoke, probe
 from recompute_bench.analysis import flops
-from recompute_bench.analysis import memory as E
+from recompute_bench.analysis.stage import activation_bytes
 from recompute_bench.measure.point import _tokens_per_expert
 from recompute_bench.measure.verify import verify
 from recompute_bench.models import spec_for
@@ -62,7 +62,7 @@ def test_capacity_bytes_and_flops_are_what_the_probe_and_the_flop_counter_measur
     # the estimate's min(tokens x k, E x capacity)
     cfg = dataclasses.replace(capped(policy), recompute=recompute)
     total, _, _, counted = probe(cfg)
-    assert E.activation_bytes(cfg, "cpu")["activation_bytes"] == total
+    assert activation_bytes(cfg, "cpu")["activation_bytes"] == total
     assert flops.hardware_flops_per_step(cfg, "cpu") == counted
     dropless = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, moe_expert_capacity_factor=None))
     assert flops.hardware_flops_per_step(cfg, "cpu") < flops.hardware_flops_per_step(dropless, "cpu")

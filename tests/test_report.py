@@ -90,3 +90,54 @@ def test_report_header_names_the_versions_that_measured_and_wrote_it(tmp_path):
     assert version != "0.0.9"
     assert header == (f"device `NVIDIA H100 80GB HBM3`, torch 2.13.0+cu128, measured with recompute-bench 0.0.9 "
                       f"(git abc), 2 points; report written by recompute-bench {version}")
+
+
+def _cpu_run(tmp_path):
+    """A CPU sweep as the demo's: wall-clock noise, FLOPs and activations measured. Exp 1 to Exp 4 sit
+    in one corner (the demo's bottom-left cluster) with their activations and FLOPs a few % apart."""
+    return write_results(tmp_path / "cpu" / "results.jsonl", [
+        record(name="Baseline", device=CPU, tflops_per_gpu=0.002, measured_flops_per_step=300, activation_bytes=1000),
+        record(["core_attn"], name="Exp 1", device=CPU, tflops_per_gpu=0.0001, measured_flops_per_step=310,
+               activation_bytes=700),
+        record(["mlp"], name="Exp 2", device=CPU, tflops_per_gpu=0.003, measured_flops_per_step=330, activation_bytes=600),
+        record(full=("uniform", 1), name="Exp 3", device=CPU, tflops_per_gpu=0.002, measured_flops_per_step=400,
+               activation_bytes=100),
+        record(full=("uniform", 2), name="Exp 4", device=CPU, tflops_per_gpu=0.004, measured_flops_per_step=400,
+               activation_bytes=102),
+        record(full=("block", 1), name="Exp 5", device=CPU, tflops_per_gpu=0.002, measured_flops_per_step=401,
+               activation_bytes=101),
+    ])
+
+
+def test_on_a_cpu_the_plot_shows_speed_from_flops_run_not_wall_clock(tmp_path):
+    from recompute_bench.render.plot import draw_pareto, speed_axis
+
+    df = load_results(_cpu_run(tmp_path))
+    speed, label = speed_axis(df)
+    # fewest FLOPs of the shape (300, the baseline's) over each point's, whatever the wall clock said
+    assert list(speed.round(4)) == [1.0, round(300 / 310, 4), round(300 / 330, 4), 0.75, 0.75, round(300 / 401, 4)]
+    assert "FLOPs run" in label and "CPU" in label
+    fig = draw_pareto(df, "cpu run")
+    ax = fig.axes[0]
+    assert "FLOPs run" in ax.get_xlabel() and "activation bytes" in ax.get_ylabel()
+    points = {tuple(p) for p in ax.collections[0].get_offsets().round(4).tolist()}
+    assert (1.0, 1000.0) in points and len(points) == 6  # bytes: the largest value is under 1 KiB
+    front_x, _ = ax.lines[0].get_data()  # the Pareto front: Baseline, Exp 1, Exp 2, Exp 3 (Exp 4 ties Exp 3, more bytes)
+    assert sorted(round(x, 4) for x in front_x) == sorted([1.0, round(300 / 310, 4), round(300 / 330, 4), 0.75])
+
+
+def test_plot_labels_name_every_point_and_never_cover_each_other(tmp_path):
+    from recompute_bench.render.plot import draw_pareto
+
+    for run in (_cpu_run(tmp_path), _gpu_run(tmp_path)):
+        fig = draw_pareto(load_results(run), "labels")
+        ax = fig.axes[0]
+        renderer = fig.canvas.get_renderer()
+        texts = [t for t in ax.texts if ": " in t.get_text()]
+        names = {t.get_text().split(":")[0] for t in texts}
+        assert names == set(load_results(run)["experiment"])  # every point labelled, OOM points too
+        boxes = [t.get_window_extent(renderer) for t in texts]
+        for i, a in enumerate(boxes):
+            assert ax.get_window_extent(renderer).contains(a.x0, a.y0), texts[i].get_text()
+            for b in boxes[i + 1:]:
+                assert not a.overlaps(b), (texts[i].get_text(), [t.get_text() for t in texts])

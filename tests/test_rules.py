@@ -7,7 +7,8 @@ import pytest
 
 from conftest import config, invoke
 from recompute_bench.analysis import flops
-from recompute_bench.analysis import memory as E
+from recompute_bench.analysis.layer import checkpoint_input_bytes, layer_activation_bytes
+from recompute_bench.analysis.stage import stage_activations
 from recompute_bench.spec.config import ConfigError, RecomputeConfig
 
 FULL = ["--recompute-granularity", "full", "--recompute-method"]
@@ -72,16 +73,16 @@ def test_the_estimate_applies_uniform_and_block_within_each_model_chunk():
     # bytes of one checkpointed input and f those of one layer's full activations (both measured
     # against the probe elsewhere), per micro-batch:
     block = _vpp(RecomputeConfig("full", [], "block", 2))
-    c, f = E.checkpoint_input_bytes(block), E.layer_activation_bytes(block)
+    c, f = checkpoint_input_bytes(block), layer_activation_bytes(block)
     assert c < f
     # block 2: each chunk checkpoints its first 2 layers and keeps the other 2: 3 x (2c + 2f); its
     # backward rebuilds one layer at a time while the other chunks still hold theirs: the same peak.
-    acts = E.stage_activations(block)
+    acts = stage_activations(block)
     assert (acts.stored_bytes, acts.peak_bytes) == (6 * c + 6 * f, 6 * c + 6 * f)
     # uniform 3: each chunk of 4 layers is split 3 + 1, two inputs kept: 3 x 2c. Backward rebuilds the
     # last layer (holding it, f, and the first group's input, c), then the first 3 layers (3f, their
     # input among them), while the 2 other chunks hold theirs: peak 2 x 2c + max(c + f, 3f) = 4c + 3f.
-    acts = E.stage_activations(_vpp(RecomputeConfig("full", [], "uniform", 3)))
+    acts = stage_activations(_vpp(RecomputeConfig("full", [], "uniform", 3)))
     assert (acts.stored_bytes, acts.peak_bytes) == (6 * c, 4 * c + 3 * f)
 
 

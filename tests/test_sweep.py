@@ -172,8 +172,8 @@ def _records(run_dir: Path) -> list[dict]:
 
 
 def test_error_hang_and_oom_are_recorded_and_the_sweep_goes_on(tmp_path, monkeypatch):
+    # --timeout runs from the worker's start (torch imported), so 12 s hold on a loaded machine too.
     monkeypatch.setenv(launch.FAULT_POINTS_ENV, "Baseline=error:forward:0;Exp 1=hang:forward:0;Exp 2=oom:backward:0")
-    t0 = time.monotonic()
     result = invoke("sweep", "--baseline", "--modules", "core_attn", "mlp", *SMALL, "--num-layers", "2",
                     "--run-id", "faults", "--results-dir", str(tmp_path), "--timeout", "12", "--no-golden", "--json")
     assert result.exit_code == 1, result.output
@@ -189,7 +189,6 @@ def test_error_hang_and_oom_are_recorded_and_the_sweep_goes_on(tmp_path, monkeyp
     table = " ".join(result.stderr.split())
     assert "OOM rank0" in table and "Timeout" in table and "Error" in table
     assert [row["status"] for row in json.loads(result.stdout)["rows"]] == ["error", "timeout", "oom", "ok"]
-    assert time.monotonic() - t0 < 60
 
 
 def test_a_worker_that_dies_or_hangs_becomes_a_record(tmp_path, monkeypatch):
@@ -202,10 +201,29 @@ def test_a_worker_that_dies_or_hangs_becomes_a_record(tmp_path, monkeypatch):
     assert "about to crash" in crashed["failure"]["message"]
     assert crashed["ranks"][0]["status"] == "error" and crashed["metrics"]["activation_bytes"] is None
 
-    monkeypatch.setattr(launch, "WORKER_COMMAND", [sys.executable, "-c", "import time; time.sleep(60)"])
+    started = "import pathlib, sys, time; pathlib.Path(sys.argv[sys.argv.index('--out') + 1] + '.ready').touch(); "
+    monkeypatch.setattr(launch, "WORKER_COMMAND", [sys.executable, "-c", started + "time.sleep(60)"])
     t0 = time.monotonic()
     hung = launch.run_isolated(cfg, name="h", out_path=tmp_path / "h.json", log_path=tmp_path / "h.log", timeout_s=0.5)
-    assert hung["status"] == "timeout" and time.monotonic() - t0 < 10
+    assert hung["status"] == "timeout" and "time limit of 0.5 s" in hung["failure"]["message"]
+    assert time.monotonic() - t0 < 10 and not (tmp_path / "h.json.ready").exists()
+
+
+def test_the_time_limit_runs_from_the_workers_start_and_the_start_has_its_own(tmp_path, monkeypatch):
+    cfg = config("tiny")
+    # A worker that takes 1.5 s to start (a slow import) and then 0.5 s to write its record: within a
+    # 1 s limit, since the limit runs from the start.
+    slow_start = ("import json, pathlib, sys, time; out = sys.argv[sys.argv.index('--out') + 1]; time.sleep(1.5); "
+                  "pathlib.Path(out + '.ready').touch(); time.sleep(0.5); "
+                  "pathlib.Path(out).write_text(json.dumps({'status': 'ok'}))")
+    monkeypatch.setattr(launch, "WORKER_COMMAND", [sys.executable, "-c", slow_start])
+    done = launch.run_isolated(cfg, name="s", out_path=tmp_path / "s.json", log_path=tmp_path / "s.log", timeout_s=1.0)
+    assert done == {"status": "ok"}
+    # One that never starts is cut at the start limit, and the record says so.
+    monkeypatch.setattr(launch, "START_LIMIT_S", 0.5)
+    monkeypatch.setattr(launch, "WORKER_COMMAND", [sys.executable, "-c", "import time; time.sleep(60)"])
+    never = launch.run_isolated(cfg, name="n", out_path=tmp_path / "n.json", log_path=tmp_path / "n.log", timeout_s=30)
+    assert never["status"] == "timeout" and "did not start within 0.5 s" in never["failure"]["message"]
 
 
 def _workers_of(run_dir: Path) -> list[int]:

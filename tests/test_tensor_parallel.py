@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from conftest import SMALL_LLAMA, config, invoke
-from recompute_bench.analysis.memory import activation_bytes as estimated_activation_bytes
+from recompute_bench.analysis.stage import activation_bytes as estimated_activation_bytes
 from recompute_bench.measure.point import run_point
 from recompute_bench.measure.record import layout_label
 from test_ranks import LOSS_RTOL, SETS

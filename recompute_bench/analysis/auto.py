@@ -5,17 +5,17 @@ subset of the targets its kind has (a dense layer: core_attn, mlp, layernorm; a 
 layer: core_attn, layernorm, moe, moe_act, shared_experts), be checkpointed whole as part of a
 full-recompute chunk of consecutive layers, or (CUDA, with measured costs) offload its activations
 to host memory. Dense and MoE layers (`moe_layer_freq` > 1) keep different bytes and cost
-different time, so every figure is the layer's kind's (`memory.kind_config`), never a mean.
+different time, so every figure is the layer's kind's (`layer.kind_config`), never a mean.
 
 Costs (`FlopCosts`, `profile.ProfileCosts`): saved bytes always come from the analytical model
-(`memory.policy_activations`, exact to the byte on CPU); the recompute cost of a choice is either
+(`stage.policy_activations`, exact to the byte on CPU); the recompute cost of a choice is either
 the forward FLOPs it runs again (one rate for every op, so time scales with FLOPs) or, with a
 measured profile (`--profile`), the median measured forward time of the modules it re-runs. At
 equal cost the policy that recomputes fewer modules wins (`layernorm` adds no FLOPs but costs
 memory-bound time). Offload costs host-link time, which FLOPs cannot price, so it is a choice only
 with a profile measured on CUDA (see `profile.offload_seconds` for the model).
 
-The constraint is the whole-rank peak (`memory.peak_rank_memory` with the candidate's activations:
+The constraint is the whole-rank peak (`rank.peak_rank_memory` with the candidate's activations:
 in-flight micro-batches, the loss, the recompute working set), which grows with both the stage's
 stored bytes and its backward peak. So the solver is an exact dynamic programme over layers whose
 state is (stored bytes so far, largest backward peak so far, largest offloaded layer so far): a
@@ -34,7 +34,11 @@ from dataclasses import dataclass
 from typing import Any, Callable, Protocol
 
 from recompute_bench.analysis import flops
-from recompute_bench.analysis import memory as model
+from recompute_bench.analysis.layer import checkpoint_input_bytes, kind_config, layer_activation_bytes
+from recompute_bench.models import device_kind
+from recompute_bench.analysis.planner import plan, setting_estimate
+from recompute_bench.analysis.rank import ALLOWANCE_BYTES, ALLOWANCE_FRACTION, device_bytes_needed, microbatches_in_flight, rank_memory
+from recompute_bench.analysis.stage import StageActivations
 from recompute_bench.models import spec_for
 from recompute_bench.recompute.policy import LayerPolicy, kind_targets, layer_kind, layer_policies
 from recompute_bench.spec.config import Config, ConfigError, RecomputeConfig
@@ -64,7 +68,7 @@ class FlopCosts:
 
     def __init__(self, cfg: Config, device: str = "cuda"):
         self.cfg, self.device = cfg, device
-        self.offload_note = ("offload is not a choice on a CPU (CUDA only)" if model.device_kind(device) == "cpu" else
+        self.offload_note = ("offload is not a choice on a CPU (CUDA only)" if device_kind(device) == "cpu" else
                              "offload is not a choice with analytical costs (its cost is host-link time, which FLOPs "
                              "do not price); pass --profile on the CUDA device to weigh it")
 
@@ -98,12 +102,12 @@ def choices(cfg: Config, kind: str, costs: Costs, device: str = "cuda") -> list[
     costs price it and there is one pipeline stage, Megatron's rule) offload, without those another
     choice beats on bytes and cost (they can never be part of a best policy)."""
     targets = kind_targets(spec_for(cfg.model).recompute_targets, kind)
-    c = model.kind_config(cfg, kind)
+    c = kind_config(cfg, kind)
     out = []
     for modules in (frozenset(x) for n in range(len(targets) + 1) for x in itertools.combinations(targets, n)):
-        out.append(Choice(LayerPolicy(modules=modules), model.layer_activation_bytes(c, modules, device),
+        out.append(Choice(LayerPolicy(modules=modules), layer_activation_bytes(c, modules, device),
                           (costs.selective(kind, modules) if modules else 0.0, len(modules))))
-    full = model.layer_activation_bytes(c, (), device)
+    full = layer_activation_bytes(c, (), device)
     offload = costs.offload(kind, full) if cfg.parallel.pipeline_model_parallel_size == 1 else None
     if offload is not None:
         out.append(Choice(LayerPolicy(offload=True), 0.0, (offload, 0), full))
@@ -131,7 +135,7 @@ def check_stage_kinds(cfg: Config) -> None:
                           f"layers per stage are a multiple of {m.moe_layer_freq}")
 
 
-def solve(cfg: Config, layers: int, fits: Callable[[model.StageActivations], bool],
+def solve(cfg: Config, layers: int, fits: Callable[[StageActivations], bool],
           device: str = "cuda", costs: Costs | None = None) -> list[LayerPolicy] | None:
     """The cheapest policy list for the first `layers` layers whose stage activations `fits`
     accepts, or None. `fits` must be monotone: if it accepts (stored, peak) it accepts anything no
@@ -139,9 +143,9 @@ def solve(cfg: Config, layers: int, fits: Callable[[model.StageActivations], boo
     costs = costs or FlopCosts(cfg, device)
     kinds = [layer_kind(cfg.model, i) for i in range(layers)]
     options = {k: choices(cfg, k, costs, device) for k in set(kinds)}
-    full_bytes = {k: model.layer_activation_bytes(model.kind_config(cfg, k), (), device) for k in set(kinds)}
+    full_bytes = {k: layer_activation_bytes(kind_config(cfg, k), (), device) for k in set(kinds)}
     full_cost = {k: (costs.full(k), len(spec_for(cfg.model).recompute_targets) + 1) for k in set(kinds)}
-    ckpt = model.checkpoint_input_bytes(cfg)
+    ckpt = checkpoint_input_bytes(cfg)
     # frontier[i]: (stored, peak, brought) -> (cost, previous state key, previous i, step taken) after i layers
     frontier: list[dict[tuple[float, float, float], tuple]] = [dict() for _ in range(layers + 1)]
     frontier[0][(0.0, 0.0, 0.0)] = ((0.0, 0), None, None, None)
@@ -150,7 +154,7 @@ def solve(cfg: Config, layers: int, fits: Callable[[model.StageActivations], boo
 
     def offer(i: int, key: tuple[float, float, float], entry: tuple) -> None:
         if key not in fitting:
-            fitting[key] = fits(model.StageActivations(layers, key[0], max(key[1], key[0] + key[2])))
+            fitting[key] = fits(StageActivations(layers, key[0], max(key[1], key[0] + key[2])))
         if not fitting[key]:
             return
         old = frontier[i].get(key)
@@ -235,8 +239,8 @@ def stage_policy_config(cfg: Config, stage: list[LayerPolicy]) -> Config:
     return dataclasses.replace(cfg, recompute=RecomputeConfig(layer_policy=entries))
 
 
-def rank_peak(cfg: Config, device: str = "cuda") -> Callable[[model.StageActivations], float]:
-    """`memory.peak_rank_memory(cfg, device, acts).peak_allocated_bytes` as a function of the
+def rank_peak(cfg: Config, device: str = "cuda") -> Callable[[StageActivations], float]:
+    """`rank.peak_rank_memory(cfg, device, acts).peak_allocated_bytes` as a function of the
     stage's activations, read off the rank model once. Per stage it is (f - 1) S + max(S + a, P + b)
     in the backward (f micro-batches in flight, S stored, P the backward peak, a and b what the loss
     and the layers' workspaces add), or the optimizer step's peak, which activations do not touch."""
@@ -245,13 +249,13 @@ def rank_peak(cfg: Config, device: str = "cuda") -> Callable[[model.StageActivat
     terms = []
     for stage in sorted({0, p - 1}):
         def backward(stored: float, peak: float) -> float:
-            acts = model.StageActivations(1, stored, peak)
-            return model.rank_memory(cfg, stage, device, acts).backward_peak_bytes
-        f = model.microbatches_in_flight(cfg, stage)
-        step = model.rank_memory(cfg, stage, device).optimizer_step_bytes
+            acts = StageActivations(1, stored, peak)
+            return rank_memory(cfg, stage, device, acts).backward_peak_bytes
+        f = microbatches_in_flight(cfg, stage)
+        step = rank_memory(cfg, stage, device).optimizer_step_bytes
         terms.append((f, backward(far, 0.0) - f * far, backward(0.0, far) - far, step))
 
-    def peak(acts: model.StageActivations) -> float:
+    def peak(acts: StageActivations) -> float:
         s, q = acts.stored_bytes, acts.peak_bytes
         return max(max((f - 1) * s + max(s + a, q + b), step) for f, a, b, step in terms)
 
@@ -267,15 +271,15 @@ def policy_cost(cfg: Config, policies: list[LayerPolicy], costs: Costs, device: 
         if p.chunk is not None:
             total += costs.full(kind)
         elif p.offload:
-            total += costs.offload(kind, model.layer_activation_bytes(model.kind_config(cfg, kind), (), device)) or 0.0
+            total += costs.offload(kind, layer_activation_bytes(kind_config(cfg, kind), (), device)) or 0.0
         elif p.modules:
             total += costs.selective(kind, p.modules)
     return total
 
 
 def auto_plan(cfg: Config, budget_bytes: float, device: str = "cuda",
-              allowance_fraction: float = model.ALLOWANCE_FRACTION,
-              allowance_bytes: float = model.ALLOWANCE_BYTES, costs: Costs | None = None) -> dict[str, Any]:
+              allowance_fraction: float = ALLOWANCE_FRACTION,
+              allowance_bytes: float = ALLOWANCE_BYTES, costs: Costs | None = None) -> dict[str, Any]:
     """The cheapest per-layer policy whose whole-rank need (allocated peak plus the allowance) fits
     `budget_bytes`, its predicted figures, and beside it `memory.plan`'s best uniform setting, both
     priced by `costs` (analytical FLOPs unless given)."""
@@ -288,15 +292,15 @@ def auto_plan(cfg: Config, budget_bytes: float, device: str = "cuda",
     base = dataclasses.replace(cfg, recompute=RecomputeConfig())
 
     peak = rank_peak(base, device)
-    stage = solve(cfg, layers, lambda acts: model.device_bytes_needed(peak(acts), allowance_fraction,
+    stage = solve(cfg, layers, lambda acts: device_bytes_needed(peak(acts), allowance_fraction,
                                                                       allowance_bytes) <= budget_bytes, device, costs)
-    uniform = model.plan(cfg, budget_bytes, device, allowance_fraction, allowance_bytes)
+    uniform = plan(cfg, budget_bytes, device, allowance_fraction, allowance_bytes)
     for row in uniform["fits"]:
         row["recompute_cost"] = policy_cost(cfg, layer_policies(RecomputeConfig(**row["recompute"]), layers), costs, device)
     # the cheapest fitting uniform setting by the same costs (measured ones may order them otherwise)
     best = min(uniform["fits"], key=lambda row: row["recompute_cost"]) if uniform["fits"] else None
     out: dict[str, Any] = {"schema": AUTO_SCHEMA, "workload": cfg.workload, "config": cfg.to_dict(),
-                           "device": model.device_kind(device), "budget_bytes": budget_bytes,
+                           "device": device_kind(device), "budget_bytes": budget_bytes,
                            "allowance": {"fraction": allowance_fraction, "bytes": allowance_bytes},
                            "solver": "exact dynamic programme over layers x (stored, peak, brought-back) bytes",
                            "costs": costs.unit, "offload": costs.offload_note if cfg.parallel.pipeline_model_parallel_size == 1
@@ -307,8 +311,8 @@ def auto_plan(cfg: Config, budget_bytes: float, device: str = "cuda",
     if stage is None:
         return out
     chosen = stage_policy_config(cfg, stage)
-    row = model.setting_estimate(chosen, device)
-    row["device_bytes_needed"] = model.device_bytes_needed(row["peak_allocated_bytes"], allowance_fraction, allowance_bytes)
+    row = setting_estimate(chosen, device)
+    row["device_bytes_needed"] = device_bytes_needed(row["peak_allocated_bytes"], allowance_fraction, allowance_bytes)
     row["recompute_cost"] = policy_cost(cfg, stage, costs, device)
     out["policy"] = chosen.recompute.layer_policy
     out["predicted"] = row

@@ -14,6 +14,7 @@ recompute setting repeats in backward. The per-layer terms come from the model's
 
 from __future__ import annotations
 
+from recompute_bench.analysis.layer import kind_config
 from recompute_bench.models import spec_for
 from recompute_bench.spec.config import Config
 from recompute_bench.recompute.policy import LayerPolicy, layer_kind, layer_policies, recomputed_layers as count_recomputed
@@ -23,11 +24,6 @@ from recompute_bench.spec.rules import layers_per_model_chunk
 def layer_forward_flops(cfg: Config, samples: int | None = None, device: str = "cuda") -> dict[str, float]:
     """Forward FLOPs of one layer for `samples` sequences (default: one micro-batch), by part."""
     return {name: work.forward for name, work in spec_for(cfg.model).layer_flops(cfg, samples, device).items()}
-
-
-def logits_forward_flops(cfg: Config, samples: int | None = None) -> float:
-    """Forward FLOPs of the output layer (over the padded vocabulary)."""
-    return spec_for(cfg.model).output_layer_flops(cfg, samples).forward
 
 
 def model_flops_per_step(cfg: Config) -> float:
@@ -63,8 +59,6 @@ def policy_recompute_flops(cfg: Config, policies: list[LayerPolicy], samples: in
     """Forward FLOPs a per-layer policy list (model layers `first`, `first` + 1, ...) runs a second
     time, for `samples` sequences: a whole layer's forward per checkpointed layer, the selective
     modules' forward per other layer, each as its kind (dense or MoE) runs them."""
-    from recompute_bench.analysis.memory import kind_config  # memory imports this module
-
     cache: dict[tuple[str, frozenset[str] | None], float] = {}
     total = 0.0
     for i, p in enumerate(policies):

@@ -15,7 +15,7 @@ Offload cost (CUDA only), a stated simple model: a layer's activations (B bytes)
 while the next layer runs its forward and come back while the layer above runs its backward (about
 twice a forward), so with link bandwidth W and the layer's forward time F the step waits
 max(0, B/W - F) + max(0, B/W - 2F). Its memory: nothing kept on the device between forward and
-backward; one layer's activations while it comes back (`memory.policy_activations`).
+backward; one layer's activations while it comes back (`stage.policy_activations`).
 """
 
 from __future__ import annotations

@@ -10,12 +10,13 @@ from typing import Annotated
 
 import typer
 
-from recompute_bench.cli import compare, estimate, report, run, sweep, verify, workloads
+from recompute_bench.cli import compare, estimate, ingest, report, run, sweep, verify, workloads
 from recompute_bench.cli.options import normalize_argv
 
 app = typer.Typer(no_args_is_help=True, add_completion=True, pretty_exceptions_enable=False,
                   context_settings={"help_option_names": ["-h", "--help"]},
-                  help="Measure, predict and gate activation-recomputation settings of GPT training.")
+                  help="Measure, predict and gate activation-recomputation settings of GPT training. An on/off flag "
+                       "(--sequence-parallel, ...) has a --no- form that turns it off.")
 
 
 def _print_version(value: bool) -> None:
@@ -42,6 +43,7 @@ golden_app = typer.Typer(no_args_is_help=True, help="Golden files: promote measu
 golden_app.command("update")(compare.golden_update)
 app.add_typer(golden_app, name="golden")
 app.command()(report.report)
+app.command("import")(ingest.import_)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -33,7 +33,7 @@ PolicyFile = Annotated[Optional[Path], typer.Option("--policy", help="A per-laye
                                                    rich_help_panel="Recompute")]
 JsonOut = Annotated[bool, typer.Option("--json", help="Print the result as JSON on stdout.", rich_help_panel="Output")]
 
-__all__ = ["DEFAULT_WORKLOAD", "err", "fail", "show_notes", "resolve_point", "this_gpu", "device_kind", "records_kind"]
+__all__ = ["DEFAULT_WORKLOAD", "err", "fail", "show_notes", "resolve_point", "this_gpu", "hardware_kind", "records_kind"]
 
 
 def fail(message: str, code: int = 2) -> typer.Exit:
@@ -55,7 +55,7 @@ def this_gpu() -> str:
     return gpu_type(visible_gpu_name())
 
 
-def device_kind(device: str | None, gpu: str | None) -> str:
+def hardware_kind(device: str | None, gpu: str | None) -> str:
     """The hardware kind a run on `device` measures (golden file names)."""
     return "cpu" if (device or "").startswith("cpu") else (gpu or this_gpu())
 

@@ -41,7 +41,7 @@ def estimate(
 ) -> None:
     """Predict activation memory per layer, the whole-rank peak and FLOPs of every recompute setting,
     without running anything (the paper's Table 2 beside the layer built here)."""
-    from recompute_bench.analysis import memory as model
+    from recompute_bench.analysis import planner
     from recompute_bench.render.estimate import breakdown_table, layout_line, paper_notes, paper_table, settings_table
 
     try:
@@ -51,7 +51,7 @@ def estimate(
     except ConfigError as e:
         raise fail(str(e)) from None
     show_notes(notes)
-    report = model.estimate_report(cfg, device, allowance_fraction, allowance_gb * 2**30)
+    report = planner.estimate_report(cfg, device, allowance_fraction, allowance_gb * 2**30)
     err.print(escape(layout_line(report)), highlight=False)
     err.print(settings_table(report["settings"], "every setting: activations per micro-batch, whole-rank peak, FLOPs",
                              current=cfg.recompute.label))
@@ -76,7 +76,7 @@ def plan(
                                        "recompute FLOPs that fits, written as a policy file for `run --policy`.",
                                        rich_help_panel="Estimate")] = False,
     output: Annotated[Optional[Path], typer.Option(help="With --auto: the policy file to write; default "
-                                                   "results/plans/<workload>-<memory>g.toml.",
+                                                   "results/plans/, named after the workload and the budget (llama3-8b-72g.toml).",
                                                    rich_help_panel="Estimate")] = None,
     profile: Annotated[bool, typer.Option("--profile", help="With --auto: price recompute by a short measured profile "
                                           "of each module's forward time on this machine's device (one layer of each "
@@ -91,7 +91,7 @@ def plan(
 ) -> None:
     """List the recompute settings that fit a memory budget, fastest first, and recommend one (or
     with --auto choose per layer); exit 1 when nothing fits (and say what would)."""
-    from recompute_bench.analysis import memory as model
+    from recompute_bench.analysis import planner
     from recompute_bench.render.estimate import plan_table, would_fit_table
 
     try:
@@ -111,7 +111,7 @@ def plan(
     for flag, given in (("--output", output is not None), ("--profile", profile), ("--host-link-gbps", host_link_gbps is not None)):
         if given:
             raise fail(f"{flag} goes with plan --auto; add --auto or drop {flag}")
-    result = model.plan(cfg, memory_gb * 2**30, device, allowance_fraction, allowance_gb * 2**30)
+    result = planner.plan(cfg, memory_gb * 2**30, device, allowance_fraction, allowance_gb * 2**30)
     if result["fits"]:
         err.print(plan_table(result))
         err.print(f"[green]recommended:[/] {escape(result['recommended'])}: {escape(result['reason'])}", highlight=False)

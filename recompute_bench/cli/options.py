@@ -31,7 +31,7 @@ def list_options() -> set[str]:
 
 def normalize_argv(argv: list[str]) -> list[str]:
     """Rewrite Megatron-style spellings into the repeated dashed flags Typer parses."""
-    shorts, lists = registry.short_flags(), list_options()
+    shorts, lists = registry.other_spellings(), list_options()
     out: list[str] = []
     i = 0
     while i < len(argv):
@@ -83,17 +83,27 @@ class PointOptions:
         return [by_path[k] for k in self.overrides] + (["--set"] if self.sets else [])
 
 
-def _option(f: registry.Field) -> inspect.Parameter:
+def _option(f: registry.Field) -> list[inspect.Parameter]:
+    """The Typer parameter(s) of one field. A boolean field is two options, `--x` and a hidden
+    `--no-x`, so its help shows one name (a `--x/--no-x` pair takes a column of its own, which
+    squeezes the names at 80 columns until rich cuts them)."""
     flag = f.flag
+    others = [o for o in (*flag.aliases, flag.short) if o]
+    # The other spellings are named in the help, not declared: each declared name widens the names'
+    # column, which rich then cuts at 80 columns; normalize_argv rewrites them before parsing.
+    help_text = (f.help or f.path) + (f" Also {', '.join(others)}." if others else "")
     if f.value_type is bool:
-        names = (f"{f.option}/--no-{f.option[2:]}",)
-        annotation: Any = Optional[bool]
-    else:
-        names = (f.option, *flag.aliases)
-        annotation = Optional[list[str]] if f.is_list else Optional[f.value_type]
-    help_text = f"{f.help} Sets {f.path}." if f.help else f"Sets {f.path}."
-    option = typer.Option(*names, help=help_text, rich_help_panel=flag.panel, show_default=False)
-    return inspect.Parameter(f.key, inspect.Parameter.KEYWORD_ONLY, default=None, annotation=Annotated[annotation, option])
+        yes = typer.Option(f.option, help=help_text, rich_help_panel=flag.panel, show_default=False)
+        no = typer.Option(f"--no-{f.option[2:]}", hidden=True)
+        return [inspect.Parameter(f.key, inspect.Parameter.KEYWORD_ONLY, default=False, annotation=Annotated[bool, yes]),
+                inspect.Parameter(NO + f.key, inspect.Parameter.KEYWORD_ONLY, default=False, annotation=Annotated[bool, no])]
+    annotation = Optional[list[str]] if f.is_list else Optional[f.value_type]
+    option = typer.Option(f.option, help=help_text, rich_help_panel=flag.panel, show_default=False)
+    return [inspect.Parameter(f.key, inspect.Parameter.KEYWORD_ONLY, default=None, annotation=Annotated[annotation, option])]
+
+
+NO = "no__"
+"""Prefix of the hidden parameter that carries a boolean field's `--no-x`."""
 
 
 def _extra(name: str, annotation: Any) -> inspect.Parameter:
@@ -116,7 +126,7 @@ def point_options(*, panels: tuple[str, ...] = ("Workload", "Parallelism", "Reco
         hints = typing.get_type_hints(command, include_extras=True)
         own = [p.replace(annotation=hints.get(p.name, p.annotation))
                for p in inspect.signature(command).parameters.values() if p.name != "point"]
-        added = [_option(f) for f in chosen]
+        added = [p for f in chosen for p in _option(f)]
         if sets:
             added.append(_extra("sets", SETS))
         if gpu:
@@ -127,6 +137,9 @@ def point_options(*, panels: tuple[str, ...] = ("Workload", "Parallelism", "Reco
             point = PointOptions(sets=list(kwargs.pop("sets", None) or ()), gpu=kwargs.pop("gpu", None))
             for f in chosen:
                 value = kwargs.pop(f.key)
+                if f.value_type is bool:  # --x: True, --no-x: False (it wins over --x); neither: None
+                    off = kwargs.pop(NO + f.key)
+                    value = True if value and not off else (False if off else None)
                 if f.is_list:
                     value = split_list(value)
                 if value is not None:

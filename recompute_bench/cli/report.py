@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Annotated, Optional
 
+import pandas as pd
 import typer
 
 from recompute_bench.cli.common import ResultsArg, ResultsDir, err, fail
@@ -19,14 +20,15 @@ def report(
 ) -> None:
     """Write a Markdown report and a Pareto plot (TFLOP/s/GPU against memory, one point per setting)."""
     from recompute_bench.render.plot import write_report
-    from recompute_bench.results.records import load_results
+    from recompute_bench.results.records import load_result_records, record_row
     from recompute_bench.results.store import resolve_results
 
     try:
         path = resolve_results(results, results_dir)
-        df = load_results(path)
+        records = load_result_records(path)
+        df = pd.DataFrame([record_row(r) for r in records])
         folder = out or (path if path.is_dir() else path.parent)
-        md, png = write_report(df, folder, f"recompute-bench report: {results}")
+        md, png = write_report(df, folder, f"recompute-bench report: {results}", records)
     except ConfigError as e:
         raise fail(str(e)) from None
     err.print(f"wrote {md} and {png}", highlight=False)

@@ -10,8 +10,7 @@ import typer
 from rich.markup import escape
 from rich.table import Table
 
-from recompute_bench.cli.common import (DEFAULT_WORKLOAD, GoldenFile, ResultsDir, Strict, device_kind, err, fail,
-                                        resolve_point, show_notes)
+from recompute_bench.cli.common import GoldenFile, ResultsDir, Strict, err, fail, hardware_kind, show_notes
 from recompute_bench.cli.hints import command_line, print_command, run_locator, update_command
 from recompute_bench.cli.options import PointOptions, point_options, split_list
 from recompute_bench.cli.ranks import launch_flags, launch_options
@@ -31,10 +30,10 @@ def sweep(
     modules: Annotated[Optional[list[str]], typer.Option(help="Each non-empty subset of these modules as a selective "
                                                          "setting (space or comma separated).", rich_help_panel="Sweep")] = None,
     methods: Annotated[Optional[list[str]], typer.Option(help="Full recompute methods (uniform, block), crossed with "
-                                                         "--num-layers-recompute.", rich_help_panel="Sweep")] = None,
+                                                         "the layer counts below.", rich_help_panel="Sweep")] = None,
     num_layers_recompute: Annotated[Optional[list[str]], typer.Option(help="Full recompute layer counts N; alone they "
                                                                       "mean method block.", rich_help_panel="Sweep")] = None,
-    baseline: Annotated[bool, typer.Option(help="Add the point without recompute (Baseline).", rich_help_panel="Sweep")] = False,
+    baseline: Annotated[bool, typer.Option("--baseline", help="Add the point without recompute (Baseline).", rich_help_panel="Sweep")] = False,
     grid: Annotated[Optional[Path], typer.Option(help="TOML file listing the points ([[point]] tables) instead of the flags.",
                                                  rich_help_panel="Sweep")] = None,
     policy: Annotated[Optional[str], typer.Option(help="Add a per-layer policy point named Auto: `auto` (what `plan "
@@ -48,7 +47,7 @@ def sweep(
                                                   rich_help_panel="Sweep")] = None,
     resume: Annotated[Optional[str], typer.Option(help="Continue the sweep RUN_ID with its saved plan; points with an ok "
                                                   "or oom record are skipped.", rich_help_panel="Sweep")] = None,
-    timeout: Annotated[float, typer.Option(help="Time limit of one point in seconds (process start included).",
+    timeout: Annotated[float, typer.Option(help="Time limit of one point in seconds (from the moment its process has started; the start has its own limit of 300 s).",
                                            rich_help_panel="Sweep")] = 600.0,
     device: Annotated[Optional[str], typer.Option(help="torch device of every point; default CUDA if present.",
                                                   rich_help_panel="Sweep")] = None,
@@ -66,54 +65,20 @@ def sweep(
     from recompute_bench.gate import golden as gold
     from recompute_bench.results.records import record_row
     from recompute_bench.render.comparison import details_table, experiment_table, headline, to_json
-    from recompute_bench.launch.sweep import (load_grid, load_plan, plan_from_flags, plan_from_grid, plan_to_dict,
-                                              resume_command, run_sweep)
+    from recompute_bench.launch.sweep import SweepRequest, plan_points, plan_to_dict, resume_command, run_sweep
     from recompute_bench.results.store import check_run_id, new_run_id
 
-    plan_flags = [n for n, v in (("--modules", modules), ("--methods", methods), ("--num-layers-recompute", num_layers_recompute),
-                                 ("--baseline", baseline or None), ("--grid", grid)) if v is not None]
     try:
         if timeout <= 0:
             raise ConfigError(f"--timeout must be a positive number of seconds, got {timeout:g}")
-        counts = None
-        if num_layers_recompute is not None:
-            try:
-                counts = [int(n) for n in split_list(num_layers_recompute)]
-            except ValueError:
-                raise ConfigError(f"--num-layers-recompute takes integers, got {' '.join(num_layers_recompute)}; "
-                                  "pass for example --num-layers-recompute 1 2") from None
-        overrides, sets, gpu = point.overrides, point.sets, point.gpu
-        kind = gpu or device_kind(device, None)
-        notes: list[str] = []
-        if resume:
-            given = plan_flags + [n for n, v in (("--workload", workload), ("--set", sets), ("--run-id", run_id)) if v]
-            given += [f"--{k.split('.')[1].replace('_', '-')}" for k, v in overrides.items() if v is not None]
-            if given:
-                raise ConfigError(f"--resume reruns the plan saved in {results_dir / resume}/plan.json; "
-                                  f"drop {', '.join(given)}")
-            points = load_plan(results_dir / check_run_id(resume))
-        elif grid is not None:
-            if len(plan_flags) > 1:
-                raise ConfigError(f"--grid lists the points itself; drop {', '.join(f for f in plan_flags if f != '--grid')}")
-            spec = load_grid(grid)
-            points, notes = plan_from_grid(spec, workload or spec.workload or DEFAULT_WORKLOAD, overrides=overrides,
-                                           sets=list(sets or ()), gpu=kind)
-        else:
-            points, notes = plan_from_flags(workload or DEFAULT_WORKLOAD, overrides=overrides, sets=list(sets or ()), gpu=kind,
-                                            modules=split_list(modules), methods=split_list(methods),
-                                            num_layers_recompute=counts, baseline=baseline)
-        if policy is not None:
-            if resume:
-                raise ConfigError("--resume reruns the saved plan, Auto point included; drop --policy")
-            points.append(auto_point(points, workload or DEFAULT_WORKLOAD, point, policy, memory_gb, device))
-        elif memory_gb is not None:
-            raise ConfigError("--memory-gb is the budget of --policy auto; add --policy auto or drop --memory-gb")
+        kind = hardware_kind(device, point.gpu)
+        request = SweepRequest(workload, point.overrides, point.sets, point.gpu or kind, split_list(modules),
+                               split_list(methods), split_list(num_layers_recompute), baseline, grid,
+                               results_dir / check_run_id(resume) if resume else None, run_id, policy, memory_gb, device)
+        points, notes = plan_points(request)
         for p in points:
             p.cfg = check_runnable(p.cfg, device, launch)
-        golden_file = None if no_golden else (golden or gold.golden_path_for(device_kind(device, gpu), results_dir))
-        golden_rows = None
-        if golden_file is not None and (golden is not None or golden_file.is_file()):
-            golden_rows = gold.read_golden(golden_file)
+        golden_file, golden_rows = (None, None) if no_golden else gold.choose_golden(golden, kind, results_dir)
         run = check_run_id(resume or run_id or new_run_id())
     except ConfigError as e:
         raise fail(str(e)) from None
@@ -137,7 +102,7 @@ def sweep(
     except ConfigError as e:
         raise fail(str(e)) from None
     except KeyboardInterrupt:
-        same = [*(["--gpu", gpu] if gpu else []), *(["--device", device] if device else []),
+        same = [*(["--gpu", point.gpu] if point.gpu else []), *(["--device", device] if device else []),
                 *(["--timeout", f"{timeout:g}"] if timeout != 600.0 else []),
                 *(["--peak-tflops", f"{peak_tflops:g}"] if peak_tflops else []), *launch_flags(launch),
                 *(["--no-golden"] if no_golden else ["--golden", golden] if golden else []), *(["--strict"] if strict else [])]
@@ -170,33 +135,6 @@ def sweep(
                                       golden=str(golden_file) if golden_rows is not None else None), indent=2))
     if not comparison.passed:
         raise typer.Exit(1)
-
-
-def auto_point(points, workload: str, point: PointOptions, policy: str, memory_gb: float | None, device: str | None):
-    """The sweep's Auto point: the policy `plan --auto` chooses for `memory_gb` (modelled for the
-    sweep's device; a CPU has no allocator to allow for), or the policy file `policy`."""
-    import dataclasses
-
-    from recompute_bench.analysis.auto import auto_plan
-    from recompute_bench.launch.devices import default_device_type
-    from recompute_bench.launch.sweep import Point
-    from recompute_bench.recompute.policy_file import with_policy
-    from recompute_bench.spec.config import RecomputeConfig
-
-    if "Auto" in {p.name for p in points}:
-        raise ConfigError("a point is already named Auto; rename it in the grid file or drop --policy")
-    base = dataclasses.replace(points[0].cfg if points else resolve_point(workload, point)[0], recompute=RecomputeConfig())
-    if policy != "auto":
-        return Point("Auto", with_policy(base, Path(policy)))
-    if memory_gb is None or memory_gb <= 0:
-        raise ConfigError(f"--policy auto needs the device memory per GPU; pass --memory-gb 80 (got {memory_gb})")
-    modelled = "cuda" if (device or default_device_type()).startswith("cuda") else "cpu"
-    allowance = (0.0, 0.0) if modelled == "cpu" else (0.10, 2.0**30)
-    result = auto_plan(base, memory_gb * 2**30, modelled, *allowance)
-    if result["policy"] is None:
-        raise ConfigError(f"--policy auto: no per-layer policy fits {memory_gb:g} GiB ({result['reason']}); "
-                          "raise --memory-gb (see `recompute-bench plan --auto`)")
-    return Point("Auto", dataclasses.replace(base, recompute=RecomputeConfig(layer_policy=result["policy"])))
 
 
 def plan_table(points, title: str) -> Table:

@@ -39,9 +39,6 @@ from recompute_bench.spec.config import ConfigError
 from recompute_bench.results.records import KEY_COLUMNS, key_text
 from recompute_bench.spec.fields import LATER_KEYS, field as registry_field
 
-GOLDEN_DIR = Path("results") / "golden"
-
-
 @dataclass(frozen=True)
 class Metric:
     """How one metric is compared: kind, direction and default relative tolerance."""
@@ -98,6 +95,13 @@ EDGE = 1e-9  # a difference exactly at a tolerance passes despite float rounding
 def golden_path_for(device_kind: str, results_dir: Path = Path("results")) -> Path:
     """The golden file of a hardware kind (`gpu_type` of the device: cpu, h100, ...)."""
     return Path(results_dir) / "golden" / f"{device_kind}.csv"
+
+
+def choose_golden(given: Path | None, device_kind: str, results_dir: Path) -> tuple[Path, list[dict] | None]:
+    """The golden a run of `device_kind` is compared with: `given`, else the kind's file under
+    `results_dir` (None rows where that default does not exist; a given file must exist)."""
+    path = given or golden_path_for(device_kind, results_dir)
+    return path, read_golden(path) if given is not None or path.is_file() else None
 
 
 # ----- tolerances ---------------------------------------------------------------------------------
@@ -269,7 +273,7 @@ def _compare_metric(metric: Metric, golden: Any, actual: Any, tolerance: float |
 
 def _not_comparable(golden: dict, actual: dict) -> list[str]:
     reasons = []
-    if golden.get("device_name") != actual.get("device_name"):
+    if (golden.get("device_name") or None) != (actual.get("device_name") or None):  # a CSV cell "" is None
         reasons.append(f"golden measured on {golden.get('device_name')!r}, results on {actual.get('device_name')!r}")
     if _torch_minor(golden.get("torch_version")) != _torch_minor(actual.get("torch_version")):
         reasons.append(f"golden from torch {golden.get('torch_version')}, results from torch {actual.get('torch_version')}")
@@ -295,8 +299,10 @@ def compare_row(actual: dict | None, golden: dict | None, overrides: dict[str, f
     elif golden["status"] == "ok" and status == "oom":
         row.verdicts, row.reasons = [UNEXPECTED_OOM], [f"out of memory on rank {actual.get('failure_rank')}: "
                                                        f"{actual.get('failure_message')}"]
+        row.metrics = _oom_metrics(golden, actual)
     elif golden["status"] == "oom" and status == "oom":
         row.verdicts = [EXPECTED_OOM]
+        row.metrics = _oom_metrics(golden, actual)
     elif golden["status"] == "oom":
         row.verdicts, row.reasons = [NOW_FITS], ["the golden says out of memory; run `golden update` to record the fit"]
     else:
@@ -311,6 +317,14 @@ def compare_row(actual: dict | None, golden: dict | None, overrides: dict[str, f
         row.verdicts = row.verdicts or [PASS]
     row.verdict = min(row.verdicts, key=SEVERITY.index)
     return row
+
+
+def _oom_metrics(golden: dict, actual: dict) -> list[MetricResult]:
+    """TFLOP/s and peak memory of a point that ran out of memory, beside the golden's, reported and not
+    gated: an imported run measured steps before it failed (the seeds' "~704 TFLOP/s, OOM rank0")."""
+    names = ("tflops_per_gpu", "peak_allocated_bytes")
+    return [_compare_metric(METRICS[n], golden.get(n), actual.get(n), None) for n in names
+            if golden.get(n) is not None and actual.get(n) is not None]
 
 
 def describe_metric(m: MetricResult) -> str:

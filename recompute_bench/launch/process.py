@@ -1,7 +1,9 @@
 """One isolated process per point, with a time limit; what happened becomes a result record.
 
 `run_isolated` starts `python -m recompute_bench.launch.worker` in its own session (process group), hands
-it the resolved config as JSON on stdin and waits at most `timeout_s` seconds:
+it the resolved config as JSON on stdin and waits at most `timeout_s` seconds once the worker has
+started (imported torch and the package: it says so with a file beside its record; the start itself
+may take up to START_LIMIT_S on a loaded machine):
 
 - the worker wrote a record (status ok, oom or error as `measure.run_point` decided): that record;
 - the time limit passed: the worker's Python stacks are dumped into its log (SIGUSR1), the whole
@@ -34,10 +36,11 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Callable
 
 from recompute_bench.spec.config import Config
 from recompute_bench.launch.devices import default_device_type, visible_gpu_name
-from recompute_bench.launch.worker import PARENT_PID_ENV
+from recompute_bench.launch.worker import PARENT_PID_ENV, ready_path
 from recompute_bench.measure.record import FAULT_ENV, make_record, unmeasured_metrics, unmeasured_rank
 from recompute_bench.measure.telemetry import host_environment
 
@@ -45,6 +48,10 @@ WORKER_COMMAND = [sys.executable, "-m", "recompute_bench.launch.worker"]
 FAULT_POINTS_ENV = "RECOMPUTE_BENCH_FAULT_POINTS"
 STDERR_TAIL_LINES = 15
 STACK_DUMP_WAIT_S = 1.0
+START_LIMIT_S = 300.0
+"""How long a point's processes may take to start (interpreter, imports of torch and the package)
+before its own time limit begins: the start measures the machine's load, not the point."""
+POLL_S = 0.2
 PACKAGE_ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -116,11 +123,13 @@ def failed_record(cfg: Config, status: str, failure: dict, device: str | None = 
 
 
 def run_group(command: list[str], log_path: Path, env: dict[str, str], timeout_s: float, *, header: str,
-              stdin: bytes = b"") -> int | None:
+              stdin: bytes = b"", started: Callable[[], bool] | None = None) -> int | None:
     """Run `command` in a session of its own, its output appended to `log_path` under a `header`
-    line, `stdin` written to it; wait at most `timeout_s` seconds. Returns its exit code, or None
-    when the time limit passed: then its Python stacks were dumped into the log (SIGUSR1 to the
-    whole group) and the group killed. KeyboardInterrupt (or any error) kills the group and propagates."""
+    line, `stdin` written to it; wait at most `timeout_s` seconds from the moment `started()` is
+    first true (the processes have started and imported what they need; at most START_LIMIT_S
+    seconds after launch; no `started`: from launch). Returns its exit code, or None when a limit
+    passed: then its Python stacks were dumped into the log (SIGUSR1 to the whole group) and the
+    group killed. KeyboardInterrupt (or any error) kills the group and propagates."""
     with log_path.open("ab") as log:
         log.write(f"=== {header} {time.strftime('%Y-%m-%dT%H:%M:%S')}\n".encode())
         log.flush()
@@ -129,7 +138,13 @@ def run_group(command: list[str], log_path: Path, env: dict[str, str], timeout_s
         try:
             proc.stdin.write(stdin)
             proc.stdin.close()
-            proc.wait(timeout=timeout_s)
+            deadline = time.monotonic() + (START_LIMIT_S if started else timeout_s)
+            while proc.poll() is None:
+                if started and started():
+                    deadline, started = time.monotonic() + timeout_s, None
+                if time.monotonic() > deadline:
+                    raise subprocess.TimeoutExpired(command, timeout_s)
+                time.sleep(POLL_S)
         except subprocess.TimeoutExpired:
             try:
                 os.killpg(proc.pid, signal.SIGUSR1)  # the worker's faulthandler dumps its stacks
@@ -151,6 +166,8 @@ def run_isolated(cfg: Config, *, name: str, out_path: Path, log_path: Path, time
     out_path.parent.mkdir(parents=True, exist_ok=True)
     log_path.parent.mkdir(parents=True, exist_ok=True)
     out_path.unlink(missing_ok=True)
+    ready = ready_path(out_path)
+    ready.unlink(missing_ok=True)
     command = [*WORKER_COMMAND, "--out", str(out_path)]
     if device:
         command += ["--device", device]
@@ -158,12 +175,16 @@ def run_isolated(cfg: Config, *, name: str, out_path: Path, log_path: Path, time
         command += ["--peak-tflops", str(peak_tflops)]
 
     code = run_group(command, log_path, worker_env(name), timeout_s,
-                     header=f"{name} {cfg.recompute.label}", stdin=json.dumps(cfg.to_dict()).encode())
+                     header=f"{name} {cfg.recompute.label}", stdin=json.dumps(cfg.to_dict()).encode(),
+                     started=ready.exists)
+    started = ready.exists()
+    ready.unlink(missing_ok=True)
     if code is None:
         stack = _tail(log_path, 40)
         where = _innermost_frame(stack)
         failure = {"rank": 0, "step": None, "phase": None,
-                   "message": f"no result within the time limit of {timeout_s:g} s; the worker was killed"
+                   "message": (f"no result within the time limit of {timeout_s:g} s; the worker was killed"
+                               if started else f"the worker did not start within {START_LIMIT_S:g} s; it was killed")
                               + (f" while in {where}" if where else ""),
                    "traceback": stack}
         return failed_record(cfg, "timeout", failure, device)

@@ -43,9 +43,11 @@ from recompute_bench.spec.fields import fields, flagged, overrides_from_keys
 from recompute_bench.models import spec_for
 from recompute_bench.recompute.settings import all_settings, full_settings, selective_settings
 from recompute_bench.launch.worker import config_from_dict
-from recompute_bench.spec.presets import resolve
+from recompute_bench.spec.presets import DEFAULT_WORKLOAD, resolve
 
-PLAN_SCHEMA = "recompute-bench/plan/v1"
+PLAN_SCHEMA = "recompute-bench/sweep-plan/v1"
+OLD_PLAN_SCHEMAS = ("recompute-bench/plan/v1",)
+"""What sweeps before 0.1.0's last release called their plan.json (the same content): still resumed."""
 DONE_STATUSES = ("ok", "oom")
 # Keys a [[point]] of a grid file may set, and the config field each one overrides.
 
@@ -221,6 +223,100 @@ def plan_from_grid(grid: Grid, workload: str, *, overrides: dict[str, Any], sets
     return name_points(configs, names), list(dict.fromkeys(notes))
 
 
+@dataclass
+class SweepRequest:
+    """What a sweep is asked to measure: the workload and its overrides, and where the points come
+    from (the expansion flags, a grid file, or the saved plan of the run being resumed), plus the
+    Auto point of a per-layer policy."""
+
+    workload: str | None = None
+    overrides: dict[str, Any] = dataclasses.field(default_factory=dict)
+    sets: list[str] = dataclasses.field(default_factory=list)
+    gpu: str | None = None
+    """Hardware kind whose preset tables apply (h100, cpu, ...)."""
+    modules: list[str] | None = None
+    methods: list[str] | None = None
+    num_layers_recompute: list[str] | None = None
+    """As given (strings); integers are checked here."""
+    baseline: bool = False
+    grid: Path | None = None
+    resume: Path | None = None
+    """The run folder of the sweep to resume."""
+    run_id: str | None = None
+    policy: str | None = None
+    """`auto` or a policy file: one more point named Auto."""
+    memory_gb: float | None = None
+    device: str | None = None
+
+    def plan_flags(self) -> list[str]:
+        """The flags that choose the points, as given."""
+        return [n for n, v in (("--modules", self.modules), ("--methods", self.methods),
+                               ("--num-layers-recompute", self.num_layers_recompute),
+                               ("--baseline", self.baseline or None), ("--grid", self.grid)) if v is not None]
+
+
+def plan_points(req: SweepRequest) -> tuple[list[Point], list[str]]:
+    """The points a sweep measures and the notes to show; ConfigError on bad input."""
+    counts = None
+    if req.num_layers_recompute is not None:
+        try:
+            counts = [int(n) for n in req.num_layers_recompute]
+        except ValueError:
+            raise ConfigError(f"--num-layers-recompute takes integers, got {' '.join(req.num_layers_recompute)}; "
+                              "pass for example --num-layers-recompute 1 2") from None
+    workload = req.workload or DEFAULT_WORKLOAD
+    notes: list[str] = []
+    if req.resume is not None:
+        given = req.plan_flags() + [n for n, v in (("--workload", req.workload), ("--set", req.sets),
+                                                   ("--run-id", req.run_id), ("--policy", req.policy)) if v]
+        given += [f"--{k.split('.')[1].replace('_', '-')}" for k, v in req.overrides.items() if v is not None]
+        if given:
+            raise ConfigError(f"--resume reruns the plan saved in {req.resume}/plan.json, Auto point included; "
+                              f"drop {', '.join(given)}")
+        return load_plan(req.resume), notes
+    if req.grid is not None:
+        if len(req.plan_flags()) > 1:
+            raise ConfigError(f"--grid lists the points itself; drop {', '.join(f for f in req.plan_flags() if f != '--grid')}")
+        grid = load_grid(req.grid)
+        points, notes = plan_from_grid(grid, req.workload or grid.workload or DEFAULT_WORKLOAD, overrides=req.overrides,
+                                       sets=req.sets, gpu=req.gpu)
+    else:
+        points, notes = plan_from_flags(workload, overrides=req.overrides, sets=req.sets, gpu=req.gpu,
+                                        modules=req.modules, methods=req.methods, num_layers_recompute=counts,
+                                        baseline=req.baseline)
+    if req.policy is not None:
+        points.append(auto_point(points, req))
+    elif req.memory_gb is not None:
+        raise ConfigError("--memory-gb is the budget of --policy auto; add --policy auto or drop --memory-gb")
+    return points, notes
+
+
+def auto_point(points: list[Point], req: SweepRequest) -> Point:
+    """The sweep's Auto point: the policy `plan --auto` chooses for `req.memory_gb` (modelled for
+    the sweep's device; a CPU has no allocator to allow for), or the policy file `req.policy`."""
+    from recompute_bench.analysis.auto import auto_plan
+    from recompute_bench.analysis.rank import ALLOWANCE_BYTES, ALLOWANCE_FRACTION
+    from recompute_bench.launch.devices import default_device_type
+    from recompute_bench.recompute.policy_file import with_policy
+
+    if "Auto" in {p.name for p in points}:
+        raise ConfigError("a point is already named Auto; rename it in the grid file or drop --policy")
+    base = points[0].cfg if points else resolve(req.workload or DEFAULT_WORKLOAD, overrides=req.overrides,
+                                                sets=req.sets, gpu=req.gpu)[0]
+    base = dataclasses.replace(base, recompute=RecomputeConfig())
+    if req.policy != "auto":
+        return Point("Auto", with_policy(base, Path(req.policy)))
+    if req.memory_gb is None or req.memory_gb <= 0:
+        raise ConfigError(f"--policy auto needs the device memory per GPU; pass --memory-gb 80 (got {req.memory_gb})")
+    modelled = "cuda" if (req.device or default_device_type()).startswith("cuda") else "cpu"
+    allowance = (0.0, 0.0) if modelled == "cpu" else (ALLOWANCE_FRACTION, ALLOWANCE_BYTES)
+    result = auto_plan(base, req.memory_gb * 2**30, modelled, *allowance)
+    if result["policy"] is None:
+        raise ConfigError(f"--policy auto: no per-layer policy fits {req.memory_gb:g} GiB ({result['reason']}); "
+                          "raise --memory-gb (see `recompute-bench plan --auto`)")
+    return Point("Auto", dataclasses.replace(base, recompute=RecomputeConfig(layer_policy=result["policy"])))
+
+
 def plan_to_dict(points: list[Point]) -> dict:
     """The plan as saved in `plan.json`."""
     return {"schema": PLAN_SCHEMA, "points": [{"name": p.name, "config": p.cfg.to_dict()} for p in points]}
@@ -234,7 +330,7 @@ def load_plan(run_dir: Path) -> list[Point]:
                           "(a folder under results/ with a plan.json)")
     try:
         data = json.loads(path.read_text())
-        if data.get("schema") != PLAN_SCHEMA:
+        if data.get("schema") not in (PLAN_SCHEMA, *OLD_PLAN_SCHEMAS):
             raise ValueError(f"schema {data.get('schema')!r}")
         return [Point(p["name"], config_from_dict(p["config"])) for p in data["points"]]
     except (ValueError, KeyError, TypeError, AttributeError) as e:

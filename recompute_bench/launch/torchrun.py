@@ -79,6 +79,9 @@ def check_launch(cfg: Config, launch: Launch, device_type: str) -> Config:
                               "drop --memory-limit-gb")
         if launch.memory_limit_gb <= 0:
             raise ConfigError(f"--memory-limit-gb must be a positive number of GiB, got {launch.memory_limit_gb:g}")
+    if cfg.training.framework != "recompute-bench":
+        raise ConfigError(f"framework {cfg.training.framework} is estimated, not run: this harness measures its own "
+                          "layers; drop --framework (or use `estimate --framework megatron`)")
     if p.pipeline_model_parallel_size > 1:
         raise ConfigError("pipeline parallelism is not measured yet (a later issue); pass "
                           "--pipeline-model-parallel-size 1 (use `estimate` for pipeline layouts)")

@@ -71,6 +71,12 @@ def die_with_parent(parent_pid: int | None = None, poll_s: float = PARENT_POLL_S
     threading.Thread(target=watch, name="die-with-parent", daemon=True).start()
 
 
+def ready_path(out: Path) -> Path:
+    """The file a worker creates once it has started (imports done), beside its record `out`:
+    the launcher's time limit for the point runs from then."""
+    return out.with_name(out.name + ".ready")
+
+
 def config_from_dict(data: dict) -> Config:
     """The config a worker is given (`Config.to_dict()`), validated again; ConfigError if it is not one."""
     cfg = Config.from_dict(data)
@@ -93,6 +99,7 @@ def main(argv: list[str] | None = None) -> int:
     from recompute_bench.measure.point import pick_device, run_point
     from recompute_bench.results.store import write_json_atomic
 
+    ready_path(args.out).touch()
     record = run_point(cfg, device=pick_device(args.device), peak_tflops=args.peak_tflops)
     write_json_atomic(args.out, record)
     return 0

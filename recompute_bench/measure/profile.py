@@ -2,7 +2,7 @@
 layer of each kind costs to run forward and what the layer saves (the format and how the solver
 uses it: `analysis/profile_costs.py`).
 
-One layer of each kind the model has (dense, MoE) is built alone (`memory.kind_config`, one layer)
+One layer of each kind the model has (dense, MoE) is built alone (`kind_config`, one layer)
 in the training precision and run forward and backward `warmup` + `steps` times with no recompute.
 Forward hooks on the layer and on each target's module time every forward: `time.perf_counter` on a
 CPU, CUDA events on a GPU (read after the step's synchronisation, only here: a measured training
@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from recompute_bench.analysis import memory
+from recompute_bench.analysis.layer import kind_config, layer_activation_bytes
 from recompute_bench.analysis.profile_costs import PROFILE_DIR, PROFILE_SCHEMA, cache_path, read_cached, shape_key, write_cached
 from recompute_bench.measure.point import DTYPES, SavedTensorProbe, float32_matmul_precision, synthetic_batches
 from recompute_bench.measure.telemetry import device_name
@@ -77,7 +77,7 @@ class _Spans:
 
 
 def _layer_model(cfg: Config, kind: str, device: torch.device, r: RecomputeConfig | None = None):
-    one = memory.kind_config(cfg, kind)
+    one = kind_config(cfg, kind)
     one = dataclasses.replace(one, model=dataclasses.replace(one.model, num_layers=1),
                               recompute=r or RecomputeConfig())
     model = spec_for(one.model).build(one, device, DTYPES[cfg.training.precision])
@@ -115,7 +115,7 @@ def _kind(cfg: Config, kind: str, targets: tuple[str, ...], device: torch.device
             h.remove()
     saved = {t or "none": _saved_bytes(cfg, kind, t, device, tokens) for t in (None, *targets)}
     return {"seconds": {name: statistics.median(v) for name, v in samples.items()}, "saved_bytes": saved,
-            "analytical_saved_bytes": {t: memory.layer_activation_bytes(memory.kind_config(cfg, kind),
+            "analytical_saved_bytes": {t: layer_activation_bytes(kind_config(cfg, kind),
                                                                         () if t == "none" else (t,), device.type)
                                        for t in saved}}
 

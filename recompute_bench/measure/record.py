@@ -10,7 +10,7 @@ from __future__ import annotations
 from typing import Any
 
 from recompute_bench.analysis import flops
-from recompute_bench.analysis.memory import record_estimate
+from recompute_bench.analysis.rank import record_estimate
 from recompute_bench.spec.config import Config
 
 SCHEMA = "recompute-bench/result/v1"

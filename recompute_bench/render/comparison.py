@@ -116,7 +116,7 @@ def details_table(comparison: Comparison, everything: bool = False) -> Table | N
             tol = "not gated" if m.tolerance is None else f"{100 * m.tolerance:g}%"
             table.add_row(escape(row.experiment), m.name, escape(fmt_metric(m.name, m.golden)),
                           escape(fmt_metric(m.name, m.actual)), signed_percent(m.rel_diff), tol, m.outcome)
-        if not row.metrics:
+        if not shown:
             for reason in row.reasons or [row.verdict or ""]:
                 table.add_row(escape(row.experiment), escape(reason), "", "", "", "", row.verdict or "")
     return table

@@ -16,7 +16,6 @@ from pathlib import Path
 
 from recompute_bench.spec.config import ConfigError
 
-DEFAULT_RUNS_FILE = Path("results") / "runs.jsonl"
 # What json.loads returns, in JSON's own words, for the message about a line that is not an object.
 _JSON_TYPES = {int: "number", float: "number", str: "string", list: "array", bool: "boolean", type(None): "null"}
 

@@ -17,6 +17,14 @@ GRANULARITIES = ("none", "selective", "full")
 METHODS = ("uniform", "block")
 PRECISIONS = ("bf16", "fp16", "fp32")
 ATTENTION_BACKENDS = ("sdpa", "math")
+# Megatron's `--attention-backend` (megatron/core/transformer/enums.py AttnBackend), which the estimate
+# of `framework megatron` takes; this harness runs its own two above.
+MEGATRON_ATTENTION_BACKENDS = ("flash", "fused", "unfused", "local", "auto")
+# What runs the step: this harness (measured and estimated exactly), or Megatron-LM / Megatron Bridge
+# as they run (estimated from Megatron's code, checked against its functional tests' memory).
+FRAMEWORKS = ("recompute-bench", "megatron")
+# Megatron's `--transformer-impl`: its own modules, or Transformer Engine's.
+TRANSFORMER_IMPLS = ("local", "transformer_engine")
 NORMALIZATIONS = ("LayerNorm", "RMSNorm")
 ACTIVATIONS = ("gelu", "swiglu")
 POSITION_EMBEDDINGS = ("learned_absolute", "rope")
@@ -108,7 +116,11 @@ class ModelConfig:
     share_embeddings_and_output_weights: bool = True
     """Tie the output layer to the word embedding."""
     attention_backend: str = "sdpa"
-    """sdpa (torch scaled_dot_product_attention) or math (explicit QK^T, softmax, dropout, V)."""
+    """This harness: sdpa (torch scaled_dot_product_attention) or math (explicit QK^T, softmax, dropout, V).
+    Framework megatron: Megatron's flash, fused, unfused, local or auto (its default)."""
+    transformer_impl: str = "local"
+    """Megatron's --transformer-impl: local (plain torch modules, what this harness builds) or
+    transformer_engine (framework megatron only; Megatron's default there)."""
     layernorm_epsilon: float = 1e-5
     """Epsilon of every norm."""
     init_method_std: float = 0.02
@@ -228,6 +240,9 @@ class TrainingConfig:
     """Steps timed; the median is reported."""
     seed: int = 1234
     """Seed of the weights, the data and dropout."""
+    framework: str = "recompute-bench"
+    """What runs the step: recompute-bench (this harness, which `run` measures) or megatron
+    (Megatron-LM / Megatron Bridge as they run: `estimate` and imported records only)."""
 
 
 @dataclass

@@ -33,7 +33,7 @@ LATER_KEYS = ("num_moe_experts", "moe_router_topk", "moe_ffn_hidden_size", "moe_
               "multi_latent_attention", "q_lora_rank", "kv_lora_rank", "qk_head_dim", "qk_pos_emb_head_dim",
               "v_head_dim", "kv_channels", "moe_router_topk_scaling_factor", "moe_router_enable_expert_bias",
               "moe_router_num_groups", "moe_router_group_topk", "moe_aux_loss_coeff",
-              "moe_expert_capacity_factor", "moe_token_drop_policy")
+              "moe_expert_capacity_factor", "moe_token_drop_policy", "framework", "transformer_impl")
 # The default of a field that has none (the model's shape): a record must hold it.
 REQUIRED = object()
 # Recompute fields whose attribute is not already Megatron's argument name.
@@ -47,7 +47,7 @@ class Flag:
     panel: str
     """The help panel: Workload, Parallelism or Recompute."""
     aliases: tuple[str, ...] = ()
-    """Further long spellings (--tp)."""
+    """Further long spellings (--tp), rewritten before parsing."""
     short: str | None = None
     """Megatron Bridge's short flag (-tp, -rl), rewritten before parsing."""
 
@@ -60,6 +60,8 @@ FLAGS: dict[str, Flag] = {
     "global_batch_size": Flag("Workload", short="-gb"),
     "precision": Flag("Workload"),
     "attention_backend": Flag("Workload"),
+    "framework": Flag("Workload"),
+    "transformer_impl": Flag("Workload"),
     "tensor_model_parallel_size": Flag("Parallelism", ("--tp",), "-tp"),
     "pipeline_model_parallel_size": Flag("Parallelism", ("--pp",), "-pp"),
     "data_parallel_size": Flag("Parallelism", ("--dp",), "-dp"),
@@ -171,9 +173,10 @@ def flagged() -> list[Field]:
     return [field(k) for k in FLAGS]
 
 
-def short_flags() -> dict[str, str]:
-    """Megatron Bridge's short flags -> the long flag they mean."""
-    return {f.flag.short: f.option for f in flagged() if f.flag.short}
+def other_spellings() -> dict[str, str]:
+    """Further spellings of a flag (--tp, and Megatron Bridge's short flags -tp, -rl) -> the long
+    flag they mean; the command line is rewritten with them before it is parsed."""
+    return {other: f.option for f in flagged() for other in (*f.flag.aliases, f.flag.short) if other}
 
 
 def overrides_from_keys(values: dict[str, Any]) -> dict[str, Any]:

@@ -27,6 +27,9 @@ _PACKAGED_WORKLOADS = Path(__file__).resolve().parents[1] / "workloads"
 WORKLOADS_DIR = Path(os.environ.get("RECOMPUTE_BENCH_WORKLOADS") or (
     _PACKAGED_WORKLOADS if _PACKAGED_WORKLOADS.is_dir() else Path(__file__).resolve().parents[2] / "workloads"))
 DEFAULT_WORKLOAD = "tiny"
+# Framework megatron: Megatron's defaults of the implementation fields (megatron/training/arguments.py
+# `--transformer-impl`, megatron/core/transformer/transformer_config.py `attention_backend`).
+MEGATRON_DEFAULTS = {"transformer_impl": "transformer_engine", "attention_backend": "auto"}
 
 
 def workload_names() -> list[str]:
@@ -114,6 +117,10 @@ def resolve(workload: str = DEFAULT_WORKLOAD, *, overrides: dict[str, Any] | Non
             raise ConfigError(f"unknown section {section!r} in {key}; use one of {', '.join(SECTIONS)}")
         tables[section][name] = value
 
+    if tables["training"].get("framework") == "megatron":
+        # What the preset and the flags leave unset takes Megatron's defaults, not this harness's.
+        for key, value in MEGATRON_DEFAULTS.items():
+            tables["model"].setdefault(key, value)
     name = Path(workload).stem if workload.endswith(".toml") else workload
     cfg = Config(workload=name, **{s: _build(s, tables[s]) for s in SECTIONS})
     cfg.recompute.modules = canonical_modules(list(cfg.recompute.modules))

@@ -10,8 +10,9 @@ import dataclasses
 from typing import Any
 
 from recompute_bench.models import spec_for
-from recompute_bench.spec.config import (ACTIVATIONS, ATTENTION_BACKENDS, GRANULARITIES, METHODS, NORMALIZATIONS,
-                                         POSITION_EMBEDDINGS, PRECISIONS, RECOMPUTE_MODULES, ROUTER_SCORE_FUNCTIONS, SECTIONS, TOKEN_DROP_POLICIES,
+from recompute_bench.spec.config import (ACTIVATIONS, ATTENTION_BACKENDS, FRAMEWORKS, GRANULARITIES,
+                                         MEGATRON_ATTENTION_BACKENDS, METHODS, NORMALIZATIONS, POSITION_EMBEDDINGS,
+                                         TRANSFORMER_IMPLS, PRECISIONS, RECOMPUTE_MODULES, ROUTER_SCORE_FUNCTIONS, SECTIONS, TOKEN_DROP_POLICIES,
                                          _MODULE_NEEDS, Config, ConfigError)
 
 VPP_FLAG = "--set parallel.virtual_pipeline_model_parallel_size"
@@ -63,7 +64,7 @@ def validate(cfg: Config) -> None:
     _choice("normalization", m.normalization, NORMALIZATIONS, "set model.normalization")
     _choice("activation", m.activation, ACTIVATIONS, "set model.activation")
     _choice("position_embedding_type", m.position_embedding_type, POSITION_EMBEDDINGS, "set model.position_embedding_type")
-    _choice("attention_backend", m.attention_backend, ATTENTION_BACKENDS, "pass --attention-backend sdpa or math")
+    _validate_framework(cfg)
     _choice("precision", t.precision, PRECISIONS, "pass --precision bf16, fp16 or fp32")
     if m.position_embedding_type == "rope" and m.head_dim % 2:
         raise ConfigError(f"RoPE needs an even head dimension, got {m.head_dim}; change hidden_size or num_attention_heads")
@@ -113,6 +114,26 @@ def validate(cfg: Config) -> None:
         _validate_moe(cfg)
     _validate_expert_parallel(cfg)
     _validate_recompute(cfg)
+
+
+def _validate_framework(cfg: Config) -> None:
+    """The framework and the implementation fields: each framework takes its own names."""
+    m, t = cfg.model, cfg.training
+    _choice("framework", t.framework, FRAMEWORKS, "pass --framework recompute-bench or megatron")
+    _choice("transformer_impl", m.transformer_impl, TRANSFORMER_IMPLS, "pass --transformer-impl local or transformer_engine")
+    if t.framework == "megatron":
+        _choice("attention_backend", m.attention_backend, MEGATRON_ATTENTION_BACKENDS,
+                "framework megatron takes Megatron's --attention-backend (auto is its default)")
+        # megatron/training/arguments.py validate_args: '--attention-backend local is only supported with --spec local'
+        if m.attention_backend == "local" and m.transformer_impl != "local":
+            raise ConfigError("Megatron runs --attention-backend local only with its local layers; pass "
+                              "--transformer-impl local or another --attention-backend")
+        return
+    _choice("attention_backend", m.attention_backend, ATTENTION_BACKENDS,
+            "pass --attention-backend sdpa or math (Megatron's names go with --framework megatron)")
+    if m.transformer_impl != "local":
+        raise ConfigError(f"this harness builds plain torch layers (transformer_impl local), not {m.transformer_impl}; "
+                          "drop --transformer-impl, or estimate Megatron's with --framework megatron")
 
 
 def _validate_expert_parallel(cfg: Config) -> None:

@@ -48,7 +48,7 @@ def test_a_step_never_synchronises_with_the_host():
 
 
 def test_optimizer_memory_and_step_temporaries_are_the_estimate():
-    from recompute_bench.analysis.memory import optimizer_bytes_per_parameter
+    from recompute_bench.analysis.rank import optimizer_bytes_per_parameter
 
     cfg, model, stepper = _stepper(training__seq_length=64)
     n = sum(p.numel() for p in model.parameters())

@@ -1,0 +1,222 @@
+"""Settings compared side by side: each recompute setting's activations, whole-rank peak, FLOPs and
+overhead (`setting_estimate`), everything `estimate` prints (`estimate_report`), and the planner
+that picks the fastest setting fitting a memory budget or says what would fit (`plan`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from recompute_bench.analysis import flops
+from recompute_bench.analysis.layer import attention_kernel, checkpoint_input_bytes, layer_activation_bytes, layer_saved_bytes
+from recompute_bench.analysis.paper import (built_minus_paper_bytes, paper_flops_per_step, paper_layer_bytes,
+                                            paper_layer_differences)
+from recompute_bench.analysis.rank import (ALLOWANCE_BYTES, ALLOWANCE_FRACTION, device_bytes_needed,
+                                           microbatches_in_flight, peak_rank_memory)
+from recompute_bench.analysis.stage import stage_activations
+from recompute_bench.models import device_kind, spec_for
+from recompute_bench.recompute.settings import selective_settings
+from recompute_bench.spec.config import Config, RecomputeConfig
+from recompute_bench.spec.rules import layers_per_model_chunk
+
+
+ESTIMATE_SCHEMA = "recompute-bench/estimate/v1"
+PLAN_SCHEMA = "recompute-bench/plan/v1"
+
+
+def compute(cfg: Config, device: str = "cuda") -> dict[str, float]:
+    """Model and hardware FLOPs per step, the recompute overhead, and the model TFLOP/s/GPU relative
+    to no recompute, assuming the GPU sustains the same hardware FLOP/s (so time scales with
+    hardware FLOPs; norm recompute, which adds no GEMM FLOPs, shows as free although it costs some
+    memory-bound time)."""
+    none = dataclasses.replace(cfg, recompute=RecomputeConfig())
+    hw, hw_none = flops.hardware_flops_per_step(cfg, device), flops.hardware_flops_per_step(none, device)
+    return {"model_flops_per_step": flops.model_flops_per_step(cfg), "hardware_flops_per_step": hw,
+            "recompute_overhead": hw / hw_none - 1, "relative_tflops_per_gpu": hw_none / hw}
+
+
+def _with(cfg: Config, r: RecomputeConfig | None = None, **parallel: Any) -> Config:
+    out = dataclasses.replace(cfg, recompute=r if r is not None else cfg.recompute)
+    if parallel:
+        out = dataclasses.replace(out, parallel=dataclasses.replace(cfg.parallel, **parallel))
+    return out
+
+
+def setting_estimate(cfg: Config, device: str = "cuda") -> dict[str, Any]:
+    """One recompute setting: activation bytes per layer, stage activations, whole-rank peak, FLOPs."""
+    acts = stage_activations(cfg, device)
+    rank = peak_rank_memory(cfg, device)
+    return {
+        "label": cfg.recompute.label,
+        "recompute": cfg.record_fields()["recompute"],
+        "activation_bytes_per_layer": acts.per_layer_bytes,
+        "stage_activation_bytes": acts.stored_bytes,
+        "stage_activation_peak_bytes": acts.peak_bytes,
+        "peak_allocated_bytes": rank.peak_allocated_bytes,
+        "peak_stage": rank.stage,
+        "peak_phase": rank.phase,
+        **compute(cfg, device),
+    }
+
+
+def listed_settings(cfg: Config, device: str = "cuda") -> list[RecomputeConfig]:
+    """The settings `estimate` tabulates: none, every selective subset, full uniform 1 and the
+    uniform chunk with the lowest peak, and full block at a few layer counts (of a model chunk)."""
+    n_layers = layers_per_model_chunk(cfg)
+    out = [RecomputeConfig()] + selective_settings(spec_for(cfg.model).recompute_targets) + [RecomputeConfig("full", [], "uniform", 1)]
+    best = _best_uniform(cfg, n_layers, device)
+    if best != 1:
+        out.append(RecomputeConfig("full", [], "uniform", best))
+    for n in sorted({1, n_layers // 4, n_layers // 2, 3 * n_layers // 4, n_layers} - {0}):
+        out.append(RecomputeConfig("full", [], "block", n))
+    if cfg.recompute.label not in {r.label for r in out}:
+        out.insert(0, cfg.recompute)
+    return out
+
+
+def _best_uniform(cfg: Config, n_layers: int, device: str = "cuda") -> int:
+    """The uniform chunk size with the lowest backward peak (every chunk size costs the same FLOPs)."""
+    return min(range(1, n_layers + 1),
+               key=lambda n: (stage_activations(_with(cfg, RecomputeConfig("full", [], "uniform", n)), device).peak_bytes, n))
+
+
+def estimate_report(cfg: Config, device: str = "cuda", allowance_fraction: float = ALLOWANCE_FRACTION,
+                    allowance_bytes: float = ALLOWANCE_BYTES) -> dict[str, Any]:
+    """Everything `estimate` prints: the settings table, the paper's Table 2 for this shape, and the
+    whole-rank breakdown of cfg's own setting."""
+    m, tr, par = cfg.model, cfg.training, cfg.parallel
+    rank = peak_rank_memory(cfg, device)
+    settings = [setting_estimate(_with(cfg, r), device) for r in listed_settings(cfg, device)]
+    for row in settings:
+        row["device_bytes_needed"] = device_bytes_needed(row["peak_allocated_bytes"], allowance_fraction, allowance_bytes)
+    stats = built_minus_paper_bytes(cfg, device)
+    paper_rows = []
+    for name, built_modules, kind in (("none", None, "none"), ("selective", ["core_attn"], "selective"),
+                                      ("full", "full", "full")):
+        built = (checkpoint_input_bytes(cfg) if built_modules == "full"
+                 else layer_activation_bytes(cfg, built_modules or (), device))
+        paper_rows.append({"recompute": name,
+                           "paper_bytes": paper_layer_bytes(tr.seq_length, tr.micro_batch_size, m.hidden_size,
+                                                            m.num_attention_heads, par.tensor_model_parallel_size,
+                                                            par.sequence_parallel, kind),
+                           "built_bytes": built,
+                           "paper_flops": paper_flops_per_step(cfg, kind)})
+    return {
+        "schema": ESTIMATE_SCHEMA,
+        "workload": cfg.workload,
+        "config": cfg.to_dict(),
+        "recompute": cfg.record_fields()["recompute"],
+        "device": device_kind(device),
+        "attention_kernel": attention_kernel(cfg, device),
+        "num_microbatches": cfg.num_microbatches,
+        "microbatches_in_flight": microbatches_in_flight(cfg, 0),
+        "allowance": {"fraction": allowance_fraction, "bytes": allowance_bytes},
+        "setting": {**setting_estimate(cfg, device),
+                    "device_bytes_needed": device_bytes_needed(rank.peak_allocated_bytes, allowance_fraction, allowance_bytes),
+                    "layer_saved_bytes": layer_saved_bytes(cfg, cfg.recompute.modules if cfg.recompute.granularity == "selective" else (), device),
+                    "breakdown": {**rank.items, "backward peak": rank.backward_peak_bytes,
+                                  "optimizer step peak": rank.optimizer_step_bytes},
+                    "parameters_on_rank": rank.parameters},
+        "settings": settings,
+        "paper": {"differences": paper_layer_differences(cfg, device), "norm_stats_bytes": stats, "rows": paper_rows},
+        # The same setting with the other optimizer layout, where data parallelism makes it matter.
+        "other_optimizer": None if par.data_parallel_size == 1 else {
+            "use_distributed_optimizer": not par.use_distributed_optimizer,
+            "peak_allocated_bytes": peak_rank_memory(
+                _with(cfg, use_distributed_optimizer=not par.use_distributed_optimizer), device).peak_allocated_bytes},
+    }
+
+
+def _candidates(cfg: Config, device: str) -> list[dict[str, Any]]:
+    """Every setting worth planning with: none, each selective subset, the best uniform chunk and
+    every block count (uniform chunks all cost the same FLOPs; block trades FLOPs for memory)."""
+    n_layers = layers_per_model_chunk(cfg)
+    settings = [RecomputeConfig()] + selective_settings(spec_for(cfg.model).recompute_targets)
+    settings.append(RecomputeConfig("full", [], "uniform", _best_uniform(cfg, n_layers, device)))
+    settings += [RecomputeConfig("full", [], "block", n) for n in range(1, n_layers + 1)]
+    return [setting_estimate(_with(cfg, r), device) for r in settings]
+
+
+def _speed_key(row: dict[str, Any]) -> tuple:
+    # Fastest first: hardware FLOPs; at equal FLOPs recompute less (norm recompute costs memory-bound
+    # time the FLOPs do not show), then the lower peak.
+    r = row["recompute"]
+    work = len(r["modules"]) if r["granularity"] == "selective" else 0
+    return row["hardware_flops_per_step"], work, row["peak_allocated_bytes"]
+
+
+def plan(cfg: Config, budget_bytes: float, device: str = "cuda", allowance_fraction: float = ALLOWANCE_FRACTION,
+         allowance_bytes: float = ALLOWANCE_BYTES) -> dict[str, Any]:
+    """The settings that fit `budget_bytes` of device memory per GPU, fastest first, a recommended
+    one, and, when none fits, the changes of layout that would make one fit."""
+    rows = _candidates(cfg, device)
+    for row in rows:
+        row["device_bytes_needed"] = device_bytes_needed(row["peak_allocated_bytes"], allowance_fraction, allowance_bytes)
+    fitting = sorted((r for r in rows if r["device_bytes_needed"] <= budget_bytes), key=_speed_key)
+    # Of the block counts that fit, only the smallest is worth listing: more layers recomputed is slower.
+    shown, block_seen = [], False
+    for row in fitting:
+        if row["recompute"]["method"] == "block":
+            if block_seen:
+                continue
+            block_seen = True
+        shown.append(row)
+    out: dict[str, Any] = {"schema": PLAN_SCHEMA, "workload": cfg.workload, "config": cfg.to_dict(),
+                           "device": device_kind(device), "budget_bytes": budget_bytes,
+                           "allowance": {"fraction": allowance_fraction, "bytes": allowance_bytes},
+                           "fits": shown, "recommended": None, "reason": None, "would_fit": []}
+    if shown:
+        best = shown[0]
+        out["recommended"] = best["label"]
+        out["reason"] = (f"fastest setting that fits: {100 * best['recompute_overhead']:.1f}% recompute overhead, "
+                         f"needs {best['device_bytes_needed'] / 2**30:.1f} of {budget_bytes / 2**30:.1f} GiB")
+        return out
+    smallest = min(rows, key=lambda r: r["device_bytes_needed"])
+    out["reason"] = (f"nothing fits: the smallest setting ({smallest['label']}) needs "
+                     f"{smallest['device_bytes_needed'] / 2**30:.1f} GiB of {budget_bytes / 2**30:.1f} GiB")
+    out["would_fit"] = _what_would_fit(cfg, budget_bytes, device, allowance_fraction, allowance_bytes)
+    return out
+
+
+def _what_would_fit(cfg: Config, budget: float, device: str, fraction: float, fixed: float) -> list[dict[str, Any]]:
+    """Changes of layout, each with the fastest setting that then fits (or the smallest need)."""
+    m, tr, par = cfg.model, cfg.training, cfg.parallel
+    t, p = par.tensor_model_parallel_size, par.pipeline_model_parallel_size
+    changes: list[tuple[str, Config | None]] = []
+    nt = t * 2
+    if m.num_attention_heads % nt == 0 and m.groups % nt == 0:  # Megatron shards whole heads and groups
+        changes.append((f"--tp {nt} --sequence-parallel", _with(cfg, tensor_model_parallel_size=nt, sequence_parallel=True)))
+    else:
+        changes.append((f"more tensor parallel (--tp {nt} does not divide {m.num_attention_heads} heads, {m.groups} groups)", None))
+    if t > 1 and not par.sequence_parallel:
+        changes.append(("--sequence-parallel", _with(cfg, sequence_parallel=True)))
+    if tr.micro_batch_size > 1:
+        smaller = dataclasses.replace(cfg, training=dataclasses.replace(tr, micro_batch_size=1))
+        changes.append(("--micro-batch-size 1", smaller))
+    for k in (2, 4):
+        if m.num_layers % (p * k) == 0:
+            changes.append((f"--pp {p * k}", _with(cfg, pipeline_model_parallel_size=p * k)))
+            break
+    if par.data_parallel_size > 1 and not par.use_distributed_optimizer:
+        changes.append(("--set parallel.use_distributed_optimizer=true", _with(cfg, use_distributed_optimizer=True)))
+    out = []
+    for flag, changed in changes:
+        if changed is None:
+            out.append({"change": flag, "fits": False, "setting": "-", "device_bytes_needed": None, "recompute_overhead": None})
+            continue
+        rows = _candidates(changed, device)
+        for row in rows:
+            row["device_bytes_needed"] = device_bytes_needed(row["peak_allocated_bytes"], fraction, fixed)
+        fit = sorted((r for r in rows if r["device_bytes_needed"] <= budget), key=_speed_key)
+        best = fit[0] if fit else min(rows, key=lambda r: r["device_bytes_needed"])
+        out.append({"change": flag, "fits": bool(fit), "setting": best["label"],
+                    "device_bytes_needed": best["device_bytes_needed"], "recompute_overhead": best["recompute_overhead"]})
+    # Offload: what the optimizer state and the activations cost, the two things host memory can take.
+    rank = peak_rank_memory(_with(cfg, RecomputeConfig("full", [], "uniform", 1)), device)
+    state = rank.items["master weights (fp32)"] + rank.items["Adam moments (fp32)"]
+    without = device_bytes_needed(rank.peak_allocated_bytes - state, fraction, fixed)
+    out.append({"change": "offload the optimizer state to host memory (with full uniform 1)", "fits": without <= budget,
+                "setting": "full uniform 1", "device_bytes_needed": without,
+                "recompute_overhead": compute(_with(cfg, RecomputeConfig("full", [], "uniform", 1)), device)["recompute_overhead"]})
+    return out

@@ -1,0 +1,112 @@
+"""A parsed run and its config -> a `recompute-bench/result/v1` record, as `run` writes for a point
+it measured itself: the same keys, what the file did not give as None ("not measured"), never a
+guess, and the analytical estimate (framework megatron for Megatron-LM and Bridge runs) beside
+every measured figure, for the record and for each rank. `source` says where the figures came from:
+the format, the file, the steps used and the rule that chose them, and what the memory figures are.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from recompute_bench.analysis import flops
+from recompute_bench.analysis.rank import rank_memory
+from recompute_bench.ingest.parsed import ParsedRun
+from recompute_bench.ingest.timing import window
+from recompute_bench.measure.record import SCHEMA, rank_summary, unmeasured_metrics, unmeasured_rank
+from recompute_bench.measure.telemetry import package_version
+from recompute_bench.spec.config import Config
+
+
+def rank_stage(cfg: Config, rank: int) -> int:
+    """The pipeline stage of a global rank: Megatron orders ranks tp-cp-ep-dp-pp, pipeline outermost
+    (megatron/core/parallel_state.py, `initialize_model_parallel`, order="tp-cp-ep-dp-pp"); torchtitan's
+    device mesh puts pp first too."""
+    par = cfg.parallel
+    return rank // (par.world_size // par.pipeline_model_parallel_size)
+
+
+def _rank_entries(run: ParsedRun, cfg: Config, device_name: str, failure: dict | None) -> list[dict]:
+    world = cfg.parallel.world_size
+    memory = {(world - 1 if r == -1 else r): m for r, m in run.ranks.items()}  # -1: the last rank (Megatron golden)
+    ranks = sorted(set(memory) | ({failure["rank"]} if failure and failure.get("rank") is not None else set()))
+    estimates: dict[int, float] = {}
+    entries = []
+    for r in ranks:
+        stage = rank_stage(cfg, r)
+        if stage not in estimates:
+            estimates[stage] = rank_memory(cfg, stage, "cuda").peak_allocated_bytes
+        mine = failure if failure and failure.get("rank") == r else None
+        entry = unmeasured_rank(r, device_name, "oom" if mine else "ok",
+                                None if mine is None else {k: mine[k] for k in ("step", "phase", "message")})
+        m = memory.get(r)
+        if m is not None:
+            entry.update(peak_allocated_bytes=m.peak_allocated_bytes, peak_reserved_bytes=m.peak_reserved_bytes,
+                         alloc_retries=m.alloc_retries, after_step=m.after_step)
+            if run.peaks_since_start:  # the whole run's peak and, for lack of a reset after warm-up, the record's
+                entry.update(run_peak_allocated_bytes=m.peak_allocated_bytes, run_peak_reserved_bytes=m.peak_reserved_bytes)
+        entry.update(stage=stage, estimated_peak_allocated_bytes=estimates[stage],
+                     nvml_total_bytes=run.failure.device_total_bytes if run.failure else None)
+        entries.append(entry)
+    return entries
+
+
+def import_record(run: ParsedRun, cfg: Config, *, device_name: str | None = None) -> dict[str, Any]:
+    """The result record of an imported run. `device_name` stands where the file names no device."""
+    device = run.device_name or device_name
+    tr, world = cfg.training, cfg.parallel.world_size
+    metrics = unmeasured_metrics(cfg, "cuda")
+    chosen = window(run.timing, run.steps) if run.steps else None
+    step_time = chosen.value("step_time_s") if chosen else None
+    tflops = chosen.value("tflops_per_gpu") if chosen else None
+    tps = chosen.value("tokens_per_s_per_gpu") if chosen else None
+    reported = {}
+    if run.format == "torchtitan" and tps:
+        # torchtitan's tflops counts its own FLOPs per token; the record's is Megatron's model FLOPs
+        # formula over the step time its tokens per second give.
+        reported = {"tflops_per_gpu": tflops, "tokens_per_s_per_gpu": tps}
+        step_time = tr.global_batch_size * tr.seq_length / (tps * world)
+        tflops = None
+    if tflops is None and step_time:
+        tflops = metrics["model_flops_per_step"] / step_time / world / 1e12
+    peak = flops.peak_flops(device or "", tr.precision)
+    metrics.update(
+        step_time_s=step_time, step_times_s=[s.step_time_s for s in chosen.steps] if chosen else [],
+        tflops_per_gpu=tflops,
+        tokens_per_s_per_gpu=tr.global_batch_size * tr.seq_length / step_time / world if step_time else None,
+        mfu=metrics["model_flops_per_step"] / step_time / world / peak if step_time and peak else None,
+        hfu=metrics["hardware_flops_per_step"] / step_time / world / peak if step_time and peak else None,
+        loss=next((s.loss for s in run.steps if s.loss is not None), None),
+    )
+    failure = None
+    if run.failure is not None:
+        last = max((s.step for s in run.steps), default=None)
+        failure = {"rank": run.failure.rank, "step": None if last is None else last + 1, "phase": None,
+                   "message": run.failure.message}
+    # What ran is the source's; of this machine only the importing package is recorded.
+    env = {"device": "cuda", "device_name": device, "cpu": None, "torch_version": None, "cuda_version": None,
+           "package_version": package_version(), "git_sha": None, "hostname": None, "time": run.time, "tf32": None}
+    record = {
+        "schema": SCHEMA,
+        **cfg.record_fields(),
+        "env": env,
+        "status": "oom" if failure else "ok",
+        "failure": failure,
+        "point": {"name": run.path.stem, "run_id": None},
+        "launch": {"world_size": world, "nnodes": None, "data_parallel": "ddp"},
+        "ranks": _rank_entries(run, cfg, device or "", failure),
+        "metrics": metrics,
+        "source": {
+            "format": run.format, "file": str(run.path), "config_file": str(run.config_file) if run.config_file else None,
+            "steps": [s.step for s in chosen.steps] if chosen else [], "timing": chosen.rule if chosen else None,
+            "memory": run.memory_rule, "reported": reported or None,
+        },
+    }
+    peaks = [e["peak_allocated_bytes"] for e in record["ranks"] if e["peak_allocated_bytes"] is not None]
+    reserved = [e["peak_reserved_bytes"] for e in record["ranks"] if e["peak_reserved_bytes"] is not None]
+    metrics["peak_allocated_bytes"] = max(peaks) if peaks else run.peaks.get("peak_allocated_bytes")
+    metrics["peak_reserved_bytes"] = max(reserved) if reserved else run.peaks.get("peak_reserved_bytes")
+    metrics["peak_allocated_spread_bytes"] = max(peaks) - min(peaks) if len(peaks) > 1 else None
+    if failure is not None:
+        failure["summary"] = rank_summary(record)
+    return record
