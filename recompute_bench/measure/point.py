@@ -332,15 +332,16 @@ class SingleRank:
         A layout that `splits` the weights does it as torchtitan does: the model is built on the
         meta device, split, given its recompute and sharded there, and only then materialised, so a
         rank allocates and initialises its own shards (the whole model never exists on one rank),
-        with the values one rank's build holds (`models.dense.layers.materialize`). The cache the
-        initialisation's one whole parameter at a time leaves is handed back, so that the reserved
+        with the values one rank's build holds (`models.dense.layers.materialize`). On CUDA the cache
+        the initialisation leaves (one whole parameter at a time) is handed back, so that the reserved
         peak measures the training, not the build."""
         dtype = dtype or DTYPES[cfg.training.precision]
         spec = spec_for(cfg.model)
-        if not self.splits:
-            return apply_recompute(spec.build(cfg, device, dtype), cfg.recompute, self.tensor_group)
-        model = apply_recompute(self.split(spec.build(cfg, "meta", dtype)), cfg.recompute, self.tensor_group)
-        model = materialize(self.shard(model, cfg), device, cfg.training.seed)
+        if self.splits:
+            model = apply_recompute(self.split(spec.build(cfg, "meta", dtype)), cfg.recompute, self.tensor_group)
+            model = materialize(self.shard(model, cfg), device, cfg.training.seed)
+        else:
+            model = apply_recompute(spec.build(cfg, device, dtype), cfg.recompute, self.tensor_group)
         if device.type == "cuda":
             torch.cuda.empty_cache()
         return model
