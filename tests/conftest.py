@@ -42,6 +42,70 @@ def probe(cfg, dtype=torch.float32):
     return total, layers, fwd, fwd + bwd_counter.get_total_flops()
 
 
+def fsdp_param_groups(model) -> list:
+    """FSDP2's parameter groups of `model` (one per `fully_shard` call), none for other layouts."""
+    return [group for module in model.modules() if hasattr(module, "_get_fsdp_state")
+            for group in module._get_fsdp_state()._fsdp_param_groups]
+
+
+def all_gathered(group) -> list[torch.Tensor]:
+    """An FSDP2 group's all-gathered weights: each parameter's unsharded tensors and, between the
+    all-gather and the copy into them, the flat all-gather output (freed ones have empty storages)."""
+    pending = group._all_gather_result
+    return [*(t for p in group.fsdp_params for t in getattr(p, "all_gather_outputs", [])),
+            *([pending.all_gather_output] if pending is not None else [])]
+
+
+def storage_bytes(tensors) -> int:
+    """Bytes of the distinct storages of `tensors`, 0-dim ones left out (Adam's step counters)."""
+    storages = {}
+    for t in tensors:
+        if t.dim() > 0:
+            storages[t.untyped_storage()._cdata] = t.untyped_storage().nbytes()
+    return sum(storages.values())
+
+
+def held_tensors(model, optimizer) -> list[torch.Tensor]:
+    """Every tensor a rank holds for its parameters, read from the live objects: the weights (a
+    DTensor by its local tensor: a tensor-parallel or FSDP shard), their gradients and main
+    gradients, everything the optimizer reaches through attributes, dicts, lists and tuples (not
+    descending into modules), and what FSDP2 keeps per parameter: unsharded gradients and
+    all-gathered weights (a freed one has an empty storage)."""
+    roots = [list(model.parameters()), optimizer]
+    for group in fsdp_param_groups(model):
+        roots.append(all_gathered(group))
+        roots += [(p.unsharded_accumulated_grad, getattr(p, "_unsharded_param", None)) for p in group.fsdp_params]
+    found: list[torch.Tensor] = []
+    seen: set[int] = set()
+
+    def walk(obj) -> None:
+        if id(obj) in seen or isinstance(obj, torch.nn.Module):
+            return
+        seen.add(id(obj))
+        if isinstance(obj, torch.Tensor):
+            found.append(getattr(obj, "_local_tensor", obj))
+            # its gradient and tensors hung on it (a parameter's main_grad), not a DTensor's spec
+            children = [obj.grad, *(v for v in vars(obj).values() if isinstance(v, torch.Tensor))]
+        elif isinstance(obj, dict):
+            children = [*obj.keys(), *obj.values()]
+        elif isinstance(obj, (list, tuple, set)):
+            children = list(obj)
+        elif hasattr(obj, "__dict__") and not isinstance(obj, type):
+            children = list(vars(obj).values())
+        else:
+            return
+        for child in children:
+            walk(child)
+
+    walk(roots)
+    return found
+
+
+def held_bytes(model, optimizer) -> int:
+    """Bytes of the distinct storages of `held_tensors`, Adam's 0-dim step counters left out."""
+    return storage_bytes(held_tensors(model, optimizer))
+
+
 def invoke(*args: str):
     """Run the CLI in-process the way `main()` does (argv normalised first)."""
     return CliRunner().invoke(app, normalize_argv(list(args)))

@@ -327,13 +327,49 @@ def test_pipeline_stages_split_the_layers_and_keep_an_embedding_copy_when_tied()
     assert stage_parameters(cfg, 0) + stage_parameters(cfg, 1) == stage_parameters(one, 0) + vocab
 
 
-def test_optimizer_bytes_per_parameter_as_measure_holds_them_and_distributed():
-    held = ("weights", "main_grads", "master_weights", "adam_moments")
-    assert sum(optimizer_bytes_per_parameter(config())[k] for k in held) == 18
-    dist = config("tiny", parallel__data_parallel_size=4, parallel__use_distributed_optimizer=True,
-                  training__global_batch_size=8)
-    assert sum(optimizer_bytes_per_parameter(dist)[k] for k in held) == 6 + 12 / 4  # Megatron's 6 + 12/dp
-    assert sum(optimizer_bytes_per_parameter(config(training__precision="fp32"))[k] for k in held) == 16
+def test_optimizer_bytes_per_parameter_are_the_layouts_own_buffers_only():
+    def per(cfg):
+        return {h.name: h.per_parameter for h in optimizer_bytes_per_parameter(cfg)}
+
+    # One rank, DDP and tensor parallel: Megatron's 18 (bf16) and 16 (fp32), no 16-bit gradient kept.
+    assert per(config()) == {"weights (bf16)": 2, "main gradients (fp32)": 4, "master weights (fp32)": 4,
+                             "Adam moments (fp32)": 8}
+    assert per(config(training__precision="fp32")) == {"weights (fp32)": 4, "main gradients (fp32)": 4,
+                                                       "Adam moments (fp32)": 8}
+    assert per(config(parallel__data_parallel_size=2)) == per(config())
+    # FSDP (the distributed optimizer here): fp32 shards, 16/dp; with two micro-batches per rank the
+    # unsharded fp32 gradients accumulated until the last one's reduce-scatter, in backward only.
+    one = config("tiny", parallel__data_parallel_size=4, parallel__use_distributed_optimizer=True,
+                 training__global_batch_size=8)
+    assert one.num_microbatches == 1
+    assert per(one) == {"weights (fp32 shards)": 1, "gradients (fp32 shards, reduce-scattered)": 1,
+                        "Adam moments (fp32 shards)": 2}
+    # Megatron's own distributed optimizer (framework megatron): 6 + 12/dp.
+    megatron = dataclasses.replace(one, training=dataclasses.replace(one.training, framework="megatron"))
+    assert per(megatron) == {"weights (bf16)": 2, "main gradients (fp32)": 4, "master weights (fp32 shards)": 1,
+                             "Adam moments (fp32 shards)": 2}
+    two = dataclasses.replace(one, training=dataclasses.replace(one.training, global_batch_size=16))
+    held = {h.name: h for h in optimizer_bytes_per_parameter(two)}
+    assert held.keys() - per(one).keys() == {"gradients (fp32, unsharded, accumulated over micro-batches)"}
+    accumulated = held["gradients (fp32, unsharded, accumulated over micro-batches)"]
+    assert (accumulated.per_parameter, accumulated.backward, accumulated.step) == (4, True, False)
+    assert not held["gradients (fp32 shards, reduce-scattered)"].backward
+
+
+def test_the_whole_rank_lists_only_what_the_layout_holds():
+    ddp = rank_memory(config())
+    assert all(ddp.items.values()) and not any("FSDP" in name for name in ddp.items)
+    assert "activations of the other in-flight micro-batches" not in ddp.items  # no pipeline
+    fsdp = config("llama3-8b", parallel__data_parallel_size=8, parallel__use_distributed_optimizer=True)
+    rank = rank_memory(fsdp)
+    params = stage_parameters(fsdp, 0)
+    assert rank.items["gradients (fp32, unsharded, accumulated over micro-batches)"] == 4 * params
+    # The root (embedding, final norm, untied output layer) stays all-gathered from forward to
+    # backward, with its unsharded gradients: bf16 weights and gradients, 2 + 2 bytes each.
+    outside = 2 * 128256 * 4096 + 4096
+    assert rank.items["FSDP: all-gathered weights outside the layers"] == 2 * outside
+    assert rank.items["FSDP: unsharded gradients outside the layers"] == 2 * outside
+    assert rank.optimizer_step_bytes == 16 / 8 * params + rank.items["token ids (all micro-batches of the step)"]
 
 
 def test_first_stage_holds_p_microbatches_and_the_interleave_factor():

@@ -21,7 +21,7 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from conftest import config
+from conftest import config, held_bytes, held_tensors
 from recompute_bench.analysis.flops import peak_flops
 from recompute_bench.analysis.rank import optimizer_bytes_per_parameter
 from recompute_bench.measure.point import DTYPES, SavedTensorProbe, Stepper, make_optimizer, run_point, synthetic_batches
@@ -60,7 +60,7 @@ def test_the_probe_step_leaves_no_saved_storage_alive(monkeypatch):
     # What outlives the step for its own reasons: weights, their gradients, optimizer state and the
     # token batch (the embedding saves a view of it).
     owned = _storage_keys([*model.parameters(), *model.buffers(), batches])
-    owned |= _storage_keys(s for state in optimizer.state.values() for s in state.values())
+    owned |= _storage_keys(held_tensors(model, optimizer))
     alive = {s._cdata: s.nbytes() for s in (ref() for ref in seen) if s is not None}
     leaked = sum(n for key, n in alive.items() if key not in owned)
     assert probe.bytes()[0] > 1 << 20 and len(seen) > 50  # it counted a real micro-batch
@@ -80,40 +80,6 @@ def test_the_probe_reads_sizes_at_the_end_of_the_forward():
 
 
 # ----- 2. optimizer memory -----------------------------------------------------------------------
-def _tensors_in(obj, seen_ids: set[int] | None = None):
-    """Every tensor reachable from obj through attributes, dicts (keys too), lists and tuples,
-    not descending into modules (the model's buffers are not optimizer memory)."""
-    seen_ids = set() if seen_ids is None else seen_ids
-    if id(obj) in seen_ids or isinstance(obj, torch.nn.Module):
-        return
-    seen_ids.add(id(obj))
-    if isinstance(obj, torch.Tensor):
-        yield obj
-        if obj.grad is not None:
-            yield obj.grad
-        children = list(vars(obj).values()) if hasattr(obj, "__dict__") else []
-    elif isinstance(obj, dict):
-        children = [*obj.keys(), *obj.values()]
-    elif isinstance(obj, (list, tuple, set)):
-        children = list(obj)
-    elif hasattr(obj, "__dict__") and not isinstance(obj, type):
-        children = list(vars(obj).values())
-    else:
-        return
-    for child in children:
-        yield from _tensors_in(child, seen_ids)
-
-
-def _held_bytes(model, optimizer) -> int:
-    """Bytes of the distinct storages of the weights, their gradients and everything the optimizer
-    holds. 0-dim tensors (Adam's step counters, 4 bytes each) are left out."""
-    storages = {}
-    for t in _tensors_in([list(model.parameters()), optimizer]):
-        if t.dim() > 0:
-            storages[t.untyped_storage()._cdata] = t.untyped_storage().nbytes()
-    return sum(storages.values())
-
-
 @pytest.mark.parametrize("precision, by_hand", [
     ("bf16", 2 + 4 + 4 + 8),  # 16-bit weights, fp32 main gradients, fp32 master weights, fp32 moments
     ("fp32", 4 + 4 + 8),      # weights, gradients, moments
@@ -131,10 +97,10 @@ def test_the_optimizer_holds_the_bytes_per_parameter_the_estimate_states(precisi
             model.zero_grad(set_to_none=True)
     # After the second step's backward, before its update: the most the optimizer ever holds.
     n = sum(p.numel() for p in model.parameters())
-    held_per_parameter = _held_bytes(model, optimizer) / n
+    held_per_parameter = held_bytes(model, optimizer) / n
     estimate = optimizer_bytes_per_parameter(cfg)
     assert held_per_parameter == by_hand
-    assert held_per_parameter == sum(v for k, v in estimate.items() if k != "step_temporaries")
+    assert held_per_parameter == sum(h.per_parameter for h in estimate)
 
 
 def test_mixed_precision_accumulates_micro_batches_in_fp32_and_steps_adam():

@@ -39,14 +39,19 @@ def _two_ranks(tmp_path: Path, data_parallel: str = "ddp", sets=(), watchdog_s: 
     return run_ranks(cfg, launch, name="t", pieces=tmp_path / "pieces", log_path=tmp_path / "t.log", timeout_s=timeout_s)
 
 
+# A global batch of 8: two micro-batches per rank under dp = 2, the first accumulated without being
+# reduced (DDP's main gradients, FSDP's unsharded gradients), the second reduced.
+ACCUMULATE = ["training.global_batch_size=8"]
+
+
 @pytest.fixture(scope="module")
 def single_rank_losses() -> list[float]:
-    return run_point(config(sets=SETS))["ranks"][0]["losses"]
+    return run_point(config(sets=[*SETS, *ACCUMULATE]))["ranks"][0]["losses"]
 
 
 @pytest.mark.parametrize("data_parallel", ["ddp", "fsdp"])
 def test_data_parallel_over_two_ranks_gives_the_single_rank_losses(tmp_path, data_parallel, single_rank_losses):
-    record = _two_ranks(tmp_path, data_parallel)
+    record = _two_ranks(tmp_path, data_parallel, sets=ACCUMULATE)
     assert record["status"] == "ok", record["failure"]
     assert record["config"]["parallel"]["data_parallel_size"] == 2
     assert record["launch"]["world_size"] == 2 and record["launch"]["data_parallel"] == data_parallel

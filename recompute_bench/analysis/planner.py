@@ -13,7 +13,7 @@ from recompute_bench.analysis.layer import attention_kernel, checkpoint_input_by
 from recompute_bench.analysis.paper import (built_minus_paper_bytes, paper_flops_per_step, paper_layer_bytes,
                                             paper_layer_differences)
 from recompute_bench.analysis.rank import (ALLOWANCE_BYTES, ALLOWANCE_FRACTION, device_bytes_needed,
-                                           microbatches_in_flight, peak_rank_memory)
+                                           microbatches_in_flight, optimizer_bytes_per_parameter, peak_rank_memory)
 from recompute_bench.analysis.stage import stage_activations
 from recompute_bench.models import device_kind, spec_for
 from recompute_bench.recompute.settings import selective_settings
@@ -214,8 +214,13 @@ def _what_would_fit(cfg: Config, budget: float, device: str, fraction: float, fi
                     "device_bytes_needed": best["device_bytes_needed"], "recompute_overhead": best["recompute_overhead"]})
     # Offload: what the optimizer state and the activations cost, the two things host memory can take.
     rank = peak_rank_memory(_with(cfg, RecomputeConfig("full", [], "uniform", 1)), device)
-    state = rank.items["master weights (fp32)"] + rank.items["Adam moments (fp32)"]
-    without = device_bytes_needed(rank.peak_allocated_bytes - state, fraction, fixed)
+    held = optimizer_bytes_per_parameter(cfg)
+
+    def state(phase: str) -> float:
+        return sum(h.per_parameter for h in held if h.state and getattr(h, phase)) * rank.parameters
+
+    without = device_bytes_needed(max(rank.backward_peak_bytes - state("backward"),
+                                      rank.optimizer_step_bytes - state("step")), fraction, fixed)
     out.append({"change": "offload the optimizer state to host memory (with full uniform 1)", "fits": without <= budget,
                 "setting": "full uniform 1", "device_bytes_needed": without,
                 "recompute_overhead": compute(_with(cfg, RecomputeConfig("full", [], "uniform", 1)), device)["recompute_overhead"]})

@@ -1,6 +1,7 @@
-"""The whole rank: parameters times the optimizer's bytes per parameter, the activations of the
-micro-batches a pipeline stage holds in flight, the backward transient, the optimizer step's peak,
-the allocator allowance on top, and the estimate `run` stores beside each measurement.
+"""The whole rank: parameters times the layout's bytes per parameter and what FSDP unshards, the
+activations of the micro-batches a pipeline stage holds in flight, the backward transient, the
+optimizer step's peak, the allocator allowance on top, and the estimate `run` stores beside each
+measurement.
 """
 
 from __future__ import annotations
@@ -8,10 +9,11 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from recompute_bench.analysis import flops
-from recompute_bench.analysis.layer import layer_workspace_bytes
+from recompute_bench.analysis.layer import kind_config, layer_parameters, layer_workspace_bytes
 from recompute_bench.analysis.stage import (StageActivations, activation_bytes, embedding_saved_bytes,
-                                            loss_saved_bytes, loss_workspace_bytes, stage_activations,
-                                            stage_parameters, token_bytes)
+                                            loss_saved_bytes, loss_workspace_bytes, outside_parameters,
+                                            stage_activations, stage_parameters, token_bytes)
+from recompute_bench.models import ELEMENT_BYTES, FP32_BYTES
 from recompute_bench.spec.config import Config
 
 
@@ -23,22 +25,87 @@ ALLOWANCE_BYTES = 2**30
 `torch.cuda.max_memory_allocated` does not show but the device must hold."""
 
 
-def optimizer_bytes_per_parameter(cfg: Config) -> dict[str, float]:
-    """Bytes per parameter as `measure.point`'s optimizers hold them (tests/test_measure.py measures
-    them). 16-bit (Megatron's layout): weights 2; no 16-bit gradient is kept (a hook adds each one
-    into the fp32 main gradient as soon as autograd produced it and frees it, so only one
-    parameter's exists at a time: a transient, not a per-parameter cost); fp32 main gradients 4,
-    fp32 master weights 4, Adam moments 8: 18 held. fp32: plain Adam, weights 4, gradients 4,
-    moments 8: 16. Step temporaries 0: Adam runs fused (torch's fused kernel on CUDA and CPU)
-    and allocates nothing the size of the parameters. A distributed optimizer (Megatron's:
-    6 + 12/dp held) shards master weights and moments over dp."""
+@dataclass(frozen=True)
+class Held:
+    """One buffer a rank holds for each of its parameters, as `estimate` names it."""
+
+    name: str
+    per_parameter: float
+    """Bytes per parameter of the rank (its tensor-parallel shard of the model)."""
+    backward: bool = True
+    """Held at the backward peak."""
+    step: bool = True
+    """Held during the optimizer step."""
+    state: bool = False
+    """Optimizer state that host memory could hold instead (the planner's offload line)."""
+
+
+def is_fsdp(cfg: Config) -> bool:
+    """Whether cfg's data-parallel ranks run FSDP2: `run` records `--data-parallel fsdp` as
+    `use_distributed_optimizer` (and refuses it with DDP), so in this harness a distributed optimizer
+    is FSDP's; under framework megatron it is Megatron's."""
     par = cfg.parallel
-    shards = par.data_parallel_size if par.use_distributed_optimizer else 1
-    if cfg.training.precision == "fp32":
-        return {"weights": 4, "grads16": 0, "main_grads": 4, "master_weights": 0,
-                "adam_moments": 8 / shards, "step_temporaries": 0}
-    return {"weights": 2, "grads16": 0, "main_grads": 4, "master_weights": 4 / shards,
-            "adam_moments": 8 / shards, "step_temporaries": 0}
+    return cfg.training.framework == "recompute-bench" and par.data_parallel_size > 1 and par.use_distributed_optimizer
+
+
+def optimizer_bytes_per_parameter(cfg: Config) -> tuple[Held, ...]:
+    """The buffers `measure`'s layout of cfg holds per parameter, only those it has (the tests read
+    them back from the live objects of every layout on gloo ranks: tests/test_optimizer_bytes.py).
+
+    One rank, DDP (expert parallel included) and tensor parallel alone run Megatron's scheme
+    (`measure.point.MainGradAdam`): weights in the training precision, an fp32 main gradient each
+    gradient is added into and freed, which DDP all-reduces in place (no bucket copy); under
+    bf16/fp16 fp32 master weights; Adam's two fp32 moments: 2 + 4 + 4 + 8 = 18 bytes, 16 in fp32.
+    Megatron's own distributed optimizer (framework megatron) shards the master weights and moments
+    over dp and keeps the whole gradient buffer: 6 + 12/dp.
+
+    FSDP2 (`measure.distributed`) shards fp32 weights, fp32 gradients (from the reduce-scatter to the
+    step) and the moments over dp: 16/dp. With more than one micro-batch per rank it reduce-scatters
+    only in the last one; until then it keeps every layer's unsharded gradient in the fp32 reduce
+    dtype (torch/distributed/fsdp/_fully_shard/_fsdp_param.py, `to_accumulated_grad_if_needed`): 4
+    bytes per parameter, unsharded, through the backward. What FSDP unshards for compute is
+    `fsdp_unsharded_bytes`."""
+    dp = cfg.parallel.data_parallel_size
+    if is_fsdp(cfg):
+        held = [Held("weights (fp32 shards)", 4 / dp, state=True),
+                Held("gradients (fp32 shards, reduce-scattered)", 4 / dp, backward=False, state=True),
+                Held("Adam moments (fp32 shards)", 8 / dp, state=True)]
+        if cfg.num_microbatches > 1:
+            held.append(Held("gradients (fp32, unsharded, accumulated over micro-batches)", FP32_BYTES, step=False))
+        return tuple(held)
+    precision = cfg.training.precision
+    sharded = dp > 1 and cfg.parallel.use_distributed_optimizer  # Megatron's distributed optimizer
+    shards, where = (dp, " shards") if sharded else (1, "")
+    held = [Held(f"weights ({precision})", ELEMENT_BYTES[precision]), Held("main gradients (fp32)", FP32_BYTES)]
+    if precision != "fp32":
+        held.append(Held(f"master weights (fp32{where})", FP32_BYTES / shards, state=True))
+    return (*held, Held(f"Adam moments (fp32{where})", 2 * FP32_BYTES / shards, state=True))
+
+
+OUTSIDE_WEIGHTS = "FSDP: all-gathered weights outside the layers"
+OUTSIDE_GRADS = "FSDP: unsharded gradients outside the layers"
+LAYER_WEIGHTS = "FSDP: all-gathered weights of two layers (in backward, prefetched)"
+LAYER_GRADS = "FSDP: a layer's unsharded gradients and fp32 reduce-scatter input"
+
+
+def fsdp_unsharded_bytes(cfg: Config, stage: int = 0) -> dict[str, float]:
+    """What FSDP2 holds unsharded in a backward, beyond `optimizer_bytes_per_parameter`, in the
+    training precision (`MixedPrecisionPolicy.param_dtype`); nothing for other layouts. Throughout:
+    the root's all-gathered weights (everything outside the layers: the root does not reshard after
+    forward, torch/distributed/fsdp/_fully_shard/_fsdp_state.py `FSDPState._lazy_init`) and their
+    unsharded gradients (from the output layer's backward to the root's reduce-scatter at the end).
+    In a layer's backward, for the largest layer: its all-gathered weights and the previous layer's,
+    prefetched (`_fsdp_param_group.py`, `FSDPParamGroup._backward_prefetch`), and its unsharded
+    gradients with the fp32 reduce-scatter input they are copied into (`_fsdp_collectives.py`,
+    `foreach_reduce`)."""
+    if not is_fsdp(cfg):
+        return {}
+    e = ELEMENT_BYTES[cfg.training.precision]
+    kinds = ("dense", "moe") if cfg.model.num_moe_experts else ("dense",)
+    layer = max(sum(layer_parameters(kind_config(cfg, kind)).values()) for kind in kinds)
+    outside = outside_parameters(cfg, stage)
+    return {OUTSIDE_WEIGHTS: e * outside, OUTSIDE_GRADS: e * outside,
+            LAYER_WEIGHTS: 2 * e * layer, LAYER_GRADS: (e + FP32_BYTES) * layer}
 
 
 def microbatches_in_flight(cfg: Config, stage: int = 0) -> float:
@@ -83,34 +150,39 @@ class RankMemory:
 
 
 def rank_memory(cfg: Config, stage: int = 0, device: str = "cuda", acts: StageActivations | None = None) -> RankMemory:
-    """Peak allocated bytes of one rank of pipeline stage `stage` under cfg (parameters, gradients,
-    optimizer state, in-flight activations, embedding/loss buffers, transient workspaces); `acts`
-    replaces the stage's activations under cfg.recompute (the planner's candidate policies)."""
+    """Peak allocated bytes of one rank of pipeline stage `stage` under cfg (the layout's weights,
+    gradients and optimizer state, what FSDP unshards, in-flight activations, embedding/loss buffers,
+    transient workspaces); `acts` replaces the stage's activations under cfg.recompute (the
+    planner's candidate policies). Only the items the layout has are listed."""
     p = cfg.parallel.pipeline_model_parallel_size
     params = stage_parameters(cfg, stage)
-    per = optimizer_bytes_per_parameter(cfg)
+    held = optimizer_bytes_per_parameter(cfg)
+    unsharded = fsdp_unsharded_bytes(cfg, stage)
     acts = acts or stage_activations(cfg, device)
     in_flight = microbatches_in_flight(cfg, stage)
     first, last = stage == 0, stage == p - 1
     emb = sum(embedding_saved_bytes(cfg).values()) if first else 0.0
     loss = sum(loss_saved_bytes(cfg, device).values()) if last else 0.0
+    tokens = token_bytes(cfg) if first or last else 0.0
     # The micro-batch in backward: first the loss's backward (all its layers still stored), then
-    # the layers' backward, where full recompute rebuilds a chunk.
+    # the layers' backward, where full recompute rebuilds a chunk (and FSDP unshards a layer).
     at_loss = acts.stored_bytes + emb + (loss + loss_workspace_bytes(cfg) if last else 0.0)
     in_layers = acts.peak_bytes + emb + layer_workspace_bytes(cfg, device)
-    items = {
-        "weights": per["weights"] * params,
-        "gradients (16-bit, until the step)": per["grads16"] * params,
-        "main gradients (fp32)": per["main_grads"] * params,
-        "master weights (fp32)": per["master_weights"] * params,
-        "Adam moments (fp32)": per["adam_moments"] * params,
-        "token ids (all micro-batches of the step)": token_bytes(cfg) if first or last else 0.0,
+    layer_window = unsharded.get(LAYER_WEIGHTS, 0.0) + unsharded.get(LAYER_GRADS, 0.0)
+    items = {h.name: h.per_parameter * params for h in held if h.backward}
+    items.update({name: unsharded[name] for name in (OUTSIDE_WEIGHTS, OUTSIDE_GRADS) if name in unsharded})
+    items.update({
+        "token ids (all micro-batches of the step)": tokens,
         "activations of the other in-flight micro-batches": (in_flight - 1) * (acts.stored_bytes + emb + loss),
         "activations of the micro-batch in backward (stored)": acts.stored_bytes + emb + loss,
-        "backward transient (recompute, loss, gradients)": max(at_loss, in_layers) - (acts.stored_bytes + emb + loss),
-    }
-    step = sum(per[k] for k in ("weights", "main_grads", "master_weights", "adam_moments", "step_temporaries")) * params
-    step += items["token ids (all micro-batches of the step)"]
+    })
+    if in_layers + layer_window >= at_loss:
+        items["backward transient (recompute, loss, gradients)"] = in_layers - (acts.stored_bytes + emb + loss)
+        items.update({name: unsharded[name] for name in (LAYER_WEIGHTS, LAYER_GRADS) if name in unsharded})
+    else:
+        items["backward transient (recompute, loss, gradients)"] = at_loss - (acts.stored_bytes + emb + loss)
+    items = {name: value for name, value in items.items() if value}
+    step = sum(h.per_parameter for h in held if h.step) * params + tokens
     return RankMemory(stage=stage, parameters=params, items=items, optimizer_step_bytes=step)
 
 

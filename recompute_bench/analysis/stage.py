@@ -157,11 +157,18 @@ def activation_bytes(cfg: Config, device: str = "cuda") -> dict[str, float]:
 
 def stage_parameters(cfg: Config, stage: int) -> float:
     """Parameters held by one rank of pipeline stage `stage` (0-based)."""
+    m, p = cfg.model, cfg.parallel.pipeline_model_parallel_size
+    return m.num_layers // p * sum(layer_parameters(cfg).values()) + outside_parameters(cfg, stage)
+
+
+def outside_parameters(cfg: Config, stage: int) -> float:
+    """Parameters of one rank of pipeline stage `stage` outside its layers: the embeddings on the
+    first stage, the final norm and the output layer (or, tied with p > 1, the last stage's copy of
+    the embedding) on the last."""
     m, par = cfg.model, cfg.parallel
     p, t = par.pipeline_model_parallel_size, par.tensor_model_parallel_size
-    per_layer = sum(layer_parameters(cfg).values())
-    n = m.num_layers // p * per_layer
     vocab = vocab_rows(cfg) * m.hidden_size / t  # the padded vocabulary's rows, sharded over TP
+    n = 0.0
     if stage == 0:
         n += vocab
         if m.position_embedding_type == "learned_absolute":

@@ -5,15 +5,18 @@ process group torchrun's rendezvous set up (gloo on CPU, NCCL on CUDA) with a co
 limit (the watchdog of a rank stuck waiting for a peer that hangs or died), caps the allocator
 with `--memory-limit-gb`, and measures the point with `measure.point.run_point` under a layout:
 
-- `DataParallel("ddp")`: torch's DistributedDataParallel around the whole model, built in the
-  training precision; micro-batches before the last run under `no_sync`, the last all-reduces.
-  Under bf16/fp16 the optimizer is `MixedPrecisionAdam`, fed from DDP's reduced 16-bit gradients
-  (so a DDP rank also holds 16-bit gradients: 20 bytes per parameter, not Megatron's 18).
+- `DataParallel("ddp")`: Megatron's data parallelism, the whole model on every rank in the training
+  precision: each gradient is added into the optimizer's flat fp32 main-gradient buffer and freed
+  (`point.MainGrads`), and the buffer is all-reduced in place, bucket by bucket, during the last
+  micro-batch's backward (`BucketedGrads`); earlier micro-batches only accumulate. Nothing else is
+  held: 18 bytes per parameter under bf16/fp16 (2 + 4 + 4 + 8), 16 in fp32, as on one rank.
 - `DataParallel("fsdp")`: FSDP2, `fully_shard` on every transformer layer and then on the root,
   after recompute is installed (torchtitan's order: TP -> AC -> compile -> FSDP). Weights, fp32
   gradients and Adam's state are sharded over the ranks (`use_distributed_optimizer` is what
   FSDP does); under bf16/fp16 the sharded weights are fp32 and FSDP casts them to the training
-  precision for compute (`MixedPrecisionPolicy`), reducing gradients in fp32.
+  precision for compute (`MixedPrecisionPolicy`), reducing gradients in fp32. Micro-batches before
+  the last do not reduce-scatter (`set_requires_gradient_sync(False)`): FSDP keeps their unsharded
+  gradients, in fp32, until the last micro-batch's backward reduce-scatters once per layer.
 
 Each rank takes its own micro-batches of the global batch (micro-batch x data-parallel size x
 accumulation), so the step's loss, averaged over the ranks, is the single-rank loss of the
@@ -27,13 +30,14 @@ from __future__ import annotations
 import dataclasses
 import datetime
 import os
-from typing import Callable
+from contextlib import AbstractContextManager, contextmanager
+from typing import Iterator
 
 import torch
 import torch.distributed as dist
 
-from recompute_bench.measure.point import (DTYPES, MixedPrecisionAdam, SingleRank, _adam, pick_device, run_point,
-                                           synthetic_batches)
+from recompute_bench.measure.point import (DTYPES, MainGradAdam, MainGrads, SingleRank, _adam, local, pick_device,
+                                           run_point, synthetic_batches)
 from recompute_bench.spec.config import Config
 
 DATA_PARALLEL = ("ddp", "fsdp")
@@ -57,7 +61,9 @@ class DataParallel(SingleRank):
         self.dp_size, self.dp_rank = self.world_size // tp, self.rank // tp
         self.ep = cfg.parallel.expert_model_parallel_size if cfg is not None else 1
         self.experts: list[torch.nn.Parameter] = []
-        """This rank's routed-expert weights under expert parallel (not reduced by DDP)."""
+        """This rank's routed-expert weights under expert parallel (reduced over the ranks holding
+        the same experts only)."""
+        self.ep_group = self.expert_dp_group = None
         if self.ep > 1:
             from recompute_bench.models.moe.dispatch import expert_parallel_groups
             self.ep_group, self.expert_dp_group = expert_parallel_groups(self.ep)
@@ -78,10 +84,11 @@ class DataParallel(SingleRank):
 
     def build(self, cfg: Config, device: torch.device, dtype: torch.dtype | None = None) -> torch.nn.Module:
         if self.dp_size > 1 and self.kind == "ddp":  # the whole model on every rank
-            from torch.nn.parallel import DistributedDataParallel
             model = super().build(cfg, device, dtype)
-            self._shard_experts(model)
-            return DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
+            if self.ep > 1:
+                from recompute_bench.models.moe.dispatch import shard_experts
+                self.experts = shard_experts(model, self.ep_group)
+            return model
         if self.dp_size > 1:  # FSDP: fp32 sharded weights, cast for compute (`shard`)
             dtype = torch.float32
         return super().build(cfg, device, dtype)
@@ -99,33 +106,6 @@ class DataParallel(SingleRank):
         fully_shard(model, mesh=mesh, mp_policy=policy)
         return model
 
-    def _shard_experts(self, model: torch.nn.Module) -> None:
-        """Expert parallel: keep this rank's experts, and take their weights out of DDP's all-reduce.
-        Megatron reduces expert gradients over the expert-data-parallel group only (ranks holding
-        the same experts), scaled by 1 / data_parallel_size like every gradient: each expert's
-        gradient already sums the tokens every rank of its expert-parallel group sent it. Leaving
-        them out of DDP and scaling by a gradient hook is that with no second DDP: with ep equal to
-        the world there is nothing left to reduce; below it, `reduce_expert_grads` all-reduces them
-        over the expert-data-parallel group before the optimizer step."""
-        if self.ep == 1:
-            return
-        from torch.nn.parallel import DistributedDataParallel
-        from recompute_bench.models.moe.dispatch import shard_experts
-
-        self.experts = shard_experts(model, self.ep_group)
-        ids = {id(p) for p in self.experts}
-        DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(
-            model, [n for n, p in model.named_parameters() if id(p) in ids])
-        for p in self.experts:
-            p.register_hook(lambda g: g / self.world_size)
-
-    def reduce_expert_grads(self) -> None:
-        """Sum the expert gradients over the ranks that hold the same experts (ep below the world)."""
-        if self.ep > 1 and self.expert_dp_group is not None:
-            for p in self.experts:
-                if p.grad is not None:
-                    dist.all_reduce(p.grad, group=self.expert_dp_group)
-
     def whole_expert_grad(self, grad: torch.Tensor) -> torch.Tensor:
         """Every expert's gradient of one weight, gathered from the expert-parallel group."""
         parts = [torch.empty_like(grad) for _ in range(self.ep)]
@@ -136,15 +116,32 @@ class DataParallel(SingleRank):
         """The whole model's parameters: each rank holds 1 / ep of the routed experts."""
         return super().num_parameters(model) + (self.ep - 1) * sum(p.numel() for p in self.experts)
 
+    @property
+    def reduces_main_grads(self) -> bool:
+        """Whether gradients are reduced in the optimizer's main-gradient buffer (DDP), not in `.grad`."""
+        return self.kind == "ddp" and self.dp_size > 1
+
     def optimizer(self, model: torch.nn.Module, precision: str):
         params = [p for p in model.parameters() if p.requires_grad]
-        if self.dp_size == 1:  # tensor parallel only: DTensor shards and plain replicas side by side
-            from recompute_bench.measure.tensor_parallel import LocalAdam
-            return LocalAdam(params, 1e-4) if precision == "fp32" else MixedPrecisionAdam(params, 1e-4)
-        if self.kind == "fsdp":
+        if self.kind == "fsdp" and self.dp_size > 1:
             return _adam(params, 1e-4)  # fp32 sharded weights, gradients and state (the distributed optimizer)
-        optimizer = _adam(params, 1e-4) if precision == "fp32" else ReducedGradAdam(params, 1e-4)
-        return ExpertGradReduce(optimizer, self.reduce_expert_grads) if self.experts else optimizer
+        if not self.reduces_main_grads:  # tensor parallel only: DTensor shards and replicas, one rank's way
+            return MainGradAdam(MainGrads(params), precision)
+        # Megatron's expert parallel: expert gradients are reduced over the expert-data-parallel group
+        # (ranks holding the same experts; none when ep is the world), every other one over all ranks.
+        # Each group's parameters in backward order (the reverse of the forward's), as Megatron lays out its buffers.
+        experts = {id(p) for p in self.experts}
+        dense = [p for p in params if id(p) not in experts]
+        ordered = dense[::-1] + [p for p in params if id(p) in experts][::-1]
+        groups = [dist.group.WORLD] * len(dense) + [self.expert_dp_group] * (len(ordered) - len(dense))
+        return MainGradAdam(BucketedGrads(ordered, groups, self.dp_size, BUCKET_PARAMETERS), precision)
+
+    def no_sync(self, model: torch.nn.Module, optimizer) -> AbstractContextManager:
+        """Around a micro-batch but the last: DDP accumulates into the main gradients without
+        reducing them; FSDP keeps the unsharded gradients instead of reduce-scattering them."""
+        if self.kind == "fsdp" and self.dp_size > 1:
+            return _fsdp_no_sync(model)
+        return optimizer.grads.no_sync()
 
     def batches(self, cfg: Config, device: torch.device) -> torch.Tensor:
         """Micro-batches r, r + dp, r + 2 dp, ... of the global batch's, r this rank's data-parallel
@@ -160,30 +157,90 @@ class DataParallel(SingleRank):
         return value / self.world_size
 
 
-class ReducedGradAdam(MixedPrecisionAdam):
-    """MixedPrecisionAdam for DDP: the 16-bit gradients DDP has all-reduced are added into the fp32
-    main gradients when the step begins (DDP reduces `.grad`, so it cannot be freed as it is
-    accumulated, as the single-rank optimizer does)."""
-
-    def __init__(self, params, lr: float):
-        super().__init__(params, lr, hook=False)
-
-    def step(self) -> None:
-        with torch.no_grad():
-            grads = [p.grad for p in self.params]
-            torch._foreach_add_([p.main_grad for p in self.params], grads)
-        super().step()
+BUCKET_PARAMETERS = 40_000_000
+"""Parameters per gradient bucket. Megatron's default when the reduction overlaps the backward is
+max(40M, 1M x dp) (megatron/core/distributed/distributed_data_parallel.py,
+`DistributedDataParallel.__init__`): the same up to 40 data-parallel ranks."""
 
 
-class ExpertGradReduce:
-    """An optimizer whose step first reduces the expert gradients (`DataParallel.reduce_expert_grads`)."""
+class BucketedGrads(MainGrads):
+    """Megatron's data-parallel gradient reduction, in place on the main-gradient buffer
+    (megatron/core/distributed/param_and_grad_buffer.py: `_ParamAndGradBuffer` cuts the buffer into
+    buckets; `_ParamAndGradBucketGroup.register_grad_ready` starts a bucket's reduction when its last
+    gradient is in, `start_grad_sync` scales it by the gradient scaling factor 1/dp and all-reduces it
+    (sum), `finish_grad_sync` waits). Buckets are runs of whole parameters of the buffer, at most about
+    `bucket_parameters` each, never mixing process groups. On the micro-batch that synchronises, each
+    bucket's all-reduce starts asynchronously as soon as its parameters' gradients are accumulated,
+    overlapping the rest of the backward; `finish` starts any bucket still waiting (a parameter that
+    got no gradient) and waits for all. Under `no_sync` gradients are only accumulated. The buffer is
+    the communication buffer: no bucket copy, nothing held beyond the 4 bytes per parameter."""
 
-    def __init__(self, optimizer, reduce: Callable[[], None]):
-        self.optimizer, self.reduce = optimizer, reduce
+    def __init__(self, params: list[torch.nn.Parameter], groups: list, dp_size: int, bucket_parameters: int):
+        super().__init__(params)
+        self.scale = 1.0 / dp_size
+        self.sync = True
+        self.buckets: list[tuple[slice, object, set[int]]] = []
+        """(its slice of the buffer, its process group or None for nothing to reduce, its parameters' ids)."""
+        self.bucket_of: dict[int, int] = {}
+        start = offset = 0
+        members: set[int] = set()
+        for i, (p, group) in enumerate(zip(params, groups)):
+            members.add(id(p))
+            self.bucket_of[id(p)] = len(self.buckets)
+            offset += local(p).numel()
+            if i + 1 == len(params) or groups[i + 1] is not group or offset - start >= bucket_parameters:
+                self.buckets.append((slice(start, offset), group, members))
+                start, members = offset, set()
+        self.waiting = [set(b[2]) for b in self.buckets]
+        self.handles: dict[int, object] = {}
+        """Bucket index -> its all-reduce in flight (None for a bucket with nothing to reduce)."""
 
-    def step(self) -> None:
-        self.reduce()
-        self.optimizer.step()
+    @contextmanager
+    def no_sync(self) -> Iterator[None]:
+        self.sync = False
+        try:
+            yield
+        finally:
+            self.sync = True
+
+    def ready(self, p: torch.nn.Parameter) -> None:
+        if not self.sync:
+            return
+        b = self.bucket_of[id(p)]
+        if b in self.handles:
+            raise RuntimeError(f"a gradient of {tuple(p.shape)} arrived after its bucket was reduced")
+        self.waiting[b].discard(id(p))
+        if not self.waiting[b]:
+            self._start(b)
+
+    def _start(self, b: int) -> None:
+        where, group, _ = self.buckets[b]
+        bucket = self.data[where]
+        bucket.mul_(self.scale)  # Megatron's gradient_scaling_factor (1/dp), then a sum over the group
+        self.handles[b] = dist.all_reduce(bucket, group=group, async_op=True) if group is not None else None
+
+    def finish(self) -> None:
+        for b in range(len(self.buckets)):
+            if b not in self.handles:
+                self._start(b)
+        for handle in self.handles.values():
+            if handle is not None:
+                handle.wait()
+        self.handles.clear()
+        self.waiting = [set(b[2]) for b in self.buckets]
+
+
+@contextmanager
+def _fsdp_no_sync(model: torch.nn.Module) -> Iterator[None]:
+    """FSDP2 without reduce-scatter: each layer keeps its unsharded gradient in the fp32 reduce dtype
+    (a 16-bit one upcast, torch/distributed/fsdp/_fully_shard/_fsdp_param.py `to_accumulated_grad_if_needed`;
+    the next micro-batch adds into it, `accumulate_unsharded_grad_if_needed`) until a backward with
+    gradient sync reduce-scatters the sum (`_fsdp_param_group.py`, `FSDPParamGroup.post_backward`)."""
+    model.set_requires_gradient_sync(False)
+    try:
+        yield
+    finally:
+        model.set_requires_gradient_sync(True)
 
 
 def init_process_group(device: torch.device, watchdog_s: float) -> None:
@@ -241,15 +298,17 @@ def gathered_loss_and_grads(cfg: Config, tokens: torch.Tensor, device: torch.dev
     seeded with the training seed before the micro-batch, on every rank."""
     model = layout.build(cfg, device)
     model.train()
+    main_grads = layout.optimizer(model, cfg.training.precision).grads if layout.reduces_main_grads else None
     with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []), layout.context():
         torch.manual_seed(cfg.training.seed)
         loss = model(tokens[:, :-1], tokens[:, 1:])
         loss.backward()
-    layout.reduce_expert_grads()
+    if main_grads:
+        main_grads.finish()
     experts = {id(p) for p in layout.experts}
     grads = {}
     for name, p in model.named_parameters():
-        name, g = name.removeprefix("module."), p.grad
+        g = p.main_grad if main_grads else p.grad
         if g is not None and hasattr(g, "full_tensor"):
             g = g.full_tensor()
         elif g is not None and id(p) in experts:

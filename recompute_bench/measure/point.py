@@ -17,7 +17,7 @@ import statistics
 import time
 import traceback
 import weakref
-from contextlib import contextmanager, nullcontext
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from typing import Any, Callable, Iterator
 
 import torch
@@ -33,7 +33,7 @@ from recompute_bench.measure.record import (FAULT_ENV, SCHEMA, make_record, pred
                                             unmeasured_rank)
 from recompute_bench.measure.telemetry import NvmlSampler, cuda_memory, device_name, environment, uses_tf32
 
-__all__ = ["SCHEMA", "FAULT_ENV", "DTYPES", "MixedPrecisionAdam", "SavedTensorProbe", "Stepper", "make_optimizer",
+__all__ = ["SCHEMA", "FAULT_ENV", "DTYPES", "MainGradAdam", "MainGrads", "SavedTensorProbe", "Stepper", "make_optimizer",
            "SingleRank", "make_record", "pick_device", "run_point", "synthetic_batches", "unmeasured_metrics", "unmeasured_rank"]
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
@@ -63,63 +63,92 @@ def _adam(params: list[torch.Tensor], lr: float) -> torch.optim.Adam:
         return torch.optim.Adam(params, lr=lr, foreach=True)
 
 
-class MixedPrecisionAdam:
-    """Adam as Megatron runs it under bf16/fp16: 16-bit weights for compute, fp32 main gradients,
-    fp32 master weights and fp32 moments, 2 + 4 + 4 + 8 = 18 bytes held per parameter.
+class MainGrads:
+    """Megatron's gradient buffer: one flat fp32 tensor holding every parameter's main gradient
+    (`p.main_grad`, a view of it, Megatron's name). As soon as autograd has accumulated a
+    parameter's gradient, a post-accumulate-grad hook adds it into the main gradient and frees it
+    (megatron/core/distributed/distributed_data_parallel.py, `DistributedDataParallel._make_backward_post_hook`),
+    so micro-batches accumulate in fp32 and at most one parameter's own gradient exists at a time:
+    4 bytes per parameter held, in every precision. A DTensor (tensor-parallel) parameter takes part
+    through its local shard. One rank reduces nothing (`measure.distributed.BucketedGrads` reduces
+    over the data-parallel ranks)."""
 
-    No gradient stays in 16 bits: as soon as autograd has accumulated a parameter's gradient, a
-    post-accumulate-grad hook adds it into that parameter's view of one flat fp32 buffer
-    (`p.main_grad`, Megatron's name) and frees it, so micro-batches accumulate in fp32 and at most
-    one parameter's 16-bit gradient exists at a time. The master weights are one flat fp32 buffer
-    too; Adam (fused where available) updates it with the flat main gradient as its `.grad`, and
-    one foreach copy writes the result back into the 16-bit weights. A DTensor (tensor-parallel)
-    parameter takes part through its local shard.
-    """
-
-    def __init__(self, params: list[torch.nn.Parameter], lr: float, hook: bool = True):
+    def __init__(self, params: list[torch.nn.Parameter]):
         self.params = params
-        n = sum(local(p).numel() for p in params)
-        device = params[0].device
-        self.main_grad = torch.zeros(n, dtype=torch.float32, device=device)
-        self.master = torch.empty(n, dtype=torch.float32, device=device)
-        self.master_params: list[torch.Tensor] = []
-        """Each parameter's view of the flat fp32 master weights, in `params` order."""
+        self.data = torch.zeros(sum(local(p).numel() for p in params), dtype=torch.float32, device=params[0].device)
         offset = 0
         for p in params:
             mine = local(p)
-            view = slice(offset, offset + mine.numel())
-            p.main_grad = self.main_grad[view].view_as(mine)
-            master = self.master[view].view_as(mine)
+            p.main_grad = self.data[offset:offset + mine.numel()].view_as(mine)
+            p.register_post_accumulate_grad_hook(self._accumulate)
+            offset += mine.numel()
+
+    @torch.no_grad()
+    def _accumulate(self, p: torch.nn.Parameter) -> None:
+        p.main_grad.add_(local_grad(p))  # fp32 += 16-bit, computed in fp32
+        p.grad = None  # the parameter's own gradient is not kept
+        self.ready(p)
+
+    def ready(self, p: torch.nn.Parameter) -> None:
+        """p's gradient of this backward is in its main gradient."""
+
+    def no_sync(self) -> AbstractContextManager:
+        """Around the micro-batches whose gradients are only accumulated: all of them here."""
+        return nullcontext()
+
+    def finish(self) -> None:
+        """Make the step's main gradients complete before the optimizer reads them: they are, on one rank."""
+
+
+class MainGradAdam:
+    """Adam on the main gradients (`MainGrads`), as Megatron's optimizers read them. Under bf16/fp16:
+    16-bit weights for compute, fp32 master weights in one flat buffer that Adam (fused where
+    available) updates with the flat main gradients as its `.grad`, then one foreach copy into the
+    16-bit weights: 2 + 4 + 4 + 8 = 18 bytes held per parameter. In fp32 the weights are the master
+    weights, updated in place with their main gradients: 4 + 4 + 8 = 16."""
+
+    def __init__(self, grads: MainGrads, precision: str, lr: float = 1e-4):
+        self.grads = grads
+        self.master: torch.Tensor | None = None
+        """The flat fp32 master weights (None in fp32: the weights themselves)."""
+        if precision == "fp32":
+            self.master_params = [local(p) for p in grads.params]
+            self.adam = _adam(self.master_params, lr)
+            return
+        self.master = torch.empty_like(grads.data)
+        self.master_params = []
+        """Each parameter's fp32 master weights (a view of `master`), in `grads.params` order."""
+        offset = 0
+        for p in grads.params:
+            mine = local(p)
+            master = self.master[offset:offset + mine.numel()].view_as(mine)
             master.copy_(mine.detach())
             self.master_params.append(master)
-            if hook:
-                p.register_post_accumulate_grad_hook(_accumulate_main_grad)
             offset += mine.numel()
-        self.master.grad = self.main_grad  # Adam reads the main gradients where they are: no copy
+        self.master.grad = grads.data  # Adam reads the main gradients where they are: no copy
         self.adam = _adam([self.master], lr)
 
     def step(self) -> None:
-        """Update the master weights from the accumulated main gradients, copy them into the 16-bit
-        weights, and zero the main gradients for the next step."""
-        self.adam.step()
-        with torch.no_grad():
-            torch._foreach_copy_([local(p) for p in self.params], self.master_params)  # one multi-tensor copy, fp32 -> 16-bit
-        self.main_grad.zero_()
+        """Complete the main gradients (`grads.finish`), update the master weights from them, copy
+        them into the 16-bit weights, and zero the main gradients for the next step."""
+        self.grads.finish()
+        if self.master is None:
+            for mine, p in zip(self.master_params, self.grads.params):
+                mine.grad = p.main_grad
+            self.adam.step()
+            for mine in self.master_params:
+                mine.grad = None  # else the next backward would accumulate into the main gradient itself
+        else:
+            self.adam.step()
+            with torch.no_grad():  # one multi-tensor copy, fp32 -> 16-bit
+                torch._foreach_copy_([local(p) for p in self.grads.params], self.master_params)
+        self.grads.data.zero_()
 
 
-@torch.no_grad()
-def _accumulate_main_grad(p: torch.nn.Parameter) -> None:
-    p.main_grad.add_(local_grad(p))  # fp32 += 16-bit, computed in fp32
-    p.grad = None  # the 16-bit gradient is not kept: that is the 2 bytes per parameter saved
-
-
-def make_optimizer(model: GPT, precision: str, lr: float = 1e-4):
-    """The optimizer `run_point` steps: plain Adam on the weights in fp32 (4 + 4 + 8 = 16 bytes per
-    parameter), Megatron's MixedPrecisionAdam in bf16/fp16 (18)."""
-    params = [p for p in model.parameters() if p.requires_grad]
-    if precision == "fp32":
-        return _adam(params, lr)
-    return MixedPrecisionAdam(params, lr)
+def make_optimizer(model: GPT, precision: str, lr: float = 1e-4) -> MainGradAdam:
+    """The optimizer `run_point` steps on one rank: Adam on fp32 main gradients (18 bytes per
+    parameter under bf16/fp16, 16 in fp32)."""
+    return MainGradAdam(MainGrads([p for p in model.parameters() if p.requires_grad]), precision, lr)
 
 
 def synthetic_batches(cfg: Config, device: torch.device) -> torch.Tensor:
@@ -244,14 +273,15 @@ class Stepper:
     """Runs training steps and remembers where it is, so a failure can say so."""
 
     def __init__(self, cfg: Config, model: GPT, optimizer, batches: torch.Tensor,
-                 context: Callable[[], Any] = nullcontext):
+                 context: Callable[[], Any] = nullcontext, no_sync: Callable[[], Any] | None = None):
         self.cfg, self.model, self.optimizer, self.batches = cfg, model, optimizer, batches
         self.context = context
         """Around each micro-batch's forward and backward (tensor parallel: the vocabulary-parallel loss)."""
+        self.no_sync = no_sync
+        """Around each micro-batch but the last (`layout.no_sync`): its gradients accumulate on the
+        rank, and only the last one's backward reduces them over the data-parallel ranks."""
         self.step_index = 0
         self.phase = "setup"
-        self.no_sync = getattr(model, "no_sync", None)
-        """DDP's: micro-batches before the last accumulate locally, the last one all-reduces."""
 
     def step(self, probe: SavedTensorProbe | None = None) -> torch.Tensor:
         """One optimizer step over every micro-batch; returns the mean loss as a 0-dim fp32 tensor
@@ -359,7 +389,13 @@ class SingleRank:
         return nullcontext()
 
     def optimizer(self, model: torch.nn.Module, precision: str):
+        """The optimizer of `model`'s parameters on this rank."""
         return make_optimizer(model, precision)
+
+    def no_sync(self, model: torch.nn.Module, optimizer) -> AbstractContextManager:
+        """Around a micro-batch whose gradients are accumulated without being reduced: one rank
+        reduces nothing."""
+        return nullcontext()
 
     def batches(self, cfg: Config, device: torch.device) -> torch.Tensor:
         """This rank's micro-batches of the step."""
@@ -405,7 +441,9 @@ def _measure(cfg: Config, device: torch.device, peak_tflops: float | None, layou
         model = layout.build(cfg, device)
         model.train()
         metrics["num_parameters"] = layout.num_parameters(model)  # DTensors count their global size
-        stepper = Stepper(cfg, model, layout.optimizer(model, t.precision), layout.batches(cfg, device), layout.context)
+        optimizer = layout.optimizer(model, t.precision)
+        stepper = Stepper(cfg, model, optimizer, layout.batches(cfg, device), layout.context,
+                          lambda: layout.no_sync(model, optimizer))
         torch.manual_seed(t.seed)  # dropout masks
 
         def done(loss: torch.Tensor) -> None:
@@ -414,7 +452,7 @@ def _measure(cfg: Config, device: torch.device, peak_tflops: float | None, layou
             rank_entry.update({k: v for k, v in cuda_memory(device).items() if v is not None})
             progress(metrics, rank_entry)
 
-        probe = SavedTensorProbe(getattr(model, "module", model))
+        probe = SavedTensorProbe(model)
         with LocalFlopCounter(display=False) as counter:
             loss = stepper.step(probe)
         ran.update(kernels_that_ran(getattr(model, "module", model)))  # DDP wraps the GPT
@@ -425,7 +463,7 @@ def _measure(cfg: Config, device: torch.device, peak_tflops: float | None, layou
         total_bytes, layer_bytes = probe.bytes()
         metrics["activation_bytes"] = rank_entry["activation_bytes"] = total_bytes
         metrics["activation_bytes_per_layer"] = layer_bytes / m.num_layers
-        routed = _tokens_per_expert(getattr(model, "module", model))  # DDP wraps the GPT
+        routed = _tokens_per_expert(model)
         metrics.update(routed)
         rank_entry.update(routed)  # under expert parallel each rank's experts receive their own share
 

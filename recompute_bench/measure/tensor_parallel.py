@@ -181,25 +181,3 @@ class TensorParallel:
     def context(self) -> AbstractContextManager:
         """Around every forward and backward: the vocabulary-parallel cross-entropy."""
         return loss_parallel()
-
-
-class LocalAdam:
-    """fp32 Adam on every parameter's local tensor (a tensor-parallel shard, a replica, or a plain
-    parameter, all in one fused update: torch's fused Adam does not mix DTensors and tensors)."""
-
-    def __init__(self, params: list[torch.nn.Parameter], lr: float):
-        from recompute_bench.measure.point import _adam, local
-
-        self.params = params
-        self.locals = [local(p) for p in params]
-        self.adam = _adam(self.locals, lr)
-
-    def step(self) -> None:
-        from recompute_bench.measure.point import local_grad
-
-        for p, mine in zip(self.params, self.locals):
-            mine.grad = local_grad(p) if p.grad is not None else None
-        self.adam.step()
-        for mine in self.locals:
-            mine.grad = None
-

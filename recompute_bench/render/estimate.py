@@ -86,7 +86,7 @@ def paper_notes(report: dict[str, Any]) -> list[str]:
                      "Table 2's 2sbh is the paper's baseline without it")
     other = report.get("other_optimizer")
     if other:
-        notes.append(f"{'with' if other['use_distributed_optimizer'] else 'without'} a distributed optimizer over "
+        notes.append(f"{'with FSDP (a distributed optimizer)' if other['use_distributed_optimizer'] else 'with DDP'} over "
                      f"dp={report['config']['parallel']['data_parallel_size']}, this setting's peak allocated would be "
                      f"{_gib(other['peak_allocated_bytes'])}")
     sel = next(r for r in paper["rows"] if r["recompute"] == "selective")["paper_flops"]
