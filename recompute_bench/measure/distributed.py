@@ -78,17 +78,27 @@ class DataParallel(SingleRank):
     def split(self, model: torch.nn.Module) -> torch.nn.Module:
         return self.tensor.parallelize(model) if self.tensor else model
 
+    @property
+    def splits(self) -> bool:
+        return self.tensor is not None or (self.kind == "fsdp" and self.dp_size > 1)
+
     def build(self, cfg: Config, device: torch.device, dtype: torch.dtype | None = None) -> torch.nn.Module:
-        if self.dp_size == 1:  # tensor parallel only
-            return super().build(cfg, device, dtype)
-        if self.kind == "ddp":
+        if self.dp_size > 1 and self.kind == "ddp":  # the whole model on every rank
             model = super().build(cfg, device, dtype)
             if self.ep > 1:
                 from recompute_bench.models.moe.dispatch import shard_experts
                 self.experts = shard_experts(model, self.ep_group)
             return model
+        if self.dp_size > 1:  # FSDP: fp32 sharded weights, cast for compute (`shard`)
+            dtype = torch.float32
+        return super().build(cfg, device, dtype)
+
+    def shard(self, model: torch.nn.Module, cfg: Config) -> torch.nn.Module:
+        """FSDP2 over the data-parallel ranks: every layer, then the root (on the meta device, before
+        anything is allocated)."""
+        if self.kind != "fsdp" or self.dp_size == 1:
+            return model
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-        model = super().build(cfg, device, torch.float32)  # fp32 sharded weights: FSDP casts for compute
         policy = MixedPrecisionPolicy(param_dtype=DTYPES[cfg.training.precision], reduce_dtype=torch.float32)
         mesh = self.tensor.dp_mesh if self.tensor else None
         for layer in model.layers:

@@ -26,12 +26,13 @@ import torch
 from torch.utils.flop_counter import FlopCounterMode
 
 from recompute_bench.analysis import flops
-from recompute_bench.backends.pytorch import grouped_gemm_path
+from recompute_bench.backends.pytorch import kernels_that_ran
 from recompute_bench.spec.config import Config
-from recompute_bench.models import spec_for
-from recompute_bench.models.dense.layers import GPT
+from recompute_bench.models import DeviceKernels, spec_for
+from recompute_bench.models.dense.layers import GPT, materialize
 from recompute_bench.recompute.apply import apply_recompute
-from recompute_bench.measure.record import FAULT_ENV, SCHEMA, make_record, unmeasured_metrics, unmeasured_rank
+from recompute_bench.measure.record import (FAULT_ENV, SCHEMA, make_record, predicted_metrics, unmeasured_metrics,
+                                            unmeasured_rank)
 from recompute_bench.measure.telemetry import NvmlSampler, cuda_memory, device_name, environment, uses_tf32
 
 __all__ = ["SCHEMA", "FAULT_ENV", "DTYPES", "MainGradAdam", "MainGrads", "SavedTensorProbe", "Stepper", "make_optimizer",
@@ -392,15 +393,36 @@ class SingleRank:
     rank = 0
     tensor_group = None
     """The tensor-parallel process group (None: no tensor parallelism)."""
+    splits = False
+    """Whether this rank holds only part of the model's weights (tensor parallel, FSDP)."""
 
     def build(self, cfg: Config, device: torch.device, dtype: torch.dtype | None = None) -> GPT:
-        """The model this rank trains, split over the tensor-parallel group (`split`), then recompute
-        installed; weights in `dtype` (default the training precision)."""
-        model = spec_for(cfg.model).build(cfg, device, dtype or DTYPES[cfg.training.precision])
-        return apply_recompute(self.split(model), cfg.recompute, self.tensor_group)
+        """The model this rank trains, split over the tensor-parallel group (`split`), recompute
+        installed, then sharded (`shard`); weights in `dtype` (default the training precision).
+
+        A layout that `splits` the weights does it as torchtitan does: the model is built on the
+        meta device, split, given its recompute and sharded there, and only then materialised, so a
+        rank allocates and initialises its own shards (the whole model never exists on one rank),
+        with the values one rank's build holds (`models.dense.layers.materialize`). On CUDA the cache
+        the initialisation leaves (one whole parameter at a time) is handed back, so that the reserved
+        peak measures the training, not the build."""
+        dtype = dtype or DTYPES[cfg.training.precision]
+        spec = spec_for(cfg.model)
+        if self.splits:
+            model = apply_recompute(self.split(spec.build(cfg, "meta", dtype)), cfg.recompute, self.tensor_group)
+            model = materialize(self.shard(model, cfg), device, cfg.training.seed)
+        else:
+            model = apply_recompute(spec.build(cfg, device, dtype), cfg.recompute, self.tensor_group)
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+        return model
 
     def split(self, model: GPT) -> GPT:
         """This rank's part of the whole model: all of it."""
+        return model
+
+    def shard(self, model: GPT, cfg: Config) -> GPT:
+        """The model with its weights sharded over the data-parallel ranks: not at all here."""
         return model
 
     def optimizer(self, model: torch.nn.Module, precision: str):
@@ -440,17 +462,17 @@ def run_point(cfg: Config, *, device: torch.device | None = None, peak_tflops: f
     batch over ranks (default one rank); `progress(metrics, rank_entry)` is called after every step
     and at the end, so a rank can leave what it has measured before a later step kills it."""
     device = pick_device(device)
+    ran: dict[str, str] = {}  # the kernels the probe step ran (`kernels_that_ran`)
     with float32_matmul_precision(device, cfg.training.precision) as tf32:
-        metrics, rank_entry = _measure(cfg, device, peak_tflops, layout or SingleRank(), progress or (lambda *_: None))
-    env = environment(device, tf32)
-    if cfg.model.num_moe_experts:  # which grouped-matmul path the experts ran
-        env["grouped_gemm_path"] = grouped_gemm_path(cfg.model.moe_grouped_gemm, device)
-    return make_record(cfg, env, rank_entry, metrics)
+        metrics, rank_entry = _measure(cfg, device, peak_tflops, layout or SingleRank(), progress or (lambda *_: None),
+                                       ran)
+    return make_record(cfg, {**environment(device, tf32), **ran}, rank_entry, metrics)
 
 
 def _measure(cfg: Config, device: torch.device, peak_tflops: float | None, layout,
-             progress: Callable[[dict, dict], None]) -> tuple[dict, dict]:
-    """(metrics, rank entry) of one point: the probe step, warm-up, the measured window."""
+             progress: Callable[[dict, dict], None], ran: dict[str, str]) -> tuple[dict, dict]:
+    """(metrics, rank entry) of one point: the probe step, warm-up, the measured window. `ran`
+    receives the kernels the probe step ran, which the hardware FLOPs and the estimate then follow."""
     m, t = cfg.model, cfg.training
     world_size = layout.world_size  # FLOP rates are per GPU over the whole world
     metrics = unmeasured_metrics(cfg, device.type)
@@ -478,6 +500,8 @@ def _measure(cfg: Config, device: torch.device, peak_tflops: float | None, layou
         probe = SavedTensorProbe(model)
         with LocalFlopCounter(display=False) as counter:
             loss = stepper.step(probe)
+        ran.update(kernels_that_ran(getattr(model, "module", model)))  # DDP wraps the GPT
+        metrics.update(predicted_metrics(cfg, DeviceKernels(device.type, ran.get("attention_kernel"))))
         done(loss)
         metrics["loss"] = rank_entry["losses"][0]
         metrics["measured_flops_per_step"] = counter.get_total_flops() * world_size  # this rank's share x ranks

@@ -28,12 +28,18 @@ def unmeasured_metrics(cfg: Config, device_type: str) -> dict[str, Any]:
         "step_time_s": None, "step_times_s": [], "step_time_spread_s": None, "tflops_per_gpu": None, "tokens_per_s_per_gpu": None,
         "mfu": None, "hfu": None, "peak_tflops": None, "peak_source": None,
         "model_flops_per_step": flops.model_flops_per_step(cfg),
-        "hardware_flops_per_step": flops.hardware_flops_per_step(cfg, device_type),
         "measured_flops_per_step": None,
         "activation_bytes": None, "activation_bytes_per_layer": None,
         "num_parameters": None, "loss": None,
-        **record_estimate(cfg, device_type),  # the analytical model's prediction beside each measurement
+        **predicted_metrics(cfg, device_type),
     }
+
+
+def predicted_metrics(cfg: Config, device: str) -> dict[str, Any]:
+    """What the analysis predicts for the point on `device`: the hardware FLOPs (which HFU divides)
+    and the estimate beside each measurement. `device` may carry the kernels the run measured
+    (`models.DeviceKernels`), which the prediction then follows."""
+    return {"hardware_flops_per_step": flops.hardware_flops_per_step(cfg, device), **record_estimate(cfg, device)}
 
 
 def unmeasured_rank(rank: int, device_name: str, status: str = "ok", failure: dict | None = None) -> dict[str, Any]:

@@ -148,23 +148,18 @@ class TensorParallel:
         return self.mesh["dp"]
 
     def parallelize(self, model: nn.Module) -> nn.Module:
-        """Shard `model` (built whole, seeded as on one rank) over the "tp" mesh, in place."""
+        """Shard `model` (built on the meta device) over the "tp" mesh, in place. SwiGLU's fc1 takes
+        its rows in `swiglu_rows` order when it is initialised (`init_row_order`), so that each
+        rank's shard holds its gate and up columns of one rank's weights."""
         tp_mesh = self.mesh["tp"]
         for layer in model.layers:
             mlp = layer.mlp
             if getattr(mlp, "swiglu", False):
-                self._reorder_fc1(mlp.linear_fc1, mlp.linear_fc2.in_features)
+                mlp.linear_fc1.init_row_order = swiglu_rows(mlp.linear_fc2.in_features, self.size)
             parallelize_module(layer, tp_mesh, layer_plan(self.sequence_parallel))
         parallelize_module(model, tp_mesh, model_plan(self.sequence_parallel))
         model.tie_weights()  # the output layer shares the embedding's vocabulary shard again
         return model
-
-    @torch.no_grad()
-    def _reorder_fc1(self, fc1: nn.Linear, f: int) -> None:
-        rows = swiglu_rows(f, self.size).to(fc1.weight.device)
-        fc1.weight.copy_(fc1.weight[rows])
-        if fc1.bias is not None:
-            fc1.bias.copy_(fc1.bias[rows])
 
     def whole(self, name: str, tensor: torch.Tensor, cfg) -> torch.Tensor:
         """A gathered (full_tensor) parameter or gradient `name` in the single-rank layout."""
