@@ -11,7 +11,7 @@ endif
 # Empty: compare picks results/golden/<device kind>.csv of the measured device (cpu.csv here).
 GOLDEN ?=
 
-.PHONY: demo gate test bench clean
+.PHONY: demo gate test bench gpu-check clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -43,6 +43,14 @@ test: $(STAMP)
 bench: $(STAMP)
 	$(PY) bench/recompute_overhead.py
 	$(PY) bench/auto_policy.py
+	$(PY) bench/megatron_check.py
+
+# Everything the GPU tests and the GPU-only checks need, in one call of at most 20 minutes on one
+# H100/H200, with the device's own Python and torch (no venv); tables and logs under OUT
+# (docs/gpu-check.md). Without a GPU it prints what it would run.
+OUT ?= results/gpu-check-$(RUN_ID)
+gpu-check:
+	PYTHONPATH=. $(PYTHON) bench/gpu_check.py --out $(OUT)
 
 clean:
 	rm -rf $(VENV) results/runs.jsonl

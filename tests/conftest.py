@@ -1,17 +1,23 @@
-"""Shared helpers: small configs and a direct measurement of saved bytes and FLOPs."""
+"""Shared helpers: small configs and a direct measurement of saved bytes and FLOPs.
+
+Every test not marked `gpu` runs on the CPU, on any machine (`on_the_cpu`): its 1e-6 and bitwise
+comparisons hold in fp32 on a CPU, not under CUDA's TF32, atomics or NCCL. Helpers that measure in
+this process pass `CPU`; the processes a test starts (workers, torchrun ranks) see no GPU."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 from typer.testing import CliRunner
 
 from recompute_bench.cli.app import app, normalize_argv
-from recompute_bench.measure.point import SavedTensorProbe
+from recompute_bench.measure.point import SavedTensorProbe, run_point
 from recompute_bench.models import spec_for
 from recompute_bench.recompute.apply import apply_recompute
 from recompute_bench.spec.presets import resolve
 
+CPU = torch.device("cpu")
 FAST = ["training.warmup_steps=0", "training.measured_steps=1"]
 # A Llama-style layer small enough for a CPU test: RMSNorm, SwiGLU, GQA, RoPE, no biases.
 SMALL_LLAMA = {"model.num_layers": 3, "model.hidden_size": 64, "model.num_attention_heads": 8,
@@ -109,3 +115,18 @@ def held_bytes(model, optimizer) -> int:
 def invoke(*args: str):
     """Run the CLI in-process the way `main()` does (argv normalised first)."""
     return CliRunner().invoke(app, normalize_argv(list(args)))
+
+
+@pytest.fixture(autouse=True)
+def on_the_cpu(request, monkeypatch):
+    """Hide every GPU from a test not marked gpu: CUDA_VISIBLE_DEVICES="" reaches the processes it
+    starts (a worker's or torchrun rank's torch then sees no CUDA device and takes gloo) and the
+    NVML lookups of this process (`launch.devices`), which the CLI's default device follows. CUDA
+    may already be initialised in this process by a GPU test, so in-process helpers pass `CPU`."""
+    if request.node.get_closest_marker("gpu") is None:
+        monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
+
+
+def measure(cfg, **kwargs) -> dict:
+    """`run_point` on the CPU, whatever this machine has."""
+    return run_point(cfg, device=CPU, **kwargs)

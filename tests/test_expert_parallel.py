@@ -8,10 +8,9 @@ from __future__ import annotations
 
 import pytest
 
-from conftest import config, invoke
+from conftest import config, invoke, measure
 from recompute_bench.analysis.rank import record_estimate
 from recompute_bench.launch.torchrun import Launch, check_launch, run_ranks, verify_over_ranks
-from recompute_bench.measure.point import run_point
 from recompute_bench.models import spec_for
 from recompute_bench.results.records import key_fields
 from recompute_bench.spec.config import RecomputeConfig
@@ -23,7 +22,7 @@ def test_expert_parallel_over_two_ranks_matches_one_rank(tmp_path):
     cfg = check_launch(config("tiny-moe", sets=SETS, parallel__expert_model_parallel_size=2), launch, "cpu")
     record = run_ranks(cfg, launch, name="ep", pieces=tmp_path / "pieces", log_path=tmp_path / "ep.log", timeout_s=180)
     assert record["status"] == "ok", record["failure"]
-    single = run_point(config("tiny-moe", sets=SETS))
+    single = measure(config("tiny-moe", sets=SETS))
 
     # The record carries ep in its config and in the golden key.
     assert record["config"]["parallel"]["expert_model_parallel_size"] == 2

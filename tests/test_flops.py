@@ -1,7 +1,7 @@
 """Megatron's model FLOPs against its closed forms, published parameter counts and hand-derived values."""
 
 from conftest import config
-from recompute_bench.analysis.flops import hardware_flops_per_step, model_flops_per_step, peak_flops
+from recompute_bench.analysis.flops import hardware_flops_per_step, model_flops_per_step, peak
 
 
 def test_gpt3_175b_matches_the_closed_form():
@@ -32,9 +32,12 @@ def test_recompute_is_not_in_model_flops():
 
 
 def test_peak_table():
-    assert peak_flops("NVIDIA H100 80GB HBM3", "bf16") == 989.4e12
-    assert peak_flops("NVIDIA H100 PCIe", "bf16") == 756e12
-    assert peak_flops("cpu", "bf16") is None
+    assert peak("NVIDIA H100 80GB HBM3", "bf16") == ("H100 SXM bf16", 989.4e12)
+    assert peak("NVIDIA H100 PCIe", "bf16") == ("H100 PCIe bf16", 756e12)
+    # the NVL is its own product (datasheet 1,671 TFLOPS bf16 with sparsity), not the SXM's 989
+    assert peak("NVIDIA H100 NVL", "bf16") == ("H100 NVL bf16", 835.5e12)
+    assert peak("NVIDIA H200 NVL", "fp32") == ("H200 NVL tf32", 417.5e12)
+    assert peak("cpu", "bf16") is None and peak("NVIDIA H100 SXM5 94GB", "bf16") is None  # unknown: no borrowed peak
 
 
 def test_model_flops_count_megatron_s_padded_vocabulary():

@@ -110,9 +110,11 @@ def test_oom_matrix():
 
 
 def test_failed_points_fail_whatever_the_golden():
-    for status in ("error", "timeout"):
+    from recompute_bench.render.comparison import result_text
+
+    for status, text in (("error", "Error"), ("timeout", "Timeout"), ("killed", "Killed")):
         row, comparison = verdict(record(status=status), record())
-        assert row.verdict == gold.FAILED and not comparison.passed
+        assert row.verdict == gold.FAILED and not comparison.passed and result_text(row) == text
         assert gold.compare([record_row(record(status=status))], []).rows[0].verdict == gold.FAILED
 
 

@@ -22,7 +22,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from conftest import config, held_bytes, held_tensors
-from recompute_bench.analysis.flops import peak_flops
+from recompute_bench.analysis.flops import peak
 from recompute_bench.analysis.rank import optimizer_bytes_per_parameter
 from recompute_bench.measure.point import DTYPES, SavedTensorProbe, Stepper, make_optimizer, run_point, synthetic_batches
 from recompute_bench.models.dense.layers import build_model
@@ -187,8 +187,8 @@ def test_fp32_on_cuda_uses_tf32_and_its_peak_and_the_record_says_so():
         assert not tf32 and torch.get_float32_matmul_precision() == before
     # MFU divides by the dense TF32 tensor-core peak (datasheets: H100 SXM 989 TFLOP/s with
     # sparsity, A100 312 with sparsity; half without).
-    assert peak_flops("NVIDIA H100 80GB HBM3", "fp32") == 494.7e12
-    assert peak_flops("NVIDIA A100-SXM4-80GB", "fp32") == 156e12
+    assert peak("NVIDIA H100 80GB HBM3", "fp32") == ("H100 SXM tf32", 494.7e12)
+    assert peak("NVIDIA A100-SXM4-80GB", "fp32") == ("A100 SXM 80GB tf32", 156e12)
     record = run_point(config(training__precision="fp32", training__seq_length=32,
                               sets=["training.warmup_steps=0", "training.measured_steps=1"]), device=CPU)
     assert record["status"] == "ok" and record["env"]["tf32"] is False

@@ -5,7 +5,6 @@ bubble against (p - 1)/(n vp + p - 1)."""
 
 from __future__ import annotations
 
-from types import SimpleNamespace
 
 import pytest
 from torch import nn

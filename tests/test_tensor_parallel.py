@@ -14,9 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from conftest import SMALL_LLAMA, config, invoke
+from conftest import SMALL_LLAMA, config, invoke, measure
 from recompute_bench.analysis.stage import activation_bytes as estimated_activation_bytes
-from recompute_bench.measure.point import run_point
 from recompute_bench.measure.record import layout_label
 from test_ranks import LOSS_RTOL, SETS
 
@@ -30,7 +29,7 @@ LLAMA = [f"{k}={v}" for k, v in SMALL_LLAMA.items()] + ["model.num_layers=2"]
 
 
 def _alone(sets, workload: str = "tiny") -> dict:
-    return run_point(config(workload, sets=[*SETS, *sets]))
+    return measure(config(workload, sets=[*SETS, *sets]))
 
 
 POINTS = {

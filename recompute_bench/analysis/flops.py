@@ -83,22 +83,37 @@ def hardware_flops_per_step(cfg: Config, device: str = "cuda") -> float:
             + recompute_forward_flops(cfg, batch, device))
 
 
-# Dense 16-bit tensor-core peak FLOP/s by device name (substring match, first hit wins);
-# fp32 uses the TF32 figure. Datasheet numbers without sparsity; override with --peak-tflops.
+# Dense tensor-core peaks (no sparsity) by the exact name CUDA reports (`torch.cuda.get_device_name`,
+# NVML's name): (product, bf16/fp16 FLOP/s, TF32 FLOP/s). The datasheets print the figures with 2:4
+# sparsity, twice these. Sources: NVIDIA H100 Tensor Core GPU datasheet (SXM 1,979 / 989 TFLOPS
+# bf16 / TF32 with sparsity; PCIe 1,513 / 756; NVL 1,671 / 835), NVIDIA H200 datasheet (SXM as H100
+# SXM; NVL as H100 NVL), NVIDIA A100 datasheet (SXM and PCIe, 40 and 80 GB: 624 / 312), NVIDIA
+# GB200 NVL72 (per GPU 5 / 2.5 PFLOPS), HGX B200 (per GPU 4.5 / 2.2 PFLOPS), NVIDIA L40S datasheet
+# (733 / 366). A name not listed has no peak: MFU is not measured unless --peak-tflops gives one,
+# never borrowed from a similar name (an "H100 NVL" is not an SXM at 989).
 PEAK_FLOPS = {
-    "H100 PCIe": {"bf16": 756e12, "fp16": 756e12, "fp32": 378e12},
-    "H100": {"bf16": 989.4e12, "fp16": 989.4e12, "fp32": 494.7e12},
-    "H200": {"bf16": 989.4e12, "fp16": 989.4e12, "fp32": 494.7e12},
-    "GB200": {"bf16": 2500e12, "fp16": 2500e12, "fp32": 1250e12},
-    "B200": {"bf16": 2250e12, "fp16": 2250e12, "fp32": 1100e12},
-    "A100": {"bf16": 312e12, "fp16": 312e12, "fp32": 156e12},
-    "L40S": {"bf16": 362.05e12, "fp16": 362.05e12, "fp32": 183e12},
+    "NVIDIA H100 80GB HBM3": ("H100 SXM", 989.4e12, 494.7e12),
+    "NVIDIA H100 PCIe": ("H100 PCIe", 756e12, 378e12),
+    "NVIDIA H100 NVL": ("H100 NVL", 835.5e12, 417.5e12),
+    "NVIDIA H200": ("H200 SXM", 989.4e12, 494.7e12),
+    "NVIDIA H200 NVL": ("H200 NVL", 835.5e12, 417.5e12),
+    "NVIDIA A100-SXM4-40GB": ("A100 SXM 40GB", 312e12, 156e12),
+    "NVIDIA A100-SXM4-80GB": ("A100 SXM 80GB", 312e12, 156e12),
+    "NVIDIA A100-PCIE-40GB": ("A100 PCIe 40GB", 312e12, 156e12),
+    "NVIDIA A100 80GB PCIe": ("A100 PCIe 80GB", 312e12, 156e12),
+    "NVIDIA GB200": ("GB200", 2500e12, 1250e12),
+    "NVIDIA B200": ("B200", 2250e12, 1100e12),
+    "NVIDIA L40S": ("L40S", 362.05e12, 183e12),
 }
 
 
-def peak_flops(device_name: str, precision: str) -> float | None:
-    """The device's peak for `precision`, or None where it is not known (every CPU)."""
-    for key, peaks in PEAK_FLOPS.items():
-        if key.lower() in device_name.lower():
-            return peaks[precision]
-    return None
+def peak(device_name: str, precision: str) -> tuple[str, float] | None:
+    """(product, dense peak FLOP/s) of the device named exactly `device_name` for `precision` (fp32
+    runs on TF32, the figure its MFU divides by), or None where the name is not in the table (every
+    CPU)."""
+    found = PEAK_FLOPS.get(device_name.strip())
+    if found is None:
+        return None
+    product, half, tf32 = found
+    return (f"{product} {'tf32' if precision == 'fp32' else precision}", tf32 if precision == "fp32" else half)
+

@@ -21,7 +21,9 @@ from recompute_bench.spec.config import Config
 
 
 def attention_kernel(cfg: Config, device: str = "cuda") -> str:
-    """What the core attention runs on `device`: "math", "fused" or "sdpa_math" (see the spec)."""
+    """What the core attention runs on `device`: "math", "sdpa_math", or a fused kernel, "flash",
+    "efficient" or "cudnn": the one measured where `device` carries it (`models.DeviceKernels`),
+    else the spec's prediction (see `DenseSpec.attention_kernel`)."""
     return spec_for(cfg.model).attention_kernel(cfg, device)
 
 

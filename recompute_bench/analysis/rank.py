@@ -11,6 +11,7 @@ from typing import Any
 
 from recompute_bench.analysis import flops
 from recompute_bench.analysis.layer import kind_config, layer_parameters, layer_workspace_bytes
+from recompute_bench.analysis.schedule import chunk_forwards_in_flight
 from recompute_bench.analysis.schedules import Walk, bubble_fraction, peak_chunks, rank_actions, rank_stages, walk
 from recompute_bench.analysis.stage import (StageActivations, activation_bytes, embedding_saved_bytes,
                                             loss_saved_bytes, loss_workspace_bytes, outside_parameters,
@@ -129,13 +130,10 @@ def chunks_in_flight(cfg: Config, stage: int = 0) -> int:
     schedules (GPipe: all of them; the zero-bubble ones) by their order (`schedules.peak_chunks`)."""
     par = cfg.parallel
     p, vp = par.pipeline_model_parallel_size, par.virtual_pipeline_model_parallel_size or 1
-    total = cfg.num_microbatches * vp
     if p == 1:
         return vp  # no pipeline: one micro-batch through every layer
-    if par.schedule == "1F1B":
-        return min(p - stage, total)
-    if par.schedule == "Interleaved1F1B":
-        return min(2 * (p - stage - 1) + (vp - 1) * p + 1, total)
+    if par.schedule in ("1F1B", "Interleaved1F1B"):  # Megatron's order (`schedule.chunk_forwards_in_flight`)
+        return chunk_forwards_in_flight(cfg, stage)
     return sum(peak_chunks(rank_actions(par.schedule, p, vp, cfg.num_microbatches, stage)).values())
 
 
@@ -253,8 +251,6 @@ def stage_estimate(cfg: Config, stage: int, device: str = "cuda") -> dict[str, f
 
 
 @dataclass
-
-
 class RankMemory:
     """The estimated peak of one pipeline stage's rank, item by item (bytes)."""
 
@@ -341,11 +337,15 @@ def pipeline_buffer_bytes(cfg: Config, stage: int) -> float:
     return total
 
 
+def stage_memories(cfg: Config, device: str = "cuda", acts: StageActivations | None = None) -> list[RankMemory]:
+    """`rank_memory` of every pipeline stage, first to last."""
+    return [rank_memory(cfg, r, device, acts) for r in range(cfg.parallel.pipeline_model_parallel_size)]
+
+
 def peak_rank_memory(cfg: Config, device: str = "cuda", acts: StageActivations | None = None) -> RankMemory:
     """The most loaded pipeline rank (every stage is weighed: with virtual stages or a V schedule
     the first and the last are not always the ones)."""
-    ranks = [rank_memory(cfg, stage, device, acts) for stage in range(cfg.parallel.pipeline_model_parallel_size)]
-    return max(ranks, key=lambda r: r.peak_allocated_bytes)
+    return max(stage_memories(cfg, device, acts), key=lambda r: r.peak_allocated_bytes)
 
 
 def device_bytes_needed(peak_allocated: float, allowance_fraction: float = ALLOWANCE_FRACTION,

@@ -92,12 +92,29 @@ def dropout(p: float) -> nn.Module:
     return Dropout(p) if p > 0 else nn.Identity()
 
 
+# torch.nn.attention.SDPBackend's members, by the names the analysis gives the kernels.
+SDPA_KERNELS = {"FLASH_ATTENTION": "flash", "EFFICIENT_ATTENTION": "efficient", "CUDNN_ATTENTION": "cudnn",
+                "MATH": "sdpa_math", "OVERRIDEABLE": "overrideable"}
+
+
+def sdpa_kernel(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: float, enable_gqa: bool) -> str:
+    """The kernel `F.scaled_dot_product_attention(q, k, v, dropout_p, is_causal=True, enable_gqa)`
+    runs here: torch's own choice for these tensors (`torch._fused_sdp_choice`, which the sdpa
+    dispatch calls: the backends enabled, their order, the device, dtypes, shapes and strides)."""
+    from torch.nn.attention import SDPBackend
+
+    choice = torch._fused_sdp_choice(q, k, v, dropout_p=dropout_p, is_causal=True, enable_gqa=enable_gqa)
+    return SDPA_KERNELS.get(SDPBackend(choice).name, SDPBackend(choice).name.lower())
+
+
 class CoreAttention(nn.Module):
     """softmax(QK^T / sqrt(d) + causal mask) -> dropout -> times V: the part selective `core_attn`
     recompute re-runs. Inputs [b, s, heads, d] (k and v with `groups` heads); output [b, s, heads * d].
 
     `sdpa` calls torch's fused kernel; `math` is the explicit path the paper's memory formula
-    describes (QK^T, mask, softmax, dropout, times V, each saving what autograd needs)."""
+    describes (QK^T, mask, softmax, dropout, times V, each saving what autograd needs).
+    `attention_kernel` names what ran in the first forward that built a graph (the one whose saved
+    tensors backward reads): "math", or the kernel sdpa chose (`sdpa_kernel`)."""
 
     def __init__(self, attention_backend: str, heads: int, groups: int, head_dim: int, attention_dropout: float):
         super().__init__()
@@ -106,14 +123,17 @@ class CoreAttention(nn.Module):
         self.scale = 1.0 / math.sqrt(head_dim)
         self.attention_dropout = attention_dropout
         self.dropout = dropout(attention_dropout)
+        self.attention_kernel: str | None = "math" if attention_backend == "math" else None
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         b, s = q.shape[:2]
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # [b, heads, s, d]
         if self.attention_backend == "sdpa":
             p = self.attention_dropout if self.training else 0.0
-            out = F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True,
-                                                 enable_gqa=self.groups != self.heads)
+            gqa = self.groups != self.heads
+            if self.attention_kernel is None and torch.is_grad_enabled():  # asked once: a host-side check
+                self.attention_kernel = sdpa_kernel(q, k, v, p, gqa)
+            out = F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True, enable_gqa=gqa)
         else:
             if self.groups != self.heads:
                 k = k.repeat_interleave(self.heads // self.groups, dim=1)
@@ -138,24 +158,35 @@ class GroupedLinear(nn.Module):
     """`num_experts` bias-free linears, weight [experts, out, in], applied to consecutive row groups of
     one [rows, in] input: expert e takes the rows up to `offsets[e]` (int32 cumulative counts).
 
-    `grouped`: one `torch._grouped_mm` for all experts (no host read of the counts), or, where the
-    torch in use lacks it or its device cannot run it, the padded batched path (`_PaddedBmm`);
+    `grouped`: `torch._grouped_mm` for all experts where its fast kernel takes the operands (no host
+    read of the counts) or on a CPU (its fallback loop), else the padded batched path (`_PaddedBmm`);
     otherwise one matmul per expert, the CPU reference, which reads the counts on the host to slice
-    the rows. `grouped_gemm_path` names the path that runs."""
+    the rows. `grouped_gemm_path` names the path; `path` is the one the last forward ran."""
 
     def __init__(self, num_experts: int, in_features: int, out_features: int, grouped: bool):
         super().__init__()
         self.weight = nn.Parameter(torch.empty(num_experts, out_features, in_features))
         self.grouped = grouped
+        self.path: str | None = None
 
     def forward(self, x: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
         w = self.weight.transpose(-2, -1)  # [experts, in, out], column-major as the CUDA kernel wants it
-        if self.grouped:
-            if grouped_gemm_path(True, x.device) == "grouped_mm":
-                return torch._grouped_mm(x, w, offs=offsets)
+        self.path = grouped_gemm_path(self.grouped, x.device, x.dtype if x.dtype == w.dtype else None)
+        if self.path in ("grouped_mm", "grouped_mm_fallback"):
+            return torch._grouped_mm(x, w, offs=offsets)
+        if self.path == "padded_bmm":
             return _PaddedBmm.apply(x, w, offsets)
         bounds = [0, *offsets.tolist()]
         return torch.cat([x[a:b] @ w[e] for e, (a, b) in enumerate(zip(bounds, bounds[1:]))])
+
+
+def kernels_that_ran(model: nn.Module) -> dict[str, str]:
+    """What the model's kernels ran in its last training step, as the record's `env` names it:
+    `attention_kernel` (see `CoreAttention`) and, with experts, `grouped_gemm_path` (see
+    `grouped_gemm_path`); kernels that differ between layers are joined with "+"."""
+    ran = {"attention_kernel": {m.attention_kernel for m in model.modules() if isinstance(m, CoreAttention)},
+           "grouped_gemm_path": {m.path for m in model.modules() if isinstance(m, GroupedLinear)}}
+    return {key: "+".join(sorted(names)) for key, names in ran.items() if names and None not in names}
 
 
 def grouped_linear(num_experts: int, in_features: int, out_features: int, grouped: bool) -> nn.Module:
@@ -168,15 +199,30 @@ def grouped_mm_available() -> bool:
     return hasattr(torch, "_grouped_mm")
 
 
-def grouped_gemm_path(grouped: bool, device: torch.device | str = "cpu") -> str:
-    """The experts' matmul path: "grouped_mm" (torch has `_grouped_mm` and the device runs it: the
-    CPU, or a CUDA GPU of compute capability 9.0 or more, the Hopper kernel), "padded_bmm" (grouped
-    otherwise), "per_expert" (`moe_grouped_gemm` false)."""
+def grouped_gemm_path(grouped: bool, device: torch.device | str = "cpu", dtype: torch.dtype | None = None) -> str:
+    """The experts' matmul path for operands of `dtype` (None: of two dtypes) on `device`:
+
+    - "grouped_mm": torch's fast grouped kernel, which needs bf16 operands and output on a GPU of
+      compute capability 9.x or 10.x (`_grouped_mm_cuda` in ATen/native/cuda/GroupedBlas.cpp, torch
+      2.13: `scaled_mm_arch_allowed(sm90_only, sm100_only) && a_b_and_out_are_bf16`); it reads no
+      count on the host;
+    - "grouped_mm_fallback": `_grouped_mm` on a CPU, where torch runs `_grouped_mm_fallback`, one mm
+      per group after reading the offsets on the host, which costs nothing there;
+    - "padded_bmm": on CUDA where the fast kernel does not take the operands (fp32, fp16, another
+      GPU), and wherever torch lacks `_grouped_mm`: on CUDA `_grouped_mm` would fall back to its loop,
+      which copies the offsets to the host, waiting for the device, on every call; `_PaddedBmm`
+      reads the counts once per call too, but runs one batched matmul instead of one per expert;
+    - "per_expert": `moe_grouped_gemm` false.
+    """
     if not grouped:
         return "per_expert"
     device = torch.device(device)
-    runs = device.type != "cuda" or torch.cuda.get_device_capability(device) >= (9, 0)
-    return "grouped_mm" if grouped_mm_available() and runs else "padded_bmm"
+    if not grouped_mm_available():
+        return "padded_bmm"
+    if device.type != "cuda":
+        return "grouped_mm_fallback"
+    fast = torch.cuda.get_device_capability(device)[0] in (9, 10) and dtype == torch.bfloat16
+    return "grouped_mm" if fast else "padded_bmm"
 
 
 class _PaddedBmm(torch.autograd.Function):
@@ -229,6 +275,109 @@ def _register_grouped_mm_flops() -> None:
 
 
 _register_grouped_mm_flops()
+
+
+def _gqa_sdpa_flops(query_shape, key_shape, value_shape, *args, out_shape=None, **kwargs) -> int:
+    """A fused sdpa kernel's forward, QK^T and times V over every query head: with grouped query
+    attention each k and v head serves several query heads, so the work is the query heads'."""
+    b, heads, s_q, d_qk = query_shape
+    s_k, d_v = key_shape[2], value_shape[3]
+    return 2 * b * heads * s_q * s_k * (d_qk + d_v)
+
+
+def _gqa_sdpa_backward_flops(grad_out_shape, query_shape, key_shape, value_shape, *args, out_shape=None,
+                             **kwargs) -> int:
+    """Its backward: QK^T again, then the gradients of the scores, of V, of Q and of K (three
+    products over the q/k head dimension, two over v's), every query head."""
+    b, heads, s_q, d_qk = query_shape
+    s_k, d_v = key_shape[2], value_shape[3]
+    return 2 * b * heads * s_q * s_k * (3 * d_qk + 2 * d_v)
+
+
+SDPA_FLOP_OPS = ("flash", "efficient", "cudnn")
+
+
+def _register_gqa_sdpa_flops() -> None:
+    """torch's sdpa FLOP formulas asserted equal query and key/value heads until 2026-03
+    (pytorch/pytorch#177169, "Fix sdpa_flop_count to support GQA"), so `FlopCounterMode` raised on
+    every grouped-query model's fused attention (llama3, mixtral, qwen3, tiny-moe on CUDA). Where the
+    torch in use still refuses a grouped-query shape, its formulas for the fused kernels are
+    replaced by these, which count what torch's own count as since (every query head)."""
+    from torch.utils.flop_counter import flop_registry, register_flop_formula
+
+    q, kv = (1, 4, 8, 16), (1, 2, 8, 16)
+    for kernel in SDPA_FLOP_OPS:
+        forward = getattr(torch.ops.aten, f"_scaled_dot_product_{kernel}_attention", None)
+        backward = getattr(torch.ops.aten, f"_scaled_dot_product_{kernel}_attention_backward", None)
+        for op, formula, shapes in ((forward, _gqa_sdpa_flops, (q, kv, kv)),
+                                    (backward, _gqa_sdpa_backward_flops, (q, q, kv, kv))):
+            if op is None or op not in flop_registry:
+                continue
+            try:
+                flop_registry[op](*shapes)
+            except AssertionError:  # an older torch's formula: equal heads only
+                del flop_registry[op]
+                register_flop_formula(op)(formula)
+
+
+_register_gqa_sdpa_flops()
+
+
+# ----- the loss ------------------------------------------------------------------------------
+
+class _VocabParallelCrossEntropy(torch.autograd.Function):
+    """Per-token cross-entropy of logits split over the vocabulary (one rank's columns, `start` the
+    first id it holds; `group` None: the whole vocabulary), worked as Megatron's
+    `_VocabParallelCrossEntropy` (megatron/core/tensor_parallel/cross_entropy.py) works it: one fp32
+    working copy of the logits (none when they are fp32 already) turned into the softmax in place,
+    which is all it keeps for backward beside the per-token target and mask; backward writes the
+    gradient into that buffer. 16-bit logits thus hold 2 + 4 bytes per logit at the peak, where
+    `log_softmax` + `nll_loss` hold 2 + 4 + 4 + 4. fp32 logits are overwritten with the softmax, as
+    Megatron's are: pass logits nothing else reads (the output layer's)."""
+
+    @staticmethod
+    def forward(ctx, logits, target, start, group):
+        work = logits.detach().float()  # fp32 logits are worked in place, as Megatron does
+        top = work.max(dim=-1).values
+        if group is not None:
+            torch.distributed.all_reduce(top, op=torch.distributed.ReduceOp.MAX, group=group)
+        work -= top.unsqueeze(-1)
+        outside = (target < start) | (target >= start + work.shape[-1])
+        local = target - start
+        local[outside] = 0
+        picked = work.gather(-1, local.unsqueeze(-1)).squeeze(-1)
+        picked[outside] = 0.0
+        torch.exp(work, out=work)
+        total = work.sum(dim=-1)
+        if group is not None:
+            torch.distributed.all_reduce(picked, group=group)
+            torch.distributed.all_reduce(total, group=group)
+        work.div_(total.unsqueeze(-1))  # the softmax, kept for backward
+        ctx.save_for_backward(work, outside, local)
+        return torch.log(total) - picked
+
+    @staticmethod
+    def backward(ctx, grad):
+        softmax, outside, local = ctx.saved_tensors
+        softmax.scatter_add_(-1, local.unsqueeze(-1), (outside.float() - 1.0).unsqueeze(-1))
+        softmax.mul_(grad.unsqueeze(-1))
+        return softmax, None, None, None
+
+
+def cross_entropy(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Mean next-token cross-entropy of [..., vocab] logits, vocabulary-parallel when the logits
+    are a DTensor sharded over the vocabulary (each rank works on its local columns; max, target
+    logit and sum of exponentials are all-reduced over the tensor-parallel group)."""
+    from torch.distributed.tensor import DTensor
+
+    group, start = None, 0
+    if isinstance(logits, DTensor):
+        mesh = logits.device_mesh
+        logits = logits.to_local()
+        group = mesh.get_group()
+        start = mesh.get_local_rank() * logits.shape[-1]
+    flat = logits.reshape(-1, logits.shape[-1])
+    return _VocabParallelCrossEntropy.apply(flat, labels.reshape(-1), start, group).mean()
 
 
 # ----- recompute primitives -------------------------------------------------------------------

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import shutil
+import tempfile
 from pathlib import Path
 from typing import Annotated, Optional
 
@@ -57,13 +59,21 @@ def run(
     err.print(f"measuring {cfg.workload} with recompute {escape(cfg.recompute.label)}{ranks} ...", highlight=False)
     if launch.world_size > 1:
         from recompute_bench.launch.torchrun import run_ranks
-        work = results.parent / "ranks" / (launch.rdzv_id or "run")
+        # The ranks' pieces and logs go with the results; with nothing saved, to a scratch folder
+        # that is removed when the point is ok (kept, and named, when it is not).
+        scratch = None if save else Path(tempfile.mkdtemp(prefix="recompute-bench-ranks-"))
+        work = (scratch or results.parent / "ranks") / (launch.rdzv_id or "run")
         record = run_ranks(cfg, launch, name="run", pieces=work, log_path=work / f"node{launch.node_rank}.log",
                            timeout_s=timeout, device=device, peak_tflops=peak_tflops)
+        if scratch is not None and record["status"] == "ok":
+            shutil.rmtree(scratch, ignore_errors=True)
+        elif scratch is not None:
+            err.print(f"the ranks' pieces and logs are kept in {work}", highlight=False)
     else:
+        from recompute_bench.launch.devices import default_device_type
         from recompute_bench.measure.distributed import limit_memory
         from recompute_bench.measure.point import pick_device, run_point
-        torch_device = pick_device(device)
+        torch_device = pick_device(device or default_device_type())  # the device check_runnable checked
         limit_memory(torch_device, launch.memory_limit_gb)
         record = run_point(cfg, device=torch_device, peak_tflops=peak_tflops)
         record["launch"] = launch.record()
@@ -95,4 +105,11 @@ def check_runnable(cfg: Config, device: str | None, launch: Launch | None = None
                                                      else "drop --activation-offload-layers"))
     if device and device.startswith("cuda") and not cuda_here:
         raise ConfigError(f"--device {device} asks for CUDA but no CUDA device is visible here; pass --device cpu")
+    index = device.partition(":")[2] if device else ""
+    if on_cuda and index.isdigit():
+        from recompute_bench.launch.devices import visible_gpu_count
+        gpus = visible_gpu_count()
+        if gpus is not None and int(index) >= gpus:
+            raise ConfigError(f"--device {device}: this machine shows {gpus} GPU(s), cuda:0 to cuda:{gpus - 1}; "
+                              f"pass --device cuda:{gpus - 1} or lower")
     return cfg

@@ -34,10 +34,11 @@ def verify(
     json_out: JsonOut = False,
 ) -> None:
     """Prove that every recompute setting (or the one given) leaves the loss and every gradient
-    unchanged: fp32, dropout on, same seed and inputs as the no-recompute baseline."""
+    unchanged: fp32, dropout on, same seed and inputs as the no-recompute baseline (on CUDA under
+    torch's deterministic algorithms, so atomics cannot make equal math differ)."""
     import torch
 
-    from recompute_bench.measure.verify import verify as run_verify
+    from recompute_bench.measure.verify import determinism, verify as run_verify
     from recompute_bench.models import spec_for
     from recompute_bench.recompute.settings import all_settings
 
@@ -63,9 +64,11 @@ def verify(
     if launch.world_size > 1:
         outcomes = _over_ranks(cfg, settings, backends, launch, device)
     else:
-        outcomes = run_verify(cfg, settings, backends, torch.device(device))
+        from recompute_bench.measure.point import pick_device
+        outcomes = run_verify(cfg, settings, backends, pick_device(device))
 
-    table = Table(title=f"verify {cfg.workload}: fp32, dropout on, against no recompute")
+    how = determinism(device.split(":")[0])  # why equal bits mean equal math on this device
+    table = Table(title=f"verify {cfg.workload}: fp32, dropout on, against no recompute; {how}")
     for col in ("setting", "attention", "|loss diff|", "max |grad diff|", "worst parameter", "result"):
         table.add_column(col, justify="right" if "diff" in col else "left")
     for o in outcomes:
@@ -73,7 +76,7 @@ def verify(
                       o.worst_parameter, "[green]exact[/]" if o.exact else "[red]DIFFERS[/]")
     err.print(table)
     if json_out:
-        typer.echo(json.dumps([{**o.__dict__, "exact": o.exact} for o in outcomes], indent=2))
+        typer.echo(json.dumps([{**o.__dict__, "exact": o.exact, "determinism": how} for o in outcomes], indent=2))
     bad = [o for o in outcomes if not o.exact]
     if bad:
         err.print(f"[red]{len(bad)} of {len(outcomes)} settings change the loss or a gradient[/]")

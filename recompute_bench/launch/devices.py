@@ -66,6 +66,37 @@ def visible_gpu_name(index: int = 0) -> str:
             pass
 
 
+def visible_gpu_count() -> int | None:
+    """How many GPUs a process started here sees as cuda:0, cuda:1, ... (CUDA_VISIBLE_DEVICES
+    applied: CUDA stops at its first entry that names no GPU), from NVML; None where NVML cannot
+    tell (no pynvml, no driver library)."""
+    try:
+        import pynvml
+        pynvml.nvmlInit()
+    except Exception:  # ImportError, or no driver library / driver loaded
+        return None
+    try:
+        count = pynvml.nvmlDeviceGetCount()
+        n = 0
+        while count and (entry := _visible(n)) is not None:
+            try:
+                if entry.isdigit():
+                    pynvml.nvmlDeviceGetHandleByIndex(int(entry))
+                else:
+                    pynvml.nvmlDeviceGetHandleByUUID(entry)
+            except Exception:  # an index past the last GPU, an unknown UUID
+                break
+            n += 1
+        return n
+    except Exception:
+        return None
+    finally:
+        try:
+            pynvml.nvmlShutdown()
+        except Exception:
+            pass
+
+
 def default_device_type() -> str:
     """What a worker without --device measures on: "cuda" when a GPU is visible and torch was built
     with CUDA, else "cpu" (the same choice as `measure.point.pick_device`, made without torch)."""

@@ -85,8 +85,9 @@ def _tail(path: Path, lines: int = STDERR_TAIL_LINES) -> str:
 
 
 def _innermost_frame(stack: str) -> str | None:
-    """"measure.py:125 in _fault" from a faulthandler dump: the top frame of the thread it interrupted."""
-    lines = stack.splitlines()
+    """"measure.py:125 in _fault" from a faulthandler dump: the top frame of the thread it interrupted
+    (lines torchrun's --tee prefixed with "[default<local rank>]:" read as the rank wrote them)."""
+    lines = [re.sub(r"^\[\w*?\d+\]:", "", line) for line in stack.splitlines()]
     start = next((i for i, line in enumerate(lines) if line.startswith("Current thread")), None)
     for line in lines[start + 1:] if start is not None else []:
         match = re.match(r'\s*File "(.+)", line (\d+) in (\S+)', line)

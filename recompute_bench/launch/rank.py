@@ -5,10 +5,11 @@
 
 A rank reads the resolved config from `DIR/config.json`, measures its share of the point
 (`measure.distributed.measure_rank`), and writes `DIR/rank<N>.json` after every step. A rank that
-ran out of memory or failed exits 1 after writing its piece, so torchrun tears the group down
-instead of leaving its peers waiting in a collective; the traceback of an uncaught error goes to
-torchrun's per-rank error file (`elastic.multiprocessing.errors.record`). SIGUSR1 dumps every
-thread's stack to the log, as the single-rank worker does.
+ran out of memory or failed exits 1 after writing its piece (through `destroy_process_group`,
+bounded in time), so torchrun tears the group down instead of leaving its peers waiting in a
+collective; the traceback of an uncaught error goes to torchrun's per-rank error file
+(`elastic.multiprocessing.errors.record`). SIGUSR1 dumps every thread's stack to the log, as the
+single-rank worker does.
 """
 
 from __future__ import annotations
@@ -16,18 +17,41 @@ from __future__ import annotations
 import argparse
 import faulthandler
 import json
+import os
 import signal
 import sys
 from pathlib import Path
 
 
 def agent(argv: list[str]) -> int:
-    """torchrun, tied to the process that started it (a killed sweep leaves no ranks behind)."""
+    """torchrun, tied to the process that started it (a killed sweep leaves no ranks behind).
+    `agent --exits FILE TORCHRUN-ARGS...`: when a rank fails, FILE gets torchrun's verdict on each
+    failed rank (`exits_of`), which the launcher reads to tell a killed rank from its peers."""
     from recompute_bench.launch.worker import die_with_parent
     die_with_parent()
+    exits = None
+    if argv[:1] == ["--exits"]:
+        exits, argv = Path(argv[1]), argv[2:]
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import main as torchrun
-    torchrun(argv)
+    try:
+        torchrun(argv)
+    except ChildFailedError as e:
+        if exits is not None:
+            from recompute_bench.results.store import write_json_atomic
+            write_json_atomic(exits, exits_of(e))
+        raise
     return 0
+
+
+def exits_of(failed) -> dict:
+    """What torchrun knows of each failed rank (`ChildFailedError.failures`, by global rank): its exit
+    code, the signal that ended it ("SIGKILL"; None for an exit code), and which failure torchrun
+    observed first (`get_first_failure`, the root cause; the others it stopped, with SIGTERM)."""
+    first, _ = failed.get_first_failure()
+    return {"first": first, "ranks": {str(rank): {"local_rank": f.local_rank, "exitcode": f.exitcode,
+                                                  "signal": f.signal_name() if f.exitcode < 0 else None}
+                                      for rank, f in failed.failures.items()}}
 
 
 def verify(argv: list[str]) -> int:
@@ -46,15 +70,17 @@ def verify(argv: list[str]) -> int:
         import torch.distributed as dist
         from recompute_bench.launch.worker import config_from_dict
         from recompute_bench.measure.distributed import init_process_group, rank_device, verify_ranks
+        from recompute_bench.measure.verify import deterministic
         from recompute_bench.results.store import write_json_atomic
         from recompute_bench.spec.config import RecomputeConfig
 
         given = json.loads((args.pieces / "verify-in.json").read_text())
         cfg = config_from_dict(given["config"])
         device = rank_device(args.device)
-        init_process_group(device, args.watchdog_s)
-        result = verify_ranks(cfg, [RecomputeConfig(**r) for r in given["settings"]], given["backends"], device,
-                              args.data_parallel)
+        with deterministic(device):  # before the process group: NCCL then leaves out its NVLS reductions
+            init_process_group(device, args.watchdog_s)
+            result = verify_ranks(cfg, [RecomputeConfig(**r) for r in given["settings"]], given["backends"], device,
+                                  args.data_parallel)
         if dist.get_rank() == 0:
             write_json_atomic(args.pieces / "verify.json", result)
         dist.destroy_process_group()
@@ -79,20 +105,22 @@ def measure(argv: list[str]) -> int:
 
     @record
     def run() -> int:
-        import os
-        import torch.distributed as dist
         from recompute_bench.launch.worker import config_from_dict
-        from recompute_bench.measure.distributed import measure_rank
+        from recompute_bench.measure.distributed import leave_group, measure_rank
 
         cfg = config_from_dict(json.loads((args.pieces / "config.json").read_text()))
         rank = int(os.environ["RANK"])
         piece = measure_rank(cfg, data_parallel=args.data_parallel, piece_path=args.pieces / f"rank{rank}.json",
                              device=args.device, peak_tflops=args.peak_tflops, memory_limit_gb=args.memory_limit_gb,
                              watchdog_s=args.watchdog_s)
-        if piece["rank_entry"]["status"] != "ok":
-            return 1  # torchrun stops the peers, which may be waiting for this rank in a collective
-        dist.destroy_process_group()
-        return 0
+        # A failed rank exits 1 (torchrun then stops the peers, which may wait for it in a
+        # collective), through destroy_process_group like a finished one; where that does not
+        # return, the process leaves without the exit handlers that would wait on it again.
+        code = 0 if piece["rank_entry"]["status"] == "ok" else 1
+        if not leave_group():
+            sys.stderr.flush()
+            os._exit(code)
+        return code
 
     return run()
 

@@ -30,6 +30,9 @@ from __future__ import annotations
 import dataclasses
 import datetime
 import os
+import statistics
+import sys
+import threading
 from contextlib import AbstractContextManager, contextmanager
 from typing import Iterator
 
@@ -75,20 +78,27 @@ class DataParallel(SingleRank):
     def split(self, model: torch.nn.Module) -> torch.nn.Module:
         return self.tensor.parallelize(model) if self.tensor else model
 
-    def context(self):
-        return self.tensor.context() if self.tensor else super().context()
+    @property
+    def splits(self) -> bool:
+        return self.tensor is not None or (self.kind == "fsdp" and self.dp_size > 1)
 
     def build(self, cfg: Config, device: torch.device, dtype: torch.dtype | None = None) -> torch.nn.Module:
-        if self.dp_size == 1:  # tensor parallel only
-            return super().build(cfg, device, dtype)
-        if self.kind == "ddp":
+        if self.dp_size > 1 and self.kind == "ddp":  # the whole model on every rank
             model = super().build(cfg, device, dtype)
             if self.ep > 1:
                 from recompute_bench.models.moe.dispatch import shard_experts
                 self.experts = shard_experts(model, self.ep_group)
             return model
+        if self.dp_size > 1:  # FSDP: fp32 sharded weights, cast for compute (`shard`)
+            dtype = torch.float32
+        return super().build(cfg, device, dtype)
+
+    def shard(self, model: torch.nn.Module, cfg: Config) -> torch.nn.Module:
+        """FSDP2 over the data-parallel ranks: every layer, then the root (on the meta device, before
+        anything is allocated)."""
+        if self.kind != "fsdp" or self.dp_size == 1:
+            return model
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-        model = super().build(cfg, device, torch.float32)  # fp32 sharded weights: FSDP casts for compute
         policy = MixedPrecisionPolicy(param_dtype=DTYPES[cfg.training.precision], reduce_dtype=torch.float32)
         mesh = self.tensor.dp_mesh if self.tensor else None
         for layer in model.layers:
@@ -145,6 +155,20 @@ class DataParallel(SingleRank):
         value = value.detach().clone()
         dist.all_reduce(value)
         return value / self.world_size
+
+    def barrier(self) -> None:
+        """Every rank waits here for the others (NCCL: the host waits for the barrier's kernel too,
+        `WorkNCCL::wait` on a barrier op), so a timed step starts on every rank at once."""
+        dist.barrier()
+
+    def slowest(self, times: list[float]) -> tuple[list[float], float | None]:
+        """Each step's time on its slowest rank (the one every other rank waited for at the step's
+        collectives) and the median over steps of slowest minus fastest, gathered once the timed
+        steps are over."""
+        every: list[list[float] | None] = [None] * self.world_size
+        dist.all_gather_object(every, list(times))
+        steps = list(zip(*every))
+        return [max(s) for s in steps], statistics.median(max(s) - min(s) for s in steps) if steps else None
 
 
 BUCKET_PARAMETERS = 40_000_000
@@ -241,6 +265,25 @@ def init_process_group(device: torch.device, watchdog_s: float) -> None:
                             device_id=device if device.type == "cuda" else None)
 
 
+LEAVE_GROUP_S = 30.0
+"""How long a rank waits for `destroy_process_group` before it exits without it."""
+
+
+def leave_group(limit_s: float = LEAVE_GROUP_S) -> bool:
+    """`destroy_process_group`, given at most `limit_s` seconds; whether it returned. A rank whose
+    peer died or hung may wait on its communicators there (NCCL's abort and destroy can block, and
+    torch's own default, TORCH_NCCL_ASYNC_ERROR_HANDLING=3, exists to skip them), so the call runs in
+    a thread the rank stops waiting for: a rank always gets to exit with its verdict."""
+    if not dist.is_initialized():
+        return True
+    leaving = threading.Thread(target=dist.destroy_process_group, name="destroy-process-group", daemon=True)
+    leaving.start()
+    leaving.join(limit_s)
+    if leaving.is_alive():
+        sys.stderr.write(f"destroy_process_group did not return within {limit_s:g} s; exiting without it\n")
+    return not leaving.is_alive()
+
+
 def rank_device(requested: str | None) -> torch.device:
     """This rank's device: cuda:LOCAL_RANK where CUDA is present (or asked for), else the CPU."""
     kind = requested.split(":")[0] if requested else ("cuda" if torch.cuda.is_available() else "cpu")
@@ -298,7 +341,7 @@ def gathered_loss_and_grads(cfg: Config, tokens: torch.Tensor, device: torch.dev
     model = layout.build(cfg, device)
     model.train()
     main_grads = layout.optimizer(model, cfg.training.precision).grads if layout.reduces_main_grads else None
-    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []), layout.context():
+    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
         torch.manual_seed(cfg.training.seed)
         loss = model(tokens[:, :-1], tokens[:, 1:])
         loss.backward()

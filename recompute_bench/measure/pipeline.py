@@ -150,7 +150,7 @@ class PipelineParallel(DataParallel):
             if chunk.output_layer is not None and chunk.word_embeddings is None and cfg.model.share_embeddings_and_output_weights:
                 chunk.output_layer.weight = nn.Parameter(whole.word_embeddings.weight.detach().clone())  # this rank's copy
             if self.tensor:
-                self.tensor.parallelize_parts(chunk)
+                self.tensor.parallelize(chunk)
             apply_recompute(chunk, cfg.recompute, self.tensor_group, first=v * per)
             if fsdp:
                 self._shard(chunk, cfg)
@@ -240,7 +240,7 @@ class PipelineParallel(DataParallel):
                   for chunk, v in zip(model, self.stages)]
 
         def loss_fn(output: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-            loss = GPT.loss(output, labels) / n  # as the single rank's (loss / n).backward()
+            loss = model[0].loss(output, labels) / n  # as the single rank's (loss / n).backward()
             return loss.to_local() if hasattr(loss, "to_local") else loss  # the vocabulary-parallel loss, this rank's
 
         cls = get_schedule_class(self.schedule_name)
@@ -255,7 +255,7 @@ class PipelineStepper(Stepper):
     inject faults, to time the compute (for the measured bubble) and to feed the probe."""
 
     def __init__(self, cfg: Config, model: PipelineChunks, optimizer, batches: torch.Tensor, layout: PipelineParallel):
-        super().__init__(cfg, model, optimizer, batches, layout.context)
+        super().__init__(cfg, model, optimizer, batches)
         self.layout = layout
         self.device = batches.device
         self.schedule, stages = layout.schedule(model, cfg, batches.device)
@@ -322,7 +322,7 @@ class PipelineStepper(Stepper):
     def step(self, probe: "ScheduleProbe | None" = None) -> torch.Tensor:
         """One optimizer step over every micro-batch through the schedule; returns the step's mean loss
         (on the last stage; zero elsewhere) as a 0-dim fp32 tensor on the device."""
-        layout, s = self.layout, self.cfg.training.seq_length
+        layout = self.layout
         rows = self.batches.reshape(-1, self.batches.shape[-1]) if self.batches.numel() else None  # views of the step's tokens
         args = (rows[:, :-1],) if layout.first else ()
         target = rows[:, 1:] if layout.last else None
@@ -332,7 +332,7 @@ class PipelineStepper(Stepper):
         # Main gradients only accumulate in the schedule; the optimizer's step reduces them over the
         # data-parallel ranks (`finish`): a rank may hold one parameter in two chunks (a tied
         # embedding under a V schedule), so no chunk's last backward is the parameter's last.
-        with probe.watch() if probe else nullcontext(), self.context(), grads.no_sync() if grads else nullcontext():
+        with probe.watch() if probe else nullcontext(), grads.no_sync() if grads else nullcontext():
             self.schedule.step(*args, target=target, losses=losses if layout.last else None, return_outputs=False)
         self.probe = None
         self.compute_times_s.append(self._compute)

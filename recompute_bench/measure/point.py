@@ -4,7 +4,8 @@ The first step is the probe step (not timed): `FlopCounterMode` counts every FLO
 step, recompute included (a tensor-parallel DTensor op by its local shards: `LocalFlopCounter`),
 and saved-tensor hooks around the first micro-batch's forward collect the storages autograd keeps
 for backward (a DTensor's local shard). Then warm-up steps, a reset of the CUDA peak counters,
-and the measured steps, each timed between device synchronisations.
+and the measured steps, each timed between device synchronisations on the measured device's stream,
+started after a barrier over the ranks; a step's time is its slowest rank's (`SingleRank.slowest`).
 
 A CUDA out-of-memory error becomes `status: "oom"` with the step and phase; any other exception
 becomes `status: "error"`. Either way the record is complete, with what was not measured as None.
@@ -14,6 +15,7 @@ from __future__ import annotations
 
 import os
 import statistics
+import sys
 import time
 import traceback
 import weakref
@@ -24,12 +26,13 @@ import torch
 from torch.utils.flop_counter import FlopCounterMode
 
 from recompute_bench.analysis import flops
-from recompute_bench.backends.pytorch import grouped_gemm_path
+from recompute_bench.backends.pytorch import kernels_that_ran
 from recompute_bench.spec.config import Config
-from recompute_bench.models import spec_for
-from recompute_bench.models.dense.layers import GPT
+from recompute_bench.models import DeviceKernels, spec_for
+from recompute_bench.models.dense.layers import GPT, materialize
 from recompute_bench.recompute.apply import apply_recompute
-from recompute_bench.measure.record import FAULT_ENV, SCHEMA, make_record, unmeasured_metrics, unmeasured_rank
+from recompute_bench.measure.record import (FAULT_ENV, SCHEMA, make_record, predicted_metrics, unmeasured_metrics,
+                                            unmeasured_rank)
 from recompute_bench.measure.telemetry import NvmlSampler, cuda_memory, device_name, environment, uses_tf32
 
 __all__ = ["SCHEMA", "FAULT_ENV", "DTYPES", "MainGradAdam", "MainGrads", "SavedTensorProbe", "Stepper", "make_optimizer",
@@ -274,9 +277,14 @@ class SavedTensorProbe:
         return {}
 
 
+FAULT_DELAY_S = 3.0
+"""How long a "delay" fault holds its rank."""
+
+
 def _fault(phase: str, step: int) -> None:
     """Fail as RECOMPUTE_BENCH_FAULT says ("KIND:PHASE:STEP[@RANK]"); no "@RANK" means every rank.
-    The rank is torchrun's RANK (0 on a single-rank point)."""
+    The rank is torchrun's RANK (0 on a single-rank point). Phases: forward, backward, optimizer
+    (inside a step) and write (after a step, before its piece is written)."""
     spec = os.environ.get(FAULT_ENV)
     if not spec:
         return
@@ -284,12 +292,26 @@ def _fault(phase: str, step: int) -> None:
     kind, want_phase, want_step = where.split(":")
     if want_phase != phase or int(want_step) != step:
         return
-    if want_rank and int(want_rank) != int(os.environ.get("RANK", "0")):
+    rank = int(os.environ.get("RANK", "0"))
+    if want_rank and int(want_rank) != rank:
         return
     if kind == "oom":
         raise torch.OutOfMemoryError(f"CUDA out of memory (injected by {FAULT_ENV}={spec})")
     if kind == "hang":
         time.sleep(10**6)
+    if kind == "delay":  # a slow rank, as a slow disk makes its piece write
+        time.sleep(FAULT_DELAY_S)
+        return
+    if kind == "watchdog":
+        # ProcessGroupNCCL's end under TORCH_NCCL_ASYNC_ERROR_HANDLING=3 (its default): the watchdog
+        # thread logs the timed-out work (`WorkNCCL::checkTimeout`, c10 LOG(ERROR) to stderr), then
+        # rethrows from that thread (`WorkNCCL::handleException`): std::terminate, SIGABRT, no
+        # Python exception on the main thread. Written here as torch writes it.
+        sys.stderr.write(f"[rank{rank}]:[E1123 12:00:00.000000000 ProcessGroupNCCL.cpp:632] [PG ID 0 PG GUID 0(default_pg) "
+                         f"Rank {rank}] Watchdog caught collective operation timeout: WorkNCCL(SeqNum=7, OpType=ALLREDUCE, "
+                         "NumelIn=1, NumelOut=1, Timeout(ms)=300000) ran for 300042 milliseconds before timing out.\n")
+        sys.stderr.flush()
+        os.abort()
     raise RuntimeError(f"injected failure ({FAULT_ENV}={spec})")
 
 
@@ -297,10 +319,8 @@ class Stepper:
     """Runs training steps and remembers where it is, so a failure can say so."""
 
     def __init__(self, cfg: Config, model: GPT, optimizer, batches: torch.Tensor,
-                 context: Callable[[], Any] = nullcontext, no_sync: Callable[[], Any] | None = None):
+                 no_sync: Callable[[], Any] | None = None):
         self.cfg, self.model, self.optimizer, self.batches = cfg, model, optimizer, batches
-        self.context = context
-        """Around each micro-batch's forward and backward (tensor parallel: the vocabulary-parallel loss)."""
         self.no_sync = no_sync
         """Around each micro-batch but the last (`layout.no_sync`): its gradients accumulate on the
         rank, and only the last one's backward reduces them over the data-parallel ranks."""
@@ -318,7 +338,7 @@ class Stepper:
         n = len(self.batches)
         total = torch.zeros((), dtype=torch.float32, device=self.batches.device)
         for i, tokens in enumerate(self.batches):
-            with self.no_sync() if self.no_sync and i < n - 1 else nullcontext(), self.context():
+            with self.no_sync() if self.no_sync and i < n - 1 else nullcontext():
                 self.phase = "forward"
                 _fault("forward", self.step_index)
                 if probe is not None and i == 0:
@@ -338,15 +358,27 @@ class Stepper:
         return total / n
 
 
-def _timed(device: torch.device, fn: Callable[[], Any]) -> float:
+def cuda_event(device: torch.device) -> "torch.cuda.Event":
+    """A timing event recorded now on `device`'s current stream. `Event.record()` without a stream
+    records on the current device's stream, GPU 0's unless it was set: on `cuda:1` the event would
+    time nothing of the work (torch/cuda/streams.py, `Event.record`)."""
+    event = torch.cuda.Event(enable_timing=True)
+    event.record(torch.cuda.current_stream(device))
+    return event
+
+
+def _timed(device: torch.device, fn: Callable[[], Any], barrier: Callable[[], None] = lambda: None) -> float:
+    """Seconds `fn` takes on `device`, started when every rank has reached `barrier` (so one rank's
+    late start, a slow piece write between steps, is not timed as another rank's wait)."""
     if device.type == "cuda":
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         torch.cuda.synchronize(device)
-        start.record()
+        barrier()
+        start = cuda_event(device)
         fn()
-        end.record()
+        end = cuda_event(device)
         end.synchronize()
         return start.elapsed_time(end) / 1e3
+    barrier()
     t0 = time.perf_counter()
     fn()
     return time.perf_counter() - t0
@@ -365,11 +397,21 @@ def float32_matmul_precision(device: torch.device, precision: str) -> Iterator[b
         torch.set_float32_matmul_precision(before)
 
 
-def pick_device(requested: str | None = None) -> torch.device:
-    """CUDA when present (or asked for), else CPU."""
-    if requested:
-        return torch.device(requested)
-    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+def pick_device(requested: str | torch.device | None = None) -> torch.device:
+    """The device this process measures on, made the current CUDA device: `requested` ("cuda" is the
+    current GPU, "cuda:1" the second), else CUDA when torch sees a GPU, else the CPU.
+
+    Making it current matters beyond the model's tensors: streams, events, cuBLAS handles and
+    every kernel launched without an explicit device go to the current device, which is GPU 0
+    until it is set (a stray context there, and events that time nothing of the work on GPU N)."""
+    if requested is None:
+        requested = "cuda" if torch.cuda.is_available() else "cpu"
+    device = torch.device(requested)
+    if device.type == "cuda":
+        if device.index is None:
+            device = torch.device("cuda", torch.cuda.current_device())
+        torch.cuda.set_device(device)
+    return device
 
 
 class SingleRank:
@@ -380,20 +422,37 @@ class SingleRank:
     rank = 0
     tensor_group = None
     """The tensor-parallel process group (None: no tensor parallelism)."""
+    splits = False
+    """Whether this rank holds only part of the model's weights (tensor parallel, FSDP)."""
 
     def build(self, cfg: Config, device: torch.device, dtype: torch.dtype | None = None) -> GPT:
-        """The model this rank trains, split over the tensor-parallel group (`split`), then recompute
-        installed; weights in `dtype` (default the training precision)."""
-        model = spec_for(cfg.model).build(cfg, device, dtype or DTYPES[cfg.training.precision])
-        return apply_recompute(self.split(model), cfg.recompute, self.tensor_group)
+        """The model this rank trains, split over the tensor-parallel group (`split`), recompute
+        installed, then sharded (`shard`); weights in `dtype` (default the training precision).
+
+        A layout that `splits` the weights does it as torchtitan does: the model is built on the
+        meta device, split, given its recompute and sharded there, and only then materialised, so a
+        rank allocates and initialises its own shards (the whole model never exists on one rank),
+        with the values one rank's build holds (`models.dense.layers.materialize`). On CUDA the cache
+        the initialisation leaves (one whole parameter at a time) is handed back, so that the reserved
+        peak measures the training, not the build."""
+        dtype = dtype or DTYPES[cfg.training.precision]
+        spec = spec_for(cfg.model)
+        if self.splits:
+            model = apply_recompute(self.split(spec.build(cfg, "meta", dtype)), cfg.recompute, self.tensor_group)
+            model = materialize(self.shard(model, cfg), device, cfg.training.seed)
+        else:
+            model = apply_recompute(spec.build(cfg, device, dtype), cfg.recompute, self.tensor_group)
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+        return model
 
     def split(self, model: GPT) -> GPT:
         """This rank's part of the whole model: all of it."""
         return model
 
-    def context(self):
-        """What each forward and backward runs inside: nothing here."""
-        return nullcontext()
+    def shard(self, model: GPT, cfg: Config) -> GPT:
+        """The model with its weights sharded over the data-parallel ranks: not at all here."""
+        return model
 
     def optimizer(self, model: torch.nn.Module, precision: str):
         """The optimizer of `model`'s parameters on this rank."""
@@ -418,7 +477,7 @@ class SingleRank:
 
     def stepper(self, cfg: Config, model: torch.nn.Module, optimizer, batches: torch.Tensor) -> Stepper:
         """What runs this layout's training steps."""
-        return Stepper(cfg, model, optimizer, batches, self.context, lambda: self.no_sync(model, optimizer))
+        return Stepper(cfg, model, optimizer, batches, lambda: self.no_sync(model, optimizer))
 
     def probe(self, model: torch.nn.Module) -> SavedTensorProbe:
         """What measures the probe step's saved tensors: the first micro-batch's forward."""
@@ -428,6 +487,14 @@ class SingleRank:
         """The step's FLOPs over every rank from this rank's: each rank runs the same share."""
         return local_flops * self.world_size
 
+    def barrier(self) -> None:
+        """Wait until every rank gets here: one rank, nothing to wait for."""
+
+    def slowest(self, times: list[float]) -> tuple[list[float], float | None]:
+        """(each measured step's time on the slowest rank, the median spread between the slowest and
+        the fastest rank): one rank is its own slowest, and has no spread."""
+        return times, None
+
 
 def run_point(cfg: Config, *, device: torch.device | None = None, peak_tflops: float | None = None,
               layout=None, progress: Callable[[dict, dict], None] | None = None) -> dict:
@@ -435,19 +502,19 @@ def run_point(cfg: Config, *, device: torch.device | None = None, peak_tflops: f
     an OOM or a failing step; those become the record's status). `layout` places the model and
     batch over ranks (default one rank); `progress(metrics, rank_entry)` is called after every step
     and at the end, so a rank can leave what it has measured before a later step kills it."""
-    device = device or pick_device()
+    device = pick_device(device)
+    ran: dict[str, str] = {}  # the kernels the probe step ran (`kernels_that_ran`)
     with float32_matmul_precision(device, cfg.training.precision) as tf32:
-        metrics, rank_entry = _measure(cfg, device, peak_tflops, layout or SingleRank(), progress or (lambda *_: None))
-    env = environment(device, tf32)
-    if cfg.model.num_moe_experts:  # which grouped-matmul path the experts ran
-        env["grouped_gemm_path"] = grouped_gemm_path(cfg.model.moe_grouped_gemm, device)
-    return make_record(cfg, env, rank_entry, metrics)
+        metrics, rank_entry = _measure(cfg, device, peak_tflops, layout or SingleRank(), progress or (lambda *_: None),
+                                       ran)
+    return make_record(cfg, {**environment(device, tf32), **ran}, rank_entry, metrics)
 
 
 def _measure(cfg: Config, device: torch.device, peak_tflops: float | None, layout,
-             progress: Callable[[dict, dict], None]) -> tuple[dict, dict]:
-    """(metrics, rank entry) of one point: the probe step, warm-up, the measured window."""
-    m, t = cfg.model, cfg.training
+             progress: Callable[[dict, dict], None], ran: dict[str, str]) -> tuple[dict, dict]:
+    """(metrics, rank entry) of one point: the probe step, warm-up, the measured window. `ran`
+    receives the kernels the probe step ran, which the hardware FLOPs and the estimate then follow."""
+    t = cfg.training
     world_size = layout.world_size  # FLOP rates are per GPU over the whole world
     metrics = unmeasured_metrics(cfg, device.type)
     rank_entry = {**unmeasured_rank(layout.rank, device_name(device)), **cuda_memory(device),
@@ -467,11 +534,14 @@ def _measure(cfg: Config, device: torch.device, peak_tflops: float | None, layou
             rank_entry["losses"].append(layout.mean(loss).item())  # after the step, which is not timed
             rank_entry["step"] = stepper.step_index
             rank_entry.update({k: v for k, v in cuda_memory(device).items() if v is not None})
+            _fault("write", stepper.step_index)
             progress(metrics, rank_entry)
 
         probe = layout.probe(model)
         with LocalFlopCounter(display=False) as counter:
             loss = stepper.step(probe)
+        ran.update(kernels_that_ran(getattr(model, "module", model)))  # DDP wraps the GPT
+        metrics.update(predicted_metrics(cfg, DeviceKernels(device.type, ran.get("attention_kernel"))))
         done(loss)
         metrics["loss"] = rank_entry["losses"][0]
         metrics["measured_flops_per_step"] = layout.world_flops(counter.get_total_flops())
@@ -491,10 +561,10 @@ def _measure(cfg: Config, device: torch.device, peak_tflops: float | None, layou
         with NvmlSampler(device) as nvml:
             for _ in range(t.measured_steps):
                 losses: list[torch.Tensor] = []
-                rank_entry["step_times_s"].append(_timed(device, lambda: losses.append(stepper.step())))
-                done(losses[0])
-        times = rank_entry["step_times_s"]
-        rank_entry.update(stepper.fields(times))
+                rank_entry["step_times_s"].append(_timed(device, lambda: losses.append(stepper.step()), layout.barrier))
+                done(losses[0])  # writes the piece: between steps, before the next step's barrier
+        rank_entry.update(stepper.fields(rank_entry["step_times_s"]))
+        times, spread = layout.slowest(rank_entry["step_times_s"])  # the slowest rank bounds each step
         window = cuda_memory(device)
         rank_entry.update(window)
         if device.type == "cuda":
@@ -503,10 +573,15 @@ def _measure(cfg: Config, device: torch.device, peak_tflops: float | None, layou
         rank_entry["nvml_used_bytes"], rank_entry["nvml_total_bytes"] = nvml.peak, nvml.total
 
         step_time = statistics.median(times)
-        peak = peak_tflops * 1e12 if peak_tflops else flops.peak_flops(device_name(device), t.precision)
+        peak = peak_tflops * 1e12 if peak_tflops else None
+        metrics["peak_source"] = "--peak-tflops" if peak_tflops else None
+        if peak is None and (known := flops.peak(device_name(device), t.precision)):
+            metrics["peak_source"], peak = known  # the datasheet figure of this exact product
+        metrics["peak_tflops"] = peak / 1e12 if peak else None
         metrics.update({
             "step_time_s": step_time,
             "step_times_s": times,
+            "step_time_spread_s": spread,
             "tflops_per_gpu": metrics["model_flops_per_step"] / step_time / world_size / 1e12,
             "tokens_per_s_per_gpu": t.global_batch_size * t.seq_length / step_time / world_size,
             "mfu": metrics["model_flops_per_step"] / step_time / world_size / peak if peak else None,

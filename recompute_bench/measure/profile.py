@@ -5,8 +5,8 @@ uses it: `analysis/profile_costs.py`).
 One layer of each kind the model has (dense, MoE) is built alone (`kind_config`, one layer)
 in the training precision and run forward and backward `warmup` + `steps` times with no recompute.
 Forward hooks on the layer and on each target's module time every forward: `time.perf_counter` on a
-CPU, CUDA events on a GPU (read after the step's synchronisation, only here: a measured training
-step never synchronises). A target's time in a step is the sum over its modules (`layernorm`: both
+CPU, CUDA events recorded on the device's own stream on a GPU (read after the step's
+synchronisation, only here: a measured training step never synchronises). A target's time in a step is the sum over its modules (`layernorm`: both
 norms); the profile keeps the median over the steps. The saved-tensor probe counts the layer's
 bytes with no recompute and with each target recomputed. On CUDA the host link is timed with
 pinned copies of one layer's activation bytes, both ways.
@@ -25,7 +25,8 @@ import torch
 
 from recompute_bench.analysis.layer import kind_config, layer_activation_bytes
 from recompute_bench.analysis.profile_costs import PROFILE_DIR, PROFILE_SCHEMA, cache_path, read_cached, shape_key, write_cached
-from recompute_bench.measure.point import DTYPES, SavedTensorProbe, float32_matmul_precision, synthetic_batches
+from recompute_bench.measure.point import (DTYPES, SavedTensorProbe, cuda_event, float32_matmul_precision, pick_device,
+                                           synthetic_batches)
 from recompute_bench.measure.telemetry import device_name
 from recompute_bench.models import spec_for
 from recompute_bench.recompute.apply import apply_recompute
@@ -47,16 +48,13 @@ class _Spans:
     """Forward spans of named modules within one step, summed per name."""
 
     def __init__(self, device: torch.device):
+        self.device = device
         self.cuda = device.type == "cuda"
         self.open: dict[int, Any] = {}
         self.closed: list[tuple[str, Any, Any]] = []
 
     def _now(self) -> Any:
-        if self.cuda:
-            event = torch.cuda.Event(enable_timing=True)
-            event.record()
-            return event
-        return time.perf_counter()
+        return cuda_event(self.device) if self.cuda else time.perf_counter()
 
     def hook(self, name: str, module: torch.nn.Module) -> list:
         def start(*_: Any) -> None:
@@ -126,12 +124,10 @@ def _host_link(nbytes: int, device: torch.device, steps: int) -> float:
     host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
     times = []
     for _ in range(steps + 1):
-        start, middle, end = (torch.cuda.Event(enable_timing=True) for _ in range(3))
-        start.record()
+        start = cuda_event(device)  # the copies run on the device's current stream
         host.copy_(on_device, non_blocking=True)
-        middle.record()
         on_device.copy_(host, non_blocking=True)
-        end.record()
+        end = cuda_event(device)
         end.synchronize()
         times.append(start.elapsed_time(end) / 1e3)
     return 2 * nbytes / statistics.median(times[1:])
@@ -139,6 +135,7 @@ def _host_link(nbytes: int, device: torch.device, steps: int) -> float:
 
 def measure_profile(cfg: Config, device: torch.device, warmup: int = 1, steps: int = 5) -> dict[str, Any]:
     """The profile of cfg's layers on `device` (see the module docstring)."""
+    device = pick_device(device)  # the current device: every span's event and kernel on it
     targets = spec_for(cfg.model).recompute_targets
     kinds = sorted({layer_kind(cfg.model, i) for i in range(cfg.model.num_layers)})
     torch.manual_seed(cfg.training.seed)

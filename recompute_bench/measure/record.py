@@ -15,7 +15,9 @@ from recompute_bench.spec.config import Config
 
 SCHEMA = "recompute-bench/result/v1"
 FAULT_ENV = "RECOMPUTE_BENCH_FAULT"
-"""Fault injection for tests: "KIND:PHASE:STEP[@RANK]" with KIND oom, error or hang, e.g.
+"""Fault injection for tests: "KIND:PHASE:STEP[@RANK]" with KIND oom, error, hang, delay (sleep
+`measure.point.FAULT_DELAY_S`) or watchdog (NCCL's watchdog verdict on stderr, then SIGABRT), and
+PHASE forward, backward, optimizer or write (the piece written after the step), e.g.
 "oom:backward:2" (every rank) or "oom:backward:1@1" (rank 1 only)."""
 
 
@@ -23,15 +25,21 @@ def unmeasured_metrics(cfg: Config, device_type: str) -> dict[str, Any]:
     """A point's metrics before anything is measured: None (not measured), except what follows from
     the config alone: the formula FLOPs and the analytical estimate."""
     return {
-        "step_time_s": None, "step_times_s": [], "tflops_per_gpu": None, "tokens_per_s_per_gpu": None,
-        "mfu": None, "hfu": None,
+        "step_time_s": None, "step_times_s": [], "step_time_spread_s": None, "tflops_per_gpu": None, "tokens_per_s_per_gpu": None,
+        "mfu": None, "hfu": None, "peak_tflops": None, "peak_source": None,
         "model_flops_per_step": flops.model_flops_per_step(cfg),
-        "hardware_flops_per_step": flops.hardware_flops_per_step(cfg, device_type),
         "measured_flops_per_step": None,
         "activation_bytes": None, "activation_bytes_per_layer": None,
         "num_parameters": None, "loss": None,
-        **record_estimate(cfg, device_type),  # the analytical model's prediction beside each measurement
+        **predicted_metrics(cfg, device_type),
     }
+
+
+def predicted_metrics(cfg: Config, device: str) -> dict[str, Any]:
+    """What the analysis predicts for the point on `device`: the hardware FLOPs (which HFU divides)
+    and the estimate beside each measurement. `device` may carry the kernels the run measured
+    (`models.DeviceKernels`), which the prediction then follows."""
+    return {"hardware_flops_per_step": flops.hardware_flops_per_step(cfg, device), **record_estimate(cfg, device)}
 
 
 def unmeasured_rank(rank: int, device_name: str, status: str = "ok", failure: dict | None = None) -> dict[str, Any]:
@@ -58,7 +66,7 @@ def make_record(cfg: Config, env: dict, rank_entry: dict, metrics: dict) -> dict
     }
 
 
-STATUS_ORDER = ("oom", "error", "timeout", "waiting")
+STATUS_ORDER = ("oom", "error", "killed", "timeout", "waiting")
 """A multi-rank point's status is its ranks' first in this order (else ok)."""
 
 

@@ -9,8 +9,9 @@ order: TP -> AC -> FSDP):
   whole groups), `linear_proj` row-parallel; MLP: `linear_fc1` column-parallel, `linear_fc2`
   row-parallel. The core attention, RoPE and the activation run on this rank's heads / columns.
 - the word embedding vocabulary-parallel (row-parallel over the padded vocabulary; the tied output
-  layer shares its shard), the output layer column-parallel over the vocabulary, and the
-  cross-entropy vocabulary-parallel (`loss_parallel`: no rank holds the whole logits).
+  layer shares its shard), the output layer column-parallel over the vocabulary, its logits a
+  DTensor sharded over the vocabulary, which the backend's cross-entropy works on shard by shard
+  (no rank holds the whole logits).
 - with sequence parallelism: the residual stream, the norms and the hidden dropouts run on this
   rank's 1/tp of the sequence (`SequenceParallel`); a column-parallel linear all-gathers the
   sequence for its input but keeps only the shard for backward, all-gathering it again there, as
@@ -24,8 +25,6 @@ the saved-tensor probe see local tensors; what a DTensor module saves is counted
 
 from __future__ import annotations
 
-from contextlib import AbstractContextManager
-
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
@@ -33,7 +32,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.parallel import (ColwiseParallel, ParallelStyle, PrepareModuleInput, RowwiseParallel,
-                                               SequenceParallel, loss_parallel, parallelize_module)
+                                               SequenceParallel, parallelize_module)
 
 SEQUENCE = 1
 """The sequence dimension of the [b, s, h] activations."""
@@ -69,7 +68,7 @@ def _gather(x: torch.Tensor, mesh: DeviceMesh) -> torch.Tensor:
 class SequenceGatheredColwise(ParallelStyle):
     """Column-parallel linear whose input is a sequence-parallel shard (`_GatheredLinear`): the weight
     (and bias) split over output features as `ColwiseParallel` splits them; the output this rank's
-    columns, a local tensor, or (`output_dtensor`) a DTensor sharded on the last dim for `loss_parallel`.
+    columns, a local tensor, or (`output_dtensor`) a DTensor sharded on the last dim for the loss.
     `ColwiseParallel(input_layouts=Shard(1))` would keep the all-gathered input whole for backward,
     t times the shard (measured: 2 x (1 - 1/t) x s x b x h bytes per layer more than Megatron keeps)."""
 
@@ -121,12 +120,6 @@ def model_plan(sequence_parallel: bool) -> dict:
     return plan
 
 
-def _local_loss(_module: nn.Module, _args, loss: torch.Tensor) -> torch.Tensor:
-    """The vocabulary-parallel loss (a replicated DTensor) as this rank's plain tensor; its gradient
-    flows back into the DTensor graph."""
-    return loss.to_local() if isinstance(loss, DTensor) else loss
-
-
 def swiglu_rows(ffn_hidden_size: int, tp: int) -> torch.Tensor:
     """The order of fc1's 2f rows (gate, then up) under which a row split over `tp` ranks gives
     rank i [gate_i; up_i], so that the activation's `chunk(2)` pairs each gate with its up."""
@@ -156,32 +149,21 @@ class TensorParallel:
         return self.mesh["dp"]
 
     def parallelize(self, model: nn.Module) -> nn.Module:
-        """Shard `model` (built whole, seeded as on one rank) over the "tp" mesh, in place; its loss
-        comes out as this rank's plain tensor."""
-        self.parallelize_parts(model)
-        model.register_forward_hook(_local_loss)
-        return model
-
-    def parallelize_parts(self, model: nn.Module) -> nn.Module:
         """Shard the parts of the GPT that `model` holds (the whole model, or a pipeline stage's
-        chunk: its layers, and the embedding or the output layer where it has them), in place."""
+        chunk: its layers, and the embedding or the output layer where it has them; built on the
+        meta device) over the "tp" mesh, in place. SwiGLU's fc1 takes its rows in `swiglu_rows` order
+        when it is initialised (`init_row_order`), so that each rank's shard holds its gate and up
+        columns of one rank's weights."""
         tp_mesh = self.mesh["tp"]
         for layer in model.layers:
             mlp = layer.mlp
             if getattr(mlp, "swiglu", False):
-                self._reorder_fc1(mlp.linear_fc1, mlp.linear_fc2.in_features)
+                mlp.linear_fc1.init_row_order = swiglu_rows(mlp.linear_fc2.in_features, self.size)
             parallelize_module(layer, tp_mesh, layer_plan(self.sequence_parallel))
         plan = {name: style for name, style in model_plan(self.sequence_parallel).items() if getattr(model, name, None) is not None}
         parallelize_module(model, tp_mesh, plan)
         model.tie_weights()  # the output layer shares the embedding's vocabulary shard again
         return model
-
-    @torch.no_grad()
-    def _reorder_fc1(self, fc1: nn.Linear, f: int) -> None:
-        rows = swiglu_rows(f, self.size).to(fc1.weight.device)
-        fc1.weight.copy_(fc1.weight[rows])
-        if fc1.bias is not None:
-            fc1.bias.copy_(fc1.bias[rows])
 
     def whole(self, name: str, tensor: torch.Tensor, cfg) -> torch.Tensor:
         """A gathered (full_tensor) parameter or gradient `name` in the single-rank layout."""
@@ -192,6 +174,3 @@ class TensorParallel:
             return out
         return tensor
 
-    def context(self) -> AbstractContextManager:
-        """Around every forward and backward: the vocabulary-parallel cross-entropy."""
-        return loss_parallel()

@@ -35,6 +35,21 @@ def device_kind(device: str) -> str:
     return "cpu" if str(device).split(":")[0] == "cpu" else "cuda"
 
 
+class DeviceKernels(str):
+    """A device string as the analysis takes it ("cuda", "cpu"), carrying the kernels a run measured
+    there: `attention_kernel`, what core attention ran ("flash", "efficient", "cudnn", "sdpa_math",
+    "math"; None: not measured). It is a `str`, so the analysis passes it on unchanged wherever it
+    passes a device, and a spec that picks a kernel takes the measured one over its own prediction
+    (`attention_kernel`): the measurement is handed to the analysis as data, which imports no torch."""
+
+    attention_kernel: str | None
+
+    def __new__(cls, device: str, attention_kernel: str | None = None) -> "DeviceKernels":
+        self = super().__new__(cls, device)
+        self.attention_kernel = attention_kernel
+        return self
+
+
 def vocab_rows(cfg: Config) -> int:
     """Rows of the word embedding and the output layer: Megatron's padded vocabulary (a multiple of
     make_vocab_size_divisible_by x tensor-parallel size), which its FLOPs and memory count."""

@@ -88,7 +88,8 @@ def _offload_forward(layer: nn.Module, offloader: ActivationOffloader, index: in
 def _install_offload(model: nn.Module, offloaded: list[int]) -> None:
     """Offload the layers `offloaded` through one offloader (`model.activation_offloader`); the
     layer just above the last of them starts bringing it back when its own backward starts."""
-    offloader = ActivationOffloader([*model.parameters(), *model.buffers()], next(model.parameters()).device)
+    # The weights are read when each offloaded forward starts (FSDP2 swaps its unsharded ones in then).
+    offloader = ActivationOffloader(lambda: [*model.parameters(), *model.buffers()])
     for i in offloaded:
         _offload_forward(model.layers[i], offloader, i)
     above = max(offloaded) + 1

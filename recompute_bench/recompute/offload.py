@@ -3,7 +3,17 @@
 Only activations move. `torch.autograd.graph.save_on_cpu` copies every saved tensor, including
 the weights a linear layer saves for its input gradient: a second host copy of the parameters
 each step, and device memory saved only on paper since the parameter stays on the device anyway.
-Here a tensor whose storage belongs to a parameter or buffer stays where it is.
+Here a tensor whose storage belongs to a parameter or buffer stays where it is, and the set of
+those storages is read when each offloaded layer's forward starts: under FSDP2 that is after the
+layer's pre-forward all-gather, so the unsharded weights it swapped in are parameters too (a set
+taken when the offloader was made, before `fully_shard`, would miss them and copy every gathered
+weight to the host).
+
+A tensor-parallel DTensor is a wrapper whose own storage holds no data: what moves is its local
+shard, and the unpacked tensor is a DTensor again, with the saved one's mesh, placements and shape.
+So is the AsyncCollectiveTensor a functional collective returns (a tensor-parallel module's local
+output, the embedding's all-reduced one that the first norm saves): it is waited for, and what moves
+and comes back is the tensor it wraps. A wrapper of any other kind stays on the device.
 
 Copies overlap with compute both ways, as Megatron's do. Forward: when autograd saves a tensor
 inside an offloaded layer, its storage is copied to pinned host memory on a side stream (which
@@ -22,7 +32,7 @@ is what the CPU tests prove.
 
 Use (see `recompute.apply.OffloadedLayer`):
 
-    offloader = ActivationOffloader([*model.parameters(), *model.buffers()], device)
+    offloader = ActivationOffloader(lambda: [*model.parameters(), *model.buffers()])
     for i, layer in enumerate(model.layers):
         with offloader.layer(i) if i < n else contextlib.nullcontext():
             x = layer(x)
@@ -40,7 +50,7 @@ from __future__ import annotations
 import contextlib
 import weakref
 from dataclasses import dataclass, field
-from typing import Iterable, Iterator
+from typing import Any, Callable, Iterable, Iterator
 
 import torch
 
@@ -62,13 +72,53 @@ class _Stored:
 
 @dataclass(frozen=True)
 class _Packed:
-    """What autograd keeps instead of a saved tensor: its storage's copy and the view's geometry."""
+    """What autograd keeps instead of a saved tensor: its storage's copy, the view's geometry, and
+    for a DTensor what rebuilds the wrapper around the local view (`_DTensorLayout`)."""
 
     stored: _Stored
     dtype: torch.dtype
     offset: int
     size: tuple[int, ...]
     stride: tuple[int, ...]
+    dtensor: Any = None
+
+
+@dataclass(frozen=True)
+class _DTensorLayout:
+    """A saved DTensor's mesh, placements and global shape and stride."""
+
+    mesh: Any
+    placements: tuple
+    shape: torch.Size
+    stride: tuple[int, ...]
+
+    def wrap(self, local: torch.Tensor) -> torch.Tensor:
+        from torch.distributed.tensor import DTensor
+
+        with torch.no_grad():  # a saved tensor comes back without a graph of its own
+            return DTensor.from_local(local, self.mesh, self.placements, run_check=False,
+                                      shape=self.shape, stride=self.stride)
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """A DTensor's local shard (the data); any other tensor as it is."""
+    return getattr(t, "_local_tensor", t)
+
+
+def _data(t: torch.Tensor) -> tuple[torch.Tensor | None, _DTensorLayout | None]:
+    """The plain tensor holding t's data (None for a wrapper subclass this module does not open) and,
+    for a DTensor, what rebuilds it: a DTensor's local shard, an AsyncCollectiveTensor's result once
+    its collective is done (its `elem` may still be being written)."""
+    from torch.distributed._functional_collectives import AsyncCollectiveTensor
+    from torch.utils._python_dispatch import is_traceable_wrapper_subclass
+
+    layout = None
+    if hasattr(t, "_local_tensor"):
+        layout = _DTensorLayout(t.device_mesh, t.placements, t.shape, t.stride())
+        t = t._local_tensor
+    if isinstance(t, AsyncCollectiveTensor):
+        t = t.trigger_wait()
+    return (None if is_traceable_wrapper_subclass(t) else t), layout
 
 
 @dataclass
@@ -81,20 +131,27 @@ class _LayerState:
 class ActivationOffloader:
     """Moves what offloaded layers save for backward to host memory and brings it back in time.
 
-    `keep`: tensors never offloaded (the model's parameters and buffers); any saved tensor whose
-    storage is one of theirs stays on the device. `device`: where the activations live; tensors on
-    other devices are left alone.
+    `keep`: called when each offloaded layer's forward starts, the tensors never offloaded (the
+    model's parameters and buffers as they are then); any saved tensor whose storage (a DTensor's
+    local shard's) is one of theirs stays on the device. `device`: where the activations live
+    (default: where the first kept tensor is when the first offloaded forward starts, since a model
+    built on the meta device is materialised after recompute is installed); tensors on other
+    devices are left alone.
     """
 
-    def __init__(self, keep: Iterable[torch.Tensor], device: torch.device | str):
-        self.device = torch.device(device)
-        if self.device.type == "cuda" and self.device.index is None:  # tensors say cuda:N, never cuda
-            self.device = torch.device("cuda", torch.cuda.current_device())
-        self._keep = {t.untyped_storage()._cdata for t in keep}
-        self._cuda = self.device.type == "cuda"
-        # One side stream for both directions: a storage's copy back is queued behind its copy out.
-        self._stream = torch.cuda.Stream(self.device) if self._cuda else None
+    def __init__(self, keep: Callable[[], Iterable[torch.Tensor]], device: torch.device | str | None = None):
+        self._keep_of = keep
+        self.device: torch.device | None = None
         self._layers: dict[int, _LayerState] = {}
+        if device is not None:
+            self._place(torch.device(device))
+
+    def _place(self, device: torch.device) -> None:
+        if device.type == "cuda" and device.index is None:  # tensors say cuda:N, never cuda
+            device = torch.device("cuda", torch.cuda.current_device())
+        self.device, self._cuda = device, device.type == "cuda"
+        # One side stream for both directions: a storage's copy back is queued behind its copy out.
+        self._stream = torch.cuda.Stream(device) if self._cuda else None
 
     # ----- forward ---------------------------------------------------------------------------------
     @contextlib.contextmanager
@@ -102,11 +159,18 @@ class ActivationOffloader:
         """Offload what the forward of layer `index` run inside saves for backward."""
         state = self._layers[index] = _LayerState()
         seen: dict[int, tuple[weakref.ref, _Stored]] = {}  # storage key -> its copy, this forward only
+        kept = [_local(t) for t in self._keep_of()]  # the weights as this forward sees them
+        if self.device is None:
+            self._place(kept[0].device)
+        keep = {t.untyped_storage()._cdata for t in kept}
 
         def pack(t: torch.Tensor):
-            storage = t.untyped_storage()
+            data, layout = _data(t)
+            if data is None:
+                return t
+            storage = data.untyped_storage()
             key = storage._cdata
-            if key in self._keep or t.device != self.device or storage.nbytes() == 0:
+            if key in keep or data.device != self.device or storage.nbytes() == 0:
                 return t
             hit = seen.get(key)
             # A key whose storage died is a new storage at a reused address, not the one copied.
@@ -116,7 +180,7 @@ class ActivationOffloader:
                 state.packed_bytes += hit[1].nbytes
             stored = hit[1]
             stored.unpacks_left += 1
-            return _Packed(stored, t.dtype, t.storage_offset(), tuple(t.shape), tuple(t.stride()))
+            return _Packed(stored, data.dtype, data.storage_offset(), tuple(data.shape), tuple(data.stride()), layout)
 
         with torch.autograd.graph.saved_tensors_hooks(pack, self._unpack):
             yield
@@ -187,7 +251,7 @@ class ActivationOffloader:
         if stored.unpacks_left <= 0:
             # Autograd's tensors keep the storage for as long as backward needs it; we need not.
             stored.on_device, stored.ready = None, None
-        return t
+        return packed.dtensor.wrap(t) if packed.dtensor is not None else t
 
     # ----- facts -----------------------------------------------------------------------------------
     def packed_bytes(self, index: int) -> int:

@@ -49,13 +49,13 @@ def fmt_metric(name: str, value: Any) -> str:
 
 
 def result_text(row: RowResult) -> str:
-    """The Result column: OK, OOM rankN, Timeout, Error, or the verdict in words."""
+    """The Result column: OK, OOM rankN, Timeout, Killed, Error, or the verdict in words."""
     actual = row.actual or {}
     status = actual.get("status")
     rank = actual.get("failure_rank")
     oom = f"OOM rank{rank if rank is not None else '?'}"  # the seeds' form, as `rank_summary` writes it
-    if status in ("timeout", "error") or row.verdict == FAILED:
-        return "Timeout" if status == "timeout" else "Error"
+    if status in ("timeout", "error", "killed") or row.verdict == FAILED:
+        return {"timeout": "Timeout", "killed": "Killed"}.get(status, "Error")
     if row.verdict is None or row.verdict == PASS:
         return oom if status == "oom" else "OK"
     if row.verdict == EXPECTED_OOM:

@@ -1,9 +1,11 @@
 """Checks that need a CUDA device: real allocator peaks and a real OOM. Skipped without one."""
 
+import json
+
 import pytest
 import torch
 
-from conftest import config
+from conftest import config, invoke
 from recompute_bench.measure.point import run_point
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
@@ -41,3 +43,10 @@ def test_a_real_oom_is_a_recorded_result():
     assert record["status"] == "oom"
     assert record["failure"]["phase"] in ("forward", "backward")
     assert record["ranks"][0]["num_ooms"] >= 1 and record["ranks"][0]["peak_allocated_bytes"] > 0
+
+
+def test_a_memory_limit_produces_a_real_oom(tmp_path):
+    result = invoke("run", "--results", str(tmp_path / "r.jsonl"), "--memory-limit-gb", "0.001", "--json", "--no-save",
+                    "--set", "model.hidden_dropout=0", "--set", "model.attention_dropout=0")
+    record = json.loads(result.stdout)
+    assert result.exit_code == 1 and record["status"] == "oom" and record["launch"]["memory_limit_gb"] == 0.001

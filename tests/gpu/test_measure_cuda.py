@@ -97,7 +97,7 @@ def test_offload_frees_the_device_of_exactly_the_activations_and_changes_nothing
     base, loss0, (total0, layers0), held0 = _offload_step(0)
     model, loss2, (total2, layers2), held2 = _offload_step(2)
     per_layer = layers0 // 4
-    offloader = model.layers[0].offloader
+    offloader = model.activation_offloader
     assert [offloader.packed_bytes(i) for i in (0, 1)] == [per_layer, per_layer]
     assert layers2 == layers0 - 2 * per_layer  # the probe sees only what stays on the device
     assert held0 - held2 >= 2 * per_layer * 0.9  # allocator rounding aside, the device let go of them

@@ -7,9 +7,11 @@ Layout is batch-first, [b, s, h]. A layer is pre-norm:
     x = x + dropout(mlp(pre_mlp_layernorm(x)))
 Modules come from a backend (`backends/`): the pure-PyTorch one by default.
 
-The model is built on the meta device and materialised on the target device (`to_empty`, then
-`init_weights`), as torchtitan does: no host copy of a large layer, and the seeded initialisation
-runs where the weights live.
+The model is built on the meta device and materialised on the target device (`materialize`:
+`to_empty`, then `init_weights`), as torchtitan does: no host copy of a large layer, and the seeded
+initialisation runs where the weights live. A layout that splits the model over ranks (tensor
+parallel, FSDP2) splits it while it is still on the meta device and materialises only this rank's
+shards, each initialised with its part of what one rank's build holds.
 """
 
 from __future__ import annotations
@@ -49,8 +51,9 @@ class RotaryEmbedding(nn.Module):
         d = self.cfg.rotary_dim
         inv_freq = 1.0 / (self.cfg.rotary_base ** (torch.arange(0, d, 2, dtype=torch.float64) / d))
         angles = torch.outer(torch.arange(self.cfg.max_position_embeddings, dtype=torch.float64), inv_freq)
-        self.cos.copy_(angles.cos())
-        self.sin.copy_(angles.sin())
+        # Through fp32 whatever the buffer's dtype: the same values as an fp32 table cast afterwards.
+        self.cos.copy_(angles.cos().float())
+        self.sin.copy_(angles.sin().float())
 
     def forward(self, seq_length: int) -> tuple[torch.Tensor, torch.Tensor]:
         return self.cos[:seq_length], self.sin[:seq_length]
@@ -171,16 +174,36 @@ class GPT(nn.Module):
     def init_weights(self, seed: int) -> None:
         """Seeded initialisation on the weights' device: normal(0, std) matrices, and Megatron's
         scaled init std / sqrt(2L) for the two projections that feed the residual stream
-        (linear_proj, linear_fc2); unit norm weights, zero biases."""
-        g = torch.Generator(device=self.word_embeddings.weight.device).manual_seed(seed)
+        (linear_proj, linear_fc2); unit norm weights, zero biases.
+
+        Every matrix is drawn whole in fp32 from one generator, parameter by parameter in
+        `named_parameters` order, so its values do not depend on the layout: a parameter split over
+        ranks (a DTensor: tensor parallel, FSDP2) keeps its own part of the whole draw, a 16-bit one
+        its rounding, and a module whose rows a tensor-parallel plan reorders (`init_row_order`,
+        SwiGLU's fc1) takes them in that order. Each rank holds one whole parameter at a time
+        beside its shards."""
+        device = _local(self.word_embeddings.weight).device
+        g = torch.Generator(device=device).manual_seed(seed)
         std = self.cfg.init_method_std
         residual_std = std / math.sqrt(2 * self.cfg.num_layers)
+        row_orders = {f"{prefix}.{name}": module.init_row_order for prefix, module in self.named_modules()
+                      if getattr(module, "init_row_order", None) is not None for name in ("weight", "bias")}
         for name, p in self.named_parameters():
-            if p.dim() == 1:
+            if p.dim() == 1 and name not in row_orders:
                 p.fill_(1.0 if name.endswith("weight") and "norm" in name else 0.0)
+                continue
+            if p.dim() == 1:
+                value = torch.zeros(p.shape, dtype=torch.float32, device=device)  # a reordered bias: zeros
             else:
                 scaled = name.endswith(("linear_proj.weight", "linear_fc2.weight"))
-                p.normal_(0.0, residual_std if scaled else std, generator=g)
+                if _local(p) is p and p.dtype == torch.float32 and name not in row_orders:
+                    p.normal_(0.0, residual_std if scaled else std, generator=g)  # the whole parameter, in place
+                    continue
+                value = torch.empty(p.shape, dtype=torch.float32, device=device)
+                value.normal_(0.0, residual_std if scaled else std, generator=g)
+            if name in row_orders:
+                value = value[row_orders[name].to(device)]
+            _assign(p, value)
         for module in self.modules():  # buffers a module fills itself (RoPE tables, a router's expert bias)
             if hasattr(module, "reset_buffers"):
                 module.reset_buffers()
@@ -196,10 +219,10 @@ class GPT(nn.Module):
         """The logits of the last layer's hidden states: final norm, then the output layer."""
         return self.output_layer(self.final_layernorm(x))
 
-    @staticmethod
-    def loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        """Mean cross-entropy in fp32, as Megatron computes it: the fp32 log-softmax is what it saves."""
-        return F.cross_entropy(logits.float().view(-1, logits.shape[-1]), labels.reshape(-1))
+    def loss(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """Megatron's cross-entropy: an fp32 softmax worked in place is what the loss keeps
+        (vocabulary-parallel where the logits are split over the tensor-parallel ranks)."""
+        return get_backend(self.backend).cross_entropy(logits, labels)
 
     def forward(self, tokens: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         """Mean cross-entropy of next-token prediction; tokens and labels are [b, s]."""
@@ -207,16 +230,42 @@ class GPT(nn.Module):
         return self.loss(self.head(self.layers(self.embed(tokens), *rope)), labels)
 
 
-def build_model(cfg: ModelConfig, seed: int, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32,
-                backend: str = "torch", mlp_for: Optional[MlpFactory] = None,
-                attention: Optional[AttentionFactory] = None) -> GPT:
-    """Build on the meta device, materialise on `device`, initialise from `seed`, cast to `dtype`.
-    Two builds with the same seed on the same device are identical. On "meta" (shapes only, as
-    FLOP counting uses it) nothing is initialised."""
-    with torch.device("meta"):
-        model = GPT(cfg, backend, mlp_for, attention)
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """A DTensor's local shard; any other tensor as it is."""
+    return getattr(t, "_local_tensor", t)
+
+
+def _assign(p: torch.Tensor, whole: torch.Tensor) -> None:
+    """Write this rank's part of `whole` (the parameter's global value) into p, cast to p's dtype."""
+    if _local(p) is p:
+        p.copy_(whole)
+        return
+    from torch.distributed.tensor import distribute_tensor
+
+    # src_data_rank=None: every rank drew the same whole value, so each cuts its own part locally,
+    # with no collective (FSDP2 over a tensor-parallel shard included).
+    part = distribute_tensor(whole, p.device_mesh, p.placements, src_data_rank=None).to_local()
+    _local(p).copy_(part)
+
+
+def materialize(model: GPT, device: torch.device | str, seed: int) -> GPT:
+    """Allocate a model built on the meta device (and perhaps split over ranks there) on `device`,
+    each rank only its own shards, and initialise it from `seed` (`GPT.init_weights`); on "meta"
+    the shapes only."""
     model.to_empty(device=device)
     model.tie_weights()
     if torch.device(device).type != "meta":
         model.init_weights(seed)
-    return model.to(dtype=dtype)
+    return model
+
+
+def build_model(cfg: ModelConfig, seed: int, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32,
+                backend: str = "torch", mlp_for: Optional[MlpFactory] = None,
+                attention: Optional[AttentionFactory] = None) -> GPT:
+    """Build on the meta device in `dtype`, materialise on `device` and initialise from `seed`
+    (`materialize`). Two builds with the same seed on the same device are identical, whatever the
+    dtype (the weights are drawn in fp32 and rounded). On "meta" (shapes only, as FLOP counting and
+    the sharded layouts use it) nothing is allocated or initialised."""
+    with torch.device("meta"):
+        model = GPT(cfg, backend, mlp_for, attention).to(dtype=dtype)
+    return materialize(model, device, seed)

@@ -3,11 +3,13 @@
     x = x + dropout(linear_proj(core_attention(rope(linear_qkv(input_layernorm(x))))))
     x = x + dropout(linear_fc2(act(linear_fc1(pre_mlp_layernorm(x)))))
 
-FLOPs are GEMMs only, as `torch.utils.flop_counter.FlopCounterMode` counts them: 2 per multiply-add,
-attention over the full s x s square (its formulas ignore the causal mask), and a backward that is
-what the kernel runs: a linear's backward is two GEMMs of its forward's size (data and weight
-gradient); core attention's depends on the kernel (see `attention_kernel`). Megatron's model FLOPs
-(`layer_model_flops`) are a different count: 3 passes x the forward GEMMs, causal half of attention.
+FLOPs are GEMMs only, 2 per multiply-add, as the kernels run them: a linear's backward is two GEMMs
+of its forward's size (data and weight gradient); core attention's depends on the kernel (see
+`attention_kernel`): the math paths compute the full s x s square, a fused kernel the tiles the
+causal mask does not hide wholly (`models.attention`), about half of it. `FlopCounterMode` counts
+the same except that its formulas for the fused kernels ignore the mask (the full square).
+Megatron's model FLOPs (`layer_model_flops`) are a different count: 3 passes x the forward GEMMs,
+exactly the causal half of attention.
 
 Saved bytes are the storages the layer keeps for backward, named one by one and checked against the
 saved-tensor probe in the tests. Under tensor parallelism t they split the paper's way: what lies
@@ -22,6 +24,7 @@ from typing import Any, Iterable
 
 from recompute_bench.models import (ELEMENT_BYTES, FP32_BYTES, MASK_BYTES, SavedBytes, Work, device_kind,
                                     vocab_rows)
+from recompute_bench.models.attention import ATTENTION_KERNELS, FUSED_KERNELS, attention_tiles, causal_pairs
 from recompute_bench.spec.config import Config
 
 
@@ -42,29 +45,43 @@ class DenseSpec:
 
     def attention_kernel(self, cfg: Config, device: str = "cuda") -> str:
         """What the core attention runs on `device`, which decides what it saves and what its
-        backward computes:
+        backward computes: the kernel the run measured where `device` names one
+        (`models.DeviceKernels`, what `run` records as `env.attention_kernel`), else the prediction
+        below of torch's choice (`torch._fused_sdp_choice`):
 
         - "math": the model's explicit QK^T, softmax, dropout, times V (`--attention-backend math`);
-        - "fused": torch's flash / memory-efficient / cuDNN kernel on CUDA, or its flash kernel on a
-          CPU. It saves q, k, v, its output and an fp32 log-sum-exp per query, no s² tensor, so its
-          backward recomputes QK^T before the four gradient matmuls: five matmuls, where the others
-          run four (torch/utils/flop_counter.py `sdpa_backward_flop_count`, registered for
-          `_scaled_dot_product_{flash,efficient,cudnn}_attention_backward`). The CPU flash kernel
-          (`cpu_flash_attention_backward`) runs the same five GEMMs per block, but has no formula
-          registered, so `FlopCounterMode` on a CPU counts none of its FLOPs;
+        - "flash", "efficient", "cudnn" (`models.attention.FUSED_KERNELS`): torch's fused kernels.
+          They save q, k, v, the output and an fp32 log-sum-exp per query (the memory-efficient
+          kernel's padded to a multiple of 32 queries), no s² tensor, so their backward recomputes
+          QK^T before the four gradient matmuls: five matmuls where the others run four
+          (torch/utils/flop_counter.py `sdpa_backward_flop_count`); and they skip the tiles the
+          causal mask hides (`models.attention`). Predicted on CUDA: flash for 16-bit q, k, v of one
+          head dimension up to 256 (first in torch's default order; where torch puts cuDNN first,
+          on sm90/sm100 with cuDNN newer than 9.15, the run records cudnn, which saves the same);
+          efficient for fp32 or two head dimensions (MLA), which it takes; on a CPU "flash" is torch's
+          CPU flash kernel (`cpu_flash_attention`: no dropout, one head dimension), which has no
+          FlopCounterMode formula, so `FlopCounterMode` on a CPU counts none of its FLOPs;
         - "sdpa_math": torch's own math fallback inside `scaled_dot_product_attention`, which upcasts
-          16-bit inputs to fp32 and keeps the s² tensors in fp32. torch's CPU flash kernel has no
-          dropout, so sdpa with attention dropout on a CPU lands here; on CUDA only fp32 with grouped
-          query attention does (flash needs 16-bit, memory-efficient has no GQA).
+          16-bit inputs to fp32 and keeps the s² tensors in fp32: on a CPU with attention dropout or
+          two head dimensions; on CUDA fp32 with grouped query attention (flash needs 16-bit,
+          memory-efficient has no GQA).
         """
         m = cfg.model
         if m.attention_backend == "math":
             return "math"
+        measured = getattr(device, "attention_kernel", None)
+        if measured in ATTENTION_KERNELS:  # not one the analysis models ("overrideable"): predict
+            return measured
+        qk_dim, v_dim = self._attention_head_dims(cfg)
         if device_kind(device) == "cpu":
-            return "sdpa_math" if m.attention_dropout > 0 else "fused"
-        if cfg.training.precision == "fp32" and m.groups != m.num_attention_heads:
-            return "sdpa_math"
-        return "fused"
+            return "sdpa_math" if m.attention_dropout > 0 or qk_dim != v_dim else "flash"
+        if cfg.training.precision != "fp32" and qk_dim == v_dim <= 256:
+            return "flash"
+        return "sdpa_math" if m.groups != m.num_attention_heads else "efficient"
+
+    def _attention_head_dims(self, cfg: Config) -> tuple[int, int]:
+        """(q and k's, v's) head dimension of core attention."""
+        return cfg.model.head_dim, cfg.model.head_dim
 
     # ----- FLOPs ----------------------------------------------------------------------------------
 
@@ -89,11 +106,19 @@ class DenseSpec:
     def _core_attn_flops(self, cfg: Config, b: int, device: str, qk_width: int, v_width: int) -> Work:
         """Core attention over b sequences whose q and k have `qk_width` and v `v_width` elements per
         token over all heads: QK^T and times V forward; the backward's gradients of both, plus QK^T
-        once more for a kernel that kept no scores (torch's `sdpa_backward_flop_count`)."""
+        once more for a kernel that kept no scores (torch's `sdpa_backward_flop_count`). The math
+        paths run every (query, key) pair of the square; a fused kernel the pairs of the tiles the
+        causal mask does not hide wholly, with its forward's and its backward's tiles."""
         s = cfg.training.seq_length
-        qk, pv = 2 * b * s * s * qk_width, 2 * b * s * s * v_width  # one [b, a, s, d] x [b, a, d, s] product each
-        fused = self.attention_kernel(cfg, device) == "fused"
-        return Work(qk + pv, (3 if fused else 2) * qk + 2 * pv)
+        kernel = self.attention_kernel(cfg, device)
+        forward_pairs = backward_pairs = s * s
+        if kernel in FUSED_KERNELS:
+            head_dim = max(qk_width, v_width) // cfg.model.num_attention_heads
+            tiles = attention_tiles(kernel, device_kind(device), head_dim, s, cfg.model.attention_dropout > 0)
+            forward_pairs, backward_pairs = (causal_pairs(s, *tile) for tile in tiles)
+        qk, pv = 2 * b * qk_width, 2 * b * v_width  # per pair: one row of [b, a, s, d] x [b, a, d, s] each
+        return Work(forward_pairs * (qk + pv),
+                    backward_pairs * ((3 if kernel in FUSED_KERNELS else 2) * qk + 2 * pv))
 
     def selective_recompute_flops(self, cfg: Config, modules: Iterable[str], samples: int | None = None,
                                   device: str = "cuda") -> float:
@@ -222,11 +247,14 @@ class DenseSpec:
             return
         scores = a * s * s * b  # elements of one [b, a, s, s] tensor
         kernel = self.attention_kernel(cfg, device)
-        if kernel == "fused":
+        if kernel in FUSED_KERNELS:
             for name, nbytes in sources.values():
                 saved.add(name, nbytes, "tp")
             saved.add("core_attention.output", e * tokens * v_width, "tp")  # also linear_proj's input (a view)
-            saved.add("core_attention.logsumexp", FP32_BYTES * b * a * s, "tp")
+            # The memory-efficient kernel pads its log-sum-exp to a multiple of 32 queries (kAlignLSE,
+            # `_efficient_attention_forward` in ATen/native/transformers/cuda/attention.cu).
+            rows = -(-s // 32) * 32 if kernel == "efficient" and device_kind(device) == "cuda" else s
+            saved.add("core_attention.logsumexp", FP32_BYTES * b * a * rows, "tp")
             return
         # matmul folds [b, heads, s, d] into [b*heads, s, d]: a view for b = 1, a copy of the transposed
         # view for b > 1, so a saved operand is either its source storage or a fresh copy.

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from typing import Any, Iterable
 
-from recompute_bench.models import ELEMENT_BYTES, SavedBytes, Work, device_kind
+from recompute_bench.models import ELEMENT_BYTES, SavedBytes, Work
 from recompute_bench.models.dense.spec import DenseSpec, linear
 from recompute_bench.models.moe.spec import MoESpec, _MoELayer
 from recompute_bench.spec.config import Config, ModelConfig
@@ -28,15 +28,11 @@ from recompute_bench.spec.config import Config, ModelConfig
 class MLAAttention:
     """The attention block of an MLA layer; mixed in before `DenseSpec` or `MoESpec`."""
 
-    def attention_kernel(self, cfg: Config, device: str = "cuda") -> str:
-        """As the dense GPT's, except that torch's CPU flash kernel needs one head dimension for q, k
-        and v: with v_head_dim != qk_head_dim + qk_pos_emb_head_dim sdpa runs its math fallback on a
-        CPU. (On CUDA the memory-efficient kernel takes a different v dimension.)"""
+    def _attention_head_dims(self, cfg: Config) -> tuple[int, int]:
+        """q and k's head dimension (qk_head_dim + qk_pos_emb_head_dim) and v's (v_head_dim): where
+        they differ, no flash kernel takes them (`attention_kernel`)."""
         m = cfg.model
-        if (m.attention_backend == "sdpa" and device_kind(device) == "cpu"
-                and m.v_head_dim != m.qk_head_dim + m.qk_pos_emb_head_dim):
-            return "sdpa_math"
-        return super().attention_kernel(cfg, device)  # type: ignore[misc]
+        return m.qk_head_dim + m.qk_pos_emb_head_dim, m.v_head_dim
 
     def _attention_flops(self, cfg: Config, b: int, device: str) -> dict[str, Work]:
         """"qkv_down_proj" (q_down and kv_down), "qkv_up_proj" (q_up or q_proj, and kv_up: what

@@ -1,0 +1,242 @@
+"""Which device a process measures on, proven without a GPU: `torch.cuda` and NVML replaced by fakes
+that remember what was asked of them. `cuda:N` becomes the current device and every timing event is
+recorded on its stream; more ranks than GPUs is bad input found before launch; the CPU tests stay on
+the CPU on a machine that has a GPU; `run --no-save` leaves no scratch behind."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import types
+
+import pytest
+import torch
+
+from conftest import CPU, FAST, config, invoke, measure
+from recompute_bench.launch import devices
+from recompute_bench.launch.process import worker_env
+from recompute_bench.measure import point
+from recompute_bench.measure.point import _timed, pick_device
+
+SETS = [a for s in FAST for a in ("--set", s)]
+
+
+@pytest.fixture
+def fake_cuda(monkeypatch):
+    """torch.cuda as a machine with GPUs shows it, for what device selection and timing call."""
+    state = types.SimpleNamespace(current=0, set=[], streams=[])
+
+    def stream(device=None):
+        index = torch.device(device).index if device is not None else None
+        return f"stream of cuda:{state.current if index is None else index}"
+
+    class Event:
+        def __init__(self, enable_timing=False):
+            self.stream = None
+
+        def record(self, stream_=None):
+            self.stream = stream_ if stream_ is not None else stream()  # torch: the current device's stream
+            state.streams.append(self.stream)
+
+        def synchronize(self):
+            pass
+
+        def elapsed_time(self, other):
+            return 2.0
+
+    def set_device(device):
+        state.current = torch.device(device).index
+        state.set.append(state.current)
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: state.current)
+    monkeypatch.setattr(torch.cuda, "set_device", set_device)
+    monkeypatch.setattr(torch.cuda, "current_stream", stream)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
+    monkeypatch.setattr(torch.cuda, "Event", Event)
+    return state
+
+
+def test_cuda_n_becomes_the_current_device(fake_cuda):
+    assert pick_device("cuda:1") == torch.device("cuda", 1) and fake_cuda.current == 1
+    assert pick_device("cuda") == torch.device("cuda", 1)  # "cuda" is the current GPU, named by its index
+    assert pick_device(None) == torch.device("cuda", 1)
+    assert pick_device("cpu") == CPU
+
+
+def test_run_point_on_cuda_n_makes_it_current_before_anything_runs(fake_cuda, monkeypatch):
+    seen = []
+
+    def measured(cfg, device, *_):
+        seen.append((device, fake_cuda.current))
+        raise KeyboardInterrupt  # stop here: what ran so far is what this test is about
+
+    monkeypatch.setattr(point, "_measure", measured)
+    with pytest.raises(KeyboardInterrupt):
+        point.run_point(config(), device=torch.device("cuda", 1))
+    assert seen == [(torch.device("cuda", 1), 1)]
+
+
+def test_a_step_on_cuda_n_is_timed_on_its_stream(fake_cuda):
+    # The current device is still 0 (nothing set it): the events must say which stream they time.
+    assert _timed(torch.device("cuda", 1), lambda: None) == 2e-3
+    assert fake_cuda.streams == ["stream of cuda:1", "stream of cuda:1"]
+
+
+def test_the_profilers_spans_are_timed_on_the_devices_stream(fake_cuda):
+    from recompute_bench.measure.profile import _Spans
+
+    spans = _Spans(torch.device("cuda", 1))
+    layer = torch.nn.Linear(2, 2)
+    handles = spans.hook("layer", layer)
+    layer(torch.ones(1, 2))
+    for h in handles:
+        h.remove()
+    assert fake_cuda.streams == ["stream of cuda:1", "stream of cuda:1"] and spans.take() == {"layer": 2e-3}
+
+
+# ----- more ranks than GPUs --------------------------------------------------------------------------
+@pytest.fixture
+def one_gpu(monkeypatch):
+    """NVML as a machine with one H100 shows it, and a torch built with CUDA; no CUDA_VISIBLE_DEVICES."""
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    nvml = types.ModuleType("pynvml")
+    nvml.nvmlInit = nvml.nvmlShutdown = lambda: None
+    nvml.nvmlDeviceGetCount = lambda: 1
+
+    def handle(index):
+        if index >= 1:
+            raise RuntimeError("NVML_ERROR_INVALID_ARGUMENT")
+        return index
+
+    nvml.nvmlDeviceGetHandleByIndex = handle
+    nvml.nvmlDeviceGetName = lambda h: b"NVIDIA H100 80GB HBM3"
+    monkeypatch.setitem(sys.modules, "pynvml", nvml)
+    monkeypatch.setattr(devices, "torch_build", lambda: ("2.13.0", "12.8"))
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    devices_seen = []
+    monkeypatch.setattr(torch.cuda, "_lazy_init", lambda: devices_seen.append("a CUDA context"))
+    return devices_seen
+
+
+@pytest.mark.parametrize("args, words", [
+    (["--nproc-per-node", "2"], "--nproc-per-node 2 needs one GPU per rank and this node shows 1; pass --nproc-per-node 1"),
+    (["--device", "cuda:1"], "this machine shows 1 GPU(s), cuda:0 to cuda:0; pass --device cuda:0"),
+])
+def test_more_ranks_than_gpus_is_one_line_exit_2_before_launch(tmp_path, one_gpu, args, words):
+    for command in ("run", "sweep"):
+        result = invoke(command, *args, "--results" if command == "run" else "--results-dir", str(tmp_path / command), *SETS)
+        assert result.exit_code == 2 and words in " ".join(result.stderr.split()), result.output
+        assert "Traceback" not in result.output and len(result.stderr.strip().splitlines()) == 1
+        assert not (tmp_path / command).exists()  # nothing launched, nothing written
+    assert one_gpu == []  # the check asked NVML, not CUDA
+
+
+def test_cuda_visible_devices_counts_as_cuda_does(one_gpu, monkeypatch):
+    assert devices.visible_gpu_count() == 1
+    for value, count in (("0", 1), ("0,1", 1), ("1,0", 0), ("", 0), ("-1", 0)):
+        monkeypatch.setenv("CUDA_VISIBLE_DEVICES", value)
+        assert devices.visible_gpu_count() == count, value
+
+
+# ----- the CPU tests stay on the CPU -----------------------------------------------------------------
+def test_cpu_tests_measure_on_the_cpu_where_torch_sees_a_gpu(tmp_path, monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    assert os.environ["CUDA_VISIBLE_DEVICES"] == "" and worker_env("p")["CUDA_VISIBLE_DEVICES"] == ""
+    # a process this test starts finds no GPU, whatever the machine has
+    code = "import torch; print(torch.cuda.is_available(), torch.cuda.device_count())"
+    out = subprocess.run([sys.executable, "-c", code], env=worker_env("p"), capture_output=True, text=True).stdout
+    assert out.split() == ["False", "0"]
+    assert devices.default_device_type() == "cpu"
+    assert measure(config(sets=FAST))["env"]["device"] == "cpu"
+    result = invoke("run", "--no-save", "--json", *SETS)
+    assert result.exit_code == 0, result.output
+    assert json.loads(result.stdout)["env"]["device"] == "cpu"
+
+
+def test_run_no_save_leaves_no_scratch_in_the_working_folder(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    result = invoke("run", "--nproc-per-node", "2", "--no-save", *SETS, "--set", "model.hidden_dropout=0",
+                    "--set", "model.attention_dropout=0")
+    assert result.exit_code == 0, result.output
+    assert list(tmp_path.iterdir()) == []
+
+
+# ----- verify on CUDA ------------------------------------------------------------------------------
+def test_verify_on_cuda_runs_torchs_deterministic_kernels_and_says_so(monkeypatch):
+    from recompute_bench.measure import verify as verify_module
+    from recompute_bench.spec.config import RecomputeConfig
+
+    seen = []
+
+    def loss_and_grads(cfg, recompute, tokens, device):
+        seen.append((torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled(),
+                     os.environ.get("CUBLAS_WORKSPACE_CONFIG")))
+        return torch.zeros(()), {"w": torch.ones(2)}
+
+    monkeypatch.setattr(verify_module, "loss_and_grads", loss_and_grads)
+    monkeypatch.delenv("CUBLAS_WORKSPACE_CONFIG", raising=False)
+    try:
+        full = RecomputeConfig("full", method="uniform", num_layers=1)
+        outcomes = verify_module.verify(config(), [full], ["sdpa"], torch.device("cuda", 0))
+        # not warn-only: only then does torch run flash's deterministic backward (attention_backward.cu)
+        assert seen == [(True, False, ":4096:8")] * 2 and outcomes[0].exact
+        assert not torch.are_deterministic_algorithms_enabled()  # restored
+        seen.clear()
+        verify_module.verify(config(), [full], ["sdpa"], CPU)
+        assert [s[:2] for s in seen] == [(False, False)] * 2  # a CPU's fp32 kernels need nothing
+    finally:
+        os.environ.pop("CUBLAS_WORKSPACE_CONFIG", None)
+    assert "torch.use_deterministic_algorithms(True), CUBLAS_WORKSPACE_CONFIG=:4096:8" in verify_module.determinism("cuda")
+
+
+def test_verify_output_says_how_equal_bits_are_made(tmp_path):
+    result = invoke("verify", "--seq-length", "16", "--recompute-granularity", "full", "--recompute-method", "uniform",
+                    "--recompute-num-layers", "1", "--attention-backend", "math", "--json")
+    assert result.exit_code == 0, result.output
+    assert json.loads(result.stdout)[0]["determinism"] == "cpu: its fp32 kernels are deterministic"
+    assert "its fp32 kernels are deterministic" in " ".join(result.stderr.split())
+
+
+# ----- the peak MFU divides by, and DDP's buffers ------------------------------------------------------
+def test_the_record_says_which_peak_its_mfu_divides_by(monkeypatch):
+    record = measure(config(sets=FAST), peak_tflops=100.0)
+    m = record["metrics"]
+    assert (m["peak_source"], m["peak_tflops"]) == ("--peak-tflops", 100.0)
+    assert m["mfu"] == pytest.approx(m["model_flops_per_step"] / m["step_time_s"] / 100e12)
+    monkeypatch.setattr(point, "device_name", lambda device: "NVIDIA H100 NVL")  # as CUDA names that card
+    m = measure(config(sets=FAST))["metrics"]
+    assert (m["peak_source"], m["peak_tflops"]) == ("H100 NVL bf16", 835.5)
+    assert m["mfu"] == pytest.approx(m["model_flops_per_step"] / m["step_time_s"] / 835.5e12)
+    m = measure(config(sets=FAST, training__precision="fp32"))["metrics"]
+    assert (m["peak_source"], m["peak_tflops"]) == ("H100 NVL tf32", 417.5)
+
+
+@pytest.fixture
+def one_rank_group():
+    import torch.distributed as dist
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
+def test_ddp_broadcasts_no_buffer_before_a_forward(one_rank_group, monkeypatch):
+    import torch.distributed as dist
+    from recompute_bench.measure.distributed import DataParallel
+    from recompute_bench.measure.point import synthetic_batches
+
+    sent = []
+    for name in ("broadcast", "_broadcast_coalesced"):
+        monkeypatch.setattr(dist, name, lambda *a, _name=name, **k: sent.append(_name))
+    cfg = config("tiny-moe")  # RoPE: its cos/sin tables are buffers
+    layout = DataParallel("ddp", cfg)
+    layout.dp_size = 2  # as on two ranks: the data-parallel layout, not tensor parallel alone
+    model = layout.build(cfg, CPU)
+    assert list(model.buffers())
+    sent.clear()  # what building sends is not the question
+    tokens = synthetic_batches(cfg, CPU)[0]
+    model(tokens[:, :-1], tokens[:, 1:])
+    assert sent == []

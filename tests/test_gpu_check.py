@@ -1,0 +1,117 @@
+"""bench/gpu_check.py without a GPU: it prints its plan and exits 0, every sweep it plans is a valid
+plan, a failing, hanging or refused step is recorded and the next one runs, and the summary tables
+are built from records."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from conftest import invoke
+
+ROOT = Path(__file__).resolve().parents[1]
+spec = importlib.util.spec_from_file_location("gpu_check", ROOT / "bench" / "gpu_check.py")
+gpu_check = importlib.util.module_from_spec(spec)
+sys.modules["gpu_check"] = gpu_check  # its dataclasses look their module up there
+spec.loader.exec_module(gpu_check)
+
+
+def _ctx(tmp_path, gpus=1):
+    return gpu_check.Context(tmp_path / "out", gpus, "NVIDIA H100 80GB HBM3")
+
+
+def test_without_a_gpu_it_prints_the_plan_and_exits_0(tmp_path):
+    done = subprocess.run([sys.executable, str(ROOT / "bench" / "gpu_check.py"), "--out", str(tmp_path / "out")],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert "no GPU is visible here" in done.stdout
+    for step in gpu_check.STEPS:
+        assert f"- {step.name}: " in done.stdout
+    assert "pytest tests/gpu" in done.stdout and "--memory-limit-gb" in done.stdout and "golden update" in done.stdout
+    assert not (tmp_path / "out").exists()  # planning writes nothing
+
+
+def test_every_planned_sweep_is_a_plan_the_cli_accepts(tmp_path):
+    ctx = _ctx(tmp_path)
+    sweeps = [c for step in gpu_check.STEPS for c in step.commands(ctx) if c.argv[len(gpu_check.CLI):][:1] == ["sweep"]]
+    assert len(sweeps) == 6
+    for command in sweeps:
+        for path, text in command.files.items():
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text(text)
+        args = command.argv[len(gpu_check.CLI):]
+        args[args.index("--device") + 1] = "cpu"  # the plan is checked here; the points run on the GPU
+        result = invoke(*args, "--dry-run", "--json")
+        assert result.exit_code == 0, result.output
+    llama = json.loads(invoke(*[a if a != "cuda" else "cpu" for a in sweeps[0].argv[len(gpu_check.CLI):]],
+                              "--dry-run", "--json").stdout)
+    assert [p["name"] for p in llama["points"]] == [name for name, _ in gpu_check.LLAMA_POINTS]
+
+
+def test_the_oom_limit_lies_between_the_estimated_peaks():
+    from recompute_bench.analysis.rank import record_estimate
+    from recompute_bench.spec.presets import resolve
+
+    overrides = {"model.num_layers": 4, "training.seq_length": 8192, "training.micro_batch_size": 1,
+                 "training.global_batch_size": 1}
+    peak = {name: record_estimate(resolve("llama3-8b", overrides={**overrides, **extra}, gpu="h100")[0],
+                                  "cuda")["estimated_peak_allocated_bytes"] / 2**30
+            for name, extra in (("none", {}), ("full", {"recompute.granularity": "full", "recompute.method": "uniform",
+                                                         "recompute.num_layers": 1}))}
+    assert peak["full"] < gpu_check.oom_limit_gib("h100") < peak["none"]
+
+
+def test_a_failed_hung_or_skipped_step_is_recorded_and_the_next_runs(tmp_path, monkeypatch):
+    ctx = _ctx(tmp_path)
+    ctx.out.mkdir(parents=True)
+    py = lambda code, **kw: gpu_check.Command([sys.executable, "-c", code], **kw)  # noqa: E731
+    steps = [gpu_check.Step("fails", "", lambda c: [py("raise SystemExit(3)"), py("open('never', 'w')")]),
+             gpu_check.Step("hangs", "", lambda c: [py("import time; time.sleep(60)", limit_s=1)]),
+             gpu_check.Step("refused as it should be", "", lambda c: [py("raise SystemExit(2)", ok=(2,))]),
+             gpu_check.Step("two GPUs", "", lambda c: [py("pass")], gpus=2),
+             gpu_check.Step("writes its grid", "", lambda c: [py("import pathlib; assert pathlib.Path('g.toml').read_text() == 'x'",
+                                                                 files={c.out / "g.toml": "x"})])]
+    monkeypatch.setattr(gpu_check, "STEPS", steps)
+    results = [gpu_check.run_step(s, ctx, deadline=gpu_check.time.monotonic() + 60, log=ctx.out / f"{i}.log")
+               for i, s in enumerate(steps)]
+    assert [r["status"] for r in results] == ["failed (exit 3)", "timeout (1 s)", "ok", "skipped (needs 2 GPUs)", "ok"]
+    assert results[0]["codes"] == [3] and not (ctx.out / "never").exists()  # a step stops at its first failure
+    spent = gpu_check.run_step(steps[4], ctx, deadline=gpu_check.time.monotonic() + 5, log=ctx.out / "late.log")
+    assert spent["status"] == "skipped (the call's budget is spent)"
+
+
+def _record(name, status="ok", **metrics):
+    return {"point": {"name": name}, "status": status, "env": {"grouped_gemm_path": "grouped_mm"},
+            "metrics": {"peak_allocated_bytes": None, "estimated_peak_allocated_bytes": None, "step_time_s": None,
+                        "measured_flops_per_step": None, "estimated_hardware_flops_per_step": None,
+                        "tflops_per_gpu": None, "mfu": None, **metrics}}
+
+
+def test_the_summary_tables_from_hand_made_records(tmp_path):
+    rows = gpu_check.point_rows([
+        _record("none", peak_allocated_bytes=40 * 2**30, estimated_peak_allocated_bytes=41 * 2**30, step_time_s=0.25,
+                measured_flops_per_step=1.0e15, estimated_hardware_flops_per_step=1.1e15, tflops_per_gpu=400.0, mfu=0.404,
+                peak_source="H100 SXM bf16", step_time_spread_s=0.002),
+        _record("full uniform 1", status="oom")])
+    assert rows[0] == {"point": "none", "status": "ok", "peak alloc GiB": "40.00", "estimated GiB": "41.00",
+                       "peak error": "+2.5%", "FLOPs error": "+10.0%", "step ms": "250.0", "rank spread ms": "2.0",
+                       "TFLOP/s": "400.0", "MFU": "40.4% of H100 SXM bf16", "grouped_gemm_path": "grouped_mm"}
+    assert rows[1]["status"] == "oom" and rows[1]["peak alloc GiB"] == rows[1]["step ms"] == "-"
+    out = tmp_path / "out"
+    (out / "results" / "llama").mkdir(parents=True)
+    (out / "results" / "llama" / "results.jsonl").write_text(json.dumps(_record("none")) + "\n")
+    text = gpu_check.summary([{"step": "tiny", "status": "ok", "seconds": 3.5, "codes": [0]},
+                              {"step": "cuda:1", "status": "skipped (needs 2 GPUs)", "seconds": 0.0, "codes": []}], out)
+    assert text.index("## llama3-8b slice") < text.index("## steps")  # the steps' table comes last
+    assert text.rstrip().splitlines()[-2:] == ["| tiny | ok | 3.5 | 0 |", "| cuda:1 | skipped (needs 2 GPUs) | 0.0 | - |"]
+
+
+@pytest.mark.parametrize("argv", [["--out", "x", "--dry-run"]])
+def test_dry_run_prints_the_plan_on_any_machine(argv, capsys):
+    assert gpu_check.main(argv) == 0
+    assert "pytest tests/gpu" in capsys.readouterr().out
