@@ -197,6 +197,11 @@ class PipelineParallel(DataParallel):
         dist.all_reduce(total)
         return int(total.item())
 
+    def place(self) -> dict[str, Any]:
+        """This rank's pipeline stage and model chunks (virtual stages), known before anything runs,
+        so a rank that fails in setup is still named by its stage."""
+        return {"pipeline_stage": self.pp_rank, "model_chunks": list(self.stages)}
+
     def stepper(self, cfg: Config, model: PipelineChunks, optimizer, batches: torch.Tensor) -> "PipelineStepper":
         return PipelineStepper(cfg, model, optimizer, batches, self)
 

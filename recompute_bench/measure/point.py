@@ -487,6 +487,10 @@ class SingleRank:
         """The step's FLOPs over every rank from this rank's: each rank runs the same share."""
         return local_flops * self.world_size
 
+    def place(self) -> dict[str, Any]:
+        """Where this rank sits beyond its number, for its record entry (a pipeline's stage): nothing here."""
+        return {}
+
     def barrier(self) -> None:
         """Wait until every rank gets here: one rank, nothing to wait for."""
 
@@ -517,7 +521,7 @@ def _measure(cfg: Config, device: torch.device, peak_tflops: float | None, layou
     t = cfg.training
     world_size = layout.world_size  # FLOP rates are per GPU over the whole world
     metrics = unmeasured_metrics(cfg, device.type)
-    rank_entry = {**unmeasured_rank(layout.rank, device_name(device)), **cuda_memory(device),
+    rank_entry = {**unmeasured_rank(layout.rank, device_name(device)), **layout.place(), **cuda_memory(device),
                   "status": "running", "step": 0, "losses": [], "step_times_s": [], "activation_bytes": None}
     progress(metrics, rank_entry)  # started: a rank stopped from now on is known to have been running
     stepper: Stepper | None = None
