@@ -594,3 +594,18 @@ def test_a_bad_per_stage_policy_file_is_one_line_and_exit_2(tmp_path, problem):
     assert result.exit_code == 2, result.output
     assert needle in result.stderr and "Traceback" not in result.output
     assert len(result.stderr.strip().splitlines()) == 1
+
+
+@pytest.mark.slow
+def test_run_with_pp_measures_each_stage_under_its_own_section(tmp_path):
+    path = stage_file(tmp_path, {0: ["full:0", "full:0"], 1: ["selective[mlp]", "none"]})
+    result = invoke("run", "-w", "tiny", "--nproc-per-node", "2", "--pp", "2", "--policy", str(path), *FAST,
+                    "--no-save", "--json")
+    assert result.exit_code == 0, result.output
+    record = json.loads(result.stdout)
+    assert record["recompute"]["layer_policy"] == ["full:0", "full:0", "selective[mlp]", "none"]
+    stages = record["pipeline"]["stages"]
+    for s in stages:  # each stage's layers ran its own section: measured bytes equal the estimate
+        assert s["activation_bytes"] == s["estimated_activation_bytes"]
+        assert s["activation_peak_bytes"] == s["estimated_activation_peak_bytes"]
+    assert stages[0]["activation_bytes"] < stages[1]["activation_bytes"]  # stage 0 keeps its chunk's input only
