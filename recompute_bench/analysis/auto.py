@@ -304,8 +304,8 @@ def auto_plan(cfg: Config, budget_bytes: float, device: str = "cuda",
     out: dict[str, Any] = {"schema": AUTO_SCHEMA, "workload": cfg.workload, "config": cfg.to_dict(),
                            "device": device_kind(device), "budget_bytes": budget_bytes,
                            "allowance": {"fraction": allowance_fraction, "bytes": allowance_bytes},
-                           "solver": "exact dynamic programme over layers x (stored, peak, brought-back) bytes, "
-                                     "per pipeline stage",
+                           "solver": "exact dynamic programme over layers x (stored, peak, brought-back) bytes"
+                                     + (", per pipeline stage" if p > 1 else ""),
                            "costs": costs.unit, "offload": costs.offload_note if p == 1
                            else "offload is not a choice with pipeline parallelism (Megatron's rule)",
                            "layer_kinds": [layer_kind(cfg.model, i) for i in range(layers)],
@@ -348,8 +348,8 @@ def megatron_run(settings: list[RecomputeConfig | None], uniform: dict[str, Any]
     mixed = [s for s, r in enumerate(settings) if r is None]
     if mixed:
         return {"runs": False, "setting": None, "flags": None,
-                "note": f"Megatron cannot run this plan: stage {mixed[0]} mixes choices layer by layer, which no "
-                        f"Megatron setting expresses{instead}"}
+                "note": f"Megatron cannot run this plan: {'it' if len(settings) == 1 else f'stage {mixed[0]}'} mixes "
+                        f"choices layer by layer, which no Megatron setting expresses{instead}"}
     if all(r == settings[0] for r in settings):
         r = settings[0]
         return {"runs": True, "setting": r.label, "flags": megatron_flags(r),
