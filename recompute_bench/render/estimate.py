@@ -160,7 +160,8 @@ def auto_table(result: dict[str, Any]) -> Table:
             continue
         spent = (f"{1e3 * r['recompute_cost']:.3f}" if result["costs"] == "measured seconds"
                  else fmt_flops(r["recompute_cost"]))
-        table.add_row(name, escape(r["label"]), _gib(r["peak_allocated_bytes"]), _gib(r["device_bytes_needed"]),
+        label = "a policy per stage (below)" if name == "auto" and len(result["stages"] or ()) > 1 else r["label"]
+        table.add_row(name, escape(label), _gib(r["peak_allocated_bytes"]), _gib(r["device_bytes_needed"]),
                       f"{100 * r['recompute_overhead']:.1f}%", f"{r['relative_tflops_per_gpu']:.3f}", spent)
     return table
 
@@ -174,6 +175,6 @@ def auto_stages_table(result: dict[str, Any]) -> Table:
     for s in result["stages"]:
         spent = (f"{1e3 * s['recompute_cost']:.3f}" if result["costs"] == "measured seconds" else fmt_flops(s["recompute_cost"]))
         table.add_row(str(s["stage"]), f"{s['layers'][0]}-{s['layers'][1]}", f"{s['microbatches_in_flight']:g}",
-                      escape(s["label"]), escape(s["megatron_setting"] or "none (a mix)"), _gib(s["peak_allocated_bytes"]),
+                      escape(s["label"]), escape(s["megatron_setting"] or "- (a mix)"), _gib(s["peak_allocated_bytes"]),
                       _gib(s["device_bytes_needed"]), spent)
     return table
