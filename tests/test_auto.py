@@ -86,15 +86,17 @@ def test_the_policy_analysis_equals_the_closed_forms_of_every_megatron_setting(w
         assert peak_rank_memory(as_policy, "cpu").peak_allocated_bytes == peak_rank_memory(c, "cpu").peak_allocated_bytes
 
 
-def test_the_solver_reads_the_whole_rank_peak_as_the_rank_model_computes_it():
+def test_the_solver_reads_each_stage_s_whole_rank_peak_as_the_rank_model_computes_it():
     for cfg in (config("llama3-8b", model__num_layers=8), config("llama3-70b", parallel__tensor_model_parallel_size=8,
                                                                  parallel__sequence_parallel=True,
                                                                  parallel__pipeline_model_parallel_size=4)):
-        peak = auto.rank_peak(cfg, "cuda")
+        peaks = auto.stage_peaks(cfg, "cuda")
+        assert len(peaks) == cfg.parallel.pipeline_model_parallel_size
         layers = cfg.model.num_layers // cfg.parallel.pipeline_model_parallel_size
         for stored, top in ((0, 0), (1e9, 1e9), (3e9, 9e9), (2e10, 2e10)):
             acts = StageActivations(layers, stored, top)
-            assert peak(acts) == pytest.approx(peak_rank_memory(cfg, "cuda", acts).peak_allocated_bytes, rel=1e-12)
+            for stage, peak in enumerate(peaks):
+                assert peak(acts) == pytest.approx(rank_memory(cfg, stage, "cuda", acts).peak_allocated_bytes, rel=1e-12)
 
 
 MIXED = {"tiny": ["selective[layernorm,mlp]", "full:0", "full:0", "none"],
@@ -119,7 +121,7 @@ def test_the_solver_is_optimal_against_exhaustive_search_over_every_per_layer_mi
     policies = list(every_policy(cfg))
     acts = [policy_activations(cfg, p, "cpu") for p in policies]
     costs = [cost(cfg, p) for p in policies]
-    peak = auto.rank_peak(dataclasses.replace(cfg, recompute=RecomputeConfig()), "cpu")
+    peak, = auto.stage_peaks(dataclasses.replace(cfg, recompute=RecomputeConfig()), "cpu")
     lo, hi = min(peak(a) for a in acts), max(peak(a) for a in acts)
     for fraction in (0.0, 0.2, 0.45, 0.7, 1.0):
         budget = lo + fraction * (hi - lo)
@@ -310,7 +312,7 @@ def test_on_dense_and_moe_layers_the_solver_is_optimal_against_every_per_layer_m
         acts = policy_activations(cfg, p, "cpu")
         assert (acts.stored_bytes, acts.peak_bytes, flops.policy_recompute_flops(cfg, p, None, "cpu")) == r[:3]
     assert tables["moe"][frozenset()][0] != tables["dense"][frozenset()][0]  # the kinds do differ
-    peak = auto.rank_peak(dataclasses.replace(cfg, recompute=RecomputeConfig()), "cpu")
+    peak, = auto.stage_peaks(dataclasses.replace(cfg, recompute=RecomputeConfig()), "cpu")
     needs = [peak(StageActivations(4, r[0], r[1])) for r in refs]
     lo, hi = min(needs), max(needs)
     for fraction in (0.0, 0.15, 0.4, 0.7, 1.0):
@@ -415,7 +417,7 @@ def test_offload_is_a_choice_priced_by_host_link_time_not_hidden_by_compute():
     assert fast.offload("dense", full) == 0.0  # the copies hide behind compute
     copy = full / 1e9
     assert slow.offload("dense", full) == pytest.approx((copy - forward) + (copy - 2 * forward))
-    peak = auto.rank_peak(cfg, "cuda")
+    peak, = auto.stage_peaks(cfg, "cuda")
     budget = peak(stage_activations(dataclasses.replace(cfg, recompute=RecomputeConfig("full", [], "uniform", 1)), "cuda")) * 1.05
 
     def fits(a):

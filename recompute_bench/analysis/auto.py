@@ -15,7 +15,8 @@ equal cost the policy that recomputes fewer modules wins (`layernorm` adds no FL
 memory-bound time). Offload costs host-link time, which FLOPs cannot price, so it is a choice only
 with a profile measured on CUDA (see `profile.offload_seconds` for the model).
 
-The constraint is the whole-rank peak (`rank.peak_rank_memory` with the candidate's activations:
+With pipeline stages each stage is solved on its own (its layers, its in-flight micro-batches).
+The constraint is the stage's whole-rank peak (`rank.rank_memory` with the candidate's activations:
 in-flight micro-batches, the loss, the recompute working set), which grows with both the stage's
 stored bytes and its backward peak. So the solver is an exact dynamic programme over layers whose
 state is (stored bytes so far, largest backward peak so far, largest offloaded layer so far): a
@@ -250,13 +251,6 @@ def stage_peaks(cfg: Config, device: str = "cuda") -> list[Callable[[StageActiva
     return out
 
 
-def rank_peak(cfg: Config, device: str = "cuda") -> Callable[[StageActivations], float]:
-    """The most loaded stage's peak (`stage_peaks`) when every stage runs the same activations:
-    with the pipeline runtime's buffers a middle stage may be the most loaded."""
-    peaks = stage_peaks(cfg, device)
-    return lambda acts: max(peak(acts) for peak in peaks)
-
-
 def policy_cost(cfg: Config, policies: list[LayerPolicy], costs: Costs, device: str = "cuda", first: int = 0) -> float:
     """What `policies` (layers from model layer `first`) cost in `costs`' unit per micro-batch: the
     solver's objective."""
@@ -308,7 +302,7 @@ def auto_plan(cfg: Config, budget_bytes: float, device: str = "cuda",
                                      + (", per pipeline stage" if p > 1 else ""),
                            "costs": costs.unit, "offload": costs.offload_note if p == 1
                            else "offload is not a choice with pipeline parallelism (Megatron's rule)",
-                           "layer_kinds": [layer_kind(cfg.model, i) for i in range(layers)],
+                           "layer_kinds": [layer_kind(cfg.model, i) for i in range(cfg.model.num_layers)],
                            "policy": None, "predicted": None, "stages": None, "megatron": None, "uniform": best,
                            "unfit_stages": [s for s, stage in enumerate(stages) if stage is None],
                            "reason": uniform["reason"], "would_fit": uniform["would_fit"]}
@@ -319,7 +313,6 @@ def auto_plan(cfg: Config, budget_bytes: float, device: str = "cuda",
     row["device_bytes_needed"] = device_bytes_needed(row["peak_allocated_bytes"], allowance_fraction, allowance_bytes)
     row["recompute_cost"] = sum(policy_cost(cfg, stage, costs, device, s * layers) for s, stage in enumerate(stages))
     settings = [megatron_setting(cfg.model, stage, targets, s * layers) for s, stage in enumerate(stages)]
-    out["layer_kinds"] = [layer_kind(cfg.model, i) for i in range(cfg.model.num_layers)]
     out["policy"] = chosen.recompute.layer_policy
     out["predicted"] = row
     out["stages"] = []
