@@ -89,8 +89,7 @@ def run(cfg, kind: str | None) -> dict:
     model = layout.build(cfg, CPU)
     model.train()
     optimizer = layout.optimizer(model, cfg.training.precision)
-    stepper = Stepper(cfg, model, optimizer, layout.batches(cfg, CPU), layout.context,
-                      lambda: layout.no_sync(model, optimizer))
+    stepper = Stepper(cfg, model, optimizer, layout.batches(cfg, CPU), lambda: layout.no_sync(model, optimizer))
     torch.manual_seed(cfg.training.seed)
     out = {"parameters_local": sum(local(p).numel() for p in model.parameters())}
     grads = getattr(optimizer, "grads", None)

@@ -59,6 +59,11 @@ def test_megatron_defaults_fill_what_the_arguments_leave_out():
     assert (cfg.recompute.granularity, cfg.recompute.method, cfg.recompute.num_layers) == ("full", "uniform", 1)
     assert cfg.model.position_embedding_type == "rope" and not cfg.model.add_bias_linear
     assert cfg.model.normalization == "RMSNorm" and cfg.parallel.data_parallel_size == 1
+    # argparse's negative flags land on their destinations; apply_query_key_layer_scaling sets fp32 softmax.
+    cfg = config_from_megatron({**base, "--no-masked-softmax-fusion": True, "--apply-query-key-layer-scaling": True,
+                                "--cross-entropy-loss-fusion": True, "--transformer-impl": "local"})
+    assert not cfg.model.masked_softmax_fusion and cfg.model.attention_softmax_in_fp32
+    assert cfg.model.cross_entropy_loss_fusion and cfg.model.transformer_impl == "local"
 
 
 def test_a_log_dump_gives_the_same_config_as_the_yaml():
@@ -111,7 +116,10 @@ def test_the_mapped_flags_give_estimate_the_same_config():
     ("--decoder-first-pipeline-num-layers", 2, "uneven pipeline"),
     ("--experimental-attention-variant", "gated_delta_net", "attention variants"),
     ("--qk-layernorm", True, "query/key norms"),
-    ("--cross-entropy-loss-fusion", True, "cross-entropy"),
+    ("--cross-entropy-fusion-impl", "te", "cross-entropy"),
+    ("--num-experts", 8, "mixture-of-experts"),
+    ("--export-kd-teacher-load", "/ckpt/teacher", "distillation"),
+    ("--microbatch-group-size-per-virtual-pipeline-stage", 5, "interleaving groups"),
     ("--optimizer", "sgd", "Adam"),
     ("--position-embedding-type", "none", "learned_absolute and rope"),
     ("--tokenizer-type", "HuggingFaceTokenizer", "--padded-vocab-size"),

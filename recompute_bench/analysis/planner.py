@@ -13,7 +13,8 @@ from recompute_bench.analysis.layer import attention_kernel, checkpoint_input_by
 from recompute_bench.analysis.paper import (built_minus_paper_bytes, paper_flops_per_step, paper_layer_bytes,
                                             paper_layer_differences)
 from recompute_bench.analysis.rank import (ALLOWANCE_BYTES, ALLOWANCE_FRACTION, device_bytes_needed,
-                                           microbatches_in_flight, optimizer_bytes_per_parameter, peak_rank_memory)
+                                           microbatches_in_flight, optimizer_bytes_per_parameter, peak_rank_memory,
+                                           stage_memories)
 from recompute_bench.analysis.stage import stage_activations
 from recompute_bench.models import device_kind, spec_for
 from recompute_bench.recompute.settings import selective_settings
@@ -83,8 +84,8 @@ def _best_uniform(cfg: Config, n_layers: int, device: str = "cuda") -> int:
 
 def estimate_report(cfg: Config, device: str = "cuda", allowance_fraction: float = ALLOWANCE_FRACTION,
                     allowance_bytes: float = ALLOWANCE_BYTES) -> dict[str, Any]:
-    """Everything `estimate` prints: the settings table, the paper's Table 2 for this shape, and the
-    whole-rank breakdown of cfg's own setting."""
+    """Everything `estimate` prints: the settings table, the paper's Table 2 for this shape, the
+    whole-rank breakdown of cfg's own setting on its peak stage, and every pipeline stage's peak."""
     m, tr, par = cfg.model, cfg.training, cfg.parallel
     rank = peak_rank_memory(cfg, device)
     settings = [setting_estimate(_with(cfg, r), device) for r in listed_settings(cfg, device)]
@@ -118,6 +119,12 @@ def estimate_report(cfg: Config, device: str = "cuda", allowance_fraction: float
                     "breakdown": {**rank.items, "backward peak": rank.backward_peak_bytes,
                                   "optimizer step peak": rank.optimizer_step_bytes},
                     "parameters_on_rank": rank.parameters},
+        "stages": [{"stage": r.stage, "peak_allocated_bytes": r.peak_allocated_bytes, "phase": r.phase,
+                    "device_bytes_needed": device_bytes_needed(r.peak_allocated_bytes, allowance_fraction, allowance_bytes),
+                    "microbatches_in_flight": microbatches_in_flight(cfg, r.stage), "parameters_on_rank": r.parameters,
+                    "breakdown": {**r.items, "backward peak": r.backward_peak_bytes,
+                                  "optimizer step peak": r.optimizer_step_bytes}}
+                   for r in stage_memories(cfg, device)],
         "settings": settings,
         "paper": {"differences": paper_layer_differences(cfg, device), "norm_stats_bytes": stats, "rows": paper_rows},
         # The same setting with the other optimizer layout, where data parallelism makes it matter.

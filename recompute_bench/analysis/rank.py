@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 
 from recompute_bench.analysis import flops
 from recompute_bench.analysis.layer import kind_config, layer_parameters, layer_workspace_bytes
+from recompute_bench.analysis.schedule import chunk_forwards_in_flight, schedule_peak
 from recompute_bench.analysis.stage import (StageActivations, activation_bytes, embedding_saved_bytes,
                                             loss_saved_bytes, loss_workspace_bytes, outside_parameters,
                                             stage_activations, stage_parameters, token_bytes)
@@ -109,17 +110,11 @@ def fsdp_unsharded_bytes(cfg: Config, stage: int = 0) -> dict[str, float]:
 
 
 def microbatches_in_flight(cfg: Config, stage: int = 0) -> float:
-    """Micro-batches whose activations a pipeline stage holds at once. 1F1B: stage i holds p - i
-    (at most the number of micro-batches). Interleaved with m chunks per rank, the first stage holds
-    p (1 + (p - 1)/(p m)) micro-batches' worth of its layers (the paper's factor)."""
-    par = cfg.parallel
-    p, m = par.pipeline_model_parallel_size, par.virtual_pipeline_model_parallel_size or 1
-    n = cfg.num_microbatches
-    if p == 1:
-        return 1.0
-    if m > 1 and stage == 0:
-        return min(float(n), p * (1 + (p - 1) / (p * m)))
-    return float(min(p - stage, n))
+    """Micro-batches' worth of a stage's layers it holds at once: the model-chunk forwards waiting
+    for their backward (`schedule.chunk_forwards_in_flight`, Megatron's schedules) over the chunks
+    per rank. 1F1B: stage i holds min(n, p - i). Interleaved with m chunks per rank, the first stage
+    holds p + (p - 1)/m (the paper's p (1 + (p - 1)/(p m))) and the last ((m - 1) p + 1)/m, not 1."""
+    return chunk_forwards_in_flight(cfg, stage) / (cfg.parallel.virtual_pipeline_model_parallel_size or 1)
 
 
 @dataclass
@@ -153,45 +148,70 @@ def rank_memory(cfg: Config, stage: int = 0, device: str = "cuda", acts: StageAc
     """Peak allocated bytes of one rank of pipeline stage `stage` under cfg (the layout's weights,
     gradients and optimizer state, what FSDP unshards, in-flight activations, embedding/loss buffers,
     transient workspaces); `acts` replaces the stage's activations under cfg.recompute (the
-    planner's candidate policies). Only the items the layout has are listed."""
-    p = cfg.parallel.pipeline_model_parallel_size
+    planner's candidate policies). Only the items the layout has are listed. The activations follow
+    the stage's schedule (`schedule.schedule_peak`): each model chunk's forward holds its share of the
+    stage's activations (the first chunk of the first stage its embedding's, the last chunk of the
+    last stage its loss's) until its backward."""
+    par = cfg.parallel
+    p, vp = par.pipeline_model_parallel_size, par.virtual_pipeline_model_parallel_size or 1
     params = stage_parameters(cfg, stage)
     held = optimizer_bytes_per_parameter(cfg)
     unsharded = fsdp_unsharded_bytes(cfg, stage)
     acts = acts or stage_activations(cfg, device)
-    in_flight = microbatches_in_flight(cfg, stage)
     first, last = stage == 0, stage == p - 1
-    emb = sum(embedding_saved_bytes(cfg).values()) if first else 0.0
-    loss = sum(loss_saved_bytes(cfg, device).values()) if last else 0.0
+    emb = sum(embedding_saved_bytes(cfg).values())
+    loss = sum(loss_saved_bytes(cfg, device).values())
     tokens = token_bytes(cfg) if first or last else 0.0
-    # The micro-batch in backward: first the loss's backward (all its layers still stored), then
-    # the layers' backward, where full recompute rebuilds a chunk (and FSDP unshards a layer).
-    at_loss = acts.stored_bytes + emb + (loss + loss_workspace_bytes(cfg) if last else 0.0)
-    in_layers = acts.peak_bytes + emb + layer_workspace_bytes(cfg, device)
+    chunk = acts.stored_bytes / vp
+    rebuilt = acts.peak_bytes - acts.stored_bytes  # what a chunk's backward rebuilds over what it keeps
     layer_window = unsharded.get(LAYER_WEIGHTS, 0.0) + unsharded.get(LAYER_GRADS, 0.0)
+
+    def embeds(c: int) -> bool:
+        return first and c == 0
+
+    def loses(c: int) -> bool:
+        return last and c == vp - 1
+
+    def stored(c: int) -> float:
+        return chunk + (emb if embeds(c) else 0.0) + (loss if loses(c) else 0.0)
+
+    # The micro-batch in backward: first the loss's backward (all its layers still stored), then the
+    # layers' backward, where full recompute rebuilds a chunk (and FSDP unshards a layer).
+    def at_loss(c: int) -> float:
+        return loss_workspace_bytes(cfg) if loses(c) else 0.0
+
+    def in_layers(c: int) -> float:
+        return rebuilt + layer_workspace_bytes(cfg, device) - (loss if loses(c) else 0.0)
+
+    peak = schedule_peak(cfg, stage, stored, lambda c: max(at_loss(c), in_layers(c) + layer_window))
     items = {h.name: h.per_parameter * params for h in held if h.backward}
     items.update({name: unsharded[name] for name in (OUTSIDE_WEIGHTS, OUTSIDE_GRADS) if name in unsharded})
     items.update({
         "token ids (all micro-batches of the step)": tokens,
-        "activations of the other in-flight micro-batches": (in_flight - 1) * (acts.stored_bytes + emb + loss),
-        "activations of the micro-batch in backward (stored)": acts.stored_bytes + emb + loss,
+        "activations of the other in-flight micro-batches": peak.others,
+        "activations of the micro-batch in backward (stored)": peak.own,
     })
-    if in_layers + layer_window >= at_loss:
-        items["backward transient (recompute, loss, gradients)"] = in_layers - (acts.stored_bytes + emb + loss)
+    if peak.kind == "F":  # no backward beyond the stored activations has peaked yet
+        items["backward transient (recompute, loss, gradients)"] = 0.0
+    elif in_layers(peak.chunk) + layer_window >= at_loss(peak.chunk):
+        items["backward transient (recompute, loss, gradients)"] = in_layers(peak.chunk)
         items.update({name: unsharded[name] for name in (LAYER_WEIGHTS, LAYER_GRADS) if name in unsharded})
     else:
-        items["backward transient (recompute, loss, gradients)"] = at_loss - (acts.stored_bytes + emb + loss)
+        items["backward transient (recompute, loss, gradients)"] = at_loss(peak.chunk)
     items = {name: value for name, value in items.items() if value}
     step = sum(h.per_parameter for h in held if h.step) * params + tokens
     return RankMemory(stage=stage, parameters=params, items=items, optimizer_step_bytes=step)
 
 
+def stage_memories(cfg: Config, device: str = "cuda", acts: StageActivations | None = None) -> list[RankMemory]:
+    """`rank_memory` of every pipeline stage, first to last."""
+    return [rank_memory(cfg, r, device, acts) for r in range(cfg.parallel.pipeline_model_parallel_size)]
+
+
 def peak_rank_memory(cfg: Config, device: str = "cuda", acts: StageActivations | None = None) -> RankMemory:
-    """The most loaded rank: the first or the last pipeline stage (middle ones hold less than the
-    first: the same layers, fewer micro-batches in flight, no embedding)."""
-    p = cfg.parallel.pipeline_model_parallel_size
-    ranks = [rank_memory(cfg, 0, device, acts)] + ([rank_memory(cfg, p - 1, device, acts)] if p > 1 else [])
-    return max(ranks, key=lambda r: r.peak_allocated_bytes)
+    """The most loaded rank of all the pipeline stages (the first holds the most micro-batches in
+    flight and the embedding; the last the loss and, interleaved, (m - 1) p + 1 chunks)."""
+    return max(stage_memories(cfg, device, acts), key=lambda r: r.peak_allocated_bytes)
 
 
 def device_bytes_needed(peak_allocated: float, allowance_fraction: float = ALLOWANCE_FRACTION,

@@ -115,21 +115,21 @@ def embedding_saved_bytes(cfg: Config) -> dict[str, float]:
 
 
 def loss_saved_bytes(cfg: Config, device: str = "cuda") -> dict[str, float]:
-    """Per micro-batch, last pipeline stage: final norm, output layer and fp32 cross-entropy."""
+    """Per micro-batch, last pipeline stage: final norm, output layer and the cross-entropy, which
+    keeps (backends/pytorch.py `_VocabParallelCrossEntropy`, Megatron's way) its fp32 softmax of this
+    rank's vocabulary shard and each token's target id within the shard and whether the shard holds it."""
     m, tr, par = cfg.model, cfg.training, cfg.parallel
     e, t = ELEMENT_BYTES[tr.precision], par.tensor_model_parallel_size
     tokens = tr.seq_length * tr.micro_batch_size
     t_sp = t if par.sequence_parallel else 1
-    out = {
+    return {
         "final_layernorm.input": e * tokens * m.hidden_size / t_sp,
         "final_layernorm.stats": spec_for(m).norm_stats_bytes(cfg, device, tokens) / t_sp,
         "output_layer.input": e * tokens * m.hidden_size / t_sp,
-        "loss.log_probs": FP32_BYTES * tokens * vocab_rows(cfg) / t,  # log-softmax output, fp32, vocab-parallel
-        "loss.total_weight": FP32_BYTES,
+        "loss.softmax": FP32_BYTES * tokens * vocab_rows(cfg) / t,  # fp32, worked in place, vocab-parallel
+        "loss.masked_target": INDEX_BYTES * tokens,
+        "loss.target_mask": MASK_BYTES * tokens,
     }
-    if tr.micro_batch_size > 1:  # labels are a strided view of the token tensor; flattening copies them
-        out["loss.labels"] = INDEX_BYTES * tokens
-    return out
 
 
 def token_bytes(cfg: Config) -> float:
@@ -140,10 +140,15 @@ def token_bytes(cfg: Config) -> float:
 
 
 def loss_workspace_bytes(cfg: Config) -> float:
-    """Transient in the loss's backward: the fp32 gradients of the log-probabilities and of the
-    logits, [s, b, v/t] each (v padded), while the saved log-probabilities are still held."""
+    """Transient at the loss: in its forward the 16-bit logits beside their fp32 working copy, in its
+    backward the gradient's cast back to the logits' 16 bits beside the fp32 buffer it was computed
+    in: 2 bytes per logit of this rank's shard over the 4 kept (nothing for fp32 logits, worked in
+    place)."""
     tr = cfg.training
-    return 2 * FP32_BYTES * tr.seq_length * tr.micro_batch_size * vocab_rows(cfg) / cfg.parallel.tensor_model_parallel_size
+    e = ELEMENT_BYTES[tr.precision]
+    if e >= FP32_BYTES:
+        return 0.0
+    return e * tr.seq_length * tr.micro_batch_size * vocab_rows(cfg) / cfg.parallel.tensor_model_parallel_size
 
 
 def activation_bytes(cfg: Config, device: str = "cuda") -> dict[str, float]:

@@ -323,6 +323,63 @@ def _register_gqa_sdpa_flops() -> None:
 _register_gqa_sdpa_flops()
 
 
+# ----- the loss ------------------------------------------------------------------------------
+
+class _VocabParallelCrossEntropy(torch.autograd.Function):
+    """Per-token cross-entropy of logits split over the vocabulary (one rank's columns, `start` the
+    first id it holds; `group` None: the whole vocabulary), worked as Megatron's
+    `_VocabParallelCrossEntropy` (megatron/core/tensor_parallel/cross_entropy.py) works it: one fp32
+    working copy of the logits (none when they are fp32 already) turned into the softmax in place,
+    which is all it keeps for backward beside the per-token target and mask; backward writes the
+    gradient into that buffer. 16-bit logits thus hold 2 + 4 bytes per logit at the peak, where
+    `log_softmax` + `nll_loss` hold 2 + 4 + 4 + 4. fp32 logits are overwritten with the softmax, as
+    Megatron's are: pass logits nothing else reads (the output layer's)."""
+
+    @staticmethod
+    def forward(ctx, logits, target, start, group):
+        work = logits.detach().float()  # fp32 logits are worked in place, as Megatron does
+        top = work.max(dim=-1).values
+        if group is not None:
+            torch.distributed.all_reduce(top, op=torch.distributed.ReduceOp.MAX, group=group)
+        work -= top.unsqueeze(-1)
+        outside = (target < start) | (target >= start + work.shape[-1])
+        local = target - start
+        local[outside] = 0
+        picked = work.gather(-1, local.unsqueeze(-1)).squeeze(-1)
+        picked[outside] = 0.0
+        torch.exp(work, out=work)
+        total = work.sum(dim=-1)
+        if group is not None:
+            torch.distributed.all_reduce(picked, group=group)
+            torch.distributed.all_reduce(total, group=group)
+        work.div_(total.unsqueeze(-1))  # the softmax, kept for backward
+        ctx.save_for_backward(work, outside, local)
+        return torch.log(total) - picked
+
+    @staticmethod
+    def backward(ctx, grad):
+        softmax, outside, local = ctx.saved_tensors
+        softmax.scatter_add_(-1, local.unsqueeze(-1), (outside.float() - 1.0).unsqueeze(-1))
+        softmax.mul_(grad.unsqueeze(-1))
+        return softmax, None, None, None
+
+
+def cross_entropy(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Mean next-token cross-entropy of [..., vocab] logits, vocabulary-parallel when the logits
+    are a DTensor sharded over the vocabulary (each rank works on its local columns; max, target
+    logit and sum of exponentials are all-reduced over the tensor-parallel group)."""
+    from torch.distributed.tensor import DTensor
+
+    group, start = None, 0
+    if isinstance(logits, DTensor):
+        mesh = logits.device_mesh
+        logits = logits.to_local()
+        group = mesh.get_group()
+        start = mesh.get_local_rank() * logits.shape[-1]
+    flat = logits.reshape(-1, logits.shape[-1])
+    return _VocabParallelCrossEntropy.apply(flat, labels.reshape(-1), start, group).mean()
+
+
 # ----- recompute primitives -------------------------------------------------------------------
 
 def checkpoint(fn: Callable[..., torch.Tensor], *args: torch.Tensor) -> torch.Tensor:

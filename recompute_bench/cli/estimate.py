@@ -42,16 +42,22 @@ def estimate(
     """Predict activation memory per layer, the whole-rank peak and FLOPs of every recompute setting,
     without running anything (the paper's Table 2 beside the layer built here)."""
     from recompute_bench.analysis import planner
-    from recompute_bench.render.estimate import breakdown_table, layout_line, paper_notes, paper_table, settings_table
+    from recompute_bench.analysis.megatron import estimate_report as megatron_report
+    from recompute_bench.render.estimate import (breakdown_table, layout_line, paper_notes, paper_table, settings_table,
+                                                 stages_table)
 
     try:
         cfg, notes = resolve_point(workload, point)
         check_expert_parallel_world(cfg)  # no launch here: the data-parallel size is as given
         _check_inputs(device, allowance_fraction, allowance_gb)
+        if cfg.training.framework == "megatron":
+            run = _megatron_run(point.gpu, device, notes)
+            report = megatron_report(cfg, run, allowance_fraction, allowance_gb * 2**30)
+        else:
+            report = planner.estimate_report(cfg, device, allowance_fraction, allowance_gb * 2**30)
     except ConfigError as e:
         raise fail(str(e)) from None
     show_notes(notes)
-    report = planner.estimate_report(cfg, device, allowance_fraction, allowance_gb * 2**30)
     err.print(escape(layout_line(report)), highlight=False)
     err.print(settings_table(report["settings"], "every setting: activations per micro-batch, whole-rank peak, FLOPs",
                              current=cfg.recompute.label))
@@ -59,8 +65,31 @@ def estimate(
     for note in paper_notes(report):
         err.print(f"[dim]note:[/] {escape(note)}", highlight=False)
     err.print(breakdown_table(report))
+    if len(report["stages"]) > 1:
+        err.print(stages_table(report))
     if json_out:
         typer.echo(json.dumps(report, indent=2))
+
+
+def _megatron_run(gpu: Optional[str], device: str, notes: list[str]):
+    """Where framework megatron runs: the GPU kind (--gpu, else this machine's, else h100 with a
+    note) and torch's CUBLAS_WORKSPACE_CONFIG from this environment, as the run would read it."""
+    import os
+
+    from recompute_bench.analysis.megatron import COMPUTE_CAPABILITY, DEFAULT_GPU, MegatronRun
+    from recompute_bench.cli.common import this_gpu
+
+    if device.split(":")[0] != "cuda":
+        raise ConfigError("Megatron runs on CUDA; drop --device cpu with --framework megatron")
+    kind = gpu or this_gpu()
+    if kind == "cpu":
+        kind = DEFAULT_GPU
+        notes.append(f"no GPU here: Megatron's GPU-dependent terms (workspaces, TE's attention kernel) are "
+                     f"{DEFAULT_GPU}'s; pass --gpu a100, gb200, ... for another")
+    if kind not in COMPUTE_CAPABILITY:
+        raise ConfigError(f"unknown GPU kind {kind!r} for framework megatron; pass --gpu with one of "
+                          f"{', '.join(COMPUTE_CAPABILITY)}")
+    return MegatronRun(kind, os.environ.get("CUBLAS_WORKSPACE_CONFIG"))
 
 
 @point_options(panels=("Workload", "Parallelism"), gpu=False)
@@ -98,6 +127,9 @@ def plan(
         cfg, notes = resolve_point(workload, point, gpu="cpu")
         check_expert_parallel_world(cfg)
         _check_inputs(device, allowance_fraction, allowance_gb)
+        if cfg.training.framework != "recompute-bench":
+            raise ConfigError("plan chooses settings for this harness; drop --framework (estimate --framework megatron "
+                              "shows Megatron's peak of every setting)")
         if memory_gb is None or memory_gb <= 0:
             raise ConfigError(f"plan needs the device memory per GPU; pass --memory-gb 80 (got {memory_gb})")
     except ConfigError as e:

@@ -12,7 +12,7 @@ map one to one; the rest are Megatron's spellings of a field (`--swiglu` is `act
   ones included (`ffn_hidden_size`, `virtual_pipeline_model_parallel_size`, `padded_vocab_size`).
 
 An argument that changes what a rank holds but that the estimate cannot express (context parallel,
-FP8, FSDP, cross-entropy fusion, ...) raises `CannotExpress` naming it, unless it holds Megatron's
+FP8, FSDP, MoE, ...) raises `CannotExpress` naming it, unless it holds Megatron's
 neutral value (`context_parallel_size 1`, `fp8 None`): a log's dump lists them all. Every other
 argument (data, logging, checkpointing, learning rate, timers) changes nothing the estimate holds and
 is not read. Pure Python.
@@ -52,13 +52,8 @@ SAME_NAME = {
                  "expert_model_parallel_size"),
     "recompute": (),
 }
-# Read only for a mixture-of-experts model (num_experts) or multi-latent attention: a log's dump lists
-# them for every model.
-MOE_NAMES = ("moe_router_topk", "moe_ffn_hidden_size", "moe_shared_expert_intermediate_size", "moe_layer_freq",
-             "moe_router_score_function", "moe_grouped_gemm", "moe_router_topk_scaling_factor",
-             "moe_router_enable_expert_bias", "moe_router_num_groups", "moe_router_group_topk", "moe_aux_loss_coeff",
-             "moe_expert_capacity_factor", "moe_token_drop_policy")
-MLA_NAMES = ("q_lora_rank", "kv_lora_rank", "qk_head_dim", "qk_pos_emb_head_dim", "v_head_dim")
+# Long flags whose argparse destination has another name.
+ALIASES = {"microbatch_group_size_per_virtual_pipeline_stage": "microbatch_group_size_per_vp_stage"}
 
 # Arguments the estimate cannot express, each with Megatron's neutral values (what leaves the rank's
 # bytes as the estimate counts them) and why. A value outside them raises CannotExpress.
@@ -98,12 +93,16 @@ NEUTRAL: dict[str, tuple[tuple[Any, ...], str]] = {
     "exp_avg_dtype": (("fp32", "torch.float32", None), "Adam moments other than fp32 are not modelled"),
     "exp_avg_sq_dtype": (("fp32", "torch.float32", None), "Adam moments other than fp32 are not modelled"),
     "defer_embedding_wgrad_compute": ((False,), "deferring the embedding's weight gradient is not modelled"),
-    "cross_entropy_loss_fusion": ((False,), "the fused cross-entropy is not modelled"),
+    "cross_entropy_fusion_impl": (("native", None), "Transformer Engine's fused cross-entropy is not modelled"),
+    "bias_swiglu_fusion": ((True, None), "SwiGLU without Megatron's fused bias-SwiGLU is not modelled"),
     "fp16_lm_cross_entropy": ((False,), "a 16-bit cross-entropy is not modelled"),
     "mtp_num_layers": ((None, 0), "multi-token prediction is not modelled"),
     "use_legacy_models": ((False,), "Megatron's legacy models are not modelled (use_mcore_models is)"),
     "heterogeneous_layers_config_path": ((None,), "heterogeneous layers are not modelled"),
     "perform_rl_step": ((False,), "reinforcement-learning steps (generation and training) are not modelled"),
+    "num_experts": ((None, 0), "mixture-of-experts layers are not modelled for framework megatron yet"),
+    "multi_latent_attention": ((False,), "multi-latent attention is not modelled for framework megatron yet"),
+    "export_kd_teacher_load": ((None,), "knowledge distillation (a teacher model beside the student) is not modelled"),
     "moe_shared_expert_gate": ((False,), "the shared experts' gate is not modelled"),
     "moe_router_dtype": ((None,), "a router in another dtype is not modelled"),
     "moe_router_load_balancing_type": (("aux_loss", "none"), "load balancing other than aux_loss is not modelled"),
@@ -140,11 +139,17 @@ def read_argv(argv: Iterable[str]) -> dict[str, Any]:
 
 def normalize(args: Mapping[str, Any]) -> dict[str, Any]:
     """Names as Megatron's `args` holds them (`--num-layers` -> num_layers) and values as Python
-    values: a log's text `None`, `True`, `12`, `0.1`, `['core_attn']`, `AttnBackend.flash` is read."""
+    values: a log's text `None`, `True`, `12`, `0.1`, `['core_attn']`, `AttnBackend.flash` is read.
+    A negative flag given as a flag (`--no-masked-softmax-fusion`) becomes its destination set to
+    False (`masked_softmax_fusion`), as argparse stores it."""
     out = {}
     for key, value in args.items():
         name = str(key).lstrip("-").replace("-", "_")
-        out[name] = _value(value) if isinstance(value, str) else value
+        value = _value(value) if isinstance(value, str) else value
+        name = ALIASES.get(name, name)
+        if name.startswith("no_") and value is True:
+            out.setdefault(name[3:], False)
+        out[name] = value
     return out
 
 
@@ -165,8 +170,8 @@ def _value(text: str) -> Any:
 
 
 def _cannot(name: str, value: Any, why: str) -> CannotExpress:
-    return CannotExpress("--" + name.replace("_", "-"),
-                         f"Megatron argument --{name.replace('_', '-')} {value} cannot be expressed: {why}")
+    flag = "--" + {dest: long for long, dest in ALIASES.items()}.get(name, name).replace("_", "-")
+    return CannotExpress(flag, f"Megatron argument {flag} {value} cannot be expressed: {why}")
 
 
 def check_expressible(args: Mapping[str, Any]) -> None:
@@ -177,10 +182,14 @@ def check_expressible(args: Mapping[str, Any]) -> None:
             if name.startswith("moe_") and not experts:
                 continue  # MoE options of a dense model change nothing
             raise _cannot(name, args[name], why)
-    etp = args.get("expert_tensor_parallel_size")
-    if experts and etp not in (None, args.get("tensor_model_parallel_size", 1)):
-        raise _cannot("expert_tensor_parallel_size", etp, "expert tensor parallel other than the tensor-parallel size "
-                      "is not modelled")
+    if args.get("fp16") and args.get("accumulate_allreduce_grads_in_fp32"):
+        raise _cannot("accumulate_allreduce_grads_in_fp32", True, "an fp32 grad buffer for fp16 runs is not modelled")
+    if args.get("bf16") and args.get("grad_reduce_in_bf16"):
+        raise _cannot("grad_reduce_in_bf16", True, "a bf16 grad buffer is not modelled")
+    group = args.get("microbatch_group_size_per_vp_stage")
+    if group not in (None, args.get("pipeline_model_parallel_size", 1)):
+        raise _cannot("microbatch_group_size_per_vp_stage", group, "interleaving groups other than the "
+                      "pipeline-parallel size are not modelled")
     if args.get("cpu_offloading") and args.get("cpu_offloading_activations") is False:
         raise _cannot("cpu_offloading_activations", False, "offloading without activations is not modelled")
     position = args.get("position_embedding_type")
@@ -227,14 +236,10 @@ def megatron_overrides(args: Mapping[str, Any], world_size: int | None = None) -
     if a.get("norm_epsilon") is not None:
         m["layernorm_epsilon"] = a["norm_epsilon"]
     m["attention_backend"] = str(a["attention_backend"]).split(".")[-1]
-    if a.get("num_experts"):
-        m["num_moe_experts"] = a["num_experts"]
-        m.update({name: a[name] for name in MOE_NAMES if a.get(name) is not None})
-        if isinstance(m.get("moe_layer_freq"), list):  # the dump holds the parsed per-layer pattern
-            m["moe_layer_freq"] = str(m["moe_layer_freq"])
-    if a.get("multi_latent_attention"):
-        m["multi_latent_attention"] = True
-        m.update({name: a[name] for name in MLA_NAMES if a.get(name) is not None})
+    m["masked_softmax_fusion"] = a.get("masked_softmax_fusion", True) is not False
+    # validate_args: apply_query_key_layer_scaling also sets attention_softmax_in_fp32
+    m["attention_softmax_in_fp32"] = bool(a.get("attention_softmax_in_fp32") or a.get("apply_query_key_layer_scaling"))
+    m["cross_entropy_loss_fusion"] = bool(a.get("cross_entropy_loss_fusion"))
     m["vocab_size"] = _vocabulary(a)
 
     tr["precision"] = "fp16" if a.get("fp16") else "bf16" if a.get("bf16") else "fp32"

@@ -7,15 +7,18 @@ the format, the file, the steps used and the rule that chose them, and what the 
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable
 
 from recompute_bench.analysis import flops
+from recompute_bench.analysis.megatron import (COMPUTE_CAPABILITY, DEFAULT_GPU, MegatronRun, stage_peak,
+                                               record_estimate as megatron_record_estimate)
 from recompute_bench.analysis.rank import rank_memory
 from recompute_bench.ingest.parsed import ParsedRun
 from recompute_bench.ingest.timing import window
 from recompute_bench.measure.record import SCHEMA, rank_summary, unmeasured_metrics, unmeasured_rank
 from recompute_bench.measure.telemetry import package_version
 from recompute_bench.spec.config import Config
+from recompute_bench.spec.presets import gpu_type
 
 
 def rank_stage(cfg: Config, rank: int) -> int:
@@ -26,16 +29,32 @@ def rank_stage(cfg: Config, rank: int) -> int:
     return rank // (par.world_size // par.pipeline_model_parallel_size)
 
 
+def megatron_run(device_name: str | None) -> MegatronRun:
+    """Where an imported Megatron run ran, for its estimate: the GPU kind its device names (h100 where
+    it names none) and torch's default cuBLAS workspace (a log does not show CUBLAS_WORKSPACE_CONFIG)."""
+    kind = gpu_type(device_name or "")
+    return MegatronRun(kind if kind in COMPUTE_CAPABILITY else DEFAULT_GPU)
+
+
+def stage_estimate(cfg: Config, device_name: str | None) -> Callable[[int], float]:
+    """The estimated peak allocated bytes of a pipeline stage for the framework that ran: Megatron's
+    own terms (`analysis.megatron`), else this harness's."""
+    if cfg.training.framework == "megatron":
+        run = megatron_run(device_name)
+        return lambda stage: stage_peak(cfg, stage, run).peak_allocated_bytes
+    return lambda stage: rank_memory(cfg, stage, "cuda").peak_allocated_bytes
+
+
 def _rank_entries(run: ParsedRun, cfg: Config, device_name: str, failure: dict | None) -> list[dict]:
     world = cfg.parallel.world_size
     memory = {(world - 1 if r == -1 else r): m for r, m in run.ranks.items()}  # -1: the last rank (Megatron golden)
     ranks = sorted(set(memory) | ({failure["rank"]} if failure and failure.get("rank") is not None else set()))
-    estimates: dict[int, float] = {}
+    estimate, estimates = stage_estimate(cfg, device_name), {}
     entries = []
     for r in ranks:
         stage = rank_stage(cfg, r)
         if stage not in estimates:
-            estimates[stage] = rank_memory(cfg, stage, "cuda").peak_allocated_bytes
+            estimates[stage] = estimate(stage)
         mine = failure if failure and failure.get("rank") == r else None
         entry = unmeasured_rank(r, device_name, "oom" if mine else "ok",
                                 None if mine is None else {k: mine[k] for k in ("step", "phase", "message")})
@@ -56,6 +75,8 @@ def import_record(run: ParsedRun, cfg: Config, *, device_name: str | None = None
     device = run.device_name or device_name
     tr, world = cfg.training, cfg.parallel.world_size
     metrics = unmeasured_metrics(cfg, "cuda")
+    if cfg.training.framework == "megatron":  # the estimate of the framework that ran
+        metrics.update(megatron_record_estimate(cfg, megatron_run(device)))
     chosen = window(run.timing, run.steps) if run.steps else None
     step_time = chosen.value("step_time_s") if chosen else None
     tflops = chosen.value("tflops_per_gpu") if chosen else None

@@ -78,9 +78,6 @@ class DataParallel(SingleRank):
     def split(self, model: torch.nn.Module) -> torch.nn.Module:
         return self.tensor.parallelize(model) if self.tensor else model
 
-    def context(self):
-        return self.tensor.context() if self.tensor else super().context()
-
     @property
     def splits(self) -> bool:
         return self.tensor is not None or (self.kind == "fsdp" and self.dp_size > 1)
@@ -335,7 +332,7 @@ def gathered_loss_and_grads(cfg: Config, tokens: torch.Tensor, device: torch.dev
     model = layout.build(cfg, device)
     model.train()
     main_grads = layout.optimizer(model, cfg.training.precision).grads if layout.reduces_main_grads else None
-    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []), layout.context():
+    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
         torch.manual_seed(cfg.training.seed)
         loss = model(tokens[:, :-1], tokens[:, 1:])
         loss.backward()

@@ -294,10 +294,8 @@ class Stepper:
     """Runs training steps and remembers where it is, so a failure can say so."""
 
     def __init__(self, cfg: Config, model: GPT, optimizer, batches: torch.Tensor,
-                 context: Callable[[], Any] = nullcontext, no_sync: Callable[[], Any] | None = None):
+                 no_sync: Callable[[], Any] | None = None):
         self.cfg, self.model, self.optimizer, self.batches = cfg, model, optimizer, batches
-        self.context = context
-        """Around each micro-batch's forward and backward (tensor parallel: the vocabulary-parallel loss)."""
         self.no_sync = no_sync
         """Around each micro-batch but the last (`layout.no_sync`): its gradients accumulate on the
         rank, and only the last one's backward reduces them over the data-parallel ranks."""
@@ -311,7 +309,7 @@ class Stepper:
         n = len(self.batches)
         total = torch.zeros((), dtype=torch.float32, device=self.batches.device)
         for i, tokens in enumerate(self.batches):
-            with self.no_sync() if self.no_sync and i < n - 1 else nullcontext(), self.context():
+            with self.no_sync() if self.no_sync and i < n - 1 else nullcontext():
                 self.phase = "forward"
                 _fault("forward", self.step_index)
                 if probe is not None and i == 0:
@@ -427,10 +425,6 @@ class SingleRank:
         """The model with its weights sharded over the data-parallel ranks: not at all here."""
         return model
 
-    def context(self):
-        """What each forward and backward runs inside: nothing here."""
-        return nullcontext()
-
     def optimizer(self, model: torch.nn.Module, precision: str):
         """The optimizer of `model`'s parameters on this rank."""
         return make_optimizer(model, precision)
@@ -493,8 +487,7 @@ def _measure(cfg: Config, device: torch.device, peak_tflops: float | None, layou
         model.train()
         metrics["num_parameters"] = layout.num_parameters(model)  # DTensors count their global size
         optimizer = layout.optimizer(model, t.precision)
-        stepper = Stepper(cfg, model, optimizer, layout.batches(cfg, device), layout.context,
-                          lambda: layout.no_sync(model, optimizer))
+        stepper = Stepper(cfg, model, optimizer, layout.batches(cfg, device), lambda: layout.no_sync(model, optimizer))
         torch.manual_seed(t.seed)  # dropout masks
 
         def done(loss: torch.Tensor) -> None:

@@ -9,8 +9,9 @@ order: TP -> AC -> FSDP):
   whole groups), `linear_proj` row-parallel; MLP: `linear_fc1` column-parallel, `linear_fc2`
   row-parallel. The core attention, RoPE and the activation run on this rank's heads / columns.
 - the word embedding vocabulary-parallel (row-parallel over the padded vocabulary; the tied output
-  layer shares its shard), the output layer column-parallel over the vocabulary, and the
-  cross-entropy vocabulary-parallel (`loss_parallel`: no rank holds the whole logits).
+  layer shares its shard), the output layer column-parallel over the vocabulary, its logits a
+  DTensor sharded over the vocabulary, which the backend's cross-entropy works on shard by shard
+  (no rank holds the whole logits).
 - with sequence parallelism: the residual stream, the norms and the hidden dropouts run on this
   rank's 1/tp of the sequence (`SequenceParallel`); a column-parallel linear all-gathers the
   sequence for its input but keeps only the shard for backward, all-gathering it again there, as
@@ -24,8 +25,6 @@ the saved-tensor probe see local tensors; what a DTensor module saves is counted
 
 from __future__ import annotations
 
-from contextlib import AbstractContextManager
-
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
@@ -33,7 +32,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.parallel import (ColwiseParallel, ParallelStyle, PrepareModuleInput, RowwiseParallel,
-                                               SequenceParallel, loss_parallel, parallelize_module)
+                                               SequenceParallel, parallelize_module)
 
 SEQUENCE = 1
 """The sequence dimension of the [b, s, h] activations."""
@@ -69,7 +68,7 @@ def _gather(x: torch.Tensor, mesh: DeviceMesh) -> torch.Tensor:
 class SequenceGatheredColwise(ParallelStyle):
     """Column-parallel linear whose input is a sequence-parallel shard (`_GatheredLinear`): the weight
     (and bias) split over output features as `ColwiseParallel` splits them; the output this rank's
-    columns, a local tensor, or (`output_dtensor`) a DTensor sharded on the last dim for `loss_parallel`.
+    columns, a local tensor, or (`output_dtensor`) a DTensor sharded on the last dim for the loss.
     `ColwiseParallel(input_layouts=Shard(1))` would keep the all-gathered input whole for backward,
     t times the shard (measured: 2 x (1 - 1/t) x s x b x h bytes per layer more than Megatron keeps)."""
 
@@ -121,12 +120,6 @@ def model_plan(sequence_parallel: bool) -> dict:
     return plan
 
 
-def _local_loss(_module: nn.Module, _args, loss: torch.Tensor) -> torch.Tensor:
-    """The vocabulary-parallel loss (a replicated DTensor) as this rank's plain tensor; its gradient
-    flows back into the DTensor graph."""
-    return loss.to_local() if isinstance(loss, DTensor) else loss
-
-
 def swiglu_rows(ffn_hidden_size: int, tp: int) -> torch.Tensor:
     """The order of fc1's 2f rows (gate, then up) under which a row split over `tp` ranks gives
     rank i [gate_i; up_i], so that the activation's `chunk(2)` pairs each gate with its up."""
@@ -166,7 +159,6 @@ class TensorParallel:
             parallelize_module(layer, tp_mesh, layer_plan(self.sequence_parallel))
         parallelize_module(model, tp_mesh, model_plan(self.sequence_parallel))
         model.tie_weights()  # the output layer shares the embedding's vocabulary shard again
-        model.register_forward_hook(_local_loss)
         return model
 
     def whole(self, name: str, tensor: torch.Tensor, cfg) -> torch.Tensor:
@@ -178,6 +170,3 @@ class TensorParallel:
             return out
         return tensor
 
-    def context(self) -> AbstractContextManager:
-        """Around every forward and backward: the vocabulary-parallel cross-entropy."""
-        return loss_parallel()

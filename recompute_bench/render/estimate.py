@@ -38,7 +38,8 @@ def layout_line(report: dict[str, Any]) -> str:
     return (f"{report['workload']}: L={m['num_layers']} h={m['hidden_size']} a={m['num_attention_heads']} "
             f"g={m['num_query_groups'] or m['num_attention_heads']} | {layout} | b={t['micro_batch_size']} "
             f"s={t['seq_length']} {t['precision']} | {m['attention_backend']} attention runs "
-            f"{report.get('attention_kernel', '')} on {report['device']}")
+            f"{report.get('attention_kernel', '')} on {report.get('gpu') or report['device']}"
+            + (f" | Megatron, {m['transformer_impl']}" if report.get("framework") == "megatron" else ""))
 
 
 def settings_table(rows: list[dict[str, Any]], title: str, current: str | None = None) -> Table:
@@ -110,6 +111,17 @@ def breakdown_table(report: dict[str, Any]) -> Table:
     table.add_row(f"allowance: {100 * a['fraction']:.0f}% allocator + {fmt_bytes(a['bytes'])} context/workspaces",
                   fmt_bytes(s["device_bytes_needed"] - s["peak_allocated_bytes"]))
     table.add_row("[bold]device memory needed[/]", f"[bold]{_gib(s['device_bytes_needed'])}[/]")
+    return table
+
+
+def stages_table(report: dict[str, Any]) -> Table:
+    """Every pipeline stage's peak of the command's own setting, and where it happens."""
+    table = Table(title=f"every pipeline stage: {report['setting']['label']}", header_style="bold")
+    for col in ("stage", "peak allocated", "+allowance", "where", "parameters"):
+        table.add_column(col, justify="left" if col == "where" else "right")
+    for r in report["stages"]:
+        table.add_row(str(r["stage"]), _gib(r["peak_allocated_bytes"]), _gib(r["device_bytes_needed"]),
+                      escape(r["phase"]), f"{r['parameters_on_rank'] / 1e9:.3f} B")
     return table
 
 

@@ -25,6 +25,8 @@ MEGATRON_ATTENTION_BACKENDS = ("flash", "fused", "unfused", "local", "auto")
 FRAMEWORKS = ("recompute-bench", "megatron")
 # Megatron's `--transformer-impl`: its own modules, or Transformer Engine's.
 TRANSFORMER_IMPLS = ("local", "transformer_engine")
+# Fields that describe how Megatron runs: framework recompute-bench takes their defaults only.
+MEGATRON_ONLY = ("transformer_impl", "masked_softmax_fusion", "attention_softmax_in_fp32", "cross_entropy_loss_fusion")
 NORMALIZATIONS = ("LayerNorm", "RMSNorm")
 ACTIVATIONS = ("gelu", "swiglu")
 POSITION_EMBEDDINGS = ("learned_absolute", "rope")
@@ -121,6 +123,14 @@ class ModelConfig:
     transformer_impl: str = "local"
     """Megatron's --transformer-impl: local (plain torch modules, what this harness builds) or
     transformer_engine (framework megatron only; Megatron's default there)."""
+    masked_softmax_fusion: bool = True
+    """Framework megatron, transformer_impl local: Megatron's fused scale-mask-softmax kernel; off (or
+    past its limits: s over 4096, b x heads/t not a multiple of 4) torch's softmax runs instead."""
+    attention_softmax_in_fp32: bool = False
+    """Framework megatron: torch's softmax (when the fused kernel does not run) works and keeps its
+    output in fp32 (Megatron sets it with apply_query_key_layer_scaling)."""
+    cross_entropy_loss_fusion: bool = False
+    """Framework megatron: Megatron's fused cross-entropy (cross_entropy_fusion_impl native)."""
     layernorm_epsilon: float = 1e-5
     """Epsilon of every norm."""
     init_method_std: float = 0.02

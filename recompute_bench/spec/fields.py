@@ -33,7 +33,8 @@ LATER_KEYS = ("num_moe_experts", "moe_router_topk", "moe_ffn_hidden_size", "moe_
               "multi_latent_attention", "q_lora_rank", "kv_lora_rank", "qk_head_dim", "qk_pos_emb_head_dim",
               "v_head_dim", "kv_channels", "moe_router_topk_scaling_factor", "moe_router_enable_expert_bias",
               "moe_router_num_groups", "moe_router_group_topk", "moe_aux_loss_coeff",
-              "moe_expert_capacity_factor", "moe_token_drop_policy", "framework", "transformer_impl")
+              "moe_expert_capacity_factor", "moe_token_drop_policy", "framework", "transformer_impl",
+              "masked_softmax_fusion", "attention_softmax_in_fp32", "cross_entropy_loss_fusion")
 # The default of a field that has none (the model's shape): a record must hold it.
 REQUIRED = object()
 # Recompute fields whose attribute is not already Megatron's argument name.

@@ -11,7 +11,8 @@ from typing import Any
 
 from recompute_bench.models import spec_for
 from recompute_bench.spec.config import (ACTIVATIONS, ATTENTION_BACKENDS, FRAMEWORKS, GRANULARITIES,
-                                         MEGATRON_ATTENTION_BACKENDS, METHODS, NORMALIZATIONS, POSITION_EMBEDDINGS,
+                                         MEGATRON_ATTENTION_BACKENDS, MEGATRON_ONLY, METHODS, NORMALIZATIONS,
+                                         POSITION_EMBEDDINGS,
                                          TRANSFORMER_IMPLS, PRECISIONS, RECOMPUTE_MODULES, ROUTER_SCORE_FUNCTIONS, SECTIONS, TOKEN_DROP_POLICIES,
                                          _MODULE_NEEDS, Config, ConfigError)
 
@@ -128,12 +129,20 @@ def _validate_framework(cfg: Config) -> None:
         if m.attention_backend == "local" and m.transformer_impl != "local":
             raise ConfigError("Megatron runs --attention-backend local only with its local layers; pass "
                               "--transformer-impl local or another --attention-backend")
+        if m.num_moe_experts or m.multi_latent_attention:
+            raise ConfigError("framework megatron models dense GPT layers; mixture-of-experts and multi-latent "
+                              "attention are not modelled for it yet: drop --framework megatron for this workload")
         return
     _choice("attention_backend", m.attention_backend, ATTENTION_BACKENDS,
             "pass --attention-backend sdpa or math (Megatron's names go with --framework megatron)")
     if m.transformer_impl != "local":
         raise ConfigError(f"this harness builds plain torch layers (transformer_impl local), not {m.transformer_impl}; "
                           "drop --transformer-impl, or estimate Megatron's with --framework megatron")
+    defaults = {f.name: f.default for f in dataclasses.fields(type(m))}
+    for name in MEGATRON_ONLY:
+        if getattr(m, name) != defaults[name]:
+            raise ConfigError(f"model.{name} describes how Megatron runs; drop it, or estimate Megatron with "
+                              "--framework megatron")
 
 
 def _validate_expert_parallel(cfg: Config) -> None:

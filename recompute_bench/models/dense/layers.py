@@ -218,8 +218,8 @@ class GPT(nn.Module):
         rope = self.rotary(s) if self.rotary is not None else ()
         x = self.layers(x, *rope)
         logits = self.output_layer(self.final_layernorm(x))
-        # Cross-entropy in fp32, as Megatron does: the fp32 log-softmax is what the loss saves.
-        return F.cross_entropy(logits.float().view(-1, logits.shape[-1]), labels.reshape(-1))
+        # Megatron's cross-entropy: an fp32 softmax worked in place is what the loss keeps.
+        return get_backend(self.backend).cross_entropy(logits, labels)
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:

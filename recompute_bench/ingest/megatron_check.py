@@ -1,0 +1,103 @@
+"""The estimate of framework megatron against the memory Megatron-LM's own functional tests measured.
+
+`tests/data/megatron/cases.json` (written by bench/megatron_cases.py from a Megatron-LM checkout)
+holds each GPT case's arguments, environment, GPU count and, per golden file (dev or lts, DGX A100,
+H100 or GB200), the last step's `mem-allocated-bytes` (after the optimizer step) and
+`mem-max-allocated-bytes` (the peak since the process started), both logged by the last rank. Each
+case whose arguments the estimate can express is mapped onto a Config (`megatron_args`) and
+estimated on the last pipeline stage (`analysis.megatron.stage_peak`): its peak against the
+golden's peak, and what it holds after the step (parameters, gradients, optimizer state, buffers)
+against the golden's allocated bytes. The rest are skipped, each with the reason.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from recompute_bench.analysis.megatron import MegatronRun, stage_peak
+from recompute_bench.ingest.megatron_args import config_from_megatron
+from recompute_bench.spec.config import ConfigError
+
+GOAL = {"median_peak_error": 0.03, "peak_within_5_percent": 0.90, "median_static_error": 0.05}
+"""The goal the check is held to (issue 17)."""
+
+
+@dataclass(frozen=True)
+class CheckRow:
+    """One golden file of one case: the estimate beside what Megatron measured."""
+
+    case: str
+    golden: str
+    """dev_h100, lts_a100, ...: the environment and GPU kind of the golden file."""
+    gpus: int
+    layout: str
+    estimated_peak_bytes: float
+    measured_peak_bytes: float
+    estimated_static_bytes: float
+    measured_static_bytes: float
+    phase: str
+
+    @property
+    def peak_error(self) -> float:
+        return self.estimated_peak_bytes / self.measured_peak_bytes - 1
+
+    @property
+    def static_error(self) -> float:
+        return self.estimated_static_bytes / self.measured_static_bytes - 1
+
+
+def load_cases(path: Path | str) -> dict[str, Any]:
+    """Case data as bench/megatron_cases.py writes it (source repository, commit, cases)."""
+    return json.loads(Path(path).read_text())
+
+
+def check(data: dict[str, Any]) -> tuple[list[CheckRow], dict[str, list[str]]]:
+    """Every golden of every case: a CheckRow where the estimate can express the case, else the
+    reason it is skipped (reason -> ["case golden", ...])."""
+    rows, skipped = [], {}
+    for case in data["cases"]:
+        for name, golden in case["goldens"].items():
+            reason = None
+            if case["mode"] != "training":
+                reason = f"not a training run ({case['mode']})"
+            elif not golden["gpus"]:
+                reason = "GPU count unknown (no recipe runs the case)"
+            else:
+                try:
+                    cfg = config_from_megatron(case["args"], world_size=golden["gpus"], workload=case["case"])
+                except ConfigError as e:
+                    reason = str(e)
+            if reason:
+                skipped.setdefault(reason, []).append(f"{case['case']} {name}")
+                continue
+            run = MegatronRun(name.split("_")[1], case["env"].get("CUBLAS_WORKSPACE_CONFIG"))
+            par = cfg.parallel
+            peak = stage_peak(cfg, par.pipeline_model_parallel_size - 1, run)
+            layout = (f"tp{par.tensor_model_parallel_size} pp{par.pipeline_model_parallel_size}"
+                      + (f" vp{par.virtual_pipeline_model_parallel_size}" if par.virtual_pipeline_model_parallel_size else "")
+                      + f" dp{par.data_parallel_size}")
+            rows.append(CheckRow(case["case"], name, golden["gpus"], layout, peak.peak_allocated_bytes,
+                                 golden["max_allocated_bytes"], peak.static_bytes, golden["allocated_bytes"], peak.phase))
+    return rows, skipped
+
+
+def summary(rows: list[CheckRow]) -> dict[str, float]:
+    """The figures the goal is stated in: median |peak error|, the share of rows within 5%, the
+    median |static error|, and how many rows and cases."""
+    peak = [abs(r.peak_error) for r in rows]
+    return {"rows": len(rows), "cases": len({r.case for r in rows}),
+            "median_peak_error": statistics.median(peak),
+            "peak_within_5_percent": sum(e <= 0.05 for e in peak) / len(peak),
+            "worst_peak_error": max(peak),
+            "median_static_error": statistics.median(abs(r.static_error) for r in rows)}
+
+
+def meets_goal(figures: dict[str, float]) -> bool:
+    """Whether `summary`'s figures meet GOAL."""
+    return (figures["median_peak_error"] <= GOAL["median_peak_error"]
+            and figures["peak_within_5_percent"] >= GOAL["peak_within_5_percent"]
+            and figures["median_static_error"] <= GOAL["median_static_error"])
