@@ -277,7 +277,9 @@ def test_rank_summaries():
 
 @pytest.mark.parametrize("args, words", [
     (["--memory-limit-gb", "40"], "no CUDA device here; drop --memory-limit-gb"),
-    (["--pp", "2", "--nproc-per-node", "2"], "pipeline parallelism is not measured yet"),
+    (["--pp", "2"], "tensor_model_parallel_size 1 x pipeline_model_parallel_size 2 does not divide the 1 rank(s)"),
+    (["--pp", "4", "--nproc-per-node", "4"], "torch's 1F1B schedule needs at least as many micro-batches as stages (4), "
+                                             "got 2; pass --global-batch-size 8 or more, or --pp-schedule GPipe"),
     (["--dp", "2"], "pass --nproc-per-node 2"),
     (["--nnodes", "2"], "pass --rdzv-endpoint"),
     (["--nproc-per-node", "2", "--data-parallel", "zero"], "is not one of ddp, fsdp"),

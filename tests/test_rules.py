@@ -29,6 +29,30 @@ REFUSED = [
     (["estimate", "-w", "gpt3-175b", "--pp", "8", "--set", f"{VPP}=3", *FULL, "block", "--recompute-num-layers", "5"],
      "recompute_num_layers 5 must lie between 1 and 4 (layers per model chunk: 12 per pipeline stage / "
      "virtual_pipeline_model_parallel_size 3); pass --recompute-num-layers N"),
+    # Pipeline schedules: torch's names, and what each needs.
+    (["estimate", "--pp", "2", "--pp-schedule", "ZeroBubble"],
+     "pipeline_parallel_schedule 'ZeroBubble' is not one of 1F1B, Interleaved1F1B, GPipe, InterleavedZeroBubble, "
+     "ZBVZeroBubble, DualPipeV; pass --pp-schedule 1F1B"),
+    (["estimate", "--pp-schedule", "GPipe"],
+     "pipeline_parallel_schedule GPipe needs pipeline parallelism; pass --pp 2 or more, or drop --pp-schedule"),
+    (["estimate", "--pp", "2", "--pp-schedule", "ZBVZeroBubble"],
+     "ZBVZeroBubble needs exactly two stages per rank (the V: rank r holds stages r and 2p - 1 - r); pass --set "
+     "parallel.virtual_pipeline_model_parallel_size=2"),
+    (["estimate", "--pp", "2", "--pp-schedule", "InterleavedZeroBubble"],
+     "InterleavedZeroBubble interleaves model chunks: pass --set parallel.virtual_pipeline_model_parallel_size=M "
+     "(M >= 2 chunks per rank), or --pp-schedule 1F1B"),
+    (["estimate", "--pp", "2", "--set", f"{VPP}=2", "--pp-schedule", "1F1B"],
+     "1F1B runs one model chunk per rank; drop --set parallel.virtual_pipeline_model_parallel_size or pass "
+     "--pp-schedule Interleaved1F1B"),
+    (["estimate", "--pp", "2", "--set", f"{VPP}=2", "--pp-schedule", "DualPipeV"],
+     "DualPipeV needs at least as many micro-batches as stages (2 x pp = 4), got 2; pass --global-batch-size 8 or more"),
+    # Megatron's interleaved schedule takes the micro-batches in groups of p: tiny has 2, p = 4 (1 layer a chunk).
+    (["estimate", "--num-layers", "8", "--pp", "4", "--set", f"{VPP}=2"],
+     "the interleaved schedule needs the number of micro-batches (2) to be a multiple of pipeline_model_parallel_size "
+     "4; pass --global-batch-size as a multiple of 8"),
+    (["run", "--pp", "2", "--activation-offload-layers", "1"],
+     "Currently there is no support for Pipeline parallelism with CPU offloading (Megatron's rule); drop "
+     "--activation-offload-layers or pass --pipeline-model-parallel-size 1"),
     (["run", "--activation-offload-layers", "4"],
      "activation_offload_layers must lie between 1 and 3 (CPU offloading can be done only for layers less than "
      "num_layers), got 4; pass --activation-offload-layers N with N from 1 to 3"),

@@ -148,3 +148,4 @@ def test_layout_labels():
     assert layout_label(2, "ddp") == "ddp"
     assert layout_label(2, "ddp", 2, True) == "tp 2, sequence parallel"
     assert layout_label(4, "fsdp", 2) == "fsdp 2 x tp 2"
+    assert layout_label(2, "ddp", pp=2) == "pp 2" and layout_label(8, "fsdp", 2, True, 2) == "fsdp 2 x tp 2 x pp 2, sequence parallel"

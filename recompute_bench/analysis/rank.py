@@ -1,20 +1,22 @@
 """The whole rank: parameters times the layout's bytes per parameter and what FSDP unshards, the
-activations of the micro-batches a pipeline stage holds in flight, the backward transient, the
-optimizer step's peak, the allocator allowance on top, and the estimate `run` stores beside each
-measurement.
+activations of the micro-batches a pipeline stage holds in flight (its model chunks, walked through
+its schedule's order), the backward transient, the optimizer step's peak, the allocator allowance on
+top, and the estimate `run` stores beside each measurement (per pipeline stage too).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 from recompute_bench.analysis import flops
 from recompute_bench.analysis.layer import kind_config, layer_parameters, layer_workspace_bytes
-from recompute_bench.analysis.schedule import chunk_forwards_in_flight, schedule_peak
+from recompute_bench.analysis.schedule import chunk_forwards_in_flight
+from recompute_bench.analysis.schedules import Walk, bubble_fraction, peak_chunks, rank_actions, rank_stages, walk
 from recompute_bench.analysis.stage import (StageActivations, activation_bytes, embedding_saved_bytes,
                                             loss_saved_bytes, loss_workspace_bytes, outside_parameters,
                                             stage_activations, stage_parameters, token_bytes)
-from recompute_bench.models import ELEMENT_BYTES, FP32_BYTES
+from recompute_bench.models import ELEMENT_BYTES, FP32_BYTES, vocab_rows
 from recompute_bench.spec.config import Config
 
 
@@ -87,6 +89,7 @@ OUTSIDE_WEIGHTS = "FSDP: all-gathered weights outside the layers"
 OUTSIDE_GRADS = "FSDP: unsharded gradients outside the layers"
 LAYER_WEIGHTS = "FSDP: all-gathered weights of two layers (in backward, prefetched)"
 LAYER_GRADS = "FSDP: a layer's unsharded gradients and fp32 reduce-scatter input"
+STAGE_WEIGHTS = "FSDP: all-gathered weights of every layer (pipeline: not resharded after forward)"
 
 
 def fsdp_unsharded_bytes(cfg: Config, stage: int = 0) -> dict[str, float]:
@@ -98,28 +101,156 @@ def fsdp_unsharded_bytes(cfg: Config, stage: int = 0) -> dict[str, float]:
     In a layer's backward, for the largest layer: its all-gathered weights and the previous layer's,
     prefetched (`_fsdp_param_group.py`, `FSDPParamGroup._backward_prefetch`), and its unsharded
     gradients with the fp32 reduce-scatter input they are copied into (`_fsdp_collectives.py`,
-    `foreach_reduce`)."""
+    `foreach_reduce`). Under pipeline parallelism no layer reshards after its forward
+    (`measure.pipeline`, as torchtitan runs FSDP with pp): every layer's weights stay all-gathered
+    from the step's first forward to its end, in place of the two-layer window."""
     if not is_fsdp(cfg):
         return {}
     e = ELEMENT_BYTES[cfg.training.precision]
     kinds = ("dense", "moe") if cfg.model.num_moe_experts else ("dense",)
     layer = max(sum(layer_parameters(kind_config(cfg, kind)).values()) for kind in kinds)
     outside = outside_parameters(cfg, stage)
-    return {OUTSIDE_WEIGHTS: e * outside, OUTSIDE_GRADS: e * outside,
-            LAYER_WEIGHTS: 2 * e * layer, LAYER_GRADS: (e + FP32_BYTES) * layer}
+    out = {OUTSIDE_WEIGHTS: e * outside, OUTSIDE_GRADS: e * outside}
+    if cfg.parallel.pipeline_model_parallel_size > 1:
+        out[STAGE_WEIGHTS] = e * (stage_parameters(cfg, stage) - outside)
+    else:
+        out[LAYER_WEIGHTS] = 2 * e * layer
+    out[LAYER_GRADS] = (e + FP32_BYTES) * layer
+    return out
+
+
+def chunks_in_flight(cfg: Config, stage: int = 0) -> int:
+    """Model-chunk forwards whose activations pipeline rank `stage` holds at once. For Megatron's
+    schedules, its warm-up plus the steady state's one forward before its backward
+    (megatron/core/pipeline_parallel/schedules.py, `get_pp_rank_microbatches`): without virtual
+    stages (1F1B) p - r - 1 warm-up forwards, so p - r micro-batches; interleaved with vp model
+    chunks per rank, 2 (p - r - 1) + (vp - 1) p warm-up chunk-forwards (the micro-batch group per
+    virtual stage is p, Megatron's default), so 2 (p - r - 1) + (vp - 1) p + 1 chunks. Either is
+    capped by the step's chunk-forwards, the micro-batches times vp (all of them in warm-up). Other
+    schedules (GPipe: all of them; the zero-bubble ones) by their order (`schedules.peak_chunks`)."""
+    par = cfg.parallel
+    p, vp = par.pipeline_model_parallel_size, par.virtual_pipeline_model_parallel_size or 1
+    if p == 1:
+        return vp  # no pipeline: one micro-batch through every layer
+    if par.schedule in ("1F1B", "Interleaved1F1B"):  # Megatron's order (`schedule.chunk_forwards_in_flight`)
+        return chunk_forwards_in_flight(cfg, stage)
+    return sum(peak_chunks(rank_actions(par.schedule, p, vp, cfg.num_microbatches, stage)).values())
 
 
 def microbatches_in_flight(cfg: Config, stage: int = 0) -> float:
-    """Micro-batches' worth of a stage's layers it holds at once: the model-chunk forwards waiting
-    for their backward (`schedule.chunk_forwards_in_flight`, Megatron's schedules) over the chunks
-    per rank. 1F1B: stage i holds min(n, p - i). Interleaved with m chunks per rank, the first stage
-    holds p + (p - 1)/m (the paper's p (1 + (p - 1)/(p m))) and the last ((m - 1) p + 1)/m, not 1."""
-    return chunk_forwards_in_flight(cfg, stage) / (cfg.parallel.virtual_pipeline_model_parallel_size or 1)
+    """Micro-batches' worth of its layers that pipeline rank `stage` holds at once: `chunks_in_flight`
+    over the model chunks per rank. 1F1B: stage r holds p - r; interleaved, the first stage
+    2 (p - 1) + (vp - 1) p + 1 chunks, p (1 + (p - 1)/(p vp)) micro-batches (the paper's factor),
+    the last (vp - 1) p + 1 chunks, not one micro-batch."""
+    return chunks_in_flight(cfg, stage) / (cfg.parallel.virtual_pipeline_model_parallel_size or 1)
+
+
+@dataclass(frozen=True)
+class ModelChunk:
+    """One model chunk a pipeline rank holds (a virtual stage: the whole stage without virtual
+    stages) and what one micro-batch saves in it."""
+
+    virtual_stage: int
+    first_layer: int
+    layers: StageActivations
+    embedding_bytes: float = 0.0
+    """Saved by the embedding (the first virtual stage only)."""
+    loss_bytes: float = 0.0
+    """Saved by the final norm, the output layer and the loss (the last virtual stage only)."""
+    loss_function_bytes: float = 0.0
+    """Of `loss_bytes`, what the loss function itself saves (below the logits)."""
+    at_loss_bytes: float = 0.0
+    """Held in the loss's backward (the last virtual stage): all its layers' activations still stored."""
+    in_layers_bytes: float = 0.0
+    """Held at worst in its layers' backward (full recompute rebuilds a chunk there)."""
+    window_bytes: float = 0.0
+    """What FSDP unshards on top while a layer runs its backward."""
+
+    @property
+    def stored_bytes(self) -> float:
+        """Kept from this chunk's forward of a micro-batch until its backward."""
+        return self.layers.stored_bytes + self.embedding_bytes + self.loss_bytes
+
+    @property
+    def transient_bytes(self) -> float:
+        """Held on top of `stored_bytes` while this chunk runs a micro-batch's backward."""
+        return max(self.at_loss_bytes, self.in_layers_bytes + self.window_bytes) - self.stored_bytes
+
+
+def model_chunks(cfg: Config, stage: int = 0, device: str = "cuda", acts: StageActivations | None = None) -> list[ModelChunk]:
+    """The model chunks pipeline rank `stage` holds, in order (rank r: virtual stages r, r + p, ...;
+    under a V schedule r and 2p - 1 - r), each with its layers' activations under cfg.recompute
+    (`acts` in their place: the planner's candidate, for a rank of one chunk), the embedding's and
+    the loss's, and what its backward holds: first the loss's backward (all its layers still
+    stored), then the layers', where full recompute rebuilds a chunk (and FSDP unshards a layer)."""
+    par = cfg.parallel
+    p, vp = par.pipeline_model_parallel_size, par.virtual_pipeline_model_parallel_size or 1
+    per = cfg.model.num_layers // (p * vp)
+    stages = rank_stages(par.schedule, p, vp, stage) if p > 1 else list(range(vp))
+    if acts is not None and len(stages) > 1:
+        raise ValueError("a candidate's activations replace one model chunk's; this rank holds several")
+    unsharded = fsdp_unsharded_bytes(cfg, stage)
+    window = unsharded.get(LAYER_WEIGHTS, 0.0) + unsharded.get(LAYER_GRADS, 0.0)
+    out = []
+    for v in stages:
+        layers = acts or stage_activations(cfg, device, per, v * per)
+        first, last = v == 0, v == p * vp - 1
+        emb = sum(embedding_saved_bytes(cfg).values()) if first else 0.0
+        saved = loss_saved_bytes(cfg, device) if last else {}
+        loss = sum(saved.values())
+        at_loss = layers.stored_bytes + emb + loss + (loss_workspace_bytes(cfg) if last else 0.0)
+        in_layers = layers.peak_bytes + emb + layer_workspace_bytes(cfg, device)
+        below_logits = sum(b for name, b in saved.items() if name.startswith("loss."))
+        out.append(ModelChunk(v, v * per, layers, emb, loss, below_logits, at_loss, in_layers, window))
+    return out
+
+
+def saved_token_bytes(cfg: Config, stage: int = 0) -> float:
+    """The step's token tensor as the saved tensors of pipeline rank `stage` hold it: the embedding
+    keeps a view of it (token ids); the loss keeps a view of it (labels) when a micro-batch is one
+    sequence, a copy otherwise (`loss_saved_bytes`' labels)."""
+    par = cfg.parallel
+    p, vp = par.pipeline_model_parallel_size, par.virtual_pipeline_model_parallel_size or 1
+    stages = rank_stages(par.schedule, p, vp, stage) if p > 1 else [0]
+    if 0 in stages or (p * vp - 1 in stages and cfg.training.micro_batch_size == 1):
+        return token_bytes(cfg)
+    return 0.0
+
+
+def schedule_walk(cfg: Config, stage: int = 0, device: str = "cuda", acts: StageActivations | None = None) -> tuple[list[ModelChunk], Walk]:
+    """The model chunks of pipeline rank `stage` and what its schedule holds of them (`schedules.walk`)."""
+    par = cfg.parallel
+    chunks = model_chunks(cfg, stage, device, acts)
+    by_stage = {c.virtual_stage: c for c in chunks}
+    p, vp = par.pipeline_model_parallel_size, par.virtual_pipeline_model_parallel_size or 1
+    if p == 1:  # one micro-batch at a time, through every chunk
+        stored = sum(c.stored_bytes for c in chunks)
+        worst = max(chunks, key=lambda c: c.transient_bytes)
+        return chunks, Walk(stored, {c.virtual_stage: 1 for c in chunks}, stored + worst.transient_bytes, worst.virtual_stage)
+    actions = rank_actions(par.schedule, p, vp, cfg.num_microbatches, stage)
+    return chunks, walk(actions, lambda v: by_stage[v].stored_bytes, lambda v: by_stage[v].transient_bytes,
+                        lambda v: by_stage[v].loss_function_bytes)
+
+
+def stage_estimate(cfg: Config, stage: int, device: str = "cuda") -> dict[str, float | int | list[int]]:
+    """What `run` measures on pipeline rank `stage`, estimated: its model chunks (virtual stages),
+    the activation bytes one micro-batch saves through them, the most saved at once under the
+    schedule (in-flight chunk-forwards times their bytes, the token ids once), how many micro-batches
+    that is, and the rank's allocated peak (GPU)."""
+    chunks, held = schedule_walk(cfg, stage, device)
+    tokens = saved_token_bytes(cfg, stage)
+    return {
+        "pipeline_stage": stage,
+        "model_chunks": [c.virtual_stage for c in chunks],
+        "activation_bytes": sum(c.stored_bytes for c in chunks) + tokens,
+        "activation_bytes_per_layer": sum(c.layers.stored_bytes for c in chunks) / sum(c.layers.layers for c in chunks),
+        "activation_peak_bytes": held.saved_peak + tokens,
+        "microbatches_in_flight": sum(held.held.values()) / len(chunks),
+        "peak_allocated_bytes": rank_memory(cfg, stage, device).peak_allocated_bytes,
+    }
 
 
 @dataclass
-
-
 class RankMemory:
     """The estimated peak of one pipeline stage's rank, item by item (bytes)."""
 
@@ -147,60 +278,63 @@ class RankMemory:
 def rank_memory(cfg: Config, stage: int = 0, device: str = "cuda", acts: StageActivations | None = None) -> RankMemory:
     """Peak allocated bytes of one rank of pipeline stage `stage` under cfg (the layout's weights,
     gradients and optimizer state, what FSDP unshards, in-flight activations, embedding/loss buffers,
-    transient workspaces); `acts` replaces the stage's activations under cfg.recompute (the
-    planner's candidate policies). Only the items the layout has are listed. The activations follow
-    the stage's schedule (`schedule.schedule_peak`): each model chunk's forward holds its share of the
-    stage's activations (the first chunk of the first stage its embedding's, the last chunk of the
-    last stage its loss's) until its backward."""
+    transient workspaces, what torch's pipeline runtime keeps); `acts` replaces the stage's
+    activations under cfg.recompute (the planner's candidate policies). The backward peak is the most
+    its schedule holds while one chunk-forward runs its backward (`schedule_walk`). Only the items
+    the layout has are listed."""
     par = cfg.parallel
-    p, vp = par.pipeline_model_parallel_size, par.virtual_pipeline_model_parallel_size or 1
+    p = par.pipeline_model_parallel_size
     params = stage_parameters(cfg, stage)
     held = optimizer_bytes_per_parameter(cfg)
     unsharded = fsdp_unsharded_bytes(cfg, stage)
-    acts = acts or stage_activations(cfg, device)
-    first, last = stage == 0, stage == p - 1
-    emb = sum(embedding_saved_bytes(cfg).values())
-    loss = sum(loss_saved_bytes(cfg, device).values())
-    tokens = token_bytes(cfg) if first or last else 0.0
-    chunk = acts.stored_bytes / vp
-    rebuilt = acts.peak_bytes - acts.stored_bytes  # what a chunk's backward rebuilds over what it keeps
-    layer_window = unsharded.get(LAYER_WEIGHTS, 0.0) + unsharded.get(LAYER_GRADS, 0.0)
-
-    def embeds(c: int) -> bool:
-        return first and c == 0
-
-    def loses(c: int) -> bool:
-        return last and c == vp - 1
-
-    def stored(c: int) -> float:
-        return chunk + (emb if embeds(c) else 0.0) + (loss if loses(c) else 0.0)
-
-    # The micro-batch in backward: first the loss's backward (all its layers still stored), then the
-    # layers' backward, where full recompute rebuilds a chunk (and FSDP unshards a layer).
-    def at_loss(c: int) -> float:
-        return loss_workspace_bytes(cfg) if loses(c) else 0.0
-
-    def in_layers(c: int) -> float:
-        return rebuilt + layer_workspace_bytes(cfg, device) - (loss if loses(c) else 0.0)
-
-    peak = schedule_peak(cfg, stage, stored, lambda c: max(at_loss(c), in_layers(c) + layer_window))
+    chunks, walked = schedule_walk(cfg, stage, device, acts)
+    backward = next(c for c in chunks if c.virtual_stage == walked.in_backward)
+    ends = {0, p * (par.virtual_pipeline_model_parallel_size or 1) - 1}
+    tokens = token_bytes(cfg) if ends & {c.virtual_stage for c in chunks} else 0.0
     items = {h.name: h.per_parameter * params for h in held if h.backward}
-    items.update({name: unsharded[name] for name in (OUTSIDE_WEIGHTS, OUTSIDE_GRADS) if name in unsharded})
+    items.update({name: unsharded[name] for name in (OUTSIDE_WEIGHTS, OUTSIDE_GRADS, STAGE_WEIGHTS) if name in unsharded})
     items.update({
         "token ids (all micro-batches of the step)": tokens,
-        "activations of the other in-flight micro-batches": peak.others,
-        "activations of the micro-batch in backward (stored)": peak.own,
+        "activations of the other in-flight micro-batches": walked.backward_peak - backward.transient_bytes - backward.stored_bytes,
+        "activations of the micro-batch in backward (stored)": backward.stored_bytes,
     })
-    if peak.kind == "F":  # no backward beyond the stored activations has peaked yet
-        items["backward transient (recompute, loss, gradients)"] = 0.0
-    elif in_layers(peak.chunk) + layer_window >= at_loss(peak.chunk):
-        items["backward transient (recompute, loss, gradients)"] = in_layers(peak.chunk)
+    if backward.in_layers_bytes + backward.window_bytes >= backward.at_loss_bytes:
+        items["backward transient (recompute, loss, gradients)"] = backward.in_layers_bytes - backward.stored_bytes
         items.update({name: unsharded[name] for name in (LAYER_WEIGHTS, LAYER_GRADS) if name in unsharded})
     else:
-        items["backward transient (recompute, loss, gradients)"] = at_loss(peak.chunk)
+        items["backward transient (recompute, loss, gradients)"] = backward.at_loss_bytes - backward.stored_bytes
+    if p > 1 and cfg.training.framework != "megatron":  # Megatron receives into fresh tensors and frees sent outputs
+        items["pipeline buffers (received activations and gradients, outputs held for backward)"] = pipeline_buffer_bytes(cfg, stage)
     items = {name: value for name, value in items.items() if value}
     step = sum(h.per_parameter for h in held if h.step) * params + tokens
     return RankMemory(stage=stage, parameters=params, items=items, optimizer_step_bytes=step)
+
+
+def pipeline_buffer_bytes(cfg: Config, stage: int) -> float:
+    """What torch.distributed.pipelining's stage keeps beside autograd's saved tensors (stage.py,
+    torch 2.13): for each chunk whose input comes from another rank, one receive buffer per
+    micro-batch of the step (`_setup_forward_recv_info`; those of the held micro-batches are the
+    first layer's saved input, counted there), and for each chunk whose output goes to another rank
+    one gradient buffer per micro-batch (`_setup_backward_recv_info`); and each held chunk-forward's
+    output until its backward (`fwd_cache`: the hidden states, or the last chunk's logits), which no
+    saved tensor of this rank holds; the held ones are those of the moment the most chunk-forwards
+    are held. GPU accounting: the CPU probe counts saved tensors only."""
+    m, tr, par = cfg.model, cfg.training, cfg.parallel
+    p, vp = par.pipeline_model_parallel_size, par.virtual_pipeline_model_parallel_size or 1
+    held = peak_chunks(rank_actions(par.schedule, p, vp, cfg.num_microbatches, stage))
+    e, t = ELEMENT_BYTES[tr.precision], par.tensor_model_parallel_size
+    hidden = e * tr.micro_batch_size * tr.seq_length * m.hidden_size / (t if par.sequence_parallel else 1)
+    logits = e * tr.micro_batch_size * tr.seq_length * vocab_rows(cfg) / t
+    mine = set(rank_stages(par.schedule, p, vp, stage))
+    n, total = cfg.num_microbatches, 0.0
+    for v in sorted(mine):
+        kept = held.get(v, 0)
+        if v > 0 and v - 1 not in mine:
+            total += (n - kept) * hidden
+        if v < p * vp - 1 and v + 1 not in mine:
+            total += n * hidden
+        total += kept * (logits if v == p * vp - 1 else hidden)
+    return total
 
 
 def stage_memories(cfg: Config, device: str = "cuda", acts: StageActivations | None = None) -> list[RankMemory]:
@@ -209,8 +343,8 @@ def stage_memories(cfg: Config, device: str = "cuda", acts: StageActivations | N
 
 
 def peak_rank_memory(cfg: Config, device: str = "cuda", acts: StageActivations | None = None) -> RankMemory:
-    """The most loaded rank of all the pipeline stages (the first holds the most micro-batches in
-    flight and the embedding; the last the loss and, interleaved, (m - 1) p + 1 chunks)."""
+    """The most loaded pipeline rank (every stage is weighed: with virtual stages or a V schedule
+    the first and the last are not always the ones)."""
     return max(stage_memories(cfg, device, acts), key=lambda r: r.peak_allocated_bytes)
 
 
@@ -220,12 +354,25 @@ def device_bytes_needed(peak_allocated: float, allowance_fraction: float = ALLOW
     return peak_allocated * (1 + allowance_fraction) + allowance_bytes
 
 
-def record_estimate(cfg: Config, device: str) -> dict[str, float]:
-    """The estimate `run` stores next to each measurement (single rank, no model parallelism)."""
+def record_estimate(cfg: Config, device: str) -> dict[str, Any]:
+    """The estimate `run` stores next to each measurement: one micro-batch's activations through the
+    whole model (with pipeline stages: through the first stage, as rank 0 measures them), FLOPs, the
+    most loaded rank's peak, and with pipeline stages each stage's (`stage_estimate`) in
+    `estimated_stages` and the schedule's theoretical bubble."""
     acts = activation_bytes(cfg, device)
-    return {
+    out: dict[str, Any] = {
         "estimated_activation_bytes": acts["activation_bytes"],
         "estimated_activation_bytes_per_layer": acts["activation_bytes_per_layer"],
         "estimated_hardware_flops_per_step": flops.hardware_flops_per_step(cfg, device),
         "estimated_peak_allocated_bytes": peak_rank_memory(cfg, device).peak_allocated_bytes,
     }
+    par = cfg.parallel
+    if par.pipeline_model_parallel_size > 1:
+        stages = [stage_estimate(cfg, s, device) for s in range(par.pipeline_model_parallel_size)]
+        out["estimated_stages"] = stages
+        # What rank 0 (the first stage) measures for one micro-batch, the record's own figure there.
+        out["estimated_activation_bytes"] = stages[0]["activation_bytes"]
+        out["estimated_activation_bytes_per_layer"] = stages[0]["activation_bytes_per_layer"]
+        out["estimated_bubble_fraction"] = bubble_fraction(par.schedule, par.pipeline_model_parallel_size,
+                                                           par.virtual_pipeline_model_parallel_size or 1, cfg.num_microbatches)
+    return out

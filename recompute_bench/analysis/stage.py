@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from recompute_bench.analysis.schedules import rank_stages
 from recompute_bench.analysis.layer import (checkpoint_input_bytes, kind_config, layer_activation_bytes,
                                             layer_parameters)
 from recompute_bench.models import ELEMENT_BYTES, FP32_BYTES, INDEX_BYTES, MASK_BYTES, spec_for, vocab_rows
@@ -36,9 +37,9 @@ class StageActivations:
         return self.stored_bytes / self.layers
 
 
-def stage_activations(cfg: Config, device: str = "cuda", layers: int | None = None) -> StageActivations:
-    """Stored and backward-peak activation bytes of `layers` layers (default: one pipeline stage)
-    for one micro-batch, under cfg.recompute.
+def stage_activations(cfg: Config, device: str = "cuda", layers: int | None = None, first: int = 0) -> StageActivations:
+    """Stored and backward-peak activation bytes of `layers` layers from model layer `first`
+    (default: one pipeline stage from layer 0) for one micro-batch, under cfg.recompute.
 
     Megatron applies full recompute within each model chunk (the stage, or each of its virtual
     stages). Full uniform N keeps every chunk of N layers' input; while chunk c is recomputed in
@@ -52,7 +53,7 @@ def stage_activations(cfg: Config, device: str = "cuda", layers: int | None = No
     n_layers = layers if layers is not None else cfg.model.num_layers // cfg.parallel.pipeline_model_parallel_size
     mixed = 0 < cfg.model.moe_layers < cfg.model.num_layers  # dense and MoE layers keep different bytes
     if r.layer_policy or (mixed and not cfg.parallel.virtual_pipeline_model_parallel_size):
-        return policy_activations(cfg, layer_policies(r, n_layers), device)
+        return policy_activations(cfg, layer_policies(r, n_layers, first), device, first)
     full = layer_activation_bytes(cfg, (), device)
     ckpt = checkpoint_input_bytes(cfg)
     if r.granularity == "full":
@@ -167,19 +168,22 @@ def stage_parameters(cfg: Config, stage: int) -> float:
 
 
 def outside_parameters(cfg: Config, stage: int) -> float:
-    """Parameters of one rank of pipeline stage `stage` outside its layers: the embeddings on the
-    first stage, the final norm and the output layer (or, tied with p > 1, the last stage's copy of
-    the embedding) on the last."""
+    """Parameters of one rank of pipeline stage `stage` outside its layers: the embeddings where it
+    holds the first virtual stage, the final norm and the output layer where it holds the last (tied
+    to the embedding: a copy of it, unless the same rank holds both, as a V schedule's first)."""
     m, par = cfg.model, cfg.parallel
     p, t = par.pipeline_model_parallel_size, par.tensor_model_parallel_size
+    vp = par.virtual_pipeline_model_parallel_size or 1
     vocab = vocab_rows(cfg) * m.hidden_size / t  # the padded vocabulary's rows, sharded over TP
+    mine = set(rank_stages(par.schedule, p, vp, stage)) if p > 1 else {0, vp - 1}
+    first, last = 0 in mine, p * vp - 1 in mine
     n = 0.0
-    if stage == 0:
+    if first:
         n += vocab
         if m.position_embedding_type == "learned_absolute":
             n += m.max_position_embeddings * m.hidden_size
-    if stage == p - 1:
+    if last:
         n += (2 if m.normalization == "LayerNorm" else 1) * m.hidden_size
-        if not m.share_embeddings_and_output_weights or p > 1:
-            n += vocab  # the output layer, or (tied, p > 1) the last stage's copy of the embedding
+        if not m.share_embeddings_and_output_weights or not first:
+            n += vocab  # the output layer, or (tied, on another rank than the embedding) its copy of the embedding
     return n

@@ -38,7 +38,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 from recompute_bench.launch.process import _innermost_frame, _tail, failed_record, run_group, worker_env
-from recompute_bench.measure.record import STATUS_ORDER, rank_summary, unmeasured_rank
+from recompute_bench.measure.record import STATUS_ORDER, pipeline_summary, rank_summary, unmeasured_rank
 from recompute_bench.spec.config import Config, ConfigError
 from recompute_bench.spec.rules import check_expert_parallel_world
 
@@ -108,14 +108,13 @@ def check_launch(cfg: Config, launch: Launch, device_type: str) -> Config:
             raise ConfigError(f"--nproc-per-node {launch.nproc_per_node} needs one GPU per rank and this node shows "
                               f"{gpus}; pass --nproc-per-node {max(gpus, 1)}"
                               + (" (or --device cpu)" if gpus == 0 else " (or make more GPUs visible through CUDA_VISIBLE_DEVICES)"))
-    if p.pipeline_model_parallel_size > 1:
-        raise ConfigError("pipeline parallelism is not measured yet (a later issue); pass "
-                          "--pipeline-model-parallel-size 1 (use `estimate` for pipeline layouts)")
-    world, tp = launch.world_size, p.tensor_model_parallel_size
-    if world % tp:
-        raise ConfigError(f"tensor_model_parallel_size {tp} does not divide the {world} rank(s) launched; pass "
-                          f"--nproc-per-node (x --nnodes) as a multiple of {tp}")
-    dp = world // tp
+    world, tp, pp = launch.world_size, p.tensor_model_parallel_size, p.pipeline_model_parallel_size
+    if world % (tp * pp):
+        raise ConfigError(f"tensor_model_parallel_size {tp} x pipeline_model_parallel_size {pp} does not divide the "
+                          f"{world} rank(s) launched; pass --nproc-per-node (x --nnodes) as a multiple of {tp * pp}")
+    if pp > 1:
+        _check_pipeline(cfg)
+    dp = world // (tp * pp)
     if tp > 1 and dp > 1 and launch.data_parallel == "ddp":
         raise ConfigError("DDP does not take tensor-parallel (DTensor) parameters; pass --data-parallel fsdp to "
                           "combine data and tensor parallelism")
@@ -135,10 +134,22 @@ def check_launch(cfg: Config, launch: Launch, device_type: str) -> Config:
                           "sharding group); pass --data-parallel ddp, or --ep 1")
     check_expert_parallel_world(cfg)
     if p.data_parallel_size != dp:
-        raise ConfigError(f"data_parallel_size {p.data_parallel_size} x tensor_model_parallel_size {tp} does not match "
-                          f"the {world} rank(s) launched (--nproc-per-node x --nnodes); pass --nproc-per-node "
-                          f"{p.data_parallel_size * tp} or --data-parallel-size {dp}")
+        raise ConfigError(f"data_parallel_size {p.data_parallel_size} x tensor_model_parallel_size {tp} x "
+                          f"pipeline_model_parallel_size {pp} does not match the {world} rank(s) launched "
+                          f"(--nproc-per-node x --nnodes); pass --nproc-per-node {p.data_parallel_size * tp * pp} or "
+                          f"--data-parallel-size {dp}")
+    if pp > 1 and p.schedule == "1F1B" and cfg.num_microbatches < pp:
+        raise ConfigError(f"torch's 1F1B schedule needs at least as many micro-batches as stages ({pp}), got "
+                          f"{cfg.num_microbatches}; pass --global-batch-size "
+                          f"{pp * cfg.training.micro_batch_size * p.data_parallel_size} or more, or --pp-schedule GPipe")
     return cfg
+
+
+def _check_pipeline(cfg: Config) -> None:
+    """What pipeline parallelism is measured with here; ConfigError otherwise."""
+    p = cfg.parallel
+    if p.expert_model_parallel_size > 1:
+        raise ConfigError("expert parallel with pipeline parallel is not measured here; pass --ep 1 or --pp 1")
 
 
 def torchrun_command(launch: Launch, pieces: Path, *, device: str | None = None,
@@ -354,6 +365,9 @@ def merge_pieces(cfg: Config, launch: Launch, pieces: dict[int, dict], *, timeou
     reserved = [e["peak_reserved_bytes"] for e in ranks if e.get("peak_reserved_bytes") is not None]
     record["metrics"]["peak_reserved_bytes"] = max(reserved) if reserved else None
     record["launch"] = launch.record()
+    pipeline = pipeline_summary(record)
+    if pipeline:
+        record["pipeline"] = pipeline
     if record["failure"] is not None:
         record["failure"]["summary"] = rank_summary(record)
     return record

@@ -302,6 +302,15 @@ def limit_memory(device: torch.device, memory_limit_gb: float | None) -> None:
         torch.cuda.set_per_process_memory_fraction(min(1.0, memory_limit_gb * 2**30 / total), device)
 
 
+def make_layout(data_parallel: str, cfg: Config, device_type: str) -> DataParallel:
+    """The layout of `cfg` over the process group: pipeline stages (`measure.pipeline`) when
+    pipeline_model_parallel_size is above 1, else data (and tensor) parallel."""
+    if cfg.parallel.pipeline_model_parallel_size > 1:
+        from recompute_bench.measure.pipeline import PipelineParallel
+        return PipelineParallel(data_parallel, cfg, device_type)
+    return DataParallel(data_parallel, cfg, device_type)
+
+
 def measure_rank(cfg: Config, *, data_parallel: str, piece_path, device: str | None = None,
                  peak_tflops: float | None = None, memory_limit_gb: float | None = None,
                  watchdog_s: float = 300.0) -> dict:
@@ -311,7 +320,7 @@ def measure_rank(cfg: Config, *, data_parallel: str, piece_path, device: str | N
     dev = rank_device(device)
     limit_memory(dev, memory_limit_gb)
     init_process_group(dev, watchdog_s)
-    layout = DataParallel(data_parallel, cfg, dev.type)
+    layout = make_layout(data_parallel, cfg, dev.type)
 
     def write(metrics: dict, rank_entry: dict, env: dict | None = None) -> dict:
         piece = {"rank": layout.rank, "world_size": layout.world_size, "rank_entry": rank_entry, "metrics": metrics,

@@ -160,10 +160,30 @@ def synthetic_batches(cfg: Config, device: torch.device) -> torch.Tensor:
     return torch.randint(0, cfg.model.vocab_size, shape, generator=g).to(device)
 
 
+class _GlobalOnly:
+    """A module tracker that tracks nothing: every FLOP counts under "Global" alone."""
+
+    parents = ("Global",)
+
+    def __enter__(self) -> "_GlobalOnly":
+        return self
+
+    def __exit__(self, *_: Any) -> None:
+        return None
+
+
 class LocalFlopCounter(FlopCounterMode):
     """`FlopCounterMode` counting the FLOPs this rank runs: an op on DTensors (a tensor-parallel
     linear) is counted by the shapes of its local shards, not its global shapes (the mode sees
-    DTensor ops before they are split into local ones). Plain tensors count as they are."""
+    DTensor ops before they are split into local ones). Plain tensors count as they are.
+
+    Only the total is read, so no module is tracked: torch's module tracker hooks every module's
+    inputs for backward (`register_multi_grad_hook`), which fails inside the `autograd.grad(inputs=)`
+    of a zero-bubble pipeline schedule's input-gradient pass."""
+
+    def __init__(self, **kwargs: Any):
+        super().__init__(**kwargs)
+        self.mod_tracker = _GlobalOnly()
 
     def _count_flops(self, func_packet, out, args, kwargs):
         from torch.utils._pytree import tree_map
@@ -188,6 +208,7 @@ class SavedTensorProbe:
 
     def __init__(self, model: GPT):
         self.model = model
+        self.num_layers = len(model.layers)
         # Storages are keyed by their StorageImpl (`_cdata`), not their address. Parameters live
         # for the whole run, so their keys cannot be reused by another storage.
         self.excluded = self._storages_of_parameters()
@@ -251,6 +272,10 @@ class SavedTensorProbe:
         read when it ended."""
         return self.result
 
+    def fields(self) -> dict[str, Any]:
+        """Figures beyond `bytes()` for the rank's entry: none for one micro-batch's forward."""
+        return {}
+
 
 FAULT_DELAY_S = 3.0
 """How long a "delay" fault holds its rank."""
@@ -301,6 +326,10 @@ class Stepper:
         rank, and only the last one's backward reduces them over the data-parallel ranks."""
         self.step_index = 0
         self.phase = "setup"
+
+    def fields(self, step_times_s: list[float]) -> dict[str, Any]:
+        """Figures of the measured steps beyond their times (a pipeline's: `measure.pipeline`); none here."""
+        return {}
 
     def step(self, probe: SavedTensorProbe | None = None) -> torch.Tensor:
         """One optimizer step over every micro-batch; returns the mean loss as a 0-dim fp32 tensor
@@ -446,6 +475,22 @@ class SingleRank:
         """The whole model's parameter count (DTensors count their global size)."""
         return sum(p.numel() for p in model.parameters())
 
+    def stepper(self, cfg: Config, model: torch.nn.Module, optimizer, batches: torch.Tensor) -> Stepper:
+        """What runs this layout's training steps."""
+        return Stepper(cfg, model, optimizer, batches, lambda: self.no_sync(model, optimizer))
+
+    def probe(self, model: torch.nn.Module) -> SavedTensorProbe:
+        """What measures the probe step's saved tensors: the first micro-batch's forward."""
+        return SavedTensorProbe(model)
+
+    def world_flops(self, local_flops: int) -> int:
+        """The step's FLOPs over every rank from this rank's: each rank runs the same share."""
+        return local_flops * self.world_size
+
+    def place(self) -> dict[str, Any]:
+        """Where this rank sits beyond its number, for its record entry (a pipeline's stage): nothing here."""
+        return {}
+
     def barrier(self) -> None:
         """Wait until every rank gets here: one rank, nothing to wait for."""
 
@@ -473,10 +518,10 @@ def _measure(cfg: Config, device: torch.device, peak_tflops: float | None, layou
              progress: Callable[[dict, dict], None], ran: dict[str, str]) -> tuple[dict, dict]:
     """(metrics, rank entry) of one point: the probe step, warm-up, the measured window. `ran`
     receives the kernels the probe step ran, which the hardware FLOPs and the estimate then follow."""
-    m, t = cfg.model, cfg.training
+    t = cfg.training
     world_size = layout.world_size  # FLOP rates are per GPU over the whole world
     metrics = unmeasured_metrics(cfg, device.type)
-    rank_entry = {**unmeasured_rank(layout.rank, device_name(device)), **cuda_memory(device),
+    rank_entry = {**unmeasured_rank(layout.rank, device_name(device)), **layout.place(), **cuda_memory(device),
                   "status": "running", "step": 0, "losses": [], "step_times_s": [], "activation_bytes": None}
     progress(metrics, rank_entry)  # started: a rank stopped from now on is known to have been running
     stepper: Stepper | None = None
@@ -486,8 +531,7 @@ def _measure(cfg: Config, device: torch.device, peak_tflops: float | None, layou
         model = layout.build(cfg, device)
         model.train()
         metrics["num_parameters"] = layout.num_parameters(model)  # DTensors count their global size
-        optimizer = layout.optimizer(model, t.precision)
-        stepper = Stepper(cfg, model, optimizer, layout.batches(cfg, device), lambda: layout.no_sync(model, optimizer))
+        stepper = layout.stepper(cfg, model, layout.optimizer(model, t.precision), layout.batches(cfg, device))
         torch.manual_seed(t.seed)  # dropout masks
 
         def done(loss: torch.Tensor) -> None:
@@ -497,17 +541,18 @@ def _measure(cfg: Config, device: torch.device, peak_tflops: float | None, layou
             _fault("write", stepper.step_index)
             progress(metrics, rank_entry)
 
-        probe = SavedTensorProbe(model)
+        probe = layout.probe(model)
         with LocalFlopCounter(display=False) as counter:
             loss = stepper.step(probe)
         ran.update(kernels_that_ran(getattr(model, "module", model)))  # DDP wraps the GPT
         metrics.update(predicted_metrics(cfg, DeviceKernels(device.type, ran.get("attention_kernel"))))
         done(loss)
         metrics["loss"] = rank_entry["losses"][0]
-        metrics["measured_flops_per_step"] = counter.get_total_flops() * world_size  # this rank's share x ranks
+        metrics["measured_flops_per_step"] = layout.world_flops(counter.get_total_flops())
         total_bytes, layer_bytes = probe.bytes()
         metrics["activation_bytes"] = rank_entry["activation_bytes"] = total_bytes
-        metrics["activation_bytes_per_layer"] = layer_bytes / m.num_layers
+        metrics["activation_bytes_per_layer"] = layer_bytes / probe.num_layers
+        rank_entry.update(probe.fields())
         routed = _tokens_per_expert(model)
         metrics.update(routed)
         rank_entry.update(routed)  # under expert parallel each rank's experts receive their own share
@@ -522,6 +567,7 @@ def _measure(cfg: Config, device: torch.device, peak_tflops: float | None, layou
                 losses: list[torch.Tensor] = []
                 rank_entry["step_times_s"].append(_timed(device, lambda: losses.append(stepper.step()), layout.barrier))
                 done(losses[0])  # writes the piece: between steps, before the next step's barrier
+        rank_entry.update(stepper.fields(rank_entry["step_times_s"]))
         times, spread = layout.slowest(rank_entry["step_times_s"])  # the slowest rank bounds each step
         window = cuda_memory(device)
         rank_entry.update(window)

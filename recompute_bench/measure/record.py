@@ -85,14 +85,64 @@ def rank_summary(record: dict) -> str:
     return "; ".join(words)
 
 
-def layout_label(world_size: int, data_parallel: str, tp: int = 1, sequence_parallel: bool = False) -> str:
-    """How the ranks share a point, in words: "ddp", "tp 2, sequence parallel", "fsdp 2 x tp 2"."""
-    dp = world_size // tp
-    if tp == 1:
+def layout_label(world_size: int, data_parallel: str, tp: int = 1, sequence_parallel: bool = False, pp: int = 1) -> str:
+    """How the ranks share a point, in words: "ddp", "tp 2, sequence parallel", "fsdp 2 x tp 2",
+    "pp 2", "fsdp 2 x tp 2 x pp 2"."""
+    dp = world_size // (tp * pp)
+    if tp == pp == 1:
         label = data_parallel
-    elif dp == 1:
-        label = f"tp {tp}"
     else:
-        label = f"{data_parallel} {dp} x tp {tp}"
+        parts = [f"{data_parallel} {dp}"] * (dp > 1) + [f"tp {tp}"] * (tp > 1) + [f"pp {pp}"] * (pp > 1)
+        label = " x ".join(parts)
     return label + (", sequence parallel" if sequence_parallel else "")
+
+
+def pipeline_summary(record: dict) -> dict[str, Any] | None:
+    """Per pipeline stage, measured beside estimated: its ranks and model chunks, the micro-batches it
+    held at its peak, the activation bytes one micro-batch saves through it and the bytes saved at
+    its peak, its allocated peak (GPU), and its share of the step spent computing; the stage that
+    bounds memory, in words ("stage 0 holds 4 micro-batches"); the schedule's theoretical bubble beside
+    the measured one (the ranks' mean idle share of the step). None without pipeline stages."""
+    par = record["config"]["parallel"]
+    p = par["pipeline_model_parallel_size"]
+    estimated = record["metrics"].get("estimated_stages")
+    if p == 1 or not estimated:
+        return None
+
+    def largest(entries: list[dict], key: str) -> float | None:
+        values = [e[key] for e in entries if e.get(key) is not None]
+        return max(values) if values else None
+
+    stages = []
+    for est in estimated:
+        k = est["pipeline_stage"]
+        mine = [e for e in record["ranks"] if e.get("pipeline_stage") == k]
+        bubbles = [e["bubble_fraction"] for e in mine if e.get("bubble_fraction") is not None]
+        bubble = sum(bubbles) / len(bubbles) if bubbles else None
+        stages.append({
+            "pipeline_stage": k, "ranks": [e["rank"] for e in mine], "model_chunks": est["model_chunks"],
+            "microbatches_in_flight": largest(mine, "microbatches_in_flight"),
+            "estimated_microbatches_in_flight": est["microbatches_in_flight"],
+            "activation_bytes": largest(mine, "activation_bytes"), "estimated_activation_bytes": est["activation_bytes"],
+            "activation_peak_bytes": largest(mine, "activation_peak_bytes"),
+            "estimated_activation_peak_bytes": est["activation_peak_bytes"],
+            "peak_allocated_bytes": largest(mine, "peak_allocated_bytes"),
+            "estimated_peak_allocated_bytes": est["peak_allocated_bytes"],
+            "bubble_fraction": bubble, "step_share": None if bubble is None else 1 - bubble,
+        })
+    # The stage that bounds memory: by the measured allocated peak (GPU), else the measured saved
+    # activations at the peak (CPU), else the estimate.
+    for key in ("peak_allocated_bytes", "activation_peak_bytes", "estimated_peak_allocated_bytes"):
+        if all(s[key] is not None for s in stages):
+            bound = max(stages, key=lambda s: s[key])
+            break
+    held = bound["microbatches_in_flight"] or bound["estimated_microbatches_in_flight"]
+    bubbles = [s["bubble_fraction"] for s in stages if s["bubble_fraction"] is not None]
+    return {"schedule": par.get("pipeline_parallel_schedule") or ("Interleaved1F1B" if par.get("virtual_pipeline_model_parallel_size") else "1F1B"),
+            "num_microbatches": record["config"]["training"]["global_batch_size"]
+            // (record["config"]["training"]["micro_batch_size"] * par["data_parallel_size"]),
+            "stages": stages, "bounding_stage": bound["pipeline_stage"],
+            "summary": f"stage {bound['pipeline_stage']} holds {held:g} micro-batch{'es' if held != 1 else ''}",
+            "bubble_fraction": sum(bubbles) / len(bubbles) if bubbles else None,
+            "estimated_bubble_fraction": record["metrics"].get("estimated_bubble_fraction")}
 

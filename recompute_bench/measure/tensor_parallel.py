@@ -129,14 +129,15 @@ def swiglu_rows(ffn_hidden_size: int, tp: int) -> torch.Tensor:
 
 
 class TensorParallel:
-    """The (dp, tp) mesh of the process group and the GPT's tensor-parallel plan."""
+    """The (dp, tp) mesh of the process group (or a larger one with those dimensions: the pipeline's
+    (pp, dp, tp)) and the GPT's tensor-parallel plan."""
 
-    def __init__(self, tp: int, sequence_parallel: bool, device_type: str):
+    def __init__(self, tp: int, sequence_parallel: bool, device_type: str, mesh: DeviceMesh | None = None):
         world = dist.get_world_size()
         if world % tp:
             raise ValueError(f"tensor_model_parallel_size {tp} does not divide the {world} ranks")
         self.size, self.sequence_parallel = tp, sequence_parallel
-        self.mesh: DeviceMesh = init_device_mesh(device_type, (world // tp, tp), mesh_dim_names=("dp", "tp"))
+        self.mesh: DeviceMesh = mesh or init_device_mesh(device_type, (world // tp, tp), mesh_dim_names=("dp", "tp"))
 
     @property
     def group(self) -> dist.ProcessGroup:
@@ -148,16 +149,19 @@ class TensorParallel:
         return self.mesh["dp"]
 
     def parallelize(self, model: nn.Module) -> nn.Module:
-        """Shard `model` (built on the meta device) over the "tp" mesh, in place. SwiGLU's fc1 takes
-        its rows in `swiglu_rows` order when it is initialised (`init_row_order`), so that each
-        rank's shard holds its gate and up columns of one rank's weights."""
+        """Shard the parts of the GPT that `model` holds (the whole model, or a pipeline stage's
+        chunk: its layers, and the embedding or the output layer where it has them; built on the
+        meta device) over the "tp" mesh, in place. SwiGLU's fc1 takes its rows in `swiglu_rows` order
+        when it is initialised (`init_row_order`), so that each rank's shard holds its gate and up
+        columns of one rank's weights."""
         tp_mesh = self.mesh["tp"]
         for layer in model.layers:
             mlp = layer.mlp
             if getattr(mlp, "swiglu", False):
                 mlp.linear_fc1.init_row_order = swiglu_rows(mlp.linear_fc2.in_features, self.size)
             parallelize_module(layer, tp_mesh, layer_plan(self.sequence_parallel))
-        parallelize_module(model, tp_mesh, model_plan(self.sequence_parallel))
+        plan = {name: style for name, style in model_plan(self.sequence_parallel).items() if getattr(model, name, None) is not None}
+        parallelize_module(model, tp_mesh, plan)
         model.tie_weights()  # the output layer shares the embedding's vocabulary shard again
         return model
 

@@ -165,9 +165,10 @@ def apply_policies(model: nn.Module, policies: list[LayerPolicy], distribute_ove
     return model
 
 
-def apply_recompute(model: nn.Module, r: RecomputeConfig, tensor_group=None) -> nn.Module:
-    """Install the (validated) Megatron setting `r` on every layer of `model`; returns it.
+def apply_recompute(model: nn.Module, r: RecomputeConfig, tensor_group=None, first: int = 0) -> nn.Module:
+    """Install the (validated) Megatron setting `r` on every layer of `model` (the whole GPT, or a
+    pipeline stage's model chunk whose first layer is model layer `first`); returns it.
     `tensor_group`: the model's tensor-parallel group, over which `distribute_saved_activations` splits."""
     distribute = tensor_group if r.distribute_saved_activations else None
-    return apply_policies(model, layer_policies(r, len(model.layers)), distribute)
+    return apply_policies(model, layer_policies(r, len(model.layers), first), distribute)
 

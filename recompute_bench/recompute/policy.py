@@ -73,11 +73,13 @@ def parse_entry(entry: str) -> LayerPolicy:
     raise ValueError(f"{entry!r} is not none, offload, selective[MODULES] or full:CHUNK")
 
 
-def layer_policies(r: RecomputeConfig, num_layers: int) -> list[LayerPolicy]:
-    """The per-layer policies a (validated) Megatron setting means, for `num_layers` layers; a
-    per-layer policy (`r.layer_policy`) as written, its first `num_layers` entries (a stage's)."""
+def layer_policies(r: RecomputeConfig, num_layers: int, first: int = 0) -> list[LayerPolicy]:
+    """The per-layer policies a (validated) Megatron setting means for `num_layers` layers (Megatron
+    applies a setting within each model chunk, whichever layers it holds); a per-layer policy
+    (`r.layer_policy`) as written, its entries for layers `first` to `first + num_layers - 1` (a
+    stage's or a model chunk's)."""
     if r.layer_policy:
-        return [parse_entry(e) for e in r.layer_policy[:num_layers]]
+        return [parse_entry(e) for e in r.layer_policy[first:first + num_layers]]
     offload = [i < r.activation_offload_layers for i in range(num_layers)]
     if r.granularity == "full":
         n = r.num_layers

@@ -57,7 +57,7 @@ def run_table(record: dict) -> Table:
     world = launch.get("world_size", 1)
     par = (record.get("config") or {}).get("parallel") or {}
     layout = layout_label(world, launch.get("data_parallel", "ddp"), par.get("tensor_model_parallel_size", 1),
-                          par.get("sequence_parallel", False))
+                          par.get("sequence_parallel", False), par.get("pipeline_model_parallel_size", 1))
     rows = [
         ("status", status),
         *([("ranks", f"{world} ({launch['nnodes']} node(s), {layout}): "
@@ -90,9 +90,32 @@ def run_table(record: dict) -> Table:
          _vs(m, "estimated_hardware_flops_per_step", m["measured_flops_per_step"], fmt_flops)),
         ("estimated peak allocated (error)", _vs(m, "estimated_peak_allocated_bytes", rank["peak_allocated_bytes"], fmt_bytes)),
     ]
+    rows += pipeline_rows(record.get("pipeline"))
     for name, value in rows:
         table.add_row(name, escape(value))
     return table
+
+
+def pipeline_rows(pipeline: dict | None) -> list[tuple[str, str]]:
+    """The pipeline's rows of a point's table: the schedule and its bubble, the stage that bounds
+    memory, and each stage's held micro-batches, saved bytes at its peak and allocated peak, measured
+    beside estimated."""
+    if not pipeline:
+        return []
+    rows = [("pipeline schedule / micro-batches", f"{pipeline['schedule']} / {pipeline['num_microbatches']}"),
+            ("bubble (measured / theoretical)",
+             f"{fmt_percent(pipeline['bubble_fraction'])} / {fmt_percent(pipeline['estimated_bubble_fraction'])}"),
+            ("bounds memory", pipeline["summary"])]
+    for st in pipeline["stages"]:
+        held = st["microbatches_in_flight"]
+        rows.append((f"stage {st['pipeline_stage']} (ranks {','.join(map(str, st['ranks']))}; chunks "
+                     f"{','.join(map(str, st['model_chunks']))})",
+                     f"holds {NOT_MEASURED if held is None else f'{held:g}'} (est {st['estimated_microbatches_in_flight']:g}) "
+                     f"micro-batches; saved at peak {fmt_bytes(st['activation_peak_bytes'])} "
+                     f"(est {fmt_bytes(st['estimated_activation_peak_bytes'])}); peak allocated "
+                     f"{fmt_bytes(st['peak_allocated_bytes'])} (est {fmt_bytes(st['estimated_peak_allocated_bytes'])}); "
+                     f"step share {fmt_percent(st['step_share'])}"))
+    return rows
 
 
 def _vs(metrics: dict, key: str, measured: float | None, fmt) -> str:

@@ -32,6 +32,13 @@ ACTIVATIONS = ("gelu", "swiglu")
 POSITION_EMBEDDINGS = ("learned_absolute", "rope")
 ROUTER_SCORE_FUNCTIONS = ("softmax", "sigmoid")
 TOKEN_DROP_POLICIES = ("probs", "position")
+PIPELINE_SCHEDULES = ("1F1B", "Interleaved1F1B", "GPipe", "InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV")
+"""torch.distributed.pipelining's schedule names (its `get_schedule_class`), as torchtitan's
+`pipeline_parallel_schedule` takes them."""
+INTERLEAVED_SCHEDULES = ("Interleaved1F1B", "InterleavedZeroBubble")
+"""Schedules over virtual stages r, r + p, r + 2p, ... on rank r (Megatron's interleaving)."""
+V_SCHEDULES = ("ZBVZeroBubble", "DualPipeV")
+"""Schedules whose rank r holds virtual stages r and 2p - 1 - r (the "V"): exactly two per rank."""
 
 # Every module name Megatron accepts, in Megatron's order; the order is also the canonical
 # order of a module list in records and golden keys.
@@ -274,6 +281,17 @@ class ParallelConfig:
     expert_model_parallel_size: int = 1
     """Expert parallel size (ep): the routed experts of every MoE layer are spread over ep
     data-parallel ranks, num_moe_experts / ep on each, tokens sent to them by all-to-all."""
+    pipeline_parallel_schedule: Optional[str] = None
+    """The pipeline schedule (torch.distributed.pipelining's names): 1F1B, Interleaved1F1B (virtual
+    stages), GPipe, InterleavedZeroBubble, ZBVZeroBubble or DualPipeV (two stages per rank, the "V");
+    None: Megatron's, 1F1B, or Interleaved1F1B with virtual_pipeline_model_parallel_size."""
+
+    @property
+    def schedule(self) -> str:
+        """The pipeline schedule that runs: the one given, else Megatron's choice."""
+        if self.pipeline_parallel_schedule:
+            return self.pipeline_parallel_schedule
+        return "Interleaved1F1B" if self.virtual_pipeline_model_parallel_size else "1F1B"
 
     @property
     def world_size(self) -> int:

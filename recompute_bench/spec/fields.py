@@ -34,7 +34,8 @@ LATER_KEYS = ("num_moe_experts", "moe_router_topk", "moe_ffn_hidden_size", "moe_
               "v_head_dim", "kv_channels", "moe_router_topk_scaling_factor", "moe_router_enable_expert_bias",
               "moe_router_num_groups", "moe_router_group_topk", "moe_aux_loss_coeff",
               "moe_expert_capacity_factor", "moe_token_drop_policy", "framework", "transformer_impl",
-              "masked_softmax_fusion", "attention_softmax_in_fp32", "cross_entropy_loss_fusion")
+              "masked_softmax_fusion", "attention_softmax_in_fp32", "cross_entropy_loss_fusion",
+              "pipeline_parallel_schedule")
 # The default of a field that has none (the model's shape): a record must hold it.
 REQUIRED = object()
 # Recompute fields whose attribute is not already Megatron's argument name.
@@ -67,6 +68,7 @@ FLAGS: dict[str, Flag] = {
     "pipeline_model_parallel_size": Flag("Parallelism", ("--pp",), "-pp"),
     "data_parallel_size": Flag("Parallelism", ("--dp",), "-dp"),
     "expert_model_parallel_size": Flag("Parallelism", ("--ep",), "-ep"),
+    "pipeline_parallel_schedule": Flag("Parallelism", ("--pp-schedule",)),
     "sequence_parallel": Flag("Parallelism"),
     "use_distributed_optimizer": Flag("Parallelism"),
     "recompute_granularity": Flag("Recompute"),

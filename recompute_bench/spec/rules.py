@@ -10,10 +10,10 @@ import dataclasses
 from typing import Any
 
 from recompute_bench.models import spec_for
-from recompute_bench.spec.config import (ACTIVATIONS, ATTENTION_BACKENDS, FRAMEWORKS, GRANULARITIES,
+from recompute_bench.spec.config import (ACTIVATIONS, ATTENTION_BACKENDS, FRAMEWORKS, GRANULARITIES, INTERLEAVED_SCHEDULES,
                                          MEGATRON_ATTENTION_BACKENDS, MEGATRON_ONLY, METHODS, NORMALIZATIONS,
-                                         POSITION_EMBEDDINGS,
-                                         TRANSFORMER_IMPLS, PRECISIONS, RECOMPUTE_MODULES, ROUTER_SCORE_FUNCTIONS, SECTIONS, TOKEN_DROP_POLICIES,
+                                         PIPELINE_SCHEDULES, POSITION_EMBEDDINGS, TRANSFORMER_IMPLS, PRECISIONS,
+                                         RECOMPUTE_MODULES, ROUTER_SCORE_FUNCTIONS, SECTIONS, TOKEN_DROP_POLICIES, V_SCHEDULES,
                                          _MODULE_NEEDS, Config, ConfigError)
 
 VPP_FLAG = "--set parallel.virtual_pipeline_model_parallel_size"
@@ -104,17 +104,48 @@ def validate(cfg: Config) -> None:
     if vpp is not None and (not isinstance(vpp, int) or vpp < 1 or stage_layers % vpp):
         raise ConfigError(f"virtual_pipeline_model_parallel_size {vpp} must divide the {stage_layers} layers of each "
                           f"pipeline stage; pass {VPP_FLAG}=M with M dividing {stage_layers}")
+    n = t.global_batch_size // (t.micro_batch_size * p.data_parallel_size)
+    if vpp and p.schedule in INTERLEAVED_SCHEDULES and n % p.pipeline_model_parallel_size:
+        # Megatron: the micro-batches go through the virtual stages in groups of p (schedules.py,
+        # forward_backward_pipelining_with_interleaving); a last group of fewer stalls the pipeline.
+        raise ConfigError(f"the interleaved schedule needs the number of micro-batches ({n}) to be a multiple of "
+                          f"pipeline_model_parallel_size {p.pipeline_model_parallel_size}; pass --global-batch-size as "
+                          f"a multiple of {p.pipeline_model_parallel_size * t.micro_batch_size * p.data_parallel_size}")
     if t.global_batch_size % (t.micro_batch_size * p.data_parallel_size):
         raise ConfigError(f"global_batch_size {t.global_batch_size} is not divisible by micro_batch_size "
                           f"{t.micro_batch_size} x data_parallel_size {p.data_parallel_size}; "
                           f"pass --global-batch-size as a multiple of it")
 
+    _validate_pipeline(cfg)
     if m.multi_latent_attention:
         _validate_mla(cfg)
     if m.num_moe_experts is not None:
         _validate_moe(cfg)
     _validate_expert_parallel(cfg)
     _validate_recompute(cfg)
+
+
+def _validate_pipeline(cfg: Config) -> None:
+    """The pipeline schedule's own rules (Megatron's where it has the schedule, torch's otherwise)."""
+    p = cfg.parallel
+    pp, vpp, schedule, n = p.pipeline_model_parallel_size, p.virtual_pipeline_model_parallel_size, p.schedule, cfg.num_microbatches
+    if p.pipeline_parallel_schedule is None:
+        return
+    _choice("pipeline_parallel_schedule", schedule, PIPELINE_SCHEDULES, "pass --pp-schedule 1F1B")
+    if pp == 1:
+        raise ConfigError(f"pipeline_parallel_schedule {schedule} needs pipeline parallelism; pass --pp 2 or more, "
+                          "or drop --pp-schedule")
+    if schedule in V_SCHEDULES and vpp != 2:
+        raise ConfigError(f"{schedule} needs exactly two stages per rank (the V: rank r holds stages r and 2p - 1 - r); "
+                          f"pass {VPP_FLAG}=2")
+    if schedule in INTERLEAVED_SCHEDULES and not vpp:
+        raise ConfigError(f"{schedule} interleaves model chunks: pass {VPP_FLAG}=M (M >= 2 chunks per rank), "
+                          "or --pp-schedule 1F1B")
+    if schedule in ("1F1B", "GPipe") and vpp:
+        raise ConfigError(f"{schedule} runs one model chunk per rank; drop {VPP_FLAG} or pass --pp-schedule Interleaved1F1B")
+    if schedule == "DualPipeV" and n < 2 * pp:
+        raise ConfigError(f"DualPipeV needs at least as many micro-batches as stages (2 x pp = {2 * pp}), got {n}; "
+                          f"pass --global-batch-size {2 * pp * cfg.training.micro_batch_size * p.data_parallel_size} or more")
 
 
 def _validate_framework(cfg: Config) -> None:
@@ -268,7 +299,8 @@ def _validate_recompute(cfg: Config) -> None:
                               f"{r.activation_offload_layers}; pass --activation-offload-layers N with N from 1 to "
                               f"{m.num_layers - 1}")
         if p.pipeline_model_parallel_size > 1:
-            raise ConfigError("CPU offloading is not supported with pipeline parallelism; drop --activation-offload-layers or use --pipeline-model-parallel-size 1")
+            raise ConfigError("Currently there is no support for Pipeline parallelism with CPU offloading (Megatron's "
+                              "rule); drop --activation-offload-layers or pass --pipeline-model-parallel-size 1")
         if r.granularity != "none":
             raise ConfigError("CPU offloading does not work when activation recomputation is enabled; "
                               "pass --recompute-granularity none or drop --activation-offload-layers")

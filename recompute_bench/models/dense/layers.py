@@ -208,18 +208,26 @@ class GPT(nn.Module):
             if hasattr(module, "reset_buffers"):
                 module.reset_buffers()
 
-    def forward(self, tokens: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        """Mean cross-entropy of next-token prediction; tokens and labels are [b, s]."""
-        s = tokens.shape[1]
+    def embed(self, tokens: torch.Tensor) -> torch.Tensor:
+        """The hidden states entering layer 0: word (and learned position) embeddings, then dropout."""
         x = self.word_embeddings(tokens)
         if self.position_embeddings is not None:
-            x = x + self.position_embeddings.weight[:s]
-        x = self.embedding_dropout(x)
-        rope = self.rotary(s) if self.rotary is not None else ()
-        x = self.layers(x, *rope)
-        logits = self.output_layer(self.final_layernorm(x))
-        # Megatron's cross-entropy: an fp32 softmax worked in place is what the loss keeps.
+            x = x + self.position_embeddings.weight[:tokens.shape[1]]
+        return self.embedding_dropout(x)
+
+    def head(self, x: torch.Tensor) -> torch.Tensor:
+        """The logits of the last layer's hidden states: final norm, then the output layer."""
+        return self.output_layer(self.final_layernorm(x))
+
+    def loss(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """Megatron's cross-entropy: an fp32 softmax worked in place is what the loss keeps
+        (vocabulary-parallel where the logits are split over the tensor-parallel ranks)."""
         return get_backend(self.backend).cross_entropy(logits, labels)
+
+    def forward(self, tokens: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """Mean cross-entropy of next-token prediction; tokens and labels are [b, s]."""
+        rope = self.rotary(tokens.shape[1]) if self.rotary is not None else ()
+        return self.loss(self.head(self.layers(self.embed(tokens), *rope)), labels)
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:

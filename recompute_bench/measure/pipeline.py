@@ -1,0 +1,491 @@
+"""Pipeline parallelism with PyTorch's own engine, `torch.distributed.pipelining`.
+
+The ranks form a (pp, dp, tp) mesh: rank = pp_rank x dp x tp + dp_rank x tp + tp_rank (tensor
+parallel innermost, pipeline outermost, as Megatron and torchtitan order them). Each pipeline rank
+holds model chunks (virtual stages `analysis.schedules.rank_stages` names: its stage, with virtual
+stages r, r + p, ..., under a V schedule r and 2p - 1 - r), each a `GPTStage`: the first virtual
+stage has the embedding, the last the final norm and the output layer (the loss is the schedule's
+loss function), every one its layers under their model-wide names (`layers.4...`), so gradients
+compare by name with one rank's. A chunk is built as torchtitan builds one: tensor parallel, then
+recompute, then FSDP2 (`reshard_after_forward=False`: the schedule runs many micro-batches through a
+chunk, so its all-gathered weights stay for the step) over the data-parallel group; under `ddp` the
+optimizer's main-gradient buckets are all-reduced over it (`measure.distributed.BucketedGrads`) at
+the optimizer's step.
+
+Each chunk is a hand-made `PipelineStage` with its input and output shapes given (no shape inference
+at run time, which needs numpy): the received activation is marked as requiring grad, which is what
+lets a stage whose layers hold Megatron's re-entrant checkpoints (`use_reentrant=True`: forward under
+no_grad, inputs saved) send a gradient back; a stage input that does not require grad leaves every
+earlier stage without one. The loss function divides by the micro-batches and `scale_grads` is off,
+so each micro-batch's backward is the single rank's `(loss / n).backward()`, operation for operation.
+An embedding tied to the output layer and held by two ranks is two copies whose gradients are summed
+over the two ranks after the step (Megatron's embedding group).
+"""
+
+from __future__ import annotations
+
+import time
+from contextlib import contextmanager, nullcontext
+from typing import Any, Iterator
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from recompute_bench.analysis.schedules import rank_stages
+from recompute_bench.measure.distributed import BUCKET_PARAMETERS, BucketedGrads, DataParallel
+from recompute_bench.measure.point import DTYPES, MainGradAdam, MainGrads, Stepper, _adam, _fault, local
+from recompute_bench.models import spec_for
+from recompute_bench.models.dense.layers import GPT, TransformerLayers
+from recompute_bench.recompute.apply import apply_recompute
+from recompute_bench.spec.config import Config
+
+
+class StageLayers(TransformerLayers):
+    """A model chunk's layers under their model-wide indices (`layers.4`, `layers.5`, ...), indexed
+    and iterated in order as `TransformerLayers` is (recompute installs its policies through it)."""
+
+    def __init__(self, layers: dict[int, nn.Module]):
+        super().__init__()
+        for index, layer in layers.items():
+            self.add_module(str(index), layer)
+
+    def __getitem__(self, i: int) -> nn.Module:
+        return list(self._modules.values())[i]
+
+
+class GPTStage(GPT):
+    """One virtual stage of a built GPT, sharing its modules: the embedding on the first, the layers
+    `layers`, the final norm and output layer on the last. `forward` takes token ids (first) or hidden
+    states and returns hidden states, or the logits (last)."""
+
+    def __init__(self, model: GPT, stage: int, stages: int, layers: range, seq_length: int):
+        nn.Module.__init__(self)
+        self.cfg, self.backend, self.seq_length = model.cfg, model.backend, seq_length
+        first, last = stage == 0, stage == stages - 1
+        self.word_embeddings = model.word_embeddings if first else None
+        self.position_embeddings = model.position_embeddings if first else None
+        self.embedding_dropout = model.embedding_dropout if first else None
+        self.rotary = model.rotary
+        self.layers = StageLayers({i: model.layers[i] for i in layers})
+        self.final_layernorm = model.final_layernorm if last else None
+        self.output_layer = model.output_layer if last else None
+
+    def tie_weights(self) -> None:
+        """Share the embedding with the output layer where this chunk holds both."""
+        if self.word_embeddings is not None and self.output_layer is not None:
+            super().tie_weights()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.word_embeddings is not None:
+            x = self.embed(x)
+        rope = self.rotary(self.seq_length) if self.rotary is not None else ()  # the whole sequence, also under SP
+        x = self.layers(x, *rope)
+        return self.head(x) if self.output_layer is not None else x
+
+
+class PipelineChunks(nn.ModuleList):
+    """The model chunks (`GPTStage`s) of this rank, in its order."""
+
+    @property
+    def layers(self) -> list[nn.Module]:
+        """Every layer of every chunk (the MoE routing counts read them)."""
+        return [layer for chunk in self for layer in chunk.layers]
+
+
+class PipelineParallel(DataParallel):
+    """Pipeline stages over the "pp" dimension of a (pp, dp, tp) mesh, each stage's chunks tensor
+    parallel over "tp" and data parallel (DDP or FSDP2) over "dp"."""
+
+    def __init__(self, kind: str, cfg: Config, device_type: str = "cpu"):
+        from torch.distributed.device_mesh import init_device_mesh
+
+        super().__init__(kind, None, device_type)  # the data-parallel kind; the mesh is made here
+        par = cfg.parallel
+        self.pp, tp = par.pipeline_model_parallel_size, par.tensor_model_parallel_size
+        self.vp = par.virtual_pipeline_model_parallel_size or 1
+        self.schedule_name = par.schedule
+        self.dp_size = self.world_size // (self.pp * tp)
+        self.mesh = init_device_mesh(device_type, (self.pp, self.dp_size, tp), mesh_dim_names=("pp", "dp", "tp"))
+        self.pp_rank, self.dp_rank = self.mesh.get_local_rank("pp"), self.mesh.get_local_rank("dp")
+        self.pp_group = self.mesh["pp"].get_group()
+        if tp > 1:
+            from recompute_bench.measure.tensor_parallel import TensorParallel
+            self.tensor = TensorParallel(tp, par.sequence_parallel, device_type, self.mesh)
+        self.stages = rank_stages(self.schedule_name, self.pp, self.vp, self.pp_rank)
+        self.num_stages = self.pp * len(self.stages)
+        self.first, self.last = 0 in self.stages, self.num_stages - 1 in self.stages
+        self.embedding_group = self._embedding_groups(cfg)
+        self.whole_parameters = 0
+
+    def _embedding_groups(self, cfg: Config):
+        """The group of this rank and the rank holding the other copy of a tied embedding (the first
+        and the last pipeline rank of its (dp, tp) column), when they are two ranks; every rank makes
+        every group, in the same order (`dist.new_group`)."""
+        if not cfg.model.share_embeddings_and_output_weights:
+            return None
+        ends = [r for r in range(self.pp) if {0, self.num_stages - 1} & set(rank_stages(self.schedule_name, self.pp, self.vp, r))]
+        if len(ends) < 2:
+            return None
+        mine = None
+        grid = self.mesh.mesh  # [pp, dp, tp] -> global rank
+        for d in range(grid.shape[1]):
+            for t in range(grid.shape[2]):
+                ranks = [int(grid[r, d, t]) for r in ends]
+                group = dist.new_group(ranks)
+                if self.rank in ranks:
+                    mine = group
+        return mine
+
+    def build(self, cfg: Config, device: torch.device, dtype: torch.dtype | None = None) -> PipelineChunks:
+        """This rank's model chunks: cut from the whole model (seeded as on one rank), then per chunk
+        tensor parallel, recompute (the chunk's own layers' policies), FSDP2 or DDP."""
+        fsdp = self.kind == "fsdp" and self.dp_size > 1
+        whole = spec_for(cfg.model).build(cfg, device, torch.float32 if fsdp else dtype or DTYPES[cfg.training.precision])
+        self.whole_parameters = sum(p.numel() for p in whole.parameters())
+        per = cfg.model.num_layers // self.num_stages
+        chunks = PipelineChunks()
+        for v in self.stages:
+            chunk = GPTStage(whole, v, self.num_stages, range(v * per, (v + 1) * per), cfg.training.seq_length)
+            if chunk.output_layer is not None and chunk.word_embeddings is None and cfg.model.share_embeddings_and_output_weights:
+                chunk.output_layer.weight = nn.Parameter(whole.word_embeddings.weight.detach().clone())  # this rank's copy
+            if self.tensor:
+                self.tensor.parallelize(chunk)
+            apply_recompute(chunk, cfg.recompute, self.tensor_group, first=v * per)
+            if fsdp:
+                self._shard(chunk, cfg)
+            chunks.append(chunk)
+        return chunks
+
+    def _shard(self, chunk: GPTStage, cfg: Config) -> None:
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+        policy = MixedPrecisionPolicy(param_dtype=DTYPES[cfg.training.precision], reduce_dtype=torch.float32)
+        for layer in chunk.layers:
+            fully_shard(layer, mesh=self.mesh["dp"], mp_policy=policy, reshard_after_forward=False)
+        fully_shard(chunk, mesh=self.mesh["dp"], mp_policy=policy, reshard_after_forward=False)
+
+    def optimizer(self, model: nn.Module, precision: str):
+        """As `DataParallel.optimizer`, its reduction over this rank's data-parallel group."""
+        params = [p for p in model.parameters() if p.requires_grad]
+        if self.kind == "fsdp" and self.dp_size > 1:
+            return _adam(params, 1e-4)
+        if self.dp_size == 1:
+            return MainGradAdam(MainGrads(params), precision)
+        group = self.mesh["dp"].get_group()
+        return MainGradAdam(BucketedGrads(params[::-1], [group] * len(params), self.dp_size, BUCKET_PARAMETERS), precision)
+
+    def num_parameters(self, model: nn.Module) -> int:
+        """The whole model's parameters (counted before it was cut into stages)."""
+        return self.whole_parameters
+
+    def batches(self, cfg: Config, device: torch.device) -> torch.Tensor:
+        """The data-parallel replica's micro-batches where this rank embeds tokens or computes the
+        loss; nothing (no rows) on a rank between them."""
+        if not (self.first or self.last):
+            return torch.empty(cfg.num_microbatches, 0, dtype=torch.long, device=device)
+        return super().batches(cfg, device)
+
+    def mean(self, value: torch.Tensor) -> torch.Tensor:
+        """The loss of the last stage averaged over its data-parallel replicas (every rank gets it)."""
+        value = value.detach().clone() if self.last else torch.zeros_like(value)
+        dist.all_reduce(value)
+        return value / (self.world_size // self.pp)
+
+    def world_flops(self, local_flops: int) -> int:
+        """The step's FLOPs over every rank (stages differ: the first embeds, the last has the output layer)."""
+        total = torch.tensor(float(local_flops), dtype=torch.float64)
+        dist.all_reduce(total)
+        return int(total.item())
+
+    def place(self) -> dict[str, Any]:
+        """This rank's pipeline stage and model chunks (virtual stages), known before anything runs,
+        so a rank that fails in setup is still named by its stage."""
+        return {"pipeline_stage": self.pp_rank, "model_chunks": list(self.stages)}
+
+    def stepper(self, cfg: Config, model: PipelineChunks, optimizer, batches: torch.Tensor) -> "PipelineStepper":
+        return PipelineStepper(cfg, model, optimizer, batches, self)
+
+    def probe(self, model: PipelineChunks) -> "ScheduleProbe":
+        return ScheduleProbe(model, self.stages)
+
+    def sum_tied_embedding(self, model: PipelineChunks) -> None:
+        """Megatron's embedding all-reduce (`_allreduce_word_embedding_grads`): the first stage's
+        embedding and the last stage's copy each hold part of the tied weight's gradient; both
+        become the sum. Where the optimizer moves gradients into fp32 main gradients, those."""
+        if self.embedding_group is None:
+            return
+        for stage in model:
+            module = stage.word_embeddings if stage.word_embeddings is not None else stage.output_layer
+            if module is None:
+                continue
+            p = module.weight
+            grad = getattr(p, "main_grad", None)
+            if grad is None and p.grad is not None:
+                if hasattr(p.grad, "placements") and p.grad.placements != p.placements:
+                    p.grad = p.grad.redistribute(p.device_mesh, p.placements)  # laid out as the weight, as the copy's
+                grad = local(p.grad)
+            if grad is not None:
+                dist.all_reduce(grad, group=self.embedding_group)
+
+    def schedule(self, model: PipelineChunks, cfg: Config, device: torch.device):
+        """torch's schedule over this rank's chunks (`PipelineStage`s with their shapes given)."""
+        from torch.distributed.pipelining import PipelineStage
+        from torch.distributed.pipelining.schedules import PipelineScheduleSingle, get_schedule_class
+
+        tr, par = cfg.training, cfg.parallel
+        b, s, n = tr.micro_batch_size, tr.seq_length, cfg.num_microbatches
+        tp = par.tensor_model_parallel_size
+        dtype = DTYPES[tr.precision]
+        hidden = torch.empty(b, s // tp if par.sequence_parallel else s, cfg.model.hidden_size, dtype=dtype,
+                             device="meta", requires_grad=True)  # a stage's input must require grad (see the module doc)
+        logits = torch.empty(b, s, cfg.model.padded_vocab_size(tp) // tp, dtype=dtype, device="meta")
+        tokens = torch.empty(b, s, dtype=torch.long, device="meta")
+        stages = [PipelineStage(chunk, v, self.num_stages, device, input_args=tokens if v == 0 else hidden,
+                                output_args=logits if v == self.num_stages - 1 else hidden, group=self.pp_group)
+                  for chunk, v in zip(model, self.stages)]
+
+        def loss_fn(output: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+            loss = model[0].loss(output, labels) / n  # as the single rank's (loss / n).backward()
+            return loss.to_local() if hasattr(loss, "to_local") else loss  # the vocabulary-parallel loss, this rank's
+
+        cls = get_schedule_class(self.schedule_name)
+        single = issubclass(cls, PipelineScheduleSingle)
+        return cls(stages[0] if single else stages, n, loss_fn=loss_fn, scale_grads=False), stages
+
+
+class PipelineStepper(Stepper):
+    """Training steps through torch's pipeline schedule: every micro-batch of the step in one
+    `schedule.step`, then the tied embedding's gradient summed over its two ranks, then the optimizer.
+    The stage methods the schedule calls are wrapped to keep the phase (for a failure's record), to
+    inject faults, to time the compute (for the measured bubble) and to feed the probe."""
+
+    def __init__(self, cfg: Config, model: PipelineChunks, optimizer, batches: torch.Tensor, layout: PipelineParallel):
+        super().__init__(cfg, model, optimizer, batches)
+        self.layout = layout
+        self.device = batches.device
+        self.schedule, stages = layout.schedule(model, cfg, batches.device)
+        self.probe: ScheduleProbe | None = None
+        self.compute_times_s: list[float] = []
+        """Per step: the seconds this rank spent in forward and backward (the rest of the step it waited)."""
+        self._compute = 0.0
+        for stage in stages:
+            self._wrap(stage)
+        self.loss_fn = self.schedule._loss_fn
+        self.schedule._loss_fn = self._loss
+
+    def _wrap(self, stage) -> None:
+        forward, backward, weight = stage.forward_one_chunk, stage.backward_one_chunk, stage.backward_weight_one_chunk
+
+        def forward_one_chunk(i: int, *args: Any, **kwargs: Any):
+            self.phase = "forward"
+            _fault("forward", self.step_index)
+            probe = self.probe.chunk_forward(stage.stage_index, i) if self.probe else nullcontext()
+            with self._timed(), probe:
+                return forward(i, *args, **kwargs)
+
+        grads = getattr(self.optimizer, "grads", None)  # the main gradients (not under FSDP)
+        params = [p for p in stage.submod.parameters() if p.requires_grad]
+
+        def backward_one_chunk(i: int, *args: Any, **kwargs: Any):
+            self.phase = "backward"
+            _fault("backward", self.step_index)
+            with self._timed():
+                return backward(i, *args, **kwargs)
+
+        def backward_weight_one_chunk(i: int, *args: Any, **kwargs: Any):
+            with self._timed():
+                weight(i, *args, **kwargs)
+                if grads is not None:
+                    # The weight pass assigns `.grad` (stage_backward_weight) instead of accumulating
+                    # it, so no post-accumulate hook moved it into the main gradients: move it here.
+                    for p in params:
+                        if p.grad is not None:
+                            grads._accumulate(p)
+
+        stage.forward_one_chunk, stage.backward_one_chunk = forward_one_chunk, backward_one_chunk
+        stage.backward_weight_one_chunk = backward_weight_one_chunk
+
+    def _loss(self, output: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        with self._timed():
+            loss = self.loss_fn(output, labels)
+        if self.probe:
+            self.probe.sample()  # the last stage's saved tensors include the loss's
+        return loss
+
+    @contextmanager
+    def _timed(self) -> Iterator[None]:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)  # the compute of this action only (a measured bubble, not a fast one)
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)
+            self._compute += time.perf_counter() - start
+
+    def step(self, probe: "ScheduleProbe | None" = None) -> torch.Tensor:
+        """One optimizer step over every micro-batch through the schedule; returns the step's mean loss
+        (on the last stage; zero elsewhere) as a 0-dim fp32 tensor on the device."""
+        layout = self.layout
+        rows = self.batches.reshape(-1, self.batches.shape[-1]) if self.batches.numel() else None  # views of the step's tokens
+        args = (rows[:, :-1],) if layout.first else ()
+        target = rows[:, 1:] if layout.last else None
+        losses: list[torch.Tensor] = []
+        self._compute, self.probe = 0.0, probe
+        grads = getattr(self.optimizer, "grads", None)
+        # Main gradients only accumulate in the schedule; the optimizer's step reduces them over the
+        # data-parallel ranks (`finish`): a rank may hold one parameter in two chunks (a tied
+        # embedding under a V schedule), so no chunk's last backward is the parameter's last.
+        with probe.watch() if probe else nullcontext(), grads.no_sync() if grads else nullcontext():
+            self.schedule.step(*args, target=target, losses=losses if layout.last else None, return_outputs=False)
+        self.probe = None
+        self.compute_times_s.append(self._compute)
+        layout.sum_tied_embedding(self.model)
+        self.phase = "optimizer"
+        _fault("optimizer", self.step_index)
+        self.optimizer.step()
+        self.model.zero_grad(set_to_none=True)
+        self.step_index += 1
+        total = torch.stack([x.detach().float() for x in losses]).sum() if losses else torch.zeros((), device=self.device)
+        return total
+
+    def fields(self, step_times_s: list[float]) -> dict[str, Any]:
+        """The rank's pipeline figures over the measured steps: its compute seconds and the share of
+        the step it waited (its bubble)."""
+        compute = self.compute_times_s[-len(step_times_s):] if step_times_s else []
+        share = [c / t for c, t in zip(compute, step_times_s) if t > 0]
+        return {"compute_times_s": compute,
+                "bubble_fraction": 1 - sorted(share)[len(share) // 2] if share else None}
+
+
+class _Held:
+    """What autograd keeps for a saved tensor while the probe watches: the tensor without its
+    autograd history (a saved output that kept its own grad_fn would keep its node, and so every
+    saved tensor upstream, alive in a reference cycle after the backward meant to free it)."""
+
+    __slots__ = ("tensor", "__weakref__")
+
+    def __init__(self, tensor: torch.Tensor):
+        self.tensor = tensor
+
+
+class ScheduleProbe:
+    """The saved-tensor probe over a whole pipeline step: every storage autograd keeps for backward
+    (de-duplicated, parameters and buffers excluded, a DTensor's local shard) is followed from the
+    chunk-forward that first saved it until autograd lets go of its last reference to it; after each
+    chunk-forward (and the loss) the bytes held are summed. The largest sum is the stage's saved
+    activations at its peak (`activation_peak_bytes`), with the chunk-forwards holding them then; the
+    first micro-batch's own bytes through each chunk give `activation_bytes`, as one rank measures."""
+
+    def __init__(self, model: PipelineChunks, stages: list[int]):
+        self.model, self.stages = model, stages
+        self.num_layers = sum(len(c.layers) for c in model)
+        self.excluded: set[int] = set()
+        self.live: dict[int, list] = {}  # storage key -> [weakref to it, references held, first tag, in layers]
+        self.tags: dict[tuple[int, int], int] = {}  # (virtual stage, micro-batch) -> references its forward saved, still held
+        self._refs: set = set()
+        self.tag: tuple[int, int] = (-1, -1)
+        self.in_layers = False
+        self.peak = self.peak_layers = 0
+        self.held: dict[int, int] = {}
+        self.first: dict[int, tuple[int, int]] = {}  # virtual stage -> (bytes, in-layer bytes) of micro-batch 0
+
+    def _exclude_parameters(self, *_: Any) -> None:
+        # FSDP2 swaps unsharded parameters in at a module's forward: read them where each runs.
+        for chunk in self.model:
+            for t in list(chunk.parameters()) + list(chunk.buffers()):
+                self.excluded.add(local(t).untyped_storage()._cdata)
+
+    def _pack(self, t: torch.Tensor):
+        import weakref
+
+        storage = local(t).untyped_storage()
+        key = storage._cdata
+        if key in self.excluded:
+            return t
+        entry = self.live.get(key)
+        if entry is None:
+            entry = self.live[key] = [weakref.ref(storage), 0, self.tag, self.in_layers]
+        entry[1] += 1
+        tag = self.tag
+        self.tags[tag] = self.tags.get(tag, 0) + 1
+        held = _Held(t.detach())
+
+        def release(_ref, key=key) -> None:
+            self._refs.discard(_ref)
+            self.tags[tag] -= 1
+            e = self.live.get(key)
+            if e is not None:
+                e[1] -= 1
+                if e[1] == 0:
+                    del self.live[key]
+
+        self._refs.add(weakref.ref(held, release))
+        return held
+
+    @staticmethod
+    def _unpack(held):
+        return held.tensor if isinstance(held, _Held) else held
+
+    @contextmanager
+    def watch(self) -> Iterator["ScheduleProbe"]:
+        """Follow what the schedule's step saves."""
+        handles = []
+        for stage in self.model:
+            handles += [stage.layers.register_forward_pre_hook(self._enter), stage.layers.register_forward_hook(self._leave)]
+            for module in [stage, *stage.layers]:
+                handles.append(module.register_forward_pre_hook(self._exclude_parameters))
+        self._exclude_parameters()
+        try:
+            with torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack):
+                yield self
+        finally:
+            for h in handles:
+                h.remove()
+            self.live.clear()
+            self.tags.clear()
+            self._refs.clear()
+
+    def _enter(self, *_: Any) -> None:
+        self.in_layers = True
+
+    def _leave(self, *_: Any) -> None:
+        self.in_layers = False
+
+    @contextmanager
+    def chunk_forward(self, stage: int, microbatch: int) -> Iterator[None]:
+        """Around one chunk-forward: what it saves is tagged with it; the sum is read after it."""
+        self.tag = (stage, microbatch)
+        yield
+        self.sample()
+
+    def sample(self) -> None:
+        """Sum what is held now; keep the largest sum, and micro-batch 0's own bytes per chunk."""
+        total = layers = 0
+        for ref, count, _tag, in_layers in self.live.values():
+            storage = ref()
+            nbytes = storage.nbytes() if storage is not None and count else 0  # freed: holds nothing
+            total += nbytes
+            layers += nbytes if in_layers else 0
+        if total > self.peak:
+            self.peak, self.peak_layers = total, layers
+            self.held = {}
+            for stage, _mb in (t for t, refs in self.tags.items() if refs and t[0] >= 0):
+                self.held[stage] = self.held.get(stage, 0) + 1
+        stage, microbatch = self.tag
+        if microbatch == 0:
+            mine = [(s.nbytes() if (s := e[0]()) is not None else 0, e[3]) for e in self.live.values() if e[2] == self.tag]
+            self.first[stage] = (sum(b for b, _ in mine), sum(b for b, inside in mine if inside))
+
+    def bytes(self) -> tuple[int, int]:
+        """(bytes, in-layer bytes) micro-batch 0 saves through this rank's chunks, each read when its
+        chunk-forward (and loss) ended."""
+        return sum(b for b, _ in self.first.values()), sum(x for _, x in self.first.values())
+
+    def fields(self) -> dict[str, Any]:
+        """The rank's pipeline figures: its stage, chunks, saved bytes at the peak and the micro-batches
+        held then (chunk-forwards over chunks per rank)."""
+        return {"activation_peak_bytes": self.peak, "activation_peak_layer_bytes": self.peak_layers,
+                "microbatches_in_flight": sum(self.held.values()) / len(self.stages),
+                "chunks_in_flight": {str(k): v for k, v in sorted(self.held.items())}}
