@@ -23,6 +23,8 @@ from recompute_bench.launch.torchrun import Launch, check_launch, classify_rank,
 from recompute_bench.measure.point import FAULT_DELAY_S
 from recompute_bench.measure.record import FAULT_ENV, rank_summary
 
+pytestmark = pytest.mark.slow  # launches ranks: `make test-all`
+
 def _two_ranks(tmp_path: Path, data_parallel: str = "ddp", sets=(), watchdog_s: float = 60.0,
                timeout_s: float = 180.0) -> dict:
     launch = Launch(nproc_per_node=2, data_parallel=data_parallel, watchdog_s=watchdog_s)
