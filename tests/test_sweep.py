@@ -183,7 +183,7 @@ def test_error_hang_and_oom_are_recorded_and_the_sweep_goes_on(tmp_path, monkeyp
         ("Baseline", "error"), ("Exp 1", "timeout"), ("Exp 2", "oom"), ("Exp 3", "ok")]
     error, hang, oom, ok = records
     assert "injected failure" in error["failure"]["message"] and error["failure"]["phase"] == "forward"
-    assert "time limit of 12 s" in hang["failure"]["message"] and "in _fault" in hang["failure"]["message"]
+    assert "time limit of 12 s" in hang["failure"]["message"] and "in inject_fault" in hang["failure"]["message"]
     assert hang["metrics"]["model_flops_per_step"] == ok["metrics"]["model_flops_per_step"]
     assert (oom["failure"]["phase"], oom["failure"]["step"], oom["failure"]["rank"]) == ("backward", 0, 0)
     assert ok["metrics"]["tflops_per_gpu"] > 0 and ok["ranks"][0]["status"] == "ok"
