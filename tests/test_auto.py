@@ -552,6 +552,11 @@ def test_plan_auto_with_pp_writes_a_section_per_stage_and_says_how_megatron_runs
     assert plan["stages"][0]["recompute_cost"] > plan["stages"][-1]["recompute_cost"]  # stage 0 holds 4 micro-batches
     assert plan["megatron"]["runs"] is False and plan["uniform"]["megatron_flags"]
     assert "Megatron cannot run this plan" in result.stderr and "per-stage policy" in result.stderr
+    # plan without --auto recommends the same uniform setting and prints Megatron's flags for it
+    uniform = invoke("plan", *base[2:-2], "--memory-gb", "60")
+    assert uniform.exit_code == 0, uniform.output
+    assert f"recommended: {plan['uniform']['label']}" in uniform.stderr
+    assert "in Megatron-LM: " + " ".join(plan["uniform"]["megatron_flags"]) in uniform.stderr.replace("\n", "")
     roomy = invoke(*base, "--memory-gb", "80", "--json")
     assert roomy.exit_code == 0, roomy.output
     assert json.loads(roomy.stdout)["megatron"] == {"runs": True, "setting": "none", "flags": [],

@@ -292,7 +292,6 @@ def auto_plan(cfg: Config, budget_bytes: float, device: str = "cuda",
     for row in uniform["fits"]:
         r = RecomputeConfig(**row["recompute"])
         row["recompute_cost"] = sum(policy_cost(cfg, layer_policies(r, layers), costs, device, s * layers) for s in range(p))
-        row["megatron_flags"] = megatron_flags(r)
     # the cheapest fitting uniform setting by the same costs (measured ones may order them otherwise)
     best = min(uniform["fits"], key=lambda row: row["recompute_cost"]) if uniform["fits"] else None
     out: dict[str, Any] = {"schema": AUTO_SCHEMA, "workload": cfg.workload, "config": cfg.to_dict(),

@@ -148,6 +148,8 @@ def plan(
     if result["fits"]:
         err.print(plan_table(result))
         err.print(f"[green]recommended:[/] {escape(result['recommended'])}: {escape(result['reason'])}", highlight=False)
+        flags = result["fits"][0]["megatron_flags"]
+        err.print(f"in Megatron-LM: {escape(' '.join(flags)) if flags else 'no recompute flags'}", highlight=False)
     else:
         err.print(f"[red]{escape(result['reason'])}[/]", highlight=False)
         err.print(would_fit_table(result))
