@@ -616,3 +616,26 @@ def test_run_with_pp_measures_each_stage_under_its_own_section(tmp_path):
         assert s["activation_bytes"] == s["estimated_activation_bytes"]
         assert s["activation_peak_bytes"] == s["estimated_activation_peak_bytes"]
     assert stages[0]["activation_bytes"] < stages[1]["activation_bytes"]  # stage 0 keeps its chunk's input only
+
+
+def test_with_dense_and_moe_stages_each_stage_chooses_from_its_own_kind_against_exhaustive_search():
+    # moe_layer_freq 2 over 4 stages: stages of MoE and dense layers (one policy for all could not exist)
+    cfg = config("tiny-moe", model__num_layers=4, model__moe_layer_freq=2, parallel__pipeline_model_parallel_size=4,
+                 training__global_batch_size=8, training__micro_batch_size=1, training__precision="fp32")
+    targets = spec_for(cfg.model).recompute_targets
+    options = {}
+    for s, kind in enumerate(("moe", "dense", "moe", "dense")):
+        mods = [m for m in targets if (m != "mlp" if kind == "moe" else m not in ("moe", "moe_act", "shared_experts"))]
+        options[s] = [[LayerPolicy(modules=frozenset(x))] for n in range(len(mods) + 1)
+                      for x in itertools.combinations(mods, n)] + [[LayerPolicy(chunk=0)]]
+    needs = {s: [rank_memory(cfg, s, "cpu", policy_activations(cfg, p, "cpu", s)).peak_allocated_bytes for p in options[s]]
+             for s in options}
+    lo, hi = max(min(n) for n in needs.values()), max(max(n) for n in needs.values())
+    for fraction in (0.0, 0.5, 1.0):
+        budget = lo + fraction * (hi - lo)
+        result = auto.auto_plan(cfg, budget, "cpu", 0.0, 0.0)
+        for s, row in enumerate(result["stages"]):
+            best = min(cost_from(cfg, p, s) for p, n in zip(options[s], needs[s]) if n <= budget)
+            got = [parse_entry(e) for e in row["policy"]]
+            assert cost_from(cfg, got, s) == best and row["peak_allocated_bytes"] <= budget, (s, fraction, row["policy"])
+            assert not got[0].modules & ({"mlp"} if s % 2 == 0 else {"moe", "moe_act", "shared_experts"})
