@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import invoke
+from helpers import invoke
 
 README = Path(__file__).resolve().parents[1] / "README.md"
 # Cells whose value depends on the machine or the terminal's width, not on the program.
