@@ -33,7 +33,14 @@ def test_the_readme_has_a_five_command_tour():
     assert len(tour()) == 5
 
 
-@pytest.mark.parametrize("command,cells", tour(), ids=[c.split()[1] for c, _ in tour()])
+def cases() -> list:
+    """The tour as test cases; `run` measures eight steps (17 to 52 s on the loaded 2-core machine),
+    so it is left to the full suite."""
+    return [pytest.param(c, cells, id=c.split()[1], marks=[pytest.mark.slow] if c.split()[1] == "run" else [])
+            for c, cells in tour()]
+
+
+@pytest.mark.parametrize("command,cells", cases())
 def test_each_readme_command_runs_as_printed_and_prints_its_excerpt(command, cells, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)  # what a command writes (results/plans/...) lands here
     argv = shlex.split(command)[1:]
