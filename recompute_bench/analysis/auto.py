@@ -45,7 +45,7 @@ from recompute_bench.recompute.policy import (LayerPolicy, kind_targets, layer_k
                                               megatron_setting)
 from recompute_bench.spec.config import Config, ConfigError, RecomputeConfig
 
-AUTO_SCHEMA = "recompute-bench/plan-auto/v2"
+AUTO_SCHEMA = "recompute-bench/plan-auto/v3"  # v3: `stages`, `megatron`; costs summed over the stages
 Cost = tuple[float, int]
 """(recompute cost per micro-batch in the costs' unit, selective modules recomputed): compared in order."""
 
