@@ -13,12 +13,12 @@ from helpers import probe_step, shrunk
 from recompute_bench.analysis import auto
 from recompute_bench.analysis import flops
 from recompute_bench.analysis.layer import checkpoint_input_bytes, kind_config, layer_activation_bytes
-from recompute_bench.analysis.rank import device_bytes_needed, peak_rank_memory
+from recompute_bench.analysis.rank import device_bytes_needed, peak_rank_memory, rank_memory, stage_memories
 from recompute_bench.analysis.stage import StageActivations, activation_bytes, policy_activations, stage_activations
 from recompute_bench.models import spec_for
 from recompute_bench.analysis.profile_costs import ProfileCosts
-from recompute_bench.recompute.policy import LayerPolicy, layer_policies, parse_entry
-from recompute_bench.recompute.policy_file import check
+from recompute_bench.recompute.policy import LayerPolicy, layer_policies, megatron_flags, megatron_setting, parse_entry
+from recompute_bench.recompute.policy_file import check, read_policy
 from recompute_bench.recompute.settings import all_settings
 from recompute_bench.results.records import key_fields, point_id
 from recompute_bench.spec.config import RecomputeConfig
@@ -86,15 +86,17 @@ def test_the_policy_analysis_equals_the_closed_forms_of_every_megatron_setting(w
         assert peak_rank_memory(as_policy, "cpu").peak_allocated_bytes == peak_rank_memory(c, "cpu").peak_allocated_bytes
 
 
-def test_the_solver_reads_the_whole_rank_peak_as_the_rank_model_computes_it():
+def test_the_solver_reads_each_stage_s_whole_rank_peak_as_the_rank_model_computes_it():
     for cfg in (config("llama3-8b", model__num_layers=8), config("llama3-70b", parallel__tensor_model_parallel_size=8,
                                                                  parallel__sequence_parallel=True,
                                                                  parallel__pipeline_model_parallel_size=4)):
-        peak = auto.rank_peak(cfg, "cuda")
+        peaks = auto.stage_peaks(cfg, "cuda")
+        assert len(peaks) == cfg.parallel.pipeline_model_parallel_size
         layers = cfg.model.num_layers // cfg.parallel.pipeline_model_parallel_size
         for stored, top in ((0, 0), (1e9, 1e9), (3e9, 9e9), (2e10, 2e10)):
             acts = StageActivations(layers, stored, top)
-            assert peak(acts) == pytest.approx(peak_rank_memory(cfg, "cuda", acts).peak_allocated_bytes, rel=1e-12)
+            for stage, peak in enumerate(peaks):
+                assert peak(acts) == pytest.approx(rank_memory(cfg, stage, "cuda", acts).peak_allocated_bytes, rel=1e-12)
 
 
 MIXED = {"tiny": ["selective[layernorm,mlp]", "full:0", "full:0", "none"],
@@ -119,7 +121,7 @@ def test_the_solver_is_optimal_against_exhaustive_search_over_every_per_layer_mi
     policies = list(every_policy(cfg))
     acts = [policy_activations(cfg, p, "cpu") for p in policies]
     costs = [cost(cfg, p) for p in policies]
-    peak = auto.rank_peak(dataclasses.replace(cfg, recompute=RecomputeConfig()), "cpu")
+    peak, = auto.stage_peaks(dataclasses.replace(cfg, recompute=RecomputeConfig()), "cpu")
     lo, hi = min(peak(a) for a in acts), max(peak(a) for a in acts)
     for fraction in (0.0, 0.2, 0.45, 0.7, 1.0):
         budget = lo + fraction * (hi - lo)
@@ -310,7 +312,7 @@ def test_on_dense_and_moe_layers_the_solver_is_optimal_against_every_per_layer_m
         acts = policy_activations(cfg, p, "cpu")
         assert (acts.stored_bytes, acts.peak_bytes, flops.policy_recompute_flops(cfg, p, None, "cpu")) == r[:3]
     assert tables["moe"][frozenset()][0] != tables["dense"][frozenset()][0]  # the kinds do differ
-    peak = auto.rank_peak(dataclasses.replace(cfg, recompute=RecomputeConfig()), "cpu")
+    peak, = auto.stage_peaks(dataclasses.replace(cfg, recompute=RecomputeConfig()), "cpu")
     needs = [peak(StageActivations(4, r[0], r[1])) for r in refs]
     lo, hi = min(needs), max(needs)
     for fraction in (0.0, 0.15, 0.4, 0.7, 1.0):
@@ -415,7 +417,7 @@ def test_offload_is_a_choice_priced_by_host_link_time_not_hidden_by_compute():
     assert fast.offload("dense", full) == 0.0  # the copies hide behind compute
     copy = full / 1e9
     assert slow.offload("dense", full) == pytest.approx((copy - forward) + (copy - 2 * forward))
-    peak = auto.rank_peak(cfg, "cuda")
+    peak, = auto.stage_peaks(cfg, "cuda")
     budget = peak(stage_activations(dataclasses.replace(cfg, recompute=RecomputeConfig("full", [], "uniform", 1)), "cuda")) * 1.05
 
     def fits(a):
@@ -452,3 +454,188 @@ def test_the_issue_s_first_example_plans_many_ranks_from_the_rank_model(tmp_path
     assert plans["80"]["predicted"]["recompute_overhead"] == 0  # 80 GiB holds every activation
     assert 0 < plans["60"]["predicted"]["recompute_overhead"] < plans["60"]["uniform"]["recompute_overhead"]
     assert plans["60 dist-opt"]["predicted"]["recompute_overhead"] == 0  # sharded Adam state frees the room
+
+
+# ----- pipeline stages: a policy per stage (issue 18) ------------------------------------------------
+
+PIPELINES = [("tiny", 2), ("tiny", 4), ("llama3-8b", 2)]  # llama3-8b with 4 layers: RMSNorm, SwiGLU, GQA
+
+
+def piped(workload, pp):
+    return config(workload, model__num_layers=4, parallel__pipeline_model_parallel_size=pp,
+                  training__global_batch_size=8, training__micro_batch_size=1, training__precision="fp32")
+
+
+@pytest.mark.parametrize("workload,pp", PIPELINES)
+def test_plan_auto_solves_every_stage_against_exhaustive_search_of_that_stage(workload, pp):
+    cfg = piped(workload, pp)
+    n = cfg.model.num_layers // pp
+    stage_policies = list(every_policy(dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, num_layers=n))))
+    # reference: each stage's whole-rank peak from the rank model with the candidate's activations
+    needs = [[rank_memory(cfg, s, "cpu", policy_activations(cfg, p, "cpu", s * n)).peak_allocated_bytes
+              for p in stage_policies] for s in range(pp)]
+    costs = [[cost_from(cfg, p, s * n) for p in stage_policies] for s in range(pp)]
+    lo = max(min(stage) for stage in needs)  # every stage has a policy that fits
+    hi = max(max(stage) for stage in needs)
+    differed = False
+    for fraction in (0.0, 0.3, 0.6, 1.0):
+        budget = lo + fraction * (hi - lo)
+        result = auto.auto_plan(cfg, budget, "cpu", 0.0, 0.0)
+        assert result["unfit_stages"] == []
+        for s, row in enumerate(result["stages"]):
+            best = min(c for c, need in zip(costs[s], needs[s]) if need <= budget)
+            got = [parse_entry(e) for e in row["policy"]]
+            assert cost_from(cfg, got, s * n) == best, (s, fraction, row["policy"])
+            assert row["peak_allocated_bytes"] == rank_memory(cfg, s, "cpu", policy_activations(cfg, got, "cpu", s * n)).peak_allocated_bytes
+            assert row["peak_allocated_bytes"] <= budget
+        differed |= len({tuple(row["policy"]) for row in result["stages"]}) > 1
+        # the whole plan as one config: the rank model's peak of every stage is the stage's row
+        chosen = dataclasses.replace(cfg, recompute=RecomputeConfig(layer_policy=result["policy"]))
+        assert [r.peak_allocated_bytes for r in stage_memories(chosen, "cpu")] == [row["peak_allocated_bytes"] for row in result["stages"]]
+        # the best uniform setting: the least cost over Megatron's settings whose most loaded stage fits
+        uniform = [(sum(cost_from(cfg, layer_policies(r, n), s * n)[0] for s in range(pp)), r.label)
+                   for r in [RecomputeConfig()] + all_settings(n)
+                   if peak_rank_memory(dataclasses.replace(cfg, recompute=r), "cpu").peak_allocated_bytes <= budget]
+        if uniform:
+            assert result["uniform"]["recompute_cost"] == min(uniform)[0]
+            assert result["predicted"]["recompute_cost"] <= result["uniform"]["recompute_cost"]
+        else:
+            assert result["uniform"] is None
+    assert differed  # some budget makes the stages choose differently, so the test tells per-stage from one policy
+    assert auto.auto_plan(cfg, lo - 1, "cpu", 0.0, 0.0)["unfit_stages"]
+
+
+def cost_from(cfg, policies, first):
+    return (flops.policy_recompute_flops(cfg, policies, None, "cpu", first=first), sum(len(p.modules) for p in policies)
+            + sum((len(spec_for(cfg.model).recompute_targets) + 1) for p in policies if p.chunk is not None))
+
+
+def test_every_megatron_setting_is_read_back_from_its_layers_and_its_flags_are_megatron_s():
+    from recompute_bench.ingest.megatron_args import megatron_overrides, normalize, read_argv
+    cfg = config("llama3-8b", model__num_layers=6)
+    targets = spec_for(cfg.model).recompute_targets
+    shape = "--num-layers 6 --hidden-size 64 --num-attention-heads 4 --seq-length 32 --max-position-embeddings 32".split()
+    for r in [RecomputeConfig(), RecomputeConfig(activation_offload_layers=2)] + all_settings(6):
+        got = megatron_setting(cfg.model, layer_policies(r, 6), targets)
+        assert got is not None and layer_policies(got, 6) == layer_policies(r, 6), r.label
+        parsed = megatron_overrides(normalize(read_argv(shape + megatron_flags(got))))["recompute"]
+        assert RecomputeConfig(**parsed) == got, r.label
+    mixed = [parse_entry(e) for e in ("full:0", "selective[mlp]", "none", "none", "none", "none")]
+    assert megatron_setting(cfg.model, mixed, targets) is None
+
+
+def test_megatron_runs_a_plan_only_where_every_stage_runs_one_setting():
+    none, block = RecomputeConfig(), RecomputeConfig("full", [], "block", 2)
+    uniform = {"label": "full block 2", "megatron_flags": megatron_flags(block)}
+    same = auto.megatron_run([block, block], uniform)
+    assert same["runs"] and same["flags"] == ["--recompute-granularity", "full", "--recompute-method", "block",
+                                              "--recompute-num-layers", "2"]
+    differ = auto.megatron_run([block, none], uniform)
+    assert not differ["runs"] and differ["flags"] is None
+    assert "one recompute setting to every pipeline stage" in differ["note"] and "stage 1 none" in differ["note"]
+    assert "--recompute-num-layers 2" in differ["note"]  # what to run there instead
+    mix = auto.megatron_run([None, none], None)
+    assert not mix["runs"] and "stage 0 mixes choices" in mix["note"] and "no uniform setting fits" in mix["note"]
+
+
+def test_plan_auto_with_pp_writes_a_section_per_stage_and_says_how_megatron_runs_it(tmp_path):
+    path = tmp_path / "p.toml"
+    base = ("plan", "--auto", "-w", "llama3-70b", "--tp", "8", "--pp", "4", "--sequence-parallel", "--output", str(path))
+    result = invoke(*base, "--memory-gb", "60", "--json")
+    assert result.exit_code == 0, result.output
+    plan = json.loads(result.stdout)
+    cfg = config("llama3-70b", parallel__tensor_model_parallel_size=8, parallel__pipeline_model_parallel_size=4,
+                 parallel__sequence_parallel=True)
+    assert read_policy(path, cfg) == plan["policy"]
+    assert path.read_text().count("[stage.") == 4 and "layers = [\n" in path.read_text()
+    assert [s["microbatches_in_flight"] for s in plan["stages"]] == [4, 3, 2, 1]
+    assert plan["stages"][0]["recompute_cost"] > plan["stages"][-1]["recompute_cost"]  # stage 0 holds 4 micro-batches
+    assert plan["megatron"]["runs"] is False and plan["uniform"]["megatron_flags"]
+    assert "Megatron cannot run this plan" in result.stderr and "per-stage policy" in result.stderr
+    # plan without --auto recommends the same uniform setting and prints Megatron's flags for it
+    uniform = invoke("plan", *base[2:-2], "--memory-gb", "60")
+    assert uniform.exit_code == 0, uniform.output
+    assert f"recommended: {plan['uniform']['label']}" in uniform.stderr
+    assert "in Megatron-LM: " + " ".join(plan["uniform"]["megatron_flags"]) in uniform.stderr.replace("\n", "")
+    roomy = invoke(*base, "--memory-gb", "80", "--json")
+    assert roomy.exit_code == 0, roomy.output
+    assert json.loads(roomy.stdout)["megatron"] == {"runs": True, "setting": "none", "flags": [],
+                                                     "note": "Megatron runs this plan as none on every stage (no recompute flags)"}
+
+
+def stage_file(tmp_path, sections, extra=""):
+    path = tmp_path / "stages.toml"
+    body = "".join(f'[stage.{s}]\nlayers = [{", ".join(chr(34) + e + chr(34) for e in layers)}]\n' for s, layers in sections.items())
+    path.write_text(f'schema = "recompute-bench/policy/v1"\nworkload = "tiny"\n{extra}{body}')
+    return path
+
+
+def test_per_stage_sections_give_each_stage_its_policy_with_chunks_kept_apart(tmp_path):
+    cfg = config("tiny", parallel__pipeline_model_parallel_size=2)
+    path = stage_file(tmp_path, {0: ["full:0", "full:0"], 1: ["full:0", "selective[mlp]"]})
+    assert read_policy(path, cfg) == ["full:0", "full:0", "full:1", "selective[mlp]"]
+    flat = RecomputeConfig(layer_policy=read_policy(path, cfg))
+    assert layer_policies(flat, 2, first=2) == [LayerPolicy(chunk=1), LayerPolicy(modules=frozenset({"mlp"}))]
+
+
+BAD_STAGES = {
+    "sections without --pp": ((), {0: ["none"] * 2, 1: ["none"] * 2}, "", "runs one pipeline stage; pass --pp 2"),
+    "a stage that does not exist": (("--pp", "2"), {0: ["none"] * 2, 1: ["none"] * 2, 2: ["none"] * 2}, "",
+                                    "section for stage 2, but --pp 2 has stages 0 to 1"),
+    "a stage without a section": (("--pp", "2"), {0: ["none"] * 2}, "", "no section for stage 1"),
+    "layers not in the stage": (("--pp", "2"), {0: ["none"] * 3, 1: ["none"]}, "",
+                                "stage 0 lists 3 layers but stage 0 holds 2 (layers 0 to 1)"),
+    "layers beside sections": (("--pp", "2"), {0: ["none"] * 2, 1: ["none"] * 2}, 'layers = ["none", "none", "none", "none"]\n',
+                               "both `layers` and per-stage sections"),
+    "a bad entry in a stage": (("--pp", "2"), {0: ["none"] * 2, 1: ["none", "half"]}, "", "stage 1, layer 3: 'half'"),
+    "virtual stages": (("--pp", "2", "--set", "parallel.virtual_pipeline_model_parallel_size=2"),
+                       {0: ["none"] * 2, 1: ["none"] * 2}, "", "do not go with virtual pipeline stages"),
+}
+
+
+@pytest.mark.parametrize("problem", BAD_STAGES)
+def test_a_bad_per_stage_policy_file_is_one_line_and_exit_2(tmp_path, problem):
+    flags, sections, extra, needle = BAD_STAGES[problem]
+    path = stage_file(tmp_path, sections, extra)
+    result = invoke("run", "-w", "tiny", "--nproc-per-node", "2" if flags else "1", *flags, "--policy", str(path))
+    assert result.exit_code == 2, result.output
+    assert needle in result.stderr and "Traceback" not in result.output
+    assert len(result.stderr.strip().splitlines()) == 1
+
+
+@pytest.mark.slow
+def test_run_with_pp_measures_each_stage_under_its_own_section(tmp_path):
+    path = stage_file(tmp_path, {0: ["full:0", "full:0"], 1: ["selective[mlp]", "none"]})
+    result = invoke("run", "-w", "tiny", "--nproc-per-node", "2", "--pp", "2", "--policy", str(path), *FAST,
+                    "--no-save", "--json")
+    assert result.exit_code == 0, result.output
+    record = json.loads(result.stdout)
+    assert record["recompute"]["layer_policy"] == ["full:0", "full:0", "selective[mlp]", "none"]
+    stages = record["pipeline"]["stages"]
+    for s in stages:  # each stage's layers ran its own section: measured bytes equal the estimate
+        assert s["activation_bytes"] == s["estimated_activation_bytes"]
+        assert s["activation_peak_bytes"] == s["estimated_activation_peak_bytes"]
+    assert stages[0]["activation_bytes"] < stages[1]["activation_bytes"]  # stage 0 keeps its chunk's input only
+
+
+def test_with_dense_and_moe_stages_each_stage_chooses_from_its_own_kind_against_exhaustive_search():
+    # moe_layer_freq 2 over 4 stages: stages of MoE and dense layers (one policy for all could not exist)
+    cfg = config("tiny-moe", model__num_layers=4, model__moe_layer_freq=2, parallel__pipeline_model_parallel_size=4,
+                 training__global_batch_size=8, training__micro_batch_size=1, training__precision="fp32")
+    targets = spec_for(cfg.model).recompute_targets
+    options = {}
+    for s, kind in enumerate(("moe", "dense", "moe", "dense")):
+        mods = [m for m in targets if (m != "mlp" if kind == "moe" else m not in ("moe", "moe_act", "shared_experts"))]
+        options[s] = [[LayerPolicy(modules=frozenset(x))] for n in range(len(mods) + 1)
+                      for x in itertools.combinations(mods, n)] + [[LayerPolicy(chunk=0)]]
+    needs = {s: [rank_memory(cfg, s, "cpu", policy_activations(cfg, p, "cpu", s)).peak_allocated_bytes for p in options[s]]
+             for s in options}
+    lo, hi = max(min(n) for n in needs.values()), max(max(n) for n in needs.values())
+    for fraction in (0.0, 0.5, 1.0):
+        budget = lo + fraction * (hi - lo)
+        result = auto.auto_plan(cfg, budget, "cpu", 0.0, 0.0)
+        for s, row in enumerate(result["stages"]):
+            best = min(cost_from(cfg, p, s) for p, n in zip(options[s], needs[s]) if n <= budget)
+            got = [parse_entry(e) for e in row["policy"]]
+            assert cost_from(cfg, got, s) == best and row["peak_allocated_bytes"] <= budget, (s, fraction, row["policy"])
+            assert not got[0].modules & ({"mlp"} if s % 2 == 0 else {"moe", "moe_act", "shared_experts"})

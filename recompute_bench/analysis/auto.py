@@ -15,7 +15,8 @@ equal cost the policy that recomputes fewer modules wins (`layernorm` adds no FL
 memory-bound time). Offload costs host-link time, which FLOPs cannot price, so it is a choice only
 with a profile measured on CUDA (see `profile.offload_seconds` for the model).
 
-The constraint is the whole-rank peak (`rank.peak_rank_memory` with the candidate's activations:
+With pipeline stages each stage is solved on its own (its layers, its in-flight micro-batches).
+The constraint is the stage's whole-rank peak (`rank.rank_memory` with the candidate's activations:
 in-flight micro-batches, the loss, the recompute working set), which grows with both the stage's
 stored bytes and its backward peak. So the solver is an exact dynamic programme over layers whose
 state is (stored bytes so far, largest backward peak so far, largest offloaded layer so far): a
@@ -40,10 +41,11 @@ from recompute_bench.analysis.planner import plan, setting_estimate
 from recompute_bench.analysis.rank import ALLOWANCE_BYTES, ALLOWANCE_FRACTION, device_bytes_needed, microbatches_in_flight, rank_memory
 from recompute_bench.analysis.stage import StageActivations
 from recompute_bench.models import spec_for
-from recompute_bench.recompute.policy import LayerPolicy, kind_targets, layer_kind, layer_policies
+from recompute_bench.recompute.policy import (LayerPolicy, kind_targets, layer_kind, layer_policies, megatron_flags,
+                                              megatron_setting)
 from recompute_bench.spec.config import Config, ConfigError, RecomputeConfig
 
-AUTO_SCHEMA = "recompute-bench/plan-auto/v2"
+AUTO_SCHEMA = "recompute-bench/plan-auto/v3"  # v3: `stages`, `megatron`; costs summed over the stages
 Cost = tuple[float, int]
 """(recompute cost per micro-batch in the costs' unit, selective modules recomputed): compared in order."""
 
@@ -123,25 +125,13 @@ def _add(a: Cost, b: Cost) -> Cost:
     return a[0] + b[0], a[1] + b[1]
 
 
-def check_stage_kinds(cfg: Config) -> None:
-    """plan --auto runs one policy in every pipeline stage, so every stage must have its layers'
-    kinds (dense, MoE) in the same order; a ConfigError naming the fix if not."""
-    m, p = cfg.model, cfg.parallel.pipeline_model_parallel_size
-    n = m.num_layers // p
-    first = [layer_kind(m, i) for i in range(n)]
-    if any(layer_kind(m, s * n + i) != first[i] for s in range(p) for i in range(n)):
-        raise ConfigError(f"plan --auto runs one policy in every pipeline stage, but with moe_layer_freq "
-                          f"{m.moe_layer_freq} the stages' {n} layers differ in kind; choose a pipeline size whose "
-                          f"layers per stage are a multiple of {m.moe_layer_freq}")
-
-
 def solve(cfg: Config, layers: int, fits: Callable[[StageActivations], bool],
-          device: str = "cuda", costs: Costs | None = None) -> list[LayerPolicy] | None:
-    """The cheapest policy list for the first `layers` layers whose stage activations `fits`
-    accepts, or None. `fits` must be monotone: if it accepts (stored, peak) it accepts anything no
-    larger. `costs`: FlopCosts(cfg, device) unless given."""
+          device: str = "cuda", costs: Costs | None = None, first: int = 0) -> list[LayerPolicy] | None:
+    """The cheapest policy list for the `layers` layers from model layer `first` (a pipeline
+    stage's) whose stage activations `fits` accepts, or None. `fits` must be monotone: if it accepts
+    (stored, peak) it accepts anything no larger. `costs`: FlopCosts(cfg, device) unless given."""
     costs = costs or FlopCosts(cfg, device)
-    kinds = [layer_kind(cfg.model, i) for i in range(layers)]
+    kinds = [layer_kind(cfg.model, first + i) for i in range(layers)]
     options = {k: choices(cfg, k, costs, device) for k in set(kinds)}
     full_bytes = {k: layer_activation_bytes(kind_config(cfg, k), (), device) for k in set(kinds)}
     full_cost = {k: (costs.full(k), len(spec_for(cfg.model).recompute_targets) + 1) for k in set(kinds)}
@@ -230,44 +220,43 @@ def _walk_back(frontier: list[dict], i: int, key: tuple[float, float, float]) ->
     return out
 
 
-def stage_policy_config(cfg: Config, stage: list[LayerPolicy]) -> Config:
-    """cfg running `stage`'s policy in every pipeline stage (chunk numbers kept apart per stage)."""
-    p = cfg.parallel.pipeline_model_parallel_size
-    span = 1 + max((x.chunk for x in stage if x.chunk is not None), default=0)
-    entries = [dataclasses.replace(x, chunk=None if x.chunk is None else x.chunk + s * span).entry
-               for s in range(p) for x in stage]
+def stage_policy_config(cfg: Config, stages: list[list[LayerPolicy]]) -> Config:
+    """cfg running `stages[s]`'s policy in pipeline stage s (chunk numbers kept apart per stage)."""
+    entries, offset = [], 0
+    for stage in stages:
+        entries += [dataclasses.replace(x, chunk=None if x.chunk is None else x.chunk + offset).entry for x in stage]
+        offset += 1 + max((x.chunk for x in stage if x.chunk is not None), default=-1)
     return dataclasses.replace(cfg, recompute=RecomputeConfig(layer_policy=entries))
 
 
-def rank_peak(cfg: Config, device: str = "cuda") -> Callable[[StageActivations], float]:
-    """`rank.peak_rank_memory(cfg, device, acts).peak_allocated_bytes` as a function of the
-    stage's activations, read off the rank model once. Per stage it is (f - 1) S + max(S + a, P + b)
-    in the backward (f micro-batches in flight, S stored, P the backward peak, a and b what the loss
-    and the layers' workspaces add), or the optimizer step's peak, which activations do not touch."""
-    p = cfg.parallel.pipeline_model_parallel_size
+def stage_peaks(cfg: Config, device: str = "cuda") -> list[Callable[[StageActivations], float]]:
+    """Per pipeline stage s, `rank.rank_memory(cfg, s, device, acts).peak_allocated_bytes` as a
+    function of the stage's activations, read off the rank model once. It is (f - 1) S + max(S + a,
+    P + b) in the backward (f micro-batches in flight on stage s, S stored, P the backward peak, a
+    and b what the loss and the layers' workspaces add), or the optimizer step's peak, which
+    activations do not touch."""
     far = 2.0**40  # a stored or peak size that dominates its max(), exact in float arithmetic
-    terms = []
-    for stage in range(p):  # every stage: with the pipeline runtime's buffers a middle one may be the most loaded
-        def backward(stored: float, peak: float) -> float:
-            acts = StageActivations(1, stored, peak)
-            return rank_memory(cfg, stage, device, acts).backward_peak_bytes
+    out = []
+    for stage in range(cfg.parallel.pipeline_model_parallel_size):
+        def backward(stored: float, peak: float, stage: int = stage) -> float:
+            return rank_memory(cfg, stage, device, StageActivations(1, stored, peak)).backward_peak_bytes
         f = microbatches_in_flight(cfg, stage)
         step = rank_memory(cfg, stage, device).optimizer_step_bytes
-        terms.append((f, backward(far, 0.0) - f * far, backward(0.0, far) - far, step))
+        a, b = backward(far, 0.0) - f * far, backward(0.0, far) - far
 
-    def peak(acts: StageActivations) -> float:
-        s, q = acts.stored_bytes, acts.peak_bytes
-        return max(max((f - 1) * s + max(s + a, q + b), step) for f, a, b, step in terms)
+        def peak(acts: StageActivations, f: float = f, a: float = a, b: float = b, step: float = step) -> float:
+            s, q = acts.stored_bytes, acts.peak_bytes
+            return max((f - 1) * s + max(s + a, q + b), step)
+        out.append(peak)
+    return out
 
-    return peak
 
-
-def policy_cost(cfg: Config, policies: list[LayerPolicy], costs: Costs, device: str = "cuda") -> float:
-    """What `policies` (a stage's layers, from model layer 0) cost in `costs`' unit per micro-batch:
-    the solver's objective."""
+def policy_cost(cfg: Config, policies: list[LayerPolicy], costs: Costs, device: str = "cuda", first: int = 0) -> float:
+    """What `policies` (layers from model layer `first`) cost in `costs`' unit per micro-batch: the
+    solver's objective."""
     total = 0.0
     for i, p in enumerate(policies):
-        kind = layer_kind(cfg.model, i)
+        kind = layer_kind(cfg.model, first + i)
         if p.chunk is not None:
             total += costs.full(kind)
         elif p.offload:
@@ -280,40 +269,85 @@ def policy_cost(cfg: Config, policies: list[LayerPolicy], costs: Costs, device: 
 def auto_plan(cfg: Config, budget_bytes: float, device: str = "cuda",
               allowance_fraction: float = ALLOWANCE_FRACTION,
               allowance_bytes: float = ALLOWANCE_BYTES, costs: Costs | None = None) -> dict[str, Any]:
-    """The cheapest per-layer policy whose whole-rank need (allocated peak plus the allowance) fits
-    `budget_bytes`, its predicted figures, and beside it `memory.plan`'s best uniform setting, both
-    priced by `costs` (analytical FLOPs unless given)."""
+    """The cheapest per-layer policy of each pipeline stage whose whole-rank need (allocated peak
+    plus the allowance) fits `budget_bytes` against that stage's own in-flight micro-batches, its
+    predicted figures stage by stage, how Megatron can run it (`megatron`), and beside it
+    `memory.plan`'s best uniform setting (one for every stage, its peak the most loaded stage's),
+    both priced by `costs` (analytical FLOPs unless given) summed over the model's layers. Each
+    stage at its own least cost also makes the costliest stage, which paces the pipeline, least."""
     if cfg.parallel.virtual_pipeline_model_parallel_size:
         raise ConfigError("plan --auto plans one model chunk per pipeline stage; drop "
                           "--set parallel.virtual_pipeline_model_parallel_size")
-    check_stage_kinds(cfg)
     costs = costs or FlopCosts(cfg, device)
-    layers = cfg.model.num_layers // cfg.parallel.pipeline_model_parallel_size
+    p = cfg.parallel.pipeline_model_parallel_size
+    layers = cfg.model.num_layers // p
+    targets = spec_for(cfg.model).recompute_targets
     base = dataclasses.replace(cfg, recompute=RecomputeConfig())
 
-    peak = rank_peak(base, device)
-    stage = solve(cfg, layers, lambda acts: device_bytes_needed(peak(acts), allowance_fraction,
-                                                                      allowance_bytes) <= budget_bytes, device, costs)
+    def fitting(peak: Callable[[StageActivations], float]) -> Callable[[StageActivations], bool]:
+        return lambda acts: device_bytes_needed(peak(acts), allowance_fraction, allowance_bytes) <= budget_bytes
+
+    stages = [solve(cfg, layers, fitting(peak), device, costs, s * layers) for s, peak in enumerate(stage_peaks(base, device))]
     uniform = plan(cfg, budget_bytes, device, allowance_fraction, allowance_bytes)
     for row in uniform["fits"]:
-        row["recompute_cost"] = policy_cost(cfg, layer_policies(RecomputeConfig(**row["recompute"]), layers), costs, device)
+        r = RecomputeConfig(**row["recompute"])
+        row["recompute_cost"] = sum(policy_cost(cfg, layer_policies(r, layers), costs, device, s * layers) for s in range(p))
     # the cheapest fitting uniform setting by the same costs (measured ones may order them otherwise)
     best = min(uniform["fits"], key=lambda row: row["recompute_cost"]) if uniform["fits"] else None
     out: dict[str, Any] = {"schema": AUTO_SCHEMA, "workload": cfg.workload, "config": cfg.to_dict(),
                            "device": device_kind(device), "budget_bytes": budget_bytes,
                            "allowance": {"fraction": allowance_fraction, "bytes": allowance_bytes},
-                           "solver": "exact dynamic programme over layers x (stored, peak, brought-back) bytes",
-                           "costs": costs.unit, "offload": costs.offload_note if cfg.parallel.pipeline_model_parallel_size == 1
+                           "solver": "exact dynamic programme over layers x (stored, peak, brought-back) bytes"
+                                     + (", per pipeline stage" if p > 1 else ""),
+                           "costs": costs.unit, "offload": costs.offload_note if p == 1
                            else "offload is not a choice with pipeline parallelism (Megatron's rule)",
-                           "layer_kinds": [layer_kind(cfg.model, i) for i in range(layers)],
-                           "policy": None, "predicted": None, "uniform": best,
+                           "layer_kinds": [layer_kind(cfg.model, i) for i in range(cfg.model.num_layers)],
+                           "policy": None, "predicted": None, "stages": None, "megatron": None, "uniform": best,
+                           "unfit_stages": [s for s, stage in enumerate(stages) if stage is None],
                            "reason": uniform["reason"], "would_fit": uniform["would_fit"]}
-    if stage is None:
+    if out["unfit_stages"]:
         return out
-    chosen = stage_policy_config(cfg, stage)
+    chosen = stage_policy_config(cfg, stages)
     row = setting_estimate(chosen, device)
     row["device_bytes_needed"] = device_bytes_needed(row["peak_allocated_bytes"], allowance_fraction, allowance_bytes)
-    row["recompute_cost"] = policy_cost(cfg, stage, costs, device)
+    row["recompute_cost"] = sum(policy_cost(cfg, stage, costs, device, s * layers) for s, stage in enumerate(stages))
+    settings = [megatron_setting(cfg.model, stage, targets, s * layers) for s, stage in enumerate(stages)]
     out["policy"] = chosen.recompute.layer_policy
     out["predicted"] = row
+    out["stages"] = []
+    for s, stage in enumerate(stages):
+        peak = rank_memory(chosen, s, device).peak_allocated_bytes
+        out["stages"].append({"stage": s, "layers": [s * layers, (s + 1) * layers - 1],
+                              "microbatches_in_flight": microbatches_in_flight(cfg, s),
+                              "policy": [x.entry for x in stage], "label": RecomputeConfig(layer_policy=[x.entry for x in stage]).label,
+                              "megatron_setting": None if settings[s] is None else settings[s].label,
+                              "peak_allocated_bytes": peak,
+                              "device_bytes_needed": device_bytes_needed(peak, allowance_fraction, allowance_bytes),
+                              "recompute_cost": policy_cost(cfg, stage, costs, device, s * layers)})
+    out["megatron"] = megatron_run(settings, best)
     return out
+
+
+def megatron_run(settings: list[RecomputeConfig | None], uniform: dict[str, Any] | None) -> dict[str, Any]:
+    """How Megatron-LM runs a plan whose stages run `settings` (each stage's policy as one Megatron
+    setting, None where it is a mix no setting expresses): Megatron reads one recompute setting for
+    every pipeline stage (`TransformerConfig.recompute_*`, applied per model chunk in
+    `TransformerBlock._checkpointed_forward`), so only a plan whose stages all run the same setting
+    has flags; otherwise why not, and the uniform setting `uniform` to run there instead."""
+    instead = (f"; run the best uniform setting there instead ({uniform['label']}"
+               + (": " + " ".join(uniform["megatron_flags"]) if uniform["megatron_flags"] else ", no recompute flags")
+               + ")" if uniform else "; no uniform setting fits")
+    mixed = [s for s, r in enumerate(settings) if r is None]
+    if mixed:
+        return {"runs": False, "setting": None, "flags": None,
+                "note": f"Megatron cannot run this plan: {'it' if len(settings) == 1 else f'stage {mixed[0]}'} mixes "
+                        f"choices layer by layer, which no Megatron setting expresses{instead}"}
+    if all(r == settings[0] for r in settings):
+        r = settings[0]
+        return {"runs": True, "setting": r.label, "flags": megatron_flags(r),
+                "note": f"Megatron runs this plan as {r.label}" + (" on every stage" if len(settings) > 1 else "")
+                        + (": " + " ".join(megatron_flags(r)) if megatron_flags(r) else " (no recompute flags)")}
+    per = ", ".join(f"stage {s} {r.label}" for s, r in enumerate(settings) if r is not None)
+    return {"runs": False, "setting": None, "flags": None,
+            "note": f"Megatron cannot run this plan: it applies one recompute setting to every pipeline stage, and "
+                    f"this plan runs {per}{instead}"}

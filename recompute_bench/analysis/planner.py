@@ -17,6 +17,7 @@ from recompute_bench.analysis.rank import (ALLOWANCE_BYTES, ALLOWANCE_FRACTION, 
                                            stage_memories)
 from recompute_bench.analysis.stage import stage_activations
 from recompute_bench.models import device_kind, spec_for
+from recompute_bench.recompute.policy import megatron_flags
 from recompute_bench.recompute.settings import selective_settings
 from recompute_bench.spec.config import Config, RecomputeConfig
 from recompute_bench.spec.rules import layers_per_model_chunk
@@ -155,11 +156,13 @@ def _speed_key(row: dict[str, Any]) -> tuple:
 
 def plan(cfg: Config, budget_bytes: float, device: str = "cuda", allowance_fraction: float = ALLOWANCE_FRACTION,
          allowance_bytes: float = ALLOWANCE_BYTES) -> dict[str, Any]:
-    """The settings that fit `budget_bytes` of device memory per GPU, fastest first, a recommended
-    one, and, when none fits, the changes of layout that would make one fit."""
+    """The settings that fit `budget_bytes` of device memory per GPU, fastest first (each with
+    Megatron-LM's flags for it), a recommended one, and, when none fits, the changes of layout that
+    would make one fit."""
     rows = setting_candidates(cfg, device)
     for row in rows:
         row["device_bytes_needed"] = device_bytes_needed(row["peak_allocated_bytes"], allowance_fraction, allowance_bytes)
+        row["megatron_flags"] = megatron_flags(RecomputeConfig(**row["recompute"]))
     fitting = sorted((r for r in rows if r["device_bytes_needed"] <= budget_bytes), key=_speed_key)
     # Of the block counts that fit, only the smallest is worth listing: more layers recomputed is slower.
     shown, block_seen = [], False

@@ -148,6 +148,8 @@ def plan(
     if result["fits"]:
         err.print(plan_table(result))
         err.print(f"[green]recommended:[/] {escape(result['recommended'])}: {escape(result['reason'])}", highlight=False)
+        flags = result["fits"][0]["megatron_flags"]
+        err.print(f"in Megatron-LM: {escape(' '.join(flags)) if flags else 'no recompute flags'}", highlight=False)
     else:
         err.print(f"[red]{escape(result['reason'])}[/]", highlight=False)
         err.print(would_fit_table(result))
@@ -187,14 +189,16 @@ def _plan_auto(cfg, memory_gb: float, device: str, allowance_fraction: float, al
     """plan --auto: solve, write the policy file, show it beside the best uniform setting."""
     from recompute_bench.analysis.auto import auto_plan
     from recompute_bench.recompute.policy_file import write_policy
-    from recompute_bench.render.estimate import auto_table, would_fit_table
+    from recompute_bench.render.estimate import auto_stages_table, auto_table, would_fit_table
 
     try:
         result = auto_plan(cfg, memory_gb * 2**30, device, allowance_fraction, allowance_gb * 2**30, costs)
     except ConfigError as e:
         raise fail(str(e)) from None
     if result["policy"] is None:
-        err.print(f"[red]no per-layer policy fits either: {escape(result['reason'])}[/]", highlight=False)
+        where = "" if cfg.parallel.pipeline_model_parallel_size == 1 else \
+            " stage " + ", ".join(str(s) for s in result["unfit_stages"])
+        err.print(f"[red]no per-layer policy fits{where} either: {escape(result['reason'])}[/]", highlight=False)
         err.print(would_fit_table(result))
         if json_out:
             typer.echo(json.dumps(result, indent=2))
@@ -204,21 +208,25 @@ def _plan_auto(cfg, memory_gb: float, device: str, allowance_fraction: float, al
     figures = {"budget_bytes": result["budget_bytes"], "device": result["device"],
                "peak_allocated_bytes": auto["peak_allocated_bytes"], "device_bytes_needed": auto["device_bytes_needed"],
                "hardware_flops_per_step": auto["hardware_flops_per_step"], "recompute_overhead": auto["recompute_overhead"],
-               "costs": result["costs"], "recompute_cost": auto["recompute_cost"]}
+               "costs": result["costs"], "recompute_cost": auto["recompute_cost"], "megatron": result["megatron"]["note"]}
     if uniform:
         figures.update({"uniform_setting": uniform["label"], "uniform_device_bytes_needed": uniform["device_bytes_needed"],
                         "uniform_recompute_overhead": uniform["recompute_overhead"],
                         "uniform_recompute_cost": uniform["recompute_cost"]})
     try:
-        write_policy(path, cfg, result["policy"], figures)
+        write_policy(path, cfg, result["policy"], figures, [s["policy"] for s in result["stages"]])
     except OSError as e:
         raise fail(f"cannot write the policy file {path} ({e}); pass --output to a writable path") from None
     err.print(auto_table(result))
+    if len(result["stages"]) > 1:
+        err.print(auto_stages_table(result))
     kinds = result["layer_kinds"]
     if len(set(kinds)) > 1:
-        err.print(f"layer kinds per stage: {escape(' '.join(kinds))} (each kind chooses from its own modules)", highlight=False)
+        err.print(f"layer kinds: {escape(' '.join(kinds))} (each kind chooses from its own modules)", highlight=False)
     err.print(f"costs: {escape(result['costs'])}; {escape(result['offload'])}", highlight=False)
     err.print(f"[green]policy:[/] {escape(auto['label'])} ({escape(result['solver'])}); written to {escape(str(path))}",
               highlight=False)
+    err.print(("" if result["megatron"]["runs"] else "[yellow]") + escape(result["megatron"]["note"])
+              + ("" if result["megatron"]["runs"] else "[/]"), highlight=False)
     if json_out:
         typer.echo(json.dumps({**result, "output": str(path)}, indent=2))

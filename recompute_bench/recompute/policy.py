@@ -121,3 +121,43 @@ def chunks(policies: list[LayerPolicy]) -> list[tuple[int, int]]:
 def recomputed_layers(policies: list[LayerPolicy]) -> int:
     """How many layers full recompute re-runs in backward."""
     return sum(p.chunk is not None for p in policies)
+
+
+def _shape(model: ModelConfig, policies: list[LayerPolicy], first: int, targets: tuple[str, ...]) -> tuple:
+    """What the layers `first`, `first + 1`, ... do under `policies`, as comparable values: each
+    layer's selective modules its kind has, whether it is offloaded, and the full-recompute chunks
+    as layer ranges (chunk numbers themselves say nothing)."""
+    layers = tuple((frozenset(p.modules) & frozenset(kind_targets(targets, layer_kind(model, first + i))), p.offload)
+                   for i, p in enumerate(policies))
+    return layers, tuple(r for r in chunks(policies) if policies[r[0]].chunk is not None)
+
+
+def megatron_setting(model: ModelConfig, policies: list[LayerPolicy], targets: tuple[str, ...],
+                     first: int = 0) -> RecomputeConfig | None:
+    """The Megatron setting (one of `layer_policies`' meanings) that runs exactly `policies` on the
+    model chunk of layers `first`, `first + 1`, ..., or None where none does (a mix of choices).
+    Megatron applies a selective module only where the layer has it, so a MoE model's selective
+    setting lists the union of its layers' modules. Candidates: none, offload N, selective over
+    the modules used, full uniform N and full block N for every N of the chunk."""
+    n = len(policies)
+    used = sorted(set().union(*(p.modules for p in policies)))
+    candidates = [RecomputeConfig()] + [RecomputeConfig(activation_offload_layers=k) for k in range(1, n + 1)]
+    if used:
+        candidates.append(RecomputeConfig("selective", [t for t in targets if t in used]))
+    candidates += [RecomputeConfig("full", [], method, k) for method in ("uniform", "block") for k in range(1, n + 1)]
+    want = _shape(model, policies, first, targets)
+    return next((r for r in candidates if _shape(model, layer_policies(r, n), first, targets) == want), None)
+
+
+def megatron_flags(r: RecomputeConfig) -> list[str]:
+    """Megatron-LM's command-line flags (`megatron/training/arguments.py`) for the setting `r`:
+    `--recompute-granularity`, `--recompute-modules`, `--recompute-method`, `--recompute-num-layers`,
+    and `--cpu-offloading --cpu-offloading-num-layers N` for offload; none for no recompute."""
+    if r.granularity == "selective":
+        return ["--recompute-granularity", "selective", "--recompute-modules", *r.modules]
+    if r.granularity == "full":
+        return ["--recompute-granularity", "full", "--recompute-method", str(r.method),
+                "--recompute-num-layers", str(r.num_layers)]
+    if r.activation_offload_layers:
+        return ["--cpu-offloading", "--cpu-offloading-num-layers", str(r.activation_offload_layers)]
+    return []

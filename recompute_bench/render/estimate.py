@@ -160,6 +160,21 @@ def auto_table(result: dict[str, Any]) -> Table:
             continue
         spent = (f"{1e3 * r['recompute_cost']:.3f}" if result["costs"] == "measured seconds"
                  else fmt_flops(r["recompute_cost"]))
-        table.add_row(name, escape(r["label"]), _gib(r["peak_allocated_bytes"]), _gib(r["device_bytes_needed"]),
+        label = "a policy per stage (below)" if name == "auto" and len(result["stages"] or ()) > 1 else r["label"]
+        table.add_row(name, escape(label), _gib(r["peak_allocated_bytes"]), _gib(r["device_bytes_needed"]),
                       f"{100 * r['recompute_overhead']:.1f}%", f"{r['relative_tflops_per_gpu']:.3f}", spent)
+    return table
+
+
+def auto_stages_table(result: dict[str, Any]) -> Table:
+    """`plan --auto` with pipeline stages: each stage's policy against its in-flight micro-batches."""
+    table = Table(title="per-stage policy", header_style="bold")
+    cost = "recompute ms" if result["costs"] == "measured seconds" else "recomputed FLOPs"
+    for col in ("stage", "layers", "in flight", "policy", "as Megatron", "peak allocated", "with allowance", cost):
+        table.add_column(col, justify="left" if col in ("policy", "as Megatron") else "right")
+    for s in result["stages"]:
+        spent = (f"{1e3 * s['recompute_cost']:.3f}" if result["costs"] == "measured seconds" else fmt_flops(s["recompute_cost"]))
+        table.add_row(str(s["stage"]), f"{s['layers'][0]}-{s['layers'][1]}", f"{s['microbatches_in_flight']:g}",
+                      escape(s["label"]), escape(s["megatron_setting"] or "- (a mix)"), _gib(s["peak_allocated_bytes"]),
+                      _gib(s["device_bytes_needed"]), spent)
     return table
