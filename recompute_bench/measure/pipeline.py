@@ -138,10 +138,13 @@ class PipelineParallel(DataParallel):
         return mine
 
     def build(self, cfg: Config, device: torch.device, dtype: torch.dtype | None = None) -> PipelineChunks:
-        """This rank's model chunks: cut from the whole model (seeded as on one rank), then per chunk
-        tensor parallel, recompute (the chunk's own layers' policies), FSDP2 or DDP."""
+        """This rank's model chunks, built as torchtitan builds a stage: the whole model on the meta
+        device, cut into this rank's chunks, per chunk tensor parallel, recompute (the chunk's own
+        layers' policies) and FSDP2 there, then only the chunks materialised and initialised with the
+        values one rank's build holds (`GPT.init_weights` draws every parameter of the whole model in
+        order and drops the other stages'). Under DDP the optimizer reduces the main gradients."""
         fsdp = self.kind == "fsdp" and self.dp_size > 1
-        whole = spec_for(cfg.model).build(cfg, device, torch.float32 if fsdp else dtype or DTYPES[cfg.training.precision])
+        whole = spec_for(cfg.model).build(cfg, "meta", torch.float32 if fsdp else dtype or DTYPES[cfg.training.precision])
         self.whole_parameters = sum(p.numel() for p in whole.parameters())
         per = cfg.model.num_layers // self.num_stages
         chunks = PipelineChunks()
@@ -150,13 +153,19 @@ class PipelineParallel(DataParallel):
             if (chunk.output_layer is not None and chunk.word_embeddings is None and not self.first
                     and cfg.model.share_embeddings_and_output_weights):
                 # this rank's copy; a rank that also holds the embedding (the V's rank 0) keeps the one weight
-                chunk.output_layer.weight = nn.Parameter(whole.word_embeddings.weight.detach().clone())
+                chunk.output_layer.weight = nn.Parameter(torch.empty_like(whole.word_embeddings.weight))
             if self.tensor:
                 self.tensor.parallelize(chunk)
             apply_recompute(chunk, cfg.recompute, self.tensor_group, first=v * per)
             if fsdp:
                 self._shard(chunk, cfg)
             chunks.append(chunk)
+        chunks.to_empty(device=device)
+        if self.first and self.last:
+            whole.tie_weights()  # to_empty gave the V's rank 0 two embeddings, one per chunk: one again
+        whole.init_weights(cfg.training.seed)
+        if device.type == "cuda":
+            torch.cuda.empty_cache()  # the initialisation's one whole parameter at a time
         return chunks
 
     def _shard(self, chunk: GPTStage, cfg: Config) -> None:
