@@ -1,6 +1,6 @@
 """What tests/test_optimizer_bytes.py runs on each of 4 gloo ranks under torchrun, one launch for
 every layout: two training steps of two micro-batches per rank, reading back from the live objects
-(`conftest.held_bytes`) what the rank holds after the first micro-batch's backward of the second
+(`helpers.held_bytes`) what the rank holds after the first micro-batch's backward of the second
 step and when its optimizer step begins, the collectives of that step, and (fp32 layouts without
 model parallelism) the gradients the update reads, next to one rank's over the same global batch.
 Writes OUT/rank<N>.json."""
@@ -17,7 +17,7 @@ import torch.distributed as dist
 
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from conftest import all_gathered, config, fsdp_param_groups, held_bytes, storage_bytes
+from helpers import all_gathered, config, fsdp_param_groups, held_bytes, storage_bytes
 from recompute_bench.analysis.rank import fsdp_unsharded_bytes, is_fsdp, optimizer_bytes_per_parameter
 from recompute_bench.analysis.stage import stage_parameters
 from recompute_bench.measure import distributed

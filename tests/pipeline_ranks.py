@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from conftest import config
+from helpers import config
 from recompute_bench.measure.distributed import init_process_group
 from recompute_bench.measure.pipeline import PipelineParallel, pipeline_loss_and_grads
 from recompute_bench.measure.point import run_point

@@ -12,7 +12,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from conftest import config
+from helpers import config
 from recompute_bench.measure.distributed import DataParallel, init_process_group
 from recompute_bench.measure.point import SavedTensorProbe, SingleRank, local, run_point
 from recompute_bench.models import spec_for

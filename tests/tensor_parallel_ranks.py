@@ -12,7 +12,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from conftest import config
+from helpers import config
 from recompute_bench.measure.distributed import DataParallel, gathered_loss_and_grads, init_process_group
 from recompute_bench.measure.point import run_point
 from recompute_bench.measure.verify import _max_diff, loss_and_grads

@@ -11,7 +11,7 @@ import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.flop_counter import FlopCounterMode, flop_registry, shape_wrapper
 
-from conftest import FAST, config
+from helpers import FAST, config
 from recompute_bench.analysis import flops
 from recompute_bench.analysis.layer import attention_kernel
 from recompute_bench.analysis.stage import activation_bytes

@@ -8,8 +8,8 @@ import json
 import pytest
 import torch
 
-from conftest import config, invoke, probe
-from test_estimate import measure, shrunk
+from helpers import config, invoke, probe
+from helpers import probe_step, shrunk
 from recompute_bench.analysis import auto
 from recompute_bench.analysis import flops
 from recompute_bench.analysis.layer import checkpoint_input_bytes, kind_config, layer_activation_bytes
@@ -106,7 +106,7 @@ MIXED = {"tiny": ["selective[layernorm,mlp]", "full:0", "full:0", "none"],
 def test_a_mixed_policy_s_bytes_and_flops_are_what_the_probe_and_the_flop_counter_measure(workload, dropout):
     base = fp32(workload, dropout)
     cfg = dataclasses.replace(base, recompute=RecomputeConfig(layer_policy=MIXED[workload]))
-    total, per_layer, measured_flops, _ = measure(cfg, count_flops=True)
+    total, per_layer, measured_flops, _ = probe_step(cfg, count_flops=True)
     est = activation_bytes(cfg, "cpu")
     assert est["activation_bytes"] == total
     assert est["activation_bytes_per_layer"] == per_layer
@@ -137,14 +137,14 @@ def test_the_solver_s_policy_run_for_real_fits_and_recomputes_no_more_than_any_f
     n = cfg.model.num_layers
     uniform = []
     for r in [RecomputeConfig()] + all_settings(n):
-        total, _, measured_flops, _ = measure(dataclasses.replace(cfg, recompute=r), count_flops=True)
+        total, _, measured_flops, _ = probe_step(dataclasses.replace(cfg, recompute=r), count_flops=True)
         uniform.append((r.label, total, measured_flops))
     outside = outside_layers(cfg)
     mixed_seen = False
     inner = sorted({t for _, t, _ in uniform})[1:-1]  # budgets strictly between the least and the most bytes
     for budget in [inner[len(inner) // 3], inner[2 * len(inner) // 3], (uniform[0][1] + uniform[1][1]) / 2]:
         solved = auto.solve(cfg, n, lambda a: outside + a.stored_bytes <= budget, "cpu")
-        total, _, measured_flops, _ = measure(running(cfg, solved), count_flops=True)
+        total, _, measured_flops, _ = probe_step(running(cfg, solved), count_flops=True)
         assert total <= budget
         fitting = [f for _, t, f in uniform if t <= budget]
         assert fitting and measured_flops <= min(fitting), (budget, [p.entry for p in solved])

@@ -4,8 +4,9 @@ import json
 from types import SimpleNamespace
 
 import pytest
+import torch
 
-from conftest import FAST, config, invoke
+from helpers import FAST, config, invoke
 from recompute_bench.cli import run_performance_workload
 from recompute_bench.cli.app import normalize_argv
 
@@ -155,6 +156,29 @@ def test_run_performance_workload_refuses_bad_input_in_one_line(capsys):
         run_performance_workload(["-w", "tiny", "--recompute_modules", "attention", "--no-save"])
     err = capsys.readouterr().err.strip()
     assert exit_.value.code == 2 and err.startswith("error:") and len(err.splitlines()) == 1
+
+
+def test_verify_exits_1_naming_the_setting_that_changes_a_gradient(monkeypatch):
+    # A recompute setting that changed the math: here one that also nudges a norm weight by 0.1%.
+    import recompute_bench.measure.verify as verify_module
+    apply = verify_module.apply_recompute
+
+    def apply_and_nudge(model, recompute, *args, **kwargs):
+        model = apply(model, recompute, *args, **kwargs)
+        if recompute.granularity == "full":
+            with torch.no_grad():
+                model.final_layernorm.weight.mul_(1.001)
+        return model
+
+    monkeypatch.setattr(verify_module, "apply_recompute", apply_and_nudge)
+    result = invoke("verify", "--seq-length", "16", "--attention-backend", "math", "--json")
+    assert result.exit_code == 1, result.output
+    outcomes = {o["setting"]: o for o in json.loads(result.stdout)}
+    differs = [name for name, o in outcomes.items() if not o["exact"]]
+    assert differs and all(name.startswith("full") for name in differs)
+    assert all(o["exact"] for name, o in outcomes.items() if not name.startswith("full"))
+    assert all(outcomes[name]["loss_diff"] > 0 for name in differs)
+    assert f"{len(differs)} of {len(outcomes)} settings change the loss or a gradient" in " ".join(result.stderr.split())
 
 
 def test_verify_command_passes_on_tiny():

@@ -14,7 +14,7 @@ import types
 import pytest
 import torch
 
-from conftest import CPU, FAST, config, invoke, measure
+from helpers import CPU, FAST, config, invoke, measure
 from recompute_bench.launch import devices
 from recompute_bench.launch.process import worker_env
 from recompute_bench.measure import point
@@ -213,6 +213,26 @@ def test_the_record_says_which_peak_its_mfu_divides_by(monkeypatch):
     assert m["mfu"] == pytest.approx(m["model_flops_per_step"] / m["step_time_s"] / 835.5e12)
     m = measure(config(sets=FAST, training__precision="fp32"))["metrics"]
     assert (m["peak_source"], m["peak_tflops"]) == ("H100 NVL tf32", 417.5)
+
+
+def test_rates_are_the_formulas_over_the_median_step_time(monkeypatch):
+    # A fake timer: the three measured steps "take" 0.3, 0.5 and 0.2 s, so the median is 0.3 s and
+    # every rate follows from it by hand: FLOPs / 0.3 s / 1 rank, over a 2 TFLOP/s peak.
+    times = [0.3, 0.5, 0.2]
+
+    def timed(device, fn, barrier=lambda: None):
+        fn()
+        return times.pop(0)
+
+    monkeypatch.setattr(point, "_timed", timed)
+    cfg = config(sets=["training.warmup_steps=0", "training.measured_steps=3"])
+    m = measure(cfg, peak_tflops=2.0)["metrics"]
+    assert m["step_times_s"] == [0.3, 0.5, 0.2] and m["step_time_s"] == 0.3
+    assert m["tflops_per_gpu"] == pytest.approx(m["model_flops_per_step"] / 0.3 / 1e12)
+    assert m["tokens_per_s_per_gpu"] == pytest.approx(cfg.training.global_batch_size * cfg.training.seq_length / 0.3)
+    assert m["mfu"] == pytest.approx(m["model_flops_per_step"] / 0.3 / 2e12)
+    assert m["hfu"] == pytest.approx(m["hardware_flops_per_step"] / 0.3 / 2e12)
+    assert m["hfu"] > m["mfu"]  # the hardware count adds what the model formula leaves out (the full causal square on CPU)
 
 
 @pytest.fixture

@@ -1,7 +1,6 @@
 """The analytical model against measurement (saved-tensor probe, FlopCounterMode, parameter count),
 against the paper's Table 2, Eq. 7/8 and Table 5, and the `estimate` / `plan` commands."""
 
-import contextlib
 import dataclasses
 import json
 import subprocess
@@ -11,62 +10,21 @@ import pytest
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
-from conftest import config, invoke
+from helpers import SHRUNK, config, invoke, probe_step, shrunk
 from recompute_bench.analysis.layer import attention_kernel, checkpoint_input_bytes, layer_activation_bytes
 from recompute_bench.analysis.paper import built_minus_paper_bytes, paper_first_stage_bytes, paper_flops_per_step, paper_layer_bytes, paper_layer_differences
 from recompute_bench.analysis.rank import chunks_in_flight, microbatches_in_flight, optimizer_bytes_per_parameter, rank_memory
 from recompute_bench.analysis.stage import activation_bytes, loss_saved_bytes, loss_workspace_bytes, stage_activations, stage_parameters
 from recompute_bench.analysis import flops
 from recompute_bench.spec.config import RecomputeConfig
-from recompute_bench.measure.point import DTYPES, SavedTensorProbe, synthetic_batches
+from recompute_bench.measure.point import DTYPES
 from recompute_bench.models import DeviceKernels
 from recompute_bench.models.dense.layers import build_model
 from recompute_bench.recompute.apply import apply_recompute
 from recompute_bench.recompute.settings import all_settings
 
 MiB, GiB = 2**20, 2**30
-# Shrunken layers of the presets: a few layers, small hidden size and sequence, one micro-batch per step.
-SHRUNK = {
-    "tiny": {"training.global_batch_size": 2},
-    "llama3-8b": {"model.num_layers": 3, "model.hidden_size": 64, "model.num_attention_heads": 8,
-                  "model.num_query_groups": 2, "model.ffn_hidden_size": 160, "model.vocab_size": 256,
-                  "training.seq_length": 32, "training.micro_batch_size": 2, "training.global_batch_size": 2},
-    "gpt3-175b": {"model.num_layers": 3, "model.hidden_size": 64, "model.num_attention_heads": 4,
-                  "model.ffn_hidden_size": 256, "model.vocab_size": 512, "model.max_position_embeddings": 64,
-                  "training.seq_length": 32, "training.micro_batch_size": 2, "training.global_batch_size": 2},
-}
 PAPER_PRESETS = ["gpt3-22b", "gpt3-175b", "gpt3-530b", "gpt3-1t"]
-
-
-def shrunk(workload, **overrides):
-    return config(workload, **{k.replace(".", "__"): v for k, v in {**SHRUNK[workload], **overrides}.items()})
-
-
-def measure(cfg, count_flops=False, backward=False):
-    """One probe step as `run` takes it (first micro-batch of the step's token tensor): (activation
-    bytes, bytes per layer, FLOPs of forward + backward, bytes saved during backward, i.e. by full
-    recompute's re-run forward)."""
-    model = apply_recompute(build_model(cfg.model, cfg.training.seed, "cpu", DTYPES[cfg.training.precision]),
-                            cfg.recompute).train()
-    tokens = synthetic_batches(cfg, torch.device("cpu"))[0]
-    probe = SavedTensorProbe(model)
-    again: dict[int, torch.UntypedStorage] = {}  # held, so every storage saved in backward is counted
-
-    def keep(t):
-        if t.untyped_storage()._cdata not in probe.excluded:
-            again.setdefault(t.untyped_storage()._cdata, t.untyped_storage())
-        return t
-
-    torch.manual_seed(0)
-    with FlopCounterMode(display=False) if count_flops else contextlib.nullcontext() as counter:
-        with probe.watch():
-            loss = model(tokens[:, :-1], tokens[:, 1:])
-        total, layers = probe.bytes()
-        if backward or count_flops:
-            with torch.autograd.graph.saved_tensors_hooks(keep, lambda t: t):
-                loss.backward()
-    recomputed = sum(s.nbytes() for s in again.values())
-    return total, layers / cfg.model.num_layers, counter.get_total_flops() if count_flops else None, recomputed
 
 
 def every_setting(workload, backend, dropout):
@@ -96,7 +54,7 @@ def _error(estimate, measured):
 def test_every_setting_activation_bytes_match_the_probe(workload, backend, dropout):
     for cfg in every_setting(workload, backend, dropout):
         r = cfg.recompute
-        total, per_layer, _, _ = measure(cfg)
+        total, per_layer, _, _ = probe_step(cfg)
         est = activation_bytes(cfg, "cpu")
         assert _error(est["activation_bytes"], total) <= 0.02, (r.label, est, total)
         assert _error(est["activation_bytes_per_layer"], per_layer) <= 0.02, (r.label, est, per_layer)
@@ -117,7 +75,7 @@ def _rerun_layers(r, num_layers):
 def test_every_setting_hardware_flops_match_the_flop_counter(workload, backend, dropout):
     for cfg in every_setting(workload, backend, dropout):
         r = cfg.recompute
-        _, _, measured_flops, _ = measure(cfg, count_flops=True)
+        _, _, measured_flops, _ = probe_step(cfg, count_flops=True)
         hardware = flops.hardware_flops_per_step(cfg, "cpu")
         if backend == "sdpa" and dropout == 0.0:
             # sdpa without dropout runs torch's CPU flash kernel, which has no FlopCounterMode formula.
@@ -255,7 +213,7 @@ def test_the_model_is_exact_term_by_term(precision, micro_batch):
             cfg = shrunk(workload, **{"training.precision": precision, "training.micro_batch_size": micro_batch,
                                       "training.global_batch_size": micro_batch, "model.attention_backend": backend,
                                       "model.attention_dropout": dropout, "model.hidden_dropout": dropout})
-            total, per_layer, _, _ = measure(cfg)
+            total, per_layer, _, _ = probe_step(cfg)
             assert activation_bytes(cfg, "cpu") == {"activation_bytes": total, "activation_bytes_per_layer": per_layer}
 
 
@@ -264,7 +222,7 @@ def test_full_recompute_rebuilds_a_whole_layer_per_recomputed_layer_in_backward(
     cfg = shrunk("gpt3-175b", **{"model.attention_backend": "math", "model.attention_dropout": 0.1,
                                  "model.hidden_dropout": 0.1})
     cfg = dataclasses.replace(cfg, recompute=RecomputeConfig("full", [], method, n))
-    *_, recomputed = measure(cfg, backward=True)
+    *_, recomputed = probe_step(cfg, backward=True)
     layers = cfg.model.num_layers if method == "uniform" else n
     assert recomputed == layers * layer_activation_bytes(cfg, (), "cpu")
     # Stored and backward peak of the 3 layers, by hand, with c one checkpointed input and f one

@@ -8,21 +8,21 @@ from __future__ import annotations
 
 import pytest
 
-from conftest import config, invoke, measure
+from helpers import config, invoke, measure
 from recompute_bench.analysis.rank import record_estimate
 from recompute_bench.launch.torchrun import Launch, check_launch, run_ranks, verify_over_ranks
 from recompute_bench.models import spec_for
 from recompute_bench.results.records import key_fields
 from recompute_bench.spec.config import RecomputeConfig
-from test_ranks import SETS, LOSS_RTOL
+from helpers import LOSS_RTOL, RANK_SETS
 
 
 def test_expert_parallel_over_two_ranks_matches_one_rank(tmp_path):
     launch = Launch(nproc_per_node=2)
-    cfg = check_launch(config("tiny-moe", sets=SETS, parallel__expert_model_parallel_size=2), launch, "cpu")
+    cfg = check_launch(config("tiny-moe", sets=RANK_SETS, parallel__expert_model_parallel_size=2), launch, "cpu")
     record = run_ranks(cfg, launch, name="ep", pieces=tmp_path / "pieces", log_path=tmp_path / "ep.log", timeout_s=180)
     assert record["status"] == "ok", record["failure"]
-    single = measure(config("tiny-moe", sets=SETS))
+    single = measure(config("tiny-moe", sets=RANK_SETS))
 
     # The record carries ep in its config and in the golden key.
     assert record["config"]["parallel"]["expert_model_parallel_size"] == 2
@@ -48,7 +48,7 @@ def test_expert_parallel_over_two_ranks_matches_one_rank(tmp_path):
     # estimate on this routing.
     acts = [r["activation_bytes"] for r in record["ranks"]]
     estimate = record["metrics"]["estimated_activation_bytes"]
-    no_ep = record_estimate(config("tiny-moe", sets=SETS, parallel__data_parallel_size=2), "cpu")
+    no_ep = record_estimate(config("tiny-moe", sets=RANK_SETS, parallel__data_parallel_size=2), "cpu")
     assert sum(acts) / 2 == single["metrics"]["activation_bytes"] + estimate - no_ep["estimated_activation_bytes"]
     saved = spec_for(cfg.model).layer_saved_bytes(cfg, [], "cpu")  # every layer of tiny-moe is a MoE layer
     per_row = sum(v for k, v in saved.items() if k.startswith(("experts.linear", "experts.silu", "experts.activation",

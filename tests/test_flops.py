@@ -1,6 +1,6 @@
 """Megatron's model FLOPs against its closed forms, published parameter counts and hand-derived values."""
 
-from conftest import config
+from helpers import config
 from recompute_bench.analysis.flops import hardware_flops_per_step, model_flops_per_step, peak
 
 

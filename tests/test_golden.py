@@ -7,8 +7,8 @@ import xml.etree.ElementTree as ET
 
 import pytest
 
-from conftest import invoke
-from records import CPU, H100, record, write_golden_of, write_results
+from helpers import invoke
+from helpers import CPU_ENV, H100_ENV, record, write_golden_of, write_results
 from recompute_bench.gate import golden as gold
 from recompute_bench.spec.config import ConfigError
 from recompute_bench.results.records import record_row
@@ -72,13 +72,13 @@ def test_compare_fails_on_fewer_activation_bytes_and_prints_the_update_command(t
 
 
 def test_cpu_rows_report_timing_and_gate_the_deterministic_metrics():
-    row, _ = verdict(record(device=CPU, tflops_per_gpu=5.0), record(device=CPU))
+    row, _ = verdict(record(device=CPU_ENV, tflops_per_gpu=5.0), record(device=CPU_ENV))
     assert row.verdict == gold.PASS
     assert (row.metric("tflops_per_gpu").outcome, row.metric("tflops_per_gpu").rel_diff) == ("info", pytest.approx(-0.95))
-    assert verdict(record(device=CPU, activation_bytes=10**9 + 1), record(device=CPU))[0].verdict == gold.MEMORY
-    opted_in, _ = verdict(record(device=CPU, tflops_per_gpu=40.0), record(device=CPU), tolerance_column="tflops_per_gpu:50%")
+    assert verdict(record(device=CPU_ENV, activation_bytes=10**9 + 1), record(device=CPU_ENV))[0].verdict == gold.MEMORY
+    opted_in, _ = verdict(record(device=CPU_ENV, tflops_per_gpu=40.0), record(device=CPU_ENV), tolerance_column="tflops_per_gpu:50%")
     assert opted_in.verdict == gold.PERF
-    row, _ = verdict(record(device=CPU), record(device=CPU))
+    row, _ = verdict(record(device=CPU_ENV), record(device=CPU_ENV))
     assert row.metric("peak_allocated_bytes").outcome == "n/m"
     assert row.metric("step_time_s").outcome == "info"
 
@@ -119,9 +119,9 @@ def test_failed_points_fail_whatever_the_golden():
 
 
 def test_not_comparable_device_software_or_definition():
-    assert verdict(record(device=CPU), record())[0].verdict == gold.NOT_COMPARABLE
-    assert verdict(record(device=(H100[0], "2.12.1+cu128")), record())[0].verdict == gold.NOT_COMPARABLE
-    assert verdict(record(device=(H100[0], "2.13.1+cu130")), record())[0].verdict == gold.PASS
+    assert verdict(record(device=CPU_ENV), record())[0].verdict == gold.NOT_COMPARABLE
+    assert verdict(record(device=(H100_ENV[0], "2.12.1+cu128")), record())[0].verdict == gold.NOT_COMPARABLE
+    assert verdict(record(device=(H100_ENV[0], "2.13.1+cu130")), record())[0].verdict == gold.PASS
     # A v1 record written before ModelConfig had make_vocab_size_divisible_by: it keeps its key (the
     # field's default) but was measured by another program (the vocabulary was not padded).
     older = record()
@@ -317,7 +317,7 @@ def test_golden_update_select_and_refusals(tmp_path):
     assert [row["setting"] for row in rows] == ["none", "selective[mlp]"] and rows[0]["tflops_per_gpu"] == 100.0
     bad = invoke("golden", "update", str(r), "--golden", str(g), "--select", "Exp 9")
     assert bad.exit_code == 2 and "matches no result" in bad.stderr
-    cpu = write_results(tmp_path / "cpu" / "results.jsonl", [record(device=CPU)])
+    cpu = write_results(tmp_path / "cpu" / "results.jsonl", [record(device=CPU_ENV)])
     refused = invoke("golden", "update", str(cpu), "--golden", str(g))
     assert refused.exit_code == 2 and "measured on" in refused.stderr
     failed = write_results(tmp_path / "failed" / "results.jsonl", [record(status="timeout")])

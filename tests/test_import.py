@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import invoke
+from helpers import invoke
 from recompute_bench.gate import golden as gold
 from recompute_bench.ingest import formats
 from recompute_bench.ingest.timing import bridge_window, megatron_window

@@ -7,7 +7,7 @@ import torch.nn.functional as F
 
 from recompute_bench.analysis.stage import loss_saved_bytes
 from recompute_bench.backends.pytorch import cross_entropy
-from conftest import config
+from helpers import config
 
 
 def _logits(dtype, b=2, s=16, v=96, seed=0):

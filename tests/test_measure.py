@@ -21,7 +21,7 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from conftest import config, held_bytes, held_tensors
+from helpers import config, held_bytes, held_tensors
 from recompute_bench.analysis.flops import peak
 from recompute_bench.analysis.rank import optimizer_bytes_per_parameter
 from recompute_bench.measure.point import DTYPES, SavedTensorProbe, Stepper, make_optimizer, run_point, synthetic_batches

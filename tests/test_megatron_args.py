@@ -5,7 +5,7 @@ import json
 
 import pytest
 
-from conftest import invoke
+from helpers import invoke
 from recompute_bench.ingest.megatron_args import (CannotExpress, config_from_megatron, megatron_overrides,
                                                   overrides_as_flags, read_argv)
 from recompute_bench.spec.config import ConfigError

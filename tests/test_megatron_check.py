@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import invoke
+from helpers import invoke
 from recompute_bench.analysis import megatron as mg
 from recompute_bench.analysis.schedule import chunk_forwards_in_flight
 from recompute_bench.ingest.megatron_args import config_from_megatron

@@ -6,7 +6,7 @@ import dataclasses
 import pytest
 import torch
 
-from conftest import config, invoke, probe
+from helpers import config, invoke, probe
 from recompute_bench.analysis import flops
 from recompute_bench.analysis.stage import activation_bytes, stage_parameters
 from recompute_bench.measure.point import DTYPES

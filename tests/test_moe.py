@@ -8,7 +8,7 @@ import pytest
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
-from conftest import config, invoke, probe
+from helpers import config, invoke, probe
 from recompute_bench.analysis import flops
 from recompute_bench.analysis.stage import activation_bytes, stage_parameters
 from recompute_bench.measure.point import DTYPES, synthetic_batches

@@ -1,4 +1,4 @@
-"""Pipeline parallelism with torch.distributed.pipelining, measured on CPU with gloo (test_ranks.py's
+"""Pipeline parallelism with torch.distributed.pipelining, measured on CPU with gloo (helpers.RANK_SETS:
 settings: the tiny model's 4 layers, fp32, no dropout, seq 32, one measured step): every schedule
 gives the single-rank loss of the same global batch and its gradients, each stage's saved bytes at
 its peak equal the estimate's walk of the schedule, a fault or a hang on one stage is recorded with
@@ -16,9 +16,9 @@ from pathlib import Path
 
 import pytest
 
-from conftest import config, invoke, measure
+from helpers import LOSS_RTOL, RANK_SETS, config, invoke, measure
 from recompute_bench.measure.record import FAULT_ENV
-from test_ranks import LOSS_RTOL, SETS, _ranks
+from test_ranks import _ranks
 
 # A global batch of 8: 4 micro-batches of 2, the step's on every pipeline (1F1B needs at least p).
 BATCH = ["training.global_batch_size=8"]
@@ -26,11 +26,11 @@ PP2, PP4 = ["parallel.pipeline_model_parallel_size=2"], ["parallel.pipeline_mode
 VP2 = ["parallel.virtual_pipeline_model_parallel_size=2"]
 # Each schedule on 2 ranks, in one launch (pipeline_ranks.py): chunks of 1 layer where vp = 2.
 SCHEDULES = {
-    "1F1B": [*SETS, *BATCH, *PP2],
-    "Interleaved1F1B": [*SETS, *BATCH, *PP2, *VP2],
-    "GPipe": [*SETS, *BATCH, *PP2, "parallel.pipeline_parallel_schedule=GPipe"],
-    "ZBVZeroBubble": [*SETS, *BATCH, *PP2, *VP2, "parallel.pipeline_parallel_schedule=ZBVZeroBubble"],
-    "InterleavedZeroBubble": [*SETS, *BATCH, *PP2, *VP2, "parallel.pipeline_parallel_schedule=InterleavedZeroBubble"],
+    "1F1B": [*RANK_SETS, *BATCH, *PP2],
+    "Interleaved1F1B": [*RANK_SETS, *BATCH, *PP2, *VP2],
+    "GPipe": [*RANK_SETS, *BATCH, *PP2, "parallel.pipeline_parallel_schedule=GPipe"],
+    "ZBVZeroBubble": [*RANK_SETS, *BATCH, *PP2, *VP2, "parallel.pipeline_parallel_schedule=ZBVZeroBubble"],
+    "InterleavedZeroBubble": [*RANK_SETS, *BATCH, *PP2, *VP2, "parallel.pipeline_parallel_schedule=InterleavedZeroBubble"],
 }
 # Chunk-forwards held at stage 0's peak over the micro-batches of the step, per schedule (n = 4, p = 2):
 # 1F1B holds p; GPipe all n; the interleaved 1F1B 2(p - 1) + (vp - 1)p + 1 = 5 chunks (2.5
@@ -41,7 +41,7 @@ STAGE0_HELD = {"1F1B": 2, "Interleaved1F1B": 2.5, "GPipe": 4, "ZBVZeroBubble": 2
 @pytest.fixture(scope="module")
 def single_rank_losses() -> list[float]:
     """One rank running the same global batch of 8 (4 micro-batches): its step losses."""
-    return measure(config(sets=[*SETS, *BATCH]))["ranks"][0]["losses"]
+    return measure(config(sets=[*RANK_SETS, *BATCH]))["ranks"][0]["losses"]
 
 
 @pytest.fixture(scope="module")
@@ -94,7 +94,7 @@ def test_every_schedule_gives_one_ranks_loss_gradients_and_the_estimated_bytes(s
 def test_pp2_1f1b_through_the_cli_records_and_shows_each_stage(tmp_path, single_rank_losses):
     results = tmp_path / "r.jsonl"
     result = invoke("run", "--nproc-per-node", "2", "--pp", "2", "--results", str(results),
-                    *[a for s in [*SETS, *BATCH] for a in ("--set", s)])
+                    *[a for s in [*RANK_SETS, *BATCH] for a in ("--set", s)])
     assert result.exit_code == 0, result.output
     [record] = [json.loads(line) for line in results.read_text().splitlines()]
     assert record["status"] == "ok" and record["launch"]["world_size"] == 2

@@ -17,27 +17,17 @@ from pathlib import Path
 
 import pytest
 
-from conftest import config, invoke, measure
+from helpers import LOSS_RTOL, RANK_SETS, config, invoke, measure
 from recompute_bench.launch.process import FAULT_POINTS_ENV, PARENT_PID_ENV, worker_env
 from recompute_bench.launch.torchrun import Launch, check_launch, classify_rank, run_ranks, torchrun_command
 from recompute_bench.measure.point import FAULT_DELAY_S
 from recompute_bench.measure.record import FAULT_ENV, rank_summary
 
-# No dropout (each rank draws its own masks), fp32 (no 16-bit rounding of the all-reduce), the
-# step's global batch of 4 samples split into 2 micro-batches of 2: one per rank under dp = 2.
-SETS = ["model.hidden_dropout=0", "model.attention_dropout=0", "training.precision=fp32",
-        "training.seq_length=32", "training.warmup_steps=0", "training.measured_steps=1"]
-# The losses of the first step (same weights, same tokens) and of the second (after one update
-# from the all-reduced gradients) agree to fp32 rounding: only the order in which the micro-batch
-# losses and gradients are summed differs, a few ulps of a value near 6.
-LOSS_RTOL = 1e-6
-
-
 def _ranks(tmp_path: Path, data_parallel: str = "ddp", sets=(), watchdog_s: float = 60.0,
            timeout_s: float = 180.0, nproc_per_node: int = 2) -> dict:
-    """One point of the tiny model (`SETS`, then `sets`) measured over `nproc_per_node` ranks: its record."""
+    """One point of the tiny model (`RANK_SETS`, then `sets`) measured over `nproc_per_node` ranks: its record."""
     launch = Launch(nproc_per_node=nproc_per_node, data_parallel=data_parallel, watchdog_s=watchdog_s)
-    cfg = check_launch(config(sets=[*SETS, *sets]), launch, "cpu")
+    cfg = check_launch(config(sets=[*RANK_SETS, *sets]), launch, "cpu")
     return run_ranks(cfg, launch, name="t", pieces=tmp_path / "pieces", log_path=tmp_path / "t.log", timeout_s=timeout_s)
 
 
@@ -48,7 +38,7 @@ ACCUMULATE = ["training.global_batch_size=8"]
 
 @pytest.fixture(scope="module")
 def single_rank_losses() -> list[float]:
-    return measure(config(sets=[*SETS, *ACCUMULATE]))["ranks"][0]["losses"]
+    return measure(config(sets=[*RANK_SETS, *ACCUMULATE]))["ranks"][0]["losses"]
 
 
 @pytest.mark.parametrize("data_parallel", ["ddp", "fsdp"])
@@ -65,7 +55,7 @@ def test_data_parallel_over_two_ranks_gives_the_single_rank_losses(tmp_path, dat
         assert rank["losses"] == pytest.approx(single_rank_losses, rel=LOSS_RTOL)
         assert len(rank["step_times_s"]) == 1
     # Each rank holds one micro-batch of the global two: the single-rank micro-batch's activations.
-    single = measure(config(sets=SETS))["metrics"]["activation_bytes"]
+    single = measure(config(sets=RANK_SETS))["metrics"]["activation_bytes"]
     assert [r["activation_bytes"] for r in record["ranks"]] == [single, single]
     assert record["metrics"]["estimated_activation_bytes"] == pytest.approx(single, rel=0.02)
 
@@ -130,7 +120,7 @@ def _rank_pid(pieces: Path, rank: int) -> int | None:
 def test_a_rank_killed_by_a_signal_is_killed_and_its_peer_waiting(tmp_path):
     # What the host's OOM killer does: SIGKILL to one rank in the middle of the run.
     launch = Launch(nproc_per_node=2)
-    cfg = check_launch(config(sets=[*SETS, "training.measured_steps=5000"]), launch, "cpu")
+    cfg = check_launch(config(sets=[*RANK_SETS, "training.measured_steps=5000"]), launch, "cpu")
     pieces, result = tmp_path / "pieces", {}
     run = threading.Thread(target=lambda: result.update(run_ranks(cfg, launch, name="t", pieces=pieces,
                                                                   log_path=tmp_path / "t.log", timeout_s=180)))
@@ -173,7 +163,7 @@ def test_a_failed_rank_leaves_through_destroy_process_group(tmp_path, monkeypatc
     from recompute_bench.launch import rank as rank_program
     from recompute_bench.measure import distributed
 
-    (tmp_path / "config.json").write_text(json.dumps(config(sets=SETS).to_dict()))
+    (tmp_path / "config.json").write_text(json.dumps(config(sets=RANK_SETS).to_dict()))
     monkeypatch.setenv("RANK", "1")
     left = []
     monkeypatch.setattr(distributed, "measure_rank", lambda cfg, **kw: {"rank_entry": {"status": "oom"}})
@@ -240,7 +230,7 @@ def test_two_launchers_on_localhost_rendezvous_into_one_point(tmp_path):
     results = tmp_path / "runs.jsonl"
     args = [sys.executable, "-c", "from recompute_bench.cli import main; main()", "run", "--nnodes", "2", "--nproc-per-node", "1",
             "--rdzv-endpoint", f"localhost:{port}", "--rdzv-id", "two-nodes", "--results", str(results),
-            *[a for s in SETS for a in ("--set", s)]]
+            *[a for s in RANK_SETS for a in ("--set", s)]]
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
     nodes = [subprocess.Popen([*args, "--node-rank", str(n)], env=env, stdout=subprocess.DEVNULL,
                               stderr=subprocess.PIPE, text=True) for n in (0, 1)]
@@ -295,7 +285,7 @@ def test_bad_launches_are_one_line_exit_2(tmp_path, args, words):
 def test_a_sweep_over_two_ranks_records_one_ranks_oom_and_goes_on(tmp_path, monkeypatch):
     monkeypatch.setenv(FAULT_POINTS_ENV, "Baseline=oom:forward:0@1")
     result = invoke("sweep", "--baseline", "--modules", "core_attn", "--nproc-per-node", "2", "--run-id", "two",
-                    "--results-dir", str(tmp_path), "--no-golden", *[a for s in SETS for a in ("--set", s)])
+                    "--results-dir", str(tmp_path), "--no-golden", *[a for s in RANK_SETS for a in ("--set", s)])
     assert result.exit_code == 1, result.output
     records = [json.loads(line) for line in (tmp_path / "two" / "results.jsonl").read_text().splitlines()]
     assert [(r["point"]["name"], r["status"]) for r in records] == [("Baseline", "oom"), ("Exp 1", "ok")]

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from conftest import SMALL_LLAMA, config, probe
+from helpers import SMALL_LLAMA, config, probe
 from recompute_bench.measure.verify import verify
 from recompute_bench.recompute.settings import all_settings
 

@@ -4,8 +4,8 @@ import json
 
 import pytest
 
-from conftest import invoke
-from records import CPU, record, write_results
+from helpers import invoke
+from helpers import CPU_ENV, record, write_results
 from recompute_bench.spec.config import ConfigError
 from recompute_bench.render.plot import pareto_front
 from recompute_bench.results.records import KEY_COLUMNS, load_results
@@ -61,8 +61,8 @@ def test_report_writes_markdown_and_a_png(tmp_path):
 
 
 def test_cpu_report_uses_activation_bytes(tmp_path):
-    path = write_results(tmp_path / "cpu.jsonl", [record(device=CPU, name="Baseline"),
-                                                  record(["mlp"], device=CPU, name="Exp 1", activation_bytes=10**8)])
+    path = write_results(tmp_path / "cpu.jsonl", [record(device=CPU_ENV, name="Baseline"),
+                                                  record(["mlp"], device=CPU_ENV, name="Exp 1", activation_bytes=10**8)])
     result = invoke("report", str(path), "--out", str(tmp_path / "out"))
     assert result.exit_code == 0, result.output
     md = (tmp_path / "out" / "report.md").read_text()
@@ -96,15 +96,15 @@ def _cpu_run(tmp_path):
     """A CPU sweep as the demo's: wall-clock noise, FLOPs and activations measured. Exp 1 to Exp 4 sit
     in one corner (the demo's bottom-left cluster) with their activations and FLOPs a few % apart."""
     return write_results(tmp_path / "cpu" / "results.jsonl", [
-        record(name="Baseline", device=CPU, tflops_per_gpu=0.002, measured_flops_per_step=300, activation_bytes=1000),
-        record(["core_attn"], name="Exp 1", device=CPU, tflops_per_gpu=0.0001, measured_flops_per_step=310,
+        record(name="Baseline", device=CPU_ENV, tflops_per_gpu=0.002, measured_flops_per_step=300, activation_bytes=1000),
+        record(["core_attn"], name="Exp 1", device=CPU_ENV, tflops_per_gpu=0.0001, measured_flops_per_step=310,
                activation_bytes=700),
-        record(["mlp"], name="Exp 2", device=CPU, tflops_per_gpu=0.003, measured_flops_per_step=330, activation_bytes=600),
-        record(full=("uniform", 1), name="Exp 3", device=CPU, tflops_per_gpu=0.002, measured_flops_per_step=400,
+        record(["mlp"], name="Exp 2", device=CPU_ENV, tflops_per_gpu=0.003, measured_flops_per_step=330, activation_bytes=600),
+        record(full=("uniform", 1), name="Exp 3", device=CPU_ENV, tflops_per_gpu=0.002, measured_flops_per_step=400,
                activation_bytes=100),
-        record(full=("uniform", 2), name="Exp 4", device=CPU, tflops_per_gpu=0.004, measured_flops_per_step=400,
+        record(full=("uniform", 2), name="Exp 4", device=CPU_ENV, tflops_per_gpu=0.004, measured_flops_per_step=400,
                activation_bytes=102),
-        record(full=("block", 1), name="Exp 5", device=CPU, tflops_per_gpu=0.002, measured_flops_per_step=401,
+        record(full=("block", 1), name="Exp 5", device=CPU_ENV, tflops_per_gpu=0.002, measured_flops_per_step=401,
                activation_bytes=101),
     ])
 

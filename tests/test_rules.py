@@ -5,7 +5,7 @@ import dataclasses
 
 import pytest
 
-from conftest import config, invoke
+from helpers import config, invoke
 from recompute_bench.analysis import flops
 from recompute_bench.analysis.layer import checkpoint_input_bytes, layer_activation_bytes
 from recompute_bench.analysis.stage import stage_activations

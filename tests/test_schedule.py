@@ -5,7 +5,7 @@ import json
 
 import pytest
 
-from conftest import config, invoke
+from helpers import config, invoke
 from recompute_bench.analysis.rank import microbatches_in_flight, rank_memory, stage_memories
 from recompute_bench.analysis.schedule import chunk_forwards_in_flight, schedule
 from recompute_bench.analysis.stage import stage_activations

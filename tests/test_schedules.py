@@ -10,7 +10,7 @@ import pytest
 from torch import nn
 from torch.distributed.pipelining import schedules as torch_schedules
 
-from conftest import config
+from helpers import config
 from recompute_bench.analysis.rank import chunks_in_flight
 from recompute_bench.analysis.schedules import Action, bubble_fraction, peak_chunks, rank_actions, rank_stages, walk
 

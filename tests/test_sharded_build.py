@@ -72,7 +72,7 @@ def test_offload_moves_this_ranks_activations_and_no_weight(two_ranks, layout):
 LLAMA_70B_TP8 = textwrap.dedent("""
     import json, sys, torch, torch.distributed as dist
     from torch.testing._internal.distributed.fake_pg import FakeStore
-    from conftest import config
+    from helpers import config
     from recompute_bench.measure.distributed import DataParallel
     from recompute_bench.measure.point import local
 

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import config, invoke
+from helpers import config, invoke
 from recompute_bench.gate.golden import read_golden, write_golden
 from recompute_bench.launch import process as launch
 from recompute_bench.spec.config import ConfigError
@@ -283,7 +283,7 @@ def test_a_second_sweep_on_the_same_run_id_is_refused(tmp_path):
 
 
 def test_only_ok_and_oom_records_count_as_done(tmp_path):
-    from records import record, write_results
+    from helpers import record, write_results
     from recompute_bench.launch.sweep import Point
 
     path = write_results(tmp_path / "results.jsonl", [record(status="error"), record(["mlp"], status="oom"),
@@ -373,7 +373,7 @@ def test_ctrl_c_stops_a_sweep_started_with_sigint_ignored(tmp_path):
 def test_corrupt_results_are_one_line_exit_2_in_resume_compare_and_report(tmp_path, junk, words):
     """`printf '\\xff\\xfe\\n' >> results.jsonl` and `echo 42 >> results.jsonl`: every reader names file:line,
     exits 2 without a traceback, and writes nothing (no point measured, no report)."""
-    from records import record
+    from helpers import record
     from recompute_bench.launch.sweep import plan_to_dict
     from recompute_bench.results.store import write_json_atomic
 

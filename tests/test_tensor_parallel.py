@@ -14,10 +14,10 @@ from pathlib import Path
 
 import pytest
 
-from conftest import SMALL_LLAMA, config, invoke, measure
+from helpers import SMALL_LLAMA, config, invoke, measure
 from recompute_bench.analysis.stage import activation_bytes as estimated_activation_bytes
 from recompute_bench.measure.record import layout_label
-from test_ranks import LOSS_RTOL, SETS
+from helpers import LOSS_RTOL, RANK_SETS
 
 TP2 = ["parallel.tensor_model_parallel_size=2"]
 MATH = ["model.attention_backend=math"]  # its matmuls have FLOP formulas on a CPU (the flash kernel's have none)
@@ -29,17 +29,17 @@ LLAMA = [f"{k}={v}" for k, v in SMALL_LLAMA.items()] + ["model.num_layers=2"]
 
 
 def _alone(sets, workload: str = "tiny") -> dict:
-    return measure(config(workload, sets=[*SETS, *sets]))
+    return measure(config(workload, sets=[*RANK_SETS, *sets]))
 
 
 POINTS = {
-    "sp": ("tiny", [*SETS, *TP2, "parallel.sequence_parallel=true", *MATH]),
-    "distributed": ("tiny", [*SETS, *TP2, *FULL_1, "recompute.distribute_saved_activations=true"]),
-    "llama": ("llama3-8b", [*SETS, *LLAMA, *TP2, "parallel.sequence_parallel=true", *MATH]),
+    "sp": ("tiny", [*RANK_SETS, *TP2, "parallel.sequence_parallel=true", *MATH]),
+    "distributed": ("tiny", [*RANK_SETS, *TP2, *FULL_1, "recompute.distribute_saved_activations=true"]),
+    "llama": ("llama3-8b", [*RANK_SETS, *LLAMA, *TP2, "parallel.sequence_parallel=true", *MATH]),
 }
 GATHERED = {  # one micro-batch's gradients, gathered (full_tensor) and compared with one rank's
-    "grads tp": ("llama3-8b", [*SETS, *LLAMA, *TP2, *MATH]),
-    "grads tp+sp": ("llama3-8b", [*SETS, *LLAMA, *TP2, "parallel.sequence_parallel=true", *MATH]),
+    "grads tp": ("llama3-8b", [*RANK_SETS, *LLAMA, *TP2, *MATH]),
+    "grads tp+sp": ("llama3-8b", [*RANK_SETS, *LLAMA, *TP2, "parallel.sequence_parallel=true", *MATH]),
 }
 
 
@@ -105,7 +105,7 @@ def test_tp2_distribute_saved_activations_halves_the_checkpointed_inputs(two_ran
     m = ranks[0]["metrics"]
     assert m["activation_bytes_per_layer"] * 2 == alone["metrics"]["activation_bytes_per_layer"]
     assert m["activation_bytes_per_layer"] == m["estimated_activation_bytes_per_layer"]
-    kept = config(sets=[*SETS, *TP2, *FULL_1])  # the same tp=2 point keeping whole inputs, estimated
+    kept = config(sets=[*RANK_SETS, *TP2, *FULL_1])  # the same tp=2 point keeping whole inputs, estimated
     assert alone["metrics"]["activation_bytes_per_layer"] == estimated_activation_bytes(kept, "cpu")[
         "activation_bytes_per_layer"]
 

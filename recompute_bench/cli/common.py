@@ -18,8 +18,19 @@ from recompute_bench.spec.presets import DEFAULT_WORKLOAD, resolve
 # fixed, so CI logs do not wrap tables at 80 columns.
 err = Console(stderr=True, width=None if sys.stderr.isatty() else 140)
 
-Workload = Annotated[str, typer.Option("--workload", "-w", help="Preset name (see `workloads`) or path to a .toml preset.",
-                                       rich_help_panel="Workload")]
+
+
+def workload_flag(help: str, kind: type = str):
+    """The --workload/-w option, declared once; `help` says what it is for in a command."""
+    return Annotated[kind, typer.Option("--workload", "-w", help=help, rich_help_panel="Workload")]
+
+
+def json_flag(what: str):
+    """The --json flag, declared once: the command prints `what` as JSON on stdout."""
+    return Annotated[bool, typer.Option("--json", help=f"Print {what} as JSON on stdout.", rich_help_panel="Output")]
+
+
+Workload = workload_flag("Preset name (see `workloads`) or path to a .toml preset.")
 ResultsDir = Annotated[Path, typer.Option(help="Folder holding run folders (results/<run-id>/) and golden/.",
                                           rich_help_panel="Output")]
 ResultsArg = Annotated[str, typer.Argument(help="A run id (folder under --results-dir), a results folder or a JSONL file.",
@@ -31,7 +42,7 @@ Strict = Annotated[bool, typer.Option(help="Also fail on unexpected improvements
 PolicyFile = Annotated[Optional[Path], typer.Option("--policy", help="A per-layer recompute policy file (written by "
                                                    "`plan --auto`) instead of the recompute flags.",
                                                    rich_help_panel="Recompute")]
-JsonOut = Annotated[bool, typer.Option("--json", help="Print the result as JSON on stdout.", rich_help_panel="Output")]
+JsonOut = json_flag("the result")
 
 __all__ = ["DEFAULT_WORKLOAD", "err", "fail", "show_notes", "resolve_point", "this_gpu", "hardware_kind", "records_kind"]
 

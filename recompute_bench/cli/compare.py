@@ -10,9 +10,11 @@ from typing import Annotated, Optional
 import typer
 from rich.markup import escape
 
-from recompute_bench.cli.common import GoldenFile, ResultsArg, ResultsDir, Strict, err, fail, records_kind
+from recompute_bench.cli.common import GoldenFile, ResultsArg, ResultsDir, Strict, err, fail, json_flag, records_kind
 from recompute_bench.cli.hints import print_command, update_command
 from recompute_bench.spec.config import ConfigError
+
+CompareJson = json_flag("the comparison")
 
 
 def compare(
@@ -29,7 +31,7 @@ def compare(
                                                   rich_help_panel="Output")] = None,
     markdown: Annotated[Optional[Path], typer.Option(help="Write a Markdown summary here (also appended to "
                                                      "$GITHUB_STEP_SUMMARY when set).", rich_help_panel="Output")] = None,
-    json_out: Annotated[bool, typer.Option("--json", help="Print the comparison as JSON on stdout.", rich_help_panel="Output")] = False,
+    json_out: CompareJson = False,
     results_dir: ResultsDir = Path("results"),
 ) -> None:
     """Compare results with a golden file: a verdict per row, exit 0 pass, 1 a failing verdict, 2 bad input."""

@@ -9,6 +9,7 @@ from typing import Annotated, Optional
 import typer
 from rich.markup import escape
 
+from recompute_bench.analysis.rank import ALLOWANCE_BYTES, ALLOWANCE_FRACTION
 from recompute_bench.cli.common import DEFAULT_WORKLOAD, JsonOut, Workload, err, fail, resolve_point, show_notes
 from recompute_bench.cli.options import PointOptions, point_options
 from recompute_bench.spec.config import ConfigError
@@ -36,7 +37,7 @@ def estimate(
     workload: Workload = DEFAULT_WORKLOAD,
     point: PointOptions,
     device: ModelDevice = "cuda",
-    allowance_fraction: AllowanceFraction = 0.10, allowance_gb: AllowanceGb = 1.0,
+    allowance_fraction: AllowanceFraction = ALLOWANCE_FRACTION, allowance_gb: AllowanceGb = ALLOWANCE_BYTES / 2**30,
     json_out: JsonOut = False,
 ) -> None:
     """Predict activation memory per layer, the whole-rank peak and FLOPs of every recompute setting,
@@ -100,7 +101,7 @@ def plan(
     memory_gb: Annotated[Optional[float], typer.Option(help="Device memory per GPU in GiB, e.g. 80.",
                                                        rich_help_panel="Estimate")] = None,
     device: ModelDevice = "cuda",
-    allowance_fraction: AllowanceFraction = 0.10, allowance_gb: AllowanceGb = 1.0,
+    allowance_fraction: AllowanceFraction = ALLOWANCE_FRACTION, allowance_gb: AllowanceGb = ALLOWANCE_BYTES / 2**30,
     auto: Annotated[bool, typer.Option("--auto", help="Choose recompute layer by layer: the policy with the least "
                                        "recompute FLOPs that fits, written as a policy file for `run --policy`.",
                                        rich_help_panel="Estimate")] = False,

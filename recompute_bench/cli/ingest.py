@@ -10,10 +10,13 @@ import typer
 from rich.markup import escape
 from rich.table import Table
 
-from recompute_bench.cli.common import err, fail
+from recompute_bench.cli.common import err, fail, workload_flag
 from recompute_bench.cli.options import PointOptions, point_options
 from recompute_bench.ingest.formats import FORMATS
 from recompute_bench.spec.config import ConfigError
+
+ImportWorkload = workload_flag("Preset for what a file does not state (Bridge logs and goldens, torchtitan logs); "
+                               "Megatron-LM logs and golden values state the whole run.", Optional[str])
 
 
 @point_options()
@@ -24,9 +27,7 @@ def import_(
     results: Annotated[Path, typer.Option(help="JSONL file the records are appended to.", rich_help_panel="Output")],
     fmt: Annotated[Optional[str], typer.Option("--format", help=f"The files' format, one of {', '.join(FORMATS)}; "
                                                "default: detected from each file.", rich_help_panel="Import")] = None,
-    workload: Annotated[Optional[str], typer.Option("--workload", "-w", help="Preset for what a file does not state "
-                                                    "(Bridge logs and goldens, torchtitan logs); Megatron-LM logs and "
-                                                    "golden values state the whole run.", rich_help_panel="Workload")] = None,
+    workload: ImportWorkload = None,
     device_name: Annotated[Optional[str], typer.Option(help="GPU the runs used, where a file names none "
                                                        "(e.g. \"NVIDIA H100 80GB HBM3\").", rich_help_panel="Import")] = None,
     world_size: Annotated[Optional[int], typer.Option(help="GPU count of a run whose file does not state it (a Megatron "

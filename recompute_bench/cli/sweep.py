@@ -10,7 +10,8 @@ import typer
 from rich.markup import escape
 from rich.table import Table
 
-from recompute_bench.cli.common import GoldenFile, ResultsDir, Strict, err, fail, hardware_kind, show_notes
+from recompute_bench.cli.common import (GoldenFile, ResultsDir, Strict, err, fail, hardware_kind, json_flag, show_notes,
+                                        workload_flag)
 from recompute_bench.cli.hints import command_line, print_command, run_locator, update_command
 from recompute_bench.cli.options import PointOptions, point_options, split_list
 from recompute_bench.cli.ranks import launch_flags, launch_options
@@ -18,14 +19,16 @@ from recompute_bench.cli.run import check_runnable
 from recompute_bench.launch.torchrun import Launch
 from recompute_bench.spec.config import ConfigError
 
+SweepWorkload = workload_flag("Preset name or .toml path; default tiny (or the grid file's workload).", Optional[str])
+SweepJson = json_flag("the plan (with --dry-run) or the comparison")
+
 
 @point_options(panels=("Workload", "Parallelism"))
 @launch_options
 def sweep(
     *,
     launch: Launch,
-    workload: Annotated[Optional[str], typer.Option("--workload", "-w", help="Preset name or .toml path; default tiny "
-                                                   "(or the grid file's workload).", rich_help_panel="Workload")] = None,
+    workload: SweepWorkload = None,
     point: PointOptions,
     modules: Annotated[Optional[list[str]], typer.Option(help="Each non-empty subset of these modules as a selective "
                                                          "setting (space or comma separated).", rich_help_panel="Sweep")] = None,
@@ -56,8 +59,7 @@ def sweep(
     no_golden: Annotated[bool, typer.Option("--no-golden", help="Do not compare with a golden file.", rich_help_panel="Golden")] = False,
     strict: Strict = False,
     results_dir: ResultsDir = Path("results"),
-    json_out: Annotated[bool, typer.Option("--json", help="Print the plan (with --dry-run) or the comparison as JSON on stdout.",
-                                           rich_help_panel="Output")] = False,
+    json_out: SweepJson = False,
 ) -> None:
     """Measure several recompute settings, each in its own process, and compare them with the golden.
 

@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import json
-from typing import Annotated
+
 
 import typer
 from rich.table import Table
 
-from recompute_bench.cli.common import err
+from recompute_bench.cli.common import err, json_flag
 from recompute_bench.spec.presets import load_preset, resolve, workload_names
 
 COLUMNS = {"workload": "workload", "num_layers": "L", "hidden_size": "h", "num_attention_heads": "a",
@@ -16,8 +16,10 @@ COLUMNS = {"workload": "workload", "num_layers": "L", "hidden_size": "h", "num_a
            "normalization": "norm", "activation": "act", "position_embedding_type": "pos",
            "num_moe_experts": "experts", "moe_router_topk": "top-k", "attention_type": "attn"}
 
+PresetsJson = json_flag("the presets")
 
-def workloads(json_out: Annotated[bool, typer.Option("--json", help="Print the presets as JSON on stdout.")] = False) -> None:
+
+def workloads(json_out: PresetsJson = False) -> None:
     """List the built-in workload presets with their shapes."""
     rows = []
     for name in workload_names():

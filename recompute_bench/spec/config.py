@@ -285,9 +285,9 @@ class ParallelConfig:
     """Expert parallel size (ep): the routed experts of every MoE layer are spread over ep
     data-parallel ranks, num_moe_experts / ep on each, tokens sent to them by all-to-all."""
     pipeline_parallel_schedule: Optional[str] = None
-    """The pipeline schedule (torch.distributed.pipelining's names): 1F1B, Interleaved1F1B (virtual
-    stages), GPipe, InterleavedZeroBubble, ZBVZeroBubble or DualPipeV (two stages per rank, the "V");
-    None: Megatron's, 1F1B, or Interleaved1F1B with virtual_pipeline_model_parallel_size."""
+    """The pipeline schedule, by torch's pipelining names: 1F1B, Interleaved1F1B (virtual stages),
+    GPipe, InterleavedZeroBubble, ZBVZeroBubble or DualPipeV (two stages per rank, the "V"); None:
+    Megatron's, 1F1B, or Interleaved1F1B with virtual stages."""
 
     @property
     def schedule(self) -> str:

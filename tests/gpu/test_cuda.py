@@ -5,7 +5,7 @@ import json
 import pytest
 import torch
 
-from conftest import config, invoke
+from helpers import config, invoke
 from recompute_bench.measure.point import run_point
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]

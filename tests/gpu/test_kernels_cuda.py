@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import config
+from helpers import config
 from recompute_bench.analysis import flops
 from recompute_bench.backends import pytorch as backend
 from recompute_bench.measure.point import run_point
@@ -80,7 +80,7 @@ def test_grouped_experts_take_the_fast_kernel_in_bf16_on_sm90_and_the_padded_pat
 SHARDED = textwrap.dedent("""
     import json, sys, torch, torch.distributed as dist
     from torch.testing._internal.distributed.fake_pg import FakeStore
-    from conftest import config
+    from helpers import config
     from recompute_bench.measure.distributed import DataParallel
     from recompute_bench.measure.point import SavedTensorProbe, local
 

@@ -4,7 +4,7 @@ Skipped without CUDA."""
 import pytest
 import torch
 
-from conftest import config
+from helpers import config
 from recompute_bench.measure.point import (DTYPES, SavedTensorProbe, Stepper, make_optimizer, run_point,
                                            synthetic_batches)
 from recompute_bench.models.dense.layers import build_model
