@@ -1,5 +1,5 @@
-"""Pipeline parallelism with torch.distributed.pipelining, measured on CPU with gloo (helpers.RANK_SETS:
-settings: the tiny model's 4 layers, fp32, no dropout, seq 32, one measured step): every schedule
+"""Pipeline parallelism with torch.distributed.pipelining, measured on CPU with gloo (`helpers.RANK_SETS`:
+the tiny model's 4 layers, fp32, no dropout, seq 32, one measured step): every schedule
 gives the single-rank loss of the same global batch and its gradients, each stage's saved bytes at
 its peak equal the estimate's walk of the schedule, a fault or a hang on one stage is recorded with
 its stage and rank, and `verify --pp 2` proves recompute exact on the pipeline."""
