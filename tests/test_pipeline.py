@@ -31,11 +31,15 @@ SCHEDULES = {
     "GPipe": [*RANK_SETS, *BATCH, *PP2, "parallel.pipeline_parallel_schedule=GPipe"],
     "ZBVZeroBubble": [*RANK_SETS, *BATCH, *PP2, *VP2, "parallel.pipeline_parallel_schedule=ZBVZeroBubble"],
     "InterleavedZeroBubble": [*RANK_SETS, *BATCH, *PP2, *VP2, "parallel.pipeline_parallel_schedule=InterleavedZeroBubble"],
+    # 8 micro-batches of one sequence: the last stage keeps no view of the step's token ids (the
+    # loss saves its own target ids), only the first stage's embedding does
+    "Interleaved1F1B, micro-batch 1": [*RANK_SETS, *BATCH, *PP2, *VP2, "training.micro_batch_size=1"],
 }
-# Chunk-forwards held at stage 0's peak over the micro-batches of the step, per schedule (n = 4, p = 2):
+# Micro-batches held at stage 0's peak, per schedule (p = 2, n = 4; 8 at micro-batch 1):
 # 1F1B holds p; GPipe all n; the interleaved 1F1B 2(p - 1) + (vp - 1)p + 1 = 5 chunks (2.5
 # micro-batches); the zero-bubble ones keep a chunk's saved tensors until its weight pass.
-STAGE0_HELD = {"1F1B": 2, "Interleaved1F1B": 2.5, "GPipe": 4, "ZBVZeroBubble": 2, "InterleavedZeroBubble": 2}
+STAGE0_HELD = {"1F1B": 2, "Interleaved1F1B": 2.5, "GPipe": 4, "ZBVZeroBubble": 2, "InterleavedZeroBubble": 2,
+               "Interleaved1F1B, micro-batch 1": 2.5}
 
 
 @pytest.fixture(scope="module")
