@@ -11,7 +11,7 @@ endif
 # Empty: compare picks results/golden/<device kind>.csv of the measured device (cpu.csv here).
 GOLDEN ?=
 
-.PHONY: demo gate test bench gpu-check clean
+.PHONY: demo gate test test-all bench gpu-check clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -37,7 +37,12 @@ gate: $(STAMP)
 	$(CLI) compare gate-$(RUN_ID) $(if $(GOLDEN),--golden $(GOLDEN)) \
 		--junit results/gate-$(RUN_ID)/junit.xml --markdown results/gate-$(RUN_ID)/compare.md
 
+# The fast lane (about two minutes on 2 cores): everything but the tests marked slow (multi-rank
+# launches, sweeps of worker processes, the wheel). test-all runs the whole suite, as CI does.
 test: $(STAMP)
+	$(PY) -m pytest -m "not slow"
+
+test-all: $(STAMP)
 	$(PY) -m pytest
 
 bench: $(STAMP)

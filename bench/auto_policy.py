@@ -17,7 +17,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from recompute_bench.analysis.planner import _candidates  # noqa: E402
+from recompute_bench.analysis.planner import setting_candidates  # noqa: E402
 from recompute_bench.analysis.rank import device_bytes_needed
 from recompute_bench.analysis.auto import auto_plan  # noqa: E402
 from recompute_bench.spec.presets import resolve  # noqa: E402
@@ -42,7 +42,7 @@ def main() -> None:
         profile, path, _ = cached_profile(cfg, pick_device())
         costs, device = ProfileCosts(profile), profile["device"]
         print(f"profile: {path} ({profile['key']['device_name']}); {costs.offload_note}")
-    rows = {r["label"]: device_bytes_needed(r["peak_allocated_bytes"]) for r in _candidates(cfg, device)}
+    rows = {r["label"]: device_bytes_needed(r["peak_allocated_bytes"]) for r in setting_candidates(cfg, device)}
     selective_all = min(v for k, v in rows.items() if k.startswith("selective"))  # every module recomputed
     low, high = min(rows.values()), max(selective_all, min(rows.values()))
     print(f"{cfg.workload}: L={cfg.model.num_layers} s={cfg.training.seq_length} b={cfg.training.micro_batch_size}; "

@@ -17,7 +17,7 @@ from helpers import config
 from recompute_bench.measure.distributed import init_process_group
 from recompute_bench.measure.pipeline import PipelineParallel, pipeline_loss_and_grads
 from recompute_bench.measure.point import run_point
-from recompute_bench.measure.verify import _max_diff, loss_and_grads
+from recompute_bench.measure.verify import loss_and_grads, max_grad_diff
 
 
 def main(out: Path, points: dict[str, list[str]]) -> None:
@@ -36,7 +36,7 @@ def main(out: Path, points: dict[str, list[str]]) -> None:
             alone = [loss_and_grads(cfg, cfg.recompute, t, device) for t in tokens]
             alone_loss = sum(a[0] for a in alone) / len(alone)
             alone_grads = {n: sum(a[1][n] for a in alone) / len(alone) for n in alone[0][1]}
-            worst, worst_name = _max_diff(alone_grads, grads)
+            worst, worst_name = max_grad_diff(alone_grads, grads)
             result.update(loss_diff=(loss - alone_loss).abs().item(), max_grad_diff=worst, worst_parameter=worst_name,
                           max_grad=max(g.abs().max().item() for g in alone_grads.values()))
         results[name] = result

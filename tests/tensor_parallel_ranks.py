@@ -15,7 +15,7 @@ import torch.distributed as dist
 from helpers import config
 from recompute_bench.measure.distributed import DataParallel, gathered_loss_and_grads, init_process_group
 from recompute_bench.measure.point import run_point
-from recompute_bench.measure.verify import _max_diff, loss_and_grads
+from recompute_bench.measure.verify import max_grad_diff, loss_and_grads
 
 Points = dict[str, tuple[str, list[str]]]
 
@@ -36,7 +36,7 @@ def main(out: Path, measured: Points, gathered: Points) -> None:
                                generator=g)
         loss, grads = gathered_loss_and_grads(cfg, tokens, device, DataParallel("ddp", cfg, device.type))
         alone_loss, alone_grads = loss_and_grads(cfg, cfg.recompute, tokens, device)
-        worst, worst_name = _max_diff(alone_grads, grads)
+        worst, worst_name = max_grad_diff(alone_grads, grads)
         results[name] = {"loss_diff": (loss - alone_loss).abs().item(), "max_grad_diff": worst,
                          "worst_parameter": worst_name, "max_grad": max(g.abs().max().item() for g in alone_grads.values())}
     (out / f"rank{dist.get_rank()}.json").write_text(json.dumps(results))

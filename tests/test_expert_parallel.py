@@ -16,6 +16,8 @@ from recompute_bench.results.records import key_fields
 from recompute_bench.spec.config import RecomputeConfig
 from helpers import LOSS_RTOL, RANK_SETS
 
+pytestmark = pytest.mark.slow  # launches ranks: `make test-all`
+
 
 def test_expert_parallel_over_two_ranks_matches_one_rank(tmp_path):
     launch = Launch(nproc_per_node=2)

@@ -82,3 +82,10 @@ def test_recompute_with_token_dropping_leaves_loss_and_gradients_bitwise_equal()
     settings.append(RecomputeConfig("full", method="uniform", num_layers=1))
     outcomes = verify(cfg, settings, ["sdpa"], torch.device("cpu"))
     assert len(outcomes) == 4 and all(o.exact for o in outcomes), [(o.setting, o.max_grad_diff) for o in outcomes]
+
+
+def test_the_paper_comparison_says_dropless_only_without_a_capacity_factor():
+    from recompute_bench.analysis.paper import paper_layer_differences
+    moe = lambda cfg: next(d for d in paper_layer_differences(cfg) if "mixture-of-experts" in d)  # noqa: E731
+    assert "dropless" in moe(config("tiny-moe"))
+    assert "dropless" not in moe(capped("probs")) and "capacity factor 0.5" in moe(capped("probs"))

@@ -15,6 +15,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.slow  # launches ranks: `make test-all`
+
 WORLD = 4
 # No dropout (each rank draws its own masks), micro-batch 1, two micro-batches per data-parallel rank.
 COMMON = ["model.hidden_dropout=0", "model.attention_dropout=0", "training.seq_length=32",

@@ -17,6 +17,8 @@ from typer.testing import CliRunner
 
 from recompute_bench.cli.app import app
 
+pytestmark = pytest.mark.slow  # builds and installs the wheel: `make test-all`
+
 ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -75,7 +77,6 @@ def _run(args, **kw) -> subprocess.CompletedProcess:
     return done
 
 
-@pytest.mark.slow
 def test_a_wheel_installed_elsewhere_runs_workloads_run_sweep_and_report(tmp_path):
     """`pip wheel .`, then a fresh venv holding that wheel (not an editable install) runs every
     command from a folder that is no checkout. To spare reinstalling torch, the venv sees this test

@@ -70,6 +70,7 @@ def _stages_match_the_estimate(stages: list[dict]) -> None:
         assert st["activation_bytes"] == st["estimated_activation_bytes"], st
 
 
+@pytest.mark.slow  # launches ranks: `make test-all`
 @pytest.mark.parametrize("schedule", SCHEDULES)
 def test_every_schedule_gives_one_ranks_loss_gradients_and_the_estimated_bytes(schedules, schedule, single_rank_losses):
     entries = [r[schedule]["entry"] for r in schedules]
@@ -95,6 +96,7 @@ def test_every_schedule_gives_one_ranks_loss_gradients_and_the_estimated_bytes(s
     assert stage0["microbatches_in_flight"] == STAGE0_HELD[schedule]
 
 
+@pytest.mark.slow  # launches ranks: `make test-all`
 def test_pp2_1f1b_through_the_cli_records_and_shows_each_stage(tmp_path, single_rank_losses):
     results = tmp_path / "r.jsonl"
     result = invoke("run", "--nproc-per-node", "2", "--pp", "2", "--results", str(results),
@@ -118,7 +120,7 @@ def test_pp2_1f1b_through_the_cli_records_and_shows_each_stage(tmp_path, single_
     assert re.search(r"stage 1 \(ranks 1; chunks 1\) │ holds 1 \(est 1\) micro-batches", text), text
 
 
-@pytest.mark.slow
+@pytest.mark.slow  # launches ranks: `make test-all`
 def test_pp4_1f1b_holds_p_minus_r_micro_batches_on_stage_r(tmp_path, single_rank_losses):
     record = _ranks(tmp_path, sets=[*BATCH, *PP4], nproc_per_node=4)
     assert record["status"] == "ok", record["failure"]
@@ -130,7 +132,7 @@ def test_pp4_1f1b_holds_p_minus_r_micro_batches_on_stage_r(tmp_path, single_rank
     assert record["pipeline"]["summary"] == "stage 0 holds 4 micro-batches"
 
 
-@pytest.mark.slow
+@pytest.mark.slow  # launches ranks: `make test-all`
 def test_tp2_by_pp2_on_four_ranks(tmp_path, single_rank_losses):
     record = _ranks(tmp_path, sets=[*BATCH, *PP2, "parallel.tensor_model_parallel_size=2"], nproc_per_node=4)
     assert record["status"] == "ok", record["failure"]
@@ -143,6 +145,7 @@ def test_tp2_by_pp2_on_four_ranks(tmp_path, single_rank_losses):
     _stages_match_the_estimate(record["pipeline"]["stages"])
 
 
+@pytest.mark.slow  # launches ranks: `make test-all`
 def test_an_oom_on_one_stage_names_the_stage_and_the_rank(tmp_path, monkeypatch):
     monkeypatch.setenv(FAULT_ENV, "oom:backward:1@1")
     record = _ranks(tmp_path, sets=[*PP2, "training.measured_steps=2"])
@@ -154,7 +157,7 @@ def test_an_oom_on_one_stage_names_the_stage_and_the_rank(tmp_path, monkeypatch)
     assert record["ranks"][0]["losses"]  # what stage 0 measured before stays
 
 
-@pytest.mark.slow
+@pytest.mark.slow  # launches ranks: `make test-all`
 def test_a_hang_in_a_stage_is_cut_by_the_watchdog_in_its_peers_receive(tmp_path, monkeypatch):
     # Stage 1 hangs in its forward of step 1: stage 0 waits in the receive of its gradient until the
     # collective time limit (gloo's) cuts it.
@@ -169,6 +172,7 @@ def test_a_hang_in_a_stage_is_cut_by_the_watchdog_in_its_peers_receive(tmp_path,
     assert record["ranks"][1]["failure"]["step"] == 1  # the hung stage finished step 0 and no more
 
 
+@pytest.mark.slow  # launches ranks: `make test-all`
 def test_verify_over_a_two_stage_pipeline_is_exact_and_matches_one_rank(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     result = invoke("verify", "--nproc-per-node", "2", "--pp", "2", "--seq-length", "32", "--attention-backend", "math",

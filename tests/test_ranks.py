@@ -23,6 +23,9 @@ from recompute_bench.launch.torchrun import Launch, check_launch, classify_rank,
 from recompute_bench.measure.point import FAULT_DELAY_S
 from recompute_bench.measure.record import FAULT_ENV, rank_summary
 
+pytestmark = pytest.mark.slow  # launches ranks: `make test-all`
+
+
 def _ranks(tmp_path: Path, data_parallel: str = "ddp", sets=(), watchdog_s: float = 60.0,
            timeout_s: float = 180.0, nproc_per_node: int = 2) -> dict:
     """One point of the tiny model (`RANK_SETS`, then `sets`) measured over `nproc_per_node` ranks: its record."""
@@ -189,12 +192,12 @@ def test_leaving_the_group_is_bounded_in_time(monkeypatch):
 
 
 def test_a_hung_ranks_stack_is_read_through_torchruns_line_prefix():
-    from recompute_bench.launch.process import _innermost_frame
+    from recompute_bench.launch.process import innermost_frame
 
     dump = ("[default1]:Current thread 0x00007f (most recent call first):\n"
             '[default1]:  File "/x/recompute_bench/measure/point.py", line 245 in _fault\n'
             '[default1]:  File "/x/recompute_bench/measure/point.py", line 280 in step\n')
-    assert _innermost_frame(dump) == "point.py:245 in _fault"
+    assert innermost_frame(dump) == "point.py:245 in _fault"
 
 
 # Lines as torch writes them (`WorkNCCL::checkTimeout`): the prefix of torch 2.5+, and of torch 2.1.

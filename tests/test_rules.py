@@ -66,7 +66,7 @@ REFUSED = [
     # The message lists what the dense model offers, not modules it would then refuse.
     (["run", "--recompute-modules", "attention"],
      "unknown recompute module(s) attention; pass --recompute-modules with any of core_attn, mlp, layernorm "
-     "(moe, moe_act, shared_experts, mla_up_proj need MoE or MLA layers, which the model built here does not have)"),
+     "(moe, moe_act, shared_experts, mla_up_proj need MoE or MLA layers, which this workload's model does not have)"),
 ]
 
 

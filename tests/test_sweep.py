@@ -171,6 +171,7 @@ def _records(run_dir: Path) -> list[dict]:
     return [json.loads(line) for line in (run_dir / "results.jsonl").read_text().splitlines()]
 
 
+@pytest.mark.slow
 def test_error_hang_and_oom_are_recorded_and_the_sweep_goes_on(tmp_path, monkeypatch):
     # --timeout runs from the worker's start (torch imported), so 12 s hold on a loaded machine too.
     monkeypatch.setenv(launch.FAULT_POINTS_ENV, "Baseline=error:forward:0;Exp 1=hang:forward:0;Exp 2=oom:backward:0")
@@ -182,7 +183,7 @@ def test_error_hang_and_oom_are_recorded_and_the_sweep_goes_on(tmp_path, monkeyp
         ("Baseline", "error"), ("Exp 1", "timeout"), ("Exp 2", "oom"), ("Exp 3", "ok")]
     error, hang, oom, ok = records
     assert "injected failure" in error["failure"]["message"] and error["failure"]["phase"] == "forward"
-    assert "time limit of 12 s" in hang["failure"]["message"] and "in _fault" in hang["failure"]["message"]
+    assert "time limit of 12 s" in hang["failure"]["message"] and "in inject_fault" in hang["failure"]["message"]
     assert hang["metrics"]["model_flops_per_step"] == ok["metrics"]["model_flops_per_step"]
     assert (oom["failure"]["phase"], oom["failure"]["step"], oom["failure"]["rank"]) == ("backward", 0, 0)
     assert ok["metrics"]["tflops_per_gpu"] > 0 and ok["ranks"][0]["status"] == "ok"
@@ -191,6 +192,7 @@ def test_error_hang_and_oom_are_recorded_and_the_sweep_goes_on(tmp_path, monkeyp
     assert [row["status"] for row in json.loads(result.stdout)["rows"]] == ["error", "timeout", "oom", "ok"]
 
 
+@pytest.mark.slow
 def test_a_worker_that_dies_or_hangs_becomes_a_record(tmp_path, monkeypatch):
     cfg = config("tiny")
     monkeypatch.setattr(launch, "WORKER_COMMAND", [sys.executable, "-c",
@@ -209,6 +211,7 @@ def test_a_worker_that_dies_or_hangs_becomes_a_record(tmp_path, monkeypatch):
     assert time.monotonic() - t0 < 10 and not (tmp_path / "h.json.ready").exists()
 
 
+@pytest.mark.slow
 def test_the_time_limit_runs_from_the_workers_start_and_the_start_has_its_own(tmp_path, monkeypatch):
     cfg = config("tiny")
     # A worker that takes 1.5 s to start (a slow import) and then 0.5 s to write its record: within a
@@ -239,6 +242,7 @@ def _workers_of(run_dir: Path) -> list[int]:
     return pids
 
 
+@pytest.mark.slow
 def test_resume_after_a_killed_sweep_measures_only_what_is_missing(tmp_path):
     run = tmp_path / "killed"
     command = [sys.executable, "-c", "from recompute_bench.cli.app import main; main()", "sweep", "--baseline",
@@ -270,6 +274,7 @@ def test_resume_after_a_killed_sweep_measures_only_what_is_missing(tmp_path):
     assert all(m["outcome"] in ("pass", "n/m", "info") for r in rows for m in r["metrics"])
 
 
+@pytest.mark.slow
 def test_a_second_sweep_on_the_same_run_id_is_refused(tmp_path):
     with RunLock(tmp_path / "busy"):
         result = invoke("sweep", "--baseline", "--run-id", "busy", "--results-dir", str(tmp_path), "--no-golden")
@@ -327,6 +332,7 @@ def _printed_command(stderr: str, lead: str) -> list[str]:
     return shlex.split(command)[1:]
 
 
+@pytest.mark.slow
 def test_ctrl_c_stops_the_worker_and_says_how_to_resume(tmp_path):
     """Ctrl-C kills the running worker and exits 130; each printed command (resume, then report and
     golden update) is one line and runs as printed, --results-dir and --golden included."""
@@ -356,6 +362,7 @@ def test_ctrl_c_stops_the_worker_and_says_how_to_resume(tmp_path):
     assert again.exit_code == 0 and "done before, skipped" in again.stderr, again.output
 
 
+@pytest.mark.slow
 def test_ctrl_c_stops_a_sweep_started_with_sigint_ignored(tmp_path):
     """`nohup recompute-bench sweep ... &` starts with SIGINT ignored; a SIGINT still stops it cleanly."""
     run = tmp_path / "ignored"

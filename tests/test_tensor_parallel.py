@@ -19,6 +19,8 @@ from recompute_bench.analysis.stage import activation_bytes as estimated_activat
 from recompute_bench.measure.record import layout_label
 from helpers import LOSS_RTOL, RANK_SETS
 
+pytestmark = pytest.mark.slow  # launches ranks: `make test-all`
+
 TP2 = ["parallel.tensor_model_parallel_size=2"]
 MATH = ["model.attention_backend=math"]  # its matmuls have FLOP formulas on a CPU (the flash kernel's have none)
 FULL_1 = ["recompute.granularity=full", "recompute.method=uniform", "recompute.num_layers=1"]

@@ -28,7 +28,7 @@ from typing import Any, Iterable
 
 from recompute_bench.analysis.paper import (built_minus_paper_bytes, paper_flops_per_step, paper_layer_bytes,
                                             paper_layer_differences)
-from recompute_bench.analysis.planner import ESTIMATE_SCHEMA, _with, compute
+from recompute_bench.analysis.planner import ESTIMATE_SCHEMA, with_setting, compute
 from recompute_bench.analysis.rank import ALLOWANCE_BYTES, ALLOWANCE_FRACTION, device_bytes_needed
 from recompute_bench.analysis.schedule import chunk_forwards_in_flight, schedule_peak
 from recompute_bench.analysis.stage import stage_parameters
@@ -517,7 +517,7 @@ def estimate_report(cfg: Config, run: MegatronRun, allowance_fraction: float = A
     m, tr, par = cfg.model, cfg.training, cfg.parallel
     stages = stage_peaks(cfg, run)
     peak = max(stages, key=lambda r: r.peak_allocated_bytes)
-    settings = [setting_estimate(_with(cfg, r), run) for r in _settings(cfg)]
+    settings = [setting_estimate(with_setting(cfg, r), run) for r in _settings(cfg)]
     for row in settings:
         row["device_bytes_needed"] = device_bytes_needed(row["peak_allocated_bytes"], allowance_fraction, allowance_bytes)
     paper_rows = []
@@ -558,7 +558,7 @@ def estimate_report(cfg: Config, run: MegatronRun, allowance_fraction: float = A
         "other_optimizer": None if par.data_parallel_size == 1 else {
             "use_distributed_optimizer": not par.use_distributed_optimizer,
             "peak_allocated_bytes": max(r.peak_allocated_bytes for r in stage_peaks(
-                _with(cfg, use_distributed_optimizer=not par.use_distributed_optimizer), run))},
+                with_setting(cfg, use_distributed_optimizer=not par.use_distributed_optimizer), run))},
     }
 
 

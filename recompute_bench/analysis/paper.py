@@ -73,8 +73,11 @@ def paper_layer_differences(cfg: Config, device: str = "cuda") -> list[str]:
         diffs.append("dropout is off (the paper keeps 1-byte masks)")
     if m.num_moe_experts:
         diffs.append(f"{m.moe_layers} of {m.num_layers} layers are mixture-of-experts ({m.num_moe_experts} experts, "
-                     f"top-{m.moe_router_topk}), which the paper's formula does not describe; routing is dropless, so "
-                     f"the experts keep tokens x top-k rows whatever the routing (the estimate assumes none)")
+                     f"top-{m.moe_router_topk}), which the paper's formula does not describe; "
+                     + ("routing is dropless, so the experts keep tokens x top-k rows whatever the routing"
+                        if m.moe_expert_capacity_factor is None else
+                        f"capacity factor {m.moe_expert_capacity_factor:g} drops routed rows over capacity: the estimate "
+                        f"takes min(tokens x top-k, experts x capacity), which assumes uniform routing"))
     if m.activation != "gelu" or m.ffn_hidden_size != 4 * m.hidden_size:
         diffs.append(f"MLP is {m.activation} with ffn {m.ffn_hidden_size}, not GeLU 4h")
     if m.normalization != "LayerNorm":

@@ -37,7 +37,7 @@ def compute(cfg: Config, device: str = "cuda") -> dict[str, float]:
             "recompute_overhead": hw / hw_none - 1, "relative_tflops_per_gpu": hw_none / hw}
 
 
-def _with(cfg: Config, r: RecomputeConfig | None = None, **parallel: Any) -> Config:
+def with_setting(cfg: Config, r: RecomputeConfig | None = None, **parallel: Any) -> Config:
     out = dataclasses.replace(cfg, recompute=r if r is not None else cfg.recompute)
     if parallel:
         out = dataclasses.replace(out, parallel=dataclasses.replace(cfg.parallel, **parallel))
@@ -79,7 +79,7 @@ def listed_settings(cfg: Config, device: str = "cuda") -> list[RecomputeConfig]:
 def _best_uniform(cfg: Config, n_layers: int, device: str = "cuda") -> int:
     """The uniform chunk size with the lowest backward peak (every chunk size costs the same FLOPs)."""
     return min(range(1, n_layers + 1),
-               key=lambda n: (stage_activations(_with(cfg, RecomputeConfig("full", [], "uniform", n)), device).peak_bytes, n))
+               key=lambda n: (stage_activations(with_setting(cfg, RecomputeConfig("full", [], "uniform", n)), device).peak_bytes, n))
 
 
 def estimate_report(cfg: Config, device: str = "cuda", allowance_fraction: float = ALLOWANCE_FRACTION,
@@ -88,7 +88,7 @@ def estimate_report(cfg: Config, device: str = "cuda", allowance_fraction: float
     whole-rank breakdown of cfg's own setting on its peak stage, and every pipeline stage's peak."""
     m, tr, par = cfg.model, cfg.training, cfg.parallel
     rank = peak_rank_memory(cfg, device)
-    settings = [setting_estimate(_with(cfg, r), device) for r in listed_settings(cfg, device)]
+    settings = [setting_estimate(with_setting(cfg, r), device) for r in listed_settings(cfg, device)]
     for row in settings:
         row["device_bytes_needed"] = device_bytes_needed(row["peak_allocated_bytes"], allowance_fraction, allowance_bytes)
     stats = built_minus_paper_bytes(cfg, device)
@@ -131,18 +131,18 @@ def estimate_report(cfg: Config, device: str = "cuda", allowance_fraction: float
         "other_optimizer": None if par.data_parallel_size == 1 else {
             "use_distributed_optimizer": not par.use_distributed_optimizer,
             "peak_allocated_bytes": peak_rank_memory(
-                _with(cfg, use_distributed_optimizer=not par.use_distributed_optimizer), device).peak_allocated_bytes},
+                with_setting(cfg, use_distributed_optimizer=not par.use_distributed_optimizer), device).peak_allocated_bytes},
     }
 
 
-def _candidates(cfg: Config, device: str) -> list[dict[str, Any]]:
+def setting_candidates(cfg: Config, device: str) -> list[dict[str, Any]]:
     """Every setting worth planning with: none, each selective subset, the best uniform chunk and
     every block count (uniform chunks all cost the same FLOPs; block trades FLOPs for memory)."""
     n_layers = layers_per_model_chunk(cfg)
     settings = [RecomputeConfig()] + selective_settings(spec_for(cfg.model).recompute_targets)
     settings.append(RecomputeConfig("full", [], "uniform", _best_uniform(cfg, n_layers, device)))
     settings += [RecomputeConfig("full", [], "block", n) for n in range(1, n_layers + 1)]
-    return [setting_estimate(_with(cfg, r), device) for r in settings]
+    return [setting_estimate(with_setting(cfg, r), device) for r in settings]
 
 
 def _speed_key(row: dict[str, Any]) -> tuple:
@@ -157,7 +157,7 @@ def plan(cfg: Config, budget_bytes: float, device: str = "cuda", allowance_fract
          allowance_bytes: float = ALLOWANCE_BYTES) -> dict[str, Any]:
     """The settings that fit `budget_bytes` of device memory per GPU, fastest first, a recommended
     one, and, when none fits, the changes of layout that would make one fit."""
-    rows = _candidates(cfg, device)
+    rows = setting_candidates(cfg, device)
     for row in rows:
         row["device_bytes_needed"] = device_bytes_needed(row["peak_allocated_bytes"], allowance_fraction, allowance_bytes)
     fitting = sorted((r for r in rows if r["device_bytes_needed"] <= budget_bytes), key=_speed_key)
@@ -193,26 +193,26 @@ def _what_would_fit(cfg: Config, budget: float, device: str, fraction: float, fi
     changes: list[tuple[str, Config | None]] = []
     nt = t * 2
     if m.num_attention_heads % nt == 0 and m.groups % nt == 0:  # Megatron shards whole heads and groups
-        changes.append((f"--tp {nt} --sequence-parallel", _with(cfg, tensor_model_parallel_size=nt, sequence_parallel=True)))
+        changes.append((f"--tp {nt} --sequence-parallel", with_setting(cfg, tensor_model_parallel_size=nt, sequence_parallel=True)))
     else:
         changes.append((f"more tensor parallel (--tp {nt} does not divide {m.num_attention_heads} heads, {m.groups} groups)", None))
     if t > 1 and not par.sequence_parallel:
-        changes.append(("--sequence-parallel", _with(cfg, sequence_parallel=True)))
+        changes.append(("--sequence-parallel", with_setting(cfg, sequence_parallel=True)))
     if tr.micro_batch_size > 1:
         smaller = dataclasses.replace(cfg, training=dataclasses.replace(tr, micro_batch_size=1))
         changes.append(("--micro-batch-size 1", smaller))
     for k in (2, 4):
         if m.num_layers % (p * k) == 0:
-            changes.append((f"--pp {p * k}", _with(cfg, pipeline_model_parallel_size=p * k)))
+            changes.append((f"--pp {p * k}", with_setting(cfg, pipeline_model_parallel_size=p * k)))
             break
     if par.data_parallel_size > 1 and not par.use_distributed_optimizer:
-        changes.append(("--set parallel.use_distributed_optimizer=true", _with(cfg, use_distributed_optimizer=True)))
+        changes.append(("--set parallel.use_distributed_optimizer=true", with_setting(cfg, use_distributed_optimizer=True)))
     out = []
     for flag, changed in changes:
         if changed is None:
             out.append({"change": flag, "fits": False, "setting": "-", "device_bytes_needed": None, "recompute_overhead": None})
             continue
-        rows = _candidates(changed, device)
+        rows = setting_candidates(changed, device)
         for row in rows:
             row["device_bytes_needed"] = device_bytes_needed(row["peak_allocated_bytes"], fraction, fixed)
         fit = sorted((r for r in rows if r["device_bytes_needed"] <= budget), key=_speed_key)
@@ -220,7 +220,7 @@ def _what_would_fit(cfg: Config, budget: float, device: str, fraction: float, fi
         out.append({"change": flag, "fits": bool(fit), "setting": best["label"],
                     "device_bytes_needed": best["device_bytes_needed"], "recompute_overhead": best["recompute_overhead"]})
     # Offload: what the optimizer state and the activations cost, the two things host memory can take.
-    rank = peak_rank_memory(_with(cfg, RecomputeConfig("full", [], "uniform", 1)), device)
+    rank = peak_rank_memory(with_setting(cfg, RecomputeConfig("full", [], "uniform", 1)), device)
     held = optimizer_bytes_per_parameter(cfg)
 
     def state(phase: str) -> float:
@@ -230,5 +230,5 @@ def _what_would_fit(cfg: Config, budget: float, device: str, fraction: float, fi
                                       rank.optimizer_step_bytes - state("step")), fraction, fixed)
     out.append({"change": "offload the optimizer state to host memory (with full uniform 1)", "fits": without <= budget,
                 "setting": "full uniform 1", "device_bytes_needed": without,
-                "recompute_overhead": compute(_with(cfg, RecomputeConfig("full", [], "uniform", 1)), device)["recompute_overhead"]})
+                "recompute_overhead": compute(with_setting(cfg, RecomputeConfig("full", [], "uniform", 1)), device)["recompute_overhead"]})
     return out

@@ -7,22 +7,8 @@ the metrics of `METRICS`, an optional `tolerance` column of per-row overrides
 ("tflops_per_gpu:10%;loss:2%") and provenance (`device_name`, `torch_version`,
 `package_version`, `git_sha`, `measured_at`, `run_id`).
 
-Verdicts, and which of them fail (`--strict` also fails the ones marked "strict"):
-
-| verdict | when | fails |
-|---|---|---|
-| pass | every gated metric within tolerance | no |
-| perf regression | a perf metric worse than its tolerance (TFLOP/s lower, FLOPs executed higher) | yes |
-| memory regression | a memory metric higher than its tolerance | yes |
-| unexpected improvement | TFLOP/s or peak memory better than its tolerance: the golden is stale | strict |
-| changed | loss beyond tolerance; a deterministic metric (bytes, FLOPs, parameters) lower or different | yes |
-| expected OOM | golden oom, result oom | no |
-| unexpected OOM | golden ok, result oom | yes |
-| now fits | golden oom, result ok: the golden needs an update | strict |
-| missing | a golden row without a result | yes |
-| new | a result without a golden row | strict |
-| not comparable | other device, other torch version, or another workload definition (config hash) | yes |
-| failed | the point ended with error or timeout | yes |
+The verdicts (the constants below) and which of them fail, the metrics' directions and default
+tolerances are tabled once, in docs/gate.md.
 """
 
 from __future__ import annotations

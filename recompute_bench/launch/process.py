@@ -76,7 +76,7 @@ def worker_env(name: str) -> dict[str, str]:
     return env
 
 
-def _tail(path: Path, lines: int = STDERR_TAIL_LINES) -> str:
+def tail_of(path: Path, lines: int = STDERR_TAIL_LINES) -> str:
     try:
         text = path.read_text(errors="replace")
     except OSError:
@@ -84,8 +84,8 @@ def _tail(path: Path, lines: int = STDERR_TAIL_LINES) -> str:
     return "\n".join(text.strip().splitlines()[-lines:])
 
 
-def _innermost_frame(stack: str) -> str | None:
-    """"measure.py:125 in _fault" from a faulthandler dump: the top frame of the thread it interrupted
+def innermost_frame(stack: str) -> str | None:
+    """"point.py:125 in inject_fault" from a faulthandler dump: the top frame of the thread it interrupted
     (lines torchrun's --tee prefixed with "[default<local rank>]:" read as the rank wrote them)."""
     lines = [re.sub(r"^\[\w*?\d+\]:", "", line) for line in stack.splitlines()]
     start = next((i for i, line in enumerate(lines) if line.startswith("Current thread")), None)
@@ -181,8 +181,8 @@ def run_isolated(cfg: Config, *, name: str, out_path: Path, log_path: Path, time
     started = ready.exists()
     ready.unlink(missing_ok=True)
     if code is None:
-        stack = _tail(log_path, 40)
-        where = _innermost_frame(stack)
+        stack = tail_of(log_path, 40)
+        where = innermost_frame(stack)
         failure = {"rank": 0, "step": None, "phase": None,
                    "message": (f"no result within the time limit of {timeout_s:g} s; the worker was killed"
                                if started else f"the worker did not start within {START_LIMIT_S:g} s; it was killed")
@@ -197,7 +197,7 @@ def run_isolated(cfg: Config, *, name: str, out_path: Path, log_path: Path, time
         except json.JSONDecodeError:
             pass
     how = f"signal {signal.Signals(-code).name}" if code < 0 else f"exit code {code}"
-    tail = _tail(log_path)
+    tail = tail_of(log_path)
     last = tail.splitlines()[-1] if tail else "no output"
     failure = {"rank": 0, "step": None, "phase": None,
                "message": f"worker ended with {how} and no result: {last}", "traceback": tail}

@@ -1,15 +1,7 @@
 """A sweep: the plan (which points), and running it point by point into `results/<run-id>/`.
 
-Expansion of the command-line flags, in this order (duplicates dropped):
-
-- `--baseline`: one point without recompute, named "Baseline";
-- `--modules a b c`: every non-empty subset of the named modules as a selective setting, smallest
-  subsets first, modules in Megatron's order (`a`, `b`, `c`, `a+b`, `a+c`, `b+c`, `a+b+c`);
-- `--methods m1 m2` x `--num-layers-recompute n1 n2`: every full setting (method-major order);
-  `--num-layers-recompute` alone means method block (as Megatron Bridge's `-rl`), `--methods`
-  alone is refused (a full setting needs a layer count);
-- no flag at all: the baseline plus every setting `verify` checks (each selective subset, full
-  uniform and block with N in 1, 2, L-1, L).
+The command-line flags expand into points as `expand` says (the rules and their order are
+tabled once, in docs/sweeps.md, and `sweep --dry-run` prints the result).
 
 `--grid FILE` lists the points instead (see `load_grid`). Points other than the baseline are named
 "Exp 1", "Exp 2", ... in plan order, as the experiment tables of the field do.
@@ -72,7 +64,7 @@ def recompute_overrides(setting: RecomputeConfig) -> dict[str, Any]:
 def expand(*, num_layers: int, modules: list[str] | None = None, methods: list[str] | None = None,
            num_layers_recompute: list[int] | None = None, baseline: bool = False,
            notes: list[str] | None = None, targets: tuple[str, ...] = SUPPORTED_RECOMPUTE_MODULES) -> list[RecomputeConfig]:
-    """The recompute settings the flags ask for (see the module docstring for the rules); a
+    """The recompute settings the flags ask for (the rules: docs/sweeps.md); a
     flagless sweep takes every subset of `targets`, the modules the model offers."""
     if modules is None and methods is None and num_layers_recompute is None and not baseline:
         return [RecomputeConfig()] + all_settings(num_layers, targets)

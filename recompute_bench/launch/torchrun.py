@@ -37,7 +37,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Optional
 
-from recompute_bench.launch.process import _innermost_frame, _tail, failed_record, run_group, worker_env
+from recompute_bench.launch.process import innermost_frame, tail_of, failed_record, run_group, worker_env
 from recompute_bench.measure.record import STATUS_ORDER, pipeline_summary, rank_summary, unmeasured_rank
 from recompute_bench.spec.config import SPLIT_BACKWARD_SCHEDULES, Config, ConfigError
 from recompute_bench.spec.rules import check_expert_parallel_world
@@ -216,11 +216,11 @@ def run_ranks(cfg: Config, launch: Launch, *, name: str, pieces: Path, log_path:
             pass
     timeout = None
     if code is None:
-        where = _innermost_frame(_tail(log_path, 80))
+        where = innermost_frame(tail_of(log_path, 80))
         timeout = (f"no result within the time limit of {timeout_s:g} s; every rank was killed"
                    + (f" (one was in {where})" if where else ""))
     return merge_pieces(cfg, launch, found, timeout=timeout, errors=_error_files(logs), exits=_exits(logs),
-                        stderrs=_stderr_files(logs), log_tail=_tail(log_path), device=device)
+                        stderrs=_stderr_files(logs), log_tail=tail_of(log_path), device=device)
 
 
 def verify_over_ranks(cfg: Config, settings: list, backends: list[str], launch: Launch, *, work: Path,

@@ -39,7 +39,7 @@ from typing import Iterator
 import torch
 import torch.distributed as dist
 
-from recompute_bench.measure.point import (DTYPES, MainGradAdam, MainGrads, SingleRank, _adam, local, pick_device,
+from recompute_bench.measure.point import (DTYPES, MainGradAdam, MainGrads, SingleRank, make_adam, local, pick_device,
                                            run_point, synthetic_batches)
 from recompute_bench.spec.config import Config
 
@@ -124,7 +124,7 @@ class DataParallel(SingleRank):
     def optimizer(self, model: torch.nn.Module, precision: str):
         params = [p for p in model.parameters() if p.requires_grad]
         if self.kind == "fsdp" and self.dp_size > 1:
-            return _adam(params, 1e-4)  # fp32 sharded weights, gradients and state (the distributed optimizer)
+            return make_adam(params, 1e-4)  # fp32 sharded weights, gradients and state (the distributed optimizer)
         if not self.reduces_main_grads:  # tensor parallel only: DTensor shards and replicas, one rank's way
             return MainGradAdam(MainGrads(params), precision)
         # Megatron's expert parallel: expert gradients are reduced over the expert-data-parallel group
@@ -371,7 +371,7 @@ def verify_ranks(cfg: Config, settings, backends: list[str], device: torch.devic
     (`measure.pipeline.pipeline_loss_and_grads`); each stage draws its own dropout masks (stage 1's
     layers draw first on their rank, not after stage 0's as on one rank), so that comparison runs
     with dropout off too. Rank 0's result: {"outcomes": [...], "single_rank": [...]}."""
-    from recompute_bench.measure.verify import Outcome, _max_diff, fp32_with_dropout, loss_and_grads
+    from recompute_bench.measure.verify import Outcome, max_grad_diff, fp32_with_dropout, loss_and_grads
     from recompute_bench.spec.config import RecomputeConfig
 
     layout = make_layout(data_parallel, cfg, device.type)
@@ -400,10 +400,10 @@ def verify_ranks(cfg: Config, settings, backends: list[str], device: torch.devic
             loss = sum(a[0] for a in alone) / len(alone)
             grads = {n: sum(a[1][n] for a in alone) / len(alone) if alone[0][1][n] is not None else None
                      for n in alone[0][1]}
-            worst, worst_name = _max_diff(grads, alone_base[1])
+            worst, worst_name = max_grad_diff(grads, alone_base[1])
             single.append(Outcome("none", backend, (loss - alone_base[0]).abs().item(), worst, worst_name).__dict__)
         for setting in settings:
             loss, grads = run(dataclasses.replace(run_cfg, recompute=setting), tokens[layout.dp_rank], device, layout)
-            worst, worst_name = _max_diff(base_grads, grads)
+            worst, worst_name = max_grad_diff(base_grads, grads)
             outcomes.append(Outcome(setting.label, backend, (loss - base_loss).abs().item(), worst, worst_name).__dict__)
     return {"outcomes": outcomes, "single_rank": single}

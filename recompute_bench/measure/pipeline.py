@@ -34,7 +34,7 @@ from torch import nn
 
 from recompute_bench.analysis.schedules import rank_stages
 from recompute_bench.measure.distributed import BUCKET_PARAMETERS, BucketedGrads, DataParallel
-from recompute_bench.measure.point import DTYPES, MainGradAdam, MainGrads, Stepper, _adam, _fault, local
+from recompute_bench.measure.point import DTYPES, MainGradAdam, MainGrads, Stepper, make_adam, local
 from recompute_bench.models import spec_for
 from recompute_bench.models.dense.layers import GPT, TransformerLayers
 from recompute_bench.recompute.apply import apply_recompute
@@ -179,7 +179,7 @@ class PipelineParallel(DataParallel):
         """As `DataParallel.optimizer`, its reduction over this rank's data-parallel group."""
         params = [p for p in model.parameters() if p.requires_grad]
         if self.kind == "fsdp" and self.dp_size > 1:
-            return _adam(params, 1e-4)
+            return make_adam(params, 1e-4)
         if self.dp_size == 1:
             return MainGradAdam(MainGrads(params), precision)
         group = self.mesh["dp"].get_group()
@@ -289,7 +289,7 @@ class PipelineStepper(Stepper):
 
         def forward_one_chunk(i: int, *args: Any, **kwargs: Any):
             self.phase = "forward"
-            _fault("forward", self.step_index)
+            self.check_fault("forward")
             probe = self.probe.chunk_forward(stage.stage_index, i) if self.probe else nullcontext()
             with self._timed(), probe:
                 return forward(i, *args, **kwargs)
@@ -299,7 +299,7 @@ class PipelineStepper(Stepper):
 
         def backward_one_chunk(i: int, *args: Any, **kwargs: Any):
             self.phase = "backward"
-            _fault("backward", self.step_index)
+            self.check_fault("backward")
             with self._timed():
                 return backward(i, *args, **kwargs)
 
@@ -354,7 +354,7 @@ class PipelineStepper(Stepper):
         self.compute_times_s.append(self._compute)
         layout.sum_tied_embedding(self.model)
         self.phase = "optimizer"
-        _fault("optimizer", self.step_index)
+        self.check_fault("optimizer")
         self.optimizer.step()
         self.model.zero_grad(set_to_none=True)
         self.step_index += 1

@@ -20,6 +20,7 @@ import time
 import traceback
 import weakref
 from contextlib import AbstractContextManager, contextmanager, nullcontext
+from dataclasses import dataclass
 from typing import Any, Callable, Iterator
 
 import torch
@@ -55,7 +56,7 @@ def local_grad(p: torch.Tensor) -> torch.Tensor:
     return local(g)
 
 
-def _adam(params: list[torch.Tensor], lr: float) -> torch.optim.Adam:
+def make_adam(params: list[torch.Tensor], lr: float) -> torch.optim.Adam:
     """torch's Adam with its fused kernel where torch has one for the device (CUDA and CPU do),
     else the foreach implementation: one multi-tensor kernel per update, no Python loop over
     parameters, and (fused) no temporaries the size of the parameters."""
@@ -115,7 +116,7 @@ class MainGradAdam:
         """The flat fp32 master weights (None in fp32: the weights themselves)."""
         if precision == "fp32":
             self.master_params = [local(p) for p in grads.params]
-            self.adam = _adam(self.master_params, lr)
+            self.adam = make_adam(self.master_params, lr)
             return
         self.master = torch.empty_like(grads.data)
         self.master_params = []
@@ -128,7 +129,7 @@ class MainGradAdam:
             self.master_params.append(master)
             offset += mine.numel()
         self.master.grad = grads.data  # Adam reads the main gradients where they are: no copy
-        self.adam = _adam([self.master], lr)
+        self.adam = make_adam([self.master], lr)
 
     def step(self) -> None:
         """Complete the main gradients (`grads.finish`), update the master weights from them, copy
@@ -281,20 +282,40 @@ FAULT_DELAY_S = 3.0
 """How long a "delay" fault holds its rank."""
 
 
-def _fault(phase: str, step: int) -> None:
-    """Fail as RECOMPUTE_BENCH_FAULT says ("KIND:PHASE:STEP[@RANK]"); no "@RANK" means every rank.
-    The rank is torchrun's RANK (0 on a single-rank point). Phases: forward, backward, optimizer
-    (inside a step) and write (after a step, before its piece is written)."""
-    spec = os.environ.get(FAULT_ENV)
-    if not spec:
-        return
-    where, _, want_rank = spec.partition("@")
-    kind, want_phase, want_step = where.split(":")
-    if want_phase != phase or int(want_step) != step:
-        return
-    rank = int(os.environ.get("RANK", "0"))
-    if want_rank and int(want_rank) != rank:
-        return
+@dataclass(frozen=True)
+class Fault:
+    """A failure to inject, as RECOMPUTE_BENCH_FAULT says ("KIND:PHASE:STEP[@RANK]"; no "@RANK"
+    means every rank, the rank being torchrun's RANK, 0 on a single-rank point). Phases: forward,
+    backward, optimizer (inside a step) and write (after a step, before its piece is written). Read
+    once per point (`from_env`), so the timed steps only ask whether there is one."""
+
+    kind: str
+    phase: str
+    step: int
+    rank: int | None
+    spec: str
+
+    @classmethod
+    def from_env(cls) -> "Fault | None":
+        spec = os.environ.get(FAULT_ENV)
+        if not spec:
+            return None
+        where, _, rank = spec.partition("@")
+        kind, phase, step = where.split(":")
+        return cls(kind, phase, int(step), int(rank) if rank else None, spec)
+
+    def at(self, phase: str, step: int) -> None:
+        """Fail here if this is the phase, step and rank the fault names."""
+        if phase != self.phase or step != self.step:
+            return
+        rank = int(os.environ.get("RANK", "0"))
+        if self.rank is not None and self.rank != rank:
+            return
+        inject_fault(self.kind, self.spec, rank)
+
+
+def inject_fault(kind: str, spec: str, rank: int) -> None:
+    """Fail the way `kind` names: an OOM, a hang, a delay, the NCCL watchdog's abort, an error."""
     if kind == "oom":
         raise torch.OutOfMemoryError(f"CUDA out of memory (injected by {FAULT_ENV}={spec})")
     if kind == "hang":
@@ -326,6 +347,12 @@ class Stepper:
         rank, and only the last one's backward reduces them over the data-parallel ranks."""
         self.step_index = 0
         self.phase = "setup"
+        self.fault = Fault.from_env()
+
+    def check_fault(self, phase: str) -> None:
+        """Inject the point's fault if it names this phase of this step (nothing when there is none)."""
+        if self.fault is not None:
+            self.fault.at(phase, self.step_index)
 
     def fields(self, step_times_s: list[float]) -> dict[str, Any]:
         """Figures of the measured steps beyond their times (a pipeline's: `measure.pipeline`); none here."""
@@ -340,18 +367,18 @@ class Stepper:
         for i, tokens in enumerate(self.batches):
             with self.no_sync() if self.no_sync and i < n - 1 else nullcontext():
                 self.phase = "forward"
-                _fault("forward", self.step_index)
+                self.check_fault("forward")
                 if probe is not None and i == 0:
                     with probe.watch():
                         loss = self.model(tokens[:, :-1], tokens[:, 1:])
                 else:
                     loss = self.model(tokens[:, :-1], tokens[:, 1:])
                 self.phase = "backward"
-                _fault("backward", self.step_index)
+                self.check_fault("backward")
                 (loss / n).backward()
             total += loss.detach()
         self.phase = "optimizer"
-        _fault("optimizer", self.step_index)
+        self.check_fault("optimizer")
         self.optimizer.step()
         self.model.zero_grad(set_to_none=True)
         self.step_index += 1
@@ -538,7 +565,7 @@ def _measure(cfg: Config, device: torch.device, peak_tflops: float | None, layou
             rank_entry["losses"].append(layout.mean(loss).item())  # after the step, which is not timed
             rank_entry["step"] = stepper.step_index
             rank_entry.update({k: v for k, v in cuda_memory(device).items() if v is not None})
-            _fault("write", stepper.step_index)
+            stepper.check_fault("write")
             progress(metrics, rank_entry)
 
         probe = layout.probe(model)

@@ -94,7 +94,7 @@ def fp32_with_dropout(cfg: Config, attention_backend: str) -> Config:
     return dataclasses.replace(cfg, model=model, training=dataclasses.replace(cfg.training, precision="fp32"))
 
 
-def _max_diff(base: dict[str, torch.Tensor | None], other: dict[str, torch.Tensor | None]) -> tuple[float, str]:
+def max_grad_diff(base: dict[str, torch.Tensor | None], other: dict[str, torch.Tensor | None]) -> tuple[float, str]:
     """The largest |difference| of any gradient, and its parameter; inf where names or presence differ."""
     worst, worst_name = -1.0, ""
     for name in base.keys() | other.keys():
@@ -120,6 +120,6 @@ def verify(cfg: Config, settings: list[RecomputeConfig], backends: list[str], de
             base_loss, base_grads = loss_and_grads(run_cfg, RecomputeConfig(), tokens, device)
             for setting in settings:
                 loss, grads = loss_and_grads(run_cfg, setting, tokens, device)
-                worst, worst_name = _max_diff(base_grads, grads)
+                worst, worst_name = max_grad_diff(base_grads, grads)
                 outcomes.append(Outcome(setting.label, backend, (loss - base_loss).abs().item(), worst, worst_name))
     return outcomes

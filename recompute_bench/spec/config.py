@@ -46,9 +46,10 @@ SPLIT_BACKWARD_SCHEDULES = ("InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV
 # Every module name Megatron accepts, in Megatron's order; the order is also the canonical
 # order of a module list in records and golden keys.
 RECOMPUTE_MODULES = ("core_attn", "mlp", "layernorm", "moe", "moe_act", "shared_experts", "mla_up_proj")
-# The modules the model built here has; the rest need MoE or MLA layers, which it does not build yet.
+# The modules every dense layer offers (what sweeps and verify enumerate by default); the rest need
+# MoE or MLA layers (a model's own list: `models.spec_for(cfg.model).recompute_targets`).
 SUPPORTED_RECOMPUTE_MODULES = ("core_attn", "mlp", "layernorm")
-# The modules the model built here has; the rest need MoE or MLA layers, which it does not build yet.
+# What each module other than core_attn and layernorm needs of the model, for the refusal's message.
 _MODULE_NEEDS = {
     "mlp": "dense MLP layers (with moe_layer_freq 1 every layer is a mixture-of-experts layer; use moe)",
     "moe": "mixture-of-experts layers",
@@ -267,7 +268,8 @@ class TrainingConfig:
 
 @dataclass
 class ParallelConfig:
-    """Parallel layout. `run` measures one rank without model parallelism; `estimate` uses all."""
+    """Parallel layout: `run` launches it (data, tensor, expert and pipeline parallel over torchrun
+    ranks, docs/ranks.md); `estimate` and `plan` model every field."""
 
     tensor_model_parallel_size: int = 1
     """Tensor parallel size (t)."""

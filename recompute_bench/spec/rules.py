@@ -311,8 +311,8 @@ def _validate_recompute(cfg: Config) -> None:
     if unknown:
         lacking = [x for x in RECOMPUTE_MODULES if x not in offered]
         raise ConfigError(f"unknown recompute module(s) {', '.join(unknown)}; pass --recompute-modules with any of "
-                          f"{', '.join(offered)}" + (f" ({', '.join(lacking)} need MoE or MLA layers, which the model "
-                                                     f"built here does not have)" if lacking else ""))
+                          f"{', '.join(offered)}" + (f" ({', '.join(lacking)} need MoE or MLA layers, which this "
+                                                     f"workload's model does not have)" if lacking else ""))
 
     if r.granularity == "full":
         if r.method is None:
@@ -335,8 +335,8 @@ def _validate_recompute(cfg: Config) -> None:
                               "drop --recompute-method or pass --recompute-granularity full")
         for module in r.modules:
             if module not in offered:
-                raise ConfigError(f"recompute module {module} needs {_MODULE_NEEDS[module]}, which the model built here "
-                                  f"does not have yet; choose from {', '.join(offered)}")
+                raise ConfigError(f"recompute module {module} needs {_MODULE_NEEDS[module]}, which this workload's "
+                                  f"model does not have; choose from {', '.join(offered)}")
     else:
         for name, value in (("recompute_method", r.method), ("recompute_num_layers", r.num_layers)):
             if value is not None:
