@@ -43,10 +43,9 @@ def _offloaded_micro_batch(sets: list[str], kind: str) -> dict:
         model.train()
         tokens = _tokens(cfg)
         probe = SavedTensorProbe(model)
-        with layout.context(), probe.watch():
+        with probe.watch():
             loss = model(tokens[:, :-1], tokens[:, 1:])
-        with layout.context():
-            loss.backward()
+        loss.backward()
         grads = [local(p.grad).clone() for p in model.parameters()]
         out[name] = {"loss": loss.item(), "grads": grads, "layer_bytes": probe.bytes()[1] / cfg.model.num_layers,
                      "packed": model.activation_offloader.packed_bytes(0) if extra else None}

@@ -25,9 +25,11 @@ from recompute_bench.measure.record import FAULT_ENV, rank_summary
 
 pytestmark = pytest.mark.slow  # launches ranks: `make test-all`
 
-def _two_ranks(tmp_path: Path, data_parallel: str = "ddp", sets=(), watchdog_s: float = 60.0,
-               timeout_s: float = 180.0) -> dict:
-    launch = Launch(nproc_per_node=2, data_parallel=data_parallel, watchdog_s=watchdog_s)
+
+def _ranks(tmp_path: Path, data_parallel: str = "ddp", sets=(), watchdog_s: float = 60.0,
+           timeout_s: float = 180.0, nproc_per_node: int = 2) -> dict:
+    """One point of the tiny model (`RANK_SETS`, then `sets`) measured over `nproc_per_node` ranks: its record."""
+    launch = Launch(nproc_per_node=nproc_per_node, data_parallel=data_parallel, watchdog_s=watchdog_s)
     cfg = check_launch(config(sets=[*RANK_SETS, *sets]), launch, "cpu")
     return run_ranks(cfg, launch, name="t", pieces=tmp_path / "pieces", log_path=tmp_path / "t.log", timeout_s=timeout_s)
 
@@ -44,7 +46,7 @@ def single_rank_losses() -> list[float]:
 
 @pytest.mark.parametrize("data_parallel", ["ddp", "fsdp"])
 def test_data_parallel_over_two_ranks_gives_the_single_rank_losses(tmp_path, data_parallel, single_rank_losses):
-    record = _two_ranks(tmp_path, data_parallel, sets=ACCUMULATE)
+    record = _ranks(tmp_path, data_parallel, sets=ACCUMULATE)
     assert record["status"] == "ok", record["failure"]
     assert record["config"]["parallel"]["data_parallel_size"] == 2
     assert record["launch"]["world_size"] == 2 and record["launch"]["data_parallel"] == data_parallel
@@ -63,7 +65,7 @@ def test_data_parallel_over_two_ranks_gives_the_single_rank_losses(tmp_path, dat
 
 def test_an_oom_on_one_rank_names_it_and_keeps_the_other_ranks_figures(tmp_path, monkeypatch):
     monkeypatch.setenv(FAULT_ENV, "oom:backward:1@1")
-    record = _two_ranks(tmp_path, sets=["training.measured_steps=2"])
+    record = _ranks(tmp_path, sets=["training.measured_steps=2"])
     assert record["status"] == "oom"
     assert {k: record["failure"][k] for k in ("rank", "step", "phase")} == {"rank": 1, "step": 1, "phase": "backward"}
     assert rank_summary(record) == record["failure"]["summary"] == "OOM rank1; waiting rank0"
@@ -75,7 +77,7 @@ def test_a_hang_on_one_rank_is_cut_by_the_collective_watchdog(tmp_path, monkeypa
     monkeypatch.setenv(FAULT_ENV, "hang:forward:1@1")
     watchdog = 5.0
     started = time.monotonic()
-    record = _two_ranks(tmp_path, sets=["training.measured_steps=2"], watchdog_s=watchdog)
+    record = _ranks(tmp_path, sets=["training.measured_steps=2"], watchdog_s=watchdog)
     assert time.monotonic() - started < watchdog + 60  # start-up, the watchdog, torchrun's teardown
     assert record["status"] == "timeout"
     assert [r["status"] for r in record["ranks"]] == ["timeout", "waiting"]
@@ -87,7 +89,7 @@ def test_a_step_takes_as_long_as_its_slowest_rank(tmp_path, monkeypatch):
     # Rank 1's optimizer takes FAULT_DELAY_S longer in the measured step; rank 0 does not wait for
     # it inside the step (no collective follows the optimizer), so rank 0's own time is short.
     monkeypatch.setenv(FAULT_ENV, "delay:optimizer:1@1")
-    record = _two_ranks(tmp_path)
+    record = _ranks(tmp_path)
     assert record["status"] == "ok", record["failure"]
     [fast], [slow] = (r["step_times_s"] for r in record["ranks"])
     assert slow > FAULT_DELAY_S > fast
@@ -100,7 +102,7 @@ def test_a_rank_late_to_a_step_does_not_start_its_peers_clocks(tmp_path, monkeyp
     # Rank 1 takes FAULT_DELAY_S to write its piece before the measured step, as a slow disk would.
     # Without the barrier rank 0 would time that as its own step (waiting in the gradient all-reduce).
     monkeypatch.setenv(FAULT_ENV, "delay:write:1@1")
-    record = _two_ranks(tmp_path)
+    record = _ranks(tmp_path)
     assert record["status"] == "ok", record["failure"]
     assert max(r["step_times_s"][0] for r in record["ranks"]) == record["metrics"]["step_time_s"] < FAULT_DELAY_S / 2
 
@@ -146,7 +148,7 @@ def test_a_rank_killed_by_a_signal_is_killed_and_its_peer_waiting(tmp_path):
 def test_the_nccl_watchdogs_verdict_reaches_the_record(tmp_path, monkeypatch):
     # Rank 1 ends as ProcessGroupNCCL's watchdog ends a rank: its verdict on stderr, then SIGABRT.
     monkeypatch.setenv(FAULT_ENV, "watchdog:backward:1@1")
-    record = _two_ranks(tmp_path, sets=["training.measured_steps=2"])
+    record = _ranks(tmp_path, sets=["training.measured_steps=2"])
     assert [r["status"] for r in record["ranks"]] == ["waiting", "timeout"]
     assert record["status"] == "timeout" and record["failure"]["rank"] == 1
     assert record["failure"]["collective"] == "ALLREDUCE" and "300.042 s" in record["failure"]["message"]
@@ -154,7 +156,7 @@ def test_the_nccl_watchdogs_verdict_reaches_the_record(tmp_path, monkeypatch):
 
 def test_a_gloo_timeout_names_the_collective_and_the_rank(tmp_path, monkeypatch):
     monkeypatch.setenv(FAULT_ENV, "hang:write:1@1")  # rank 1 never reaches the next step's barrier
-    record = _two_ranks(tmp_path, sets=["training.measured_steps=2"], watchdog_s=5.0)
+    record = _ranks(tmp_path, sets=["training.measured_steps=2"], watchdog_s=5.0)
     assert record["status"] == "timeout" and record["failure"]["rank"] == 0
     assert record["failure"]["collective"] == "barrier"
     assert [r["status"] for r in record["ranks"]] == ["timeout", "waiting"]

@@ -207,14 +207,13 @@ def model_chunks(cfg: Config, stage: int = 0, device: str = "cuda", acts: StageA
 
 def saved_token_bytes(cfg: Config, stage: int = 0) -> float:
     """The step's token tensor as the saved tensors of pipeline rank `stage` hold it: the embedding
-    keeps a view of it (token ids); the loss keeps a view of it (labels) when a micro-batch is one
-    sequence, a copy otherwise (`loss_saved_bytes`' labels)."""
+    keeps a view of it (token ids), on the rank of the first virtual stage only. The loss keeps no
+    view of it: it saves its own target ids within the vocabulary shard (`loss_saved_bytes`),
+    whatever the micro-batch size (measured: a last stage alone at micro-batch 1 holds no token ids)."""
     par = cfg.parallel
     p, vp = par.pipeline_model_parallel_size, par.virtual_pipeline_model_parallel_size or 1
     stages = rank_stages(par.schedule, p, vp, stage) if p > 1 else [0]
-    if 0 in stages or (p * vp - 1 in stages and cfg.training.micro_batch_size == 1):
-        return token_bytes(cfg)
-    return 0.0
+    return token_bytes(cfg) if 0 in stages else 0.0
 
 
 def schedule_walk(cfg: Config, stage: int = 0, device: str = "cuda", acts: StageActivations | None = None) -> tuple[list[ModelChunk], Walk]:

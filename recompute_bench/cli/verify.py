@@ -13,14 +13,14 @@ from recompute_bench.cli.common import (DEFAULT_WORKLOAD, JsonOut, PolicyFile, W
                                         show_notes, with_policy_file)
 from recompute_bench.cli.options import PointOptions, point_options
 from recompute_bench.cli.ranks import launch_options
-from recompute_bench.launch.torchrun import Launch, check_launch
+from recompute_bench.launch.torchrun import Launch, check_launch, check_schedule_recompute
 from recompute_bench.measure.record import layout_label
 from recompute_bench.spec.config import ATTENTION_BACKENDS, ConfigError
 
 
 @point_options(panels=("Workload", "Parallelism", "Recompute"),
                exclude=("global_batch_size", "precision", "attention_backend", "activation_offload_layers",
-                        "pipeline_model_parallel_size", "data_parallel_size"), gpu=False)
+                        "data_parallel_size"), gpu=False)
 @launch_options
 def verify(
     *,
@@ -61,6 +61,11 @@ def verify(
     targets = spec_for(cfg.model).recompute_targets
     settings = ([cfg.recompute] if point.given("recompute") or policy
                 else all_settings(cfg.model.num_layers, targets))
+    if cfg.parallel.pipeline_model_parallel_size > 1:
+        try:
+            check_schedule_recompute(cfg.parallel.schedule, settings[0])  # every setting but none recomputes
+        except ConfigError as e:
+            raise fail(str(e)) from None
     if launch.world_size > 1:
         outcomes = _over_ranks(cfg, settings, backends, launch, device)
     else:
@@ -85,7 +90,7 @@ def verify(
 
 
 def _over_ranks(cfg, settings, backends: list[str], launch: Launch, device: str) -> list:
-    """Each setting against no recompute under `launch`'s data-parallel layout, run with torchrun;
+    """Each setting against no recompute under `launch`'s layout (data, tensor, pipeline parallel), run with torchrun;
     prints how far that baseline is from one rank running every rank's micro-batch."""
     from pathlib import Path
 

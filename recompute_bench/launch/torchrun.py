@@ -39,7 +39,7 @@ from typing import Any, Optional
 
 from recompute_bench.launch.process import innermost_frame, tail_of, failed_record, run_group, worker_env
 from recompute_bench.measure.record import STATUS_ORDER, pipeline_summary, rank_summary, unmeasured_rank
-from recompute_bench.spec.config import Config, ConfigError
+from recompute_bench.spec.config import SPLIT_BACKWARD_SCHEDULES, Config, ConfigError
 from recompute_bench.spec.rules import check_expert_parallel_world
 
 DATA_PARALLEL = ("ddp", "fsdp")
@@ -150,6 +150,18 @@ def _check_pipeline(cfg: Config) -> None:
     p = cfg.parallel
     if p.expert_model_parallel_size > 1:
         raise ConfigError("expert parallel with pipeline parallel is not measured here; pass --ep 1 or --pp 1")
+    check_schedule_recompute(p.schedule, cfg.recompute)
+
+
+def check_schedule_recompute(schedule: str, recompute) -> None:
+    """ConfigError when `schedule` splits its backward (input gradients, then weight gradients) and
+    `recompute` recomputes anything: the harness's checkpoints are re-entrant, as Megatron's, and
+    torch.utils.checkpoint refuses a re-entrant checkpoint under `autograd.grad(..., inputs=...)`,
+    which torch's `stage_backward_input` runs (torch/distributed/pipelining/_backward.py)."""
+    if schedule in SPLIT_BACKWARD_SCHEDULES and recompute.recomputes:
+        raise ConfigError(f"{schedule} splits each backward into input and weight gradients (autograd.grad with "
+                          "inputs), which re-entrant checkpoints (Megatron's, use_reentrant=True) refuse; pass "
+                          "--pp-schedule 1F1B or Interleaved1F1B to recompute, or --recompute-granularity none")
 
 
 def torchrun_command(launch: Launch, pieces: Path, *, device: str | None = None,

@@ -366,34 +366,44 @@ def verify_ranks(cfg: Config, settings, backends: list[str], device: torch.devic
     same layout (bitwise on CPU), and that baseline against one rank running every data-parallel
     rank's micro-batch, each seeded alike, gradients averaged (equal to fp32 rounding: only the
     order of the sums differs). Tensor-parallel ranks draw their own dropout masks for their heads
-    and sequence shards, so that comparison runs with dropout off under tensor parallelism.
-    Rank 0's result: {"outcomes": [...], "single_rank": [...]}."""
+    and sequence shards, so that comparison runs with dropout off under tensor parallelism. Under
+    pipeline parallelism every rank runs the step's micro-batches through torch's schedule
+    (`measure.pipeline.pipeline_loss_and_grads`); each stage draws its own dropout masks (stage 1's
+    layers draw first on their rank, not after stage 0's as on one rank), so that comparison runs
+    with dropout off too. Rank 0's result: {"outcomes": [...], "single_rank": [...]}."""
     from recompute_bench.measure.verify import Outcome, max_grad_diff, fp32_with_dropout, loss_and_grads
     from recompute_bench.spec.config import RecomputeConfig
 
-    layout = DataParallel(data_parallel, cfg, device.type)
+    layout = make_layout(data_parallel, cfg, device.type)
+    pipeline = cfg.parallel.pipeline_model_parallel_size > 1
+    if pipeline:
+        from recompute_bench.measure.pipeline import pipeline_loss_and_grads as run
+    else:
+        run = gathered_loss_and_grads
+    # one micro-batch per data-parallel rank; the step's micro-batches per replica under a pipeline
+    shape = (layout.dp_size, *([cfg.num_microbatches] if pipeline else []), cfg.training.micro_batch_size,
+             cfg.training.seq_length + 1)
     outcomes, single = [], []
     for backend in backends:
         run_cfg = fp32_with_dropout(cfg, backend)
         g = torch.Generator().manual_seed(run_cfg.training.seed)
-        tokens = torch.randint(0, cfg.model.vocab_size, (layout.dp_size, cfg.training.micro_batch_size,
-                                                         cfg.training.seq_length + 1), generator=g).to(device)
-        base_loss, base_grads = gathered_loss_and_grads(run_cfg, tokens[layout.dp_rank], device, layout)
+        tokens = torch.randint(0, cfg.model.vocab_size, shape, generator=g).to(device)
+        base_loss, base_grads = run(run_cfg, tokens[layout.dp_rank], device, layout)
         alone_cfg, alone_base = run_cfg, (base_loss, base_grads)
-        if layout.tensor:
+        if layout.tensor or pipeline:
             alone_cfg = dataclasses.replace(run_cfg, model=dataclasses.replace(run_cfg.model, hidden_dropout=0.0,
                                                                                attention_dropout=0.0))
-            alone_base = gathered_loss_and_grads(alone_cfg, tokens[layout.dp_rank], device, layout)
+            alone_base = run(alone_cfg, tokens[layout.dp_rank], device, layout)
         if layout.rank == 0:
-            alone = [loss_and_grads(alone_cfg, RecomputeConfig(), t, device) for t in tokens]
+            alone = [loss_and_grads(alone_cfg, RecomputeConfig(), t, device)
+                     for t in tokens.reshape(-1, *tokens.shape[-2:])]
             loss = sum(a[0] for a in alone) / len(alone)
             grads = {n: sum(a[1][n] for a in alone) / len(alone) if alone[0][1][n] is not None else None
                      for n in alone[0][1]}
             worst, worst_name = max_grad_diff(grads, alone_base[1])
             single.append(Outcome("none", backend, (loss - alone_base[0]).abs().item(), worst, worst_name).__dict__)
         for setting in settings:
-            loss, grads = gathered_loss_and_grads(dataclasses.replace(run_cfg, recompute=setting),
-                                                  tokens[layout.dp_rank], device, layout)
+            loss, grads = run(dataclasses.replace(run_cfg, recompute=setting), tokens[layout.dp_rank], device, layout)
             worst, worst_name = max_grad_diff(base_grads, grads)
             outcomes.append(Outcome(setting.label, backend, (loss - base_loss).abs().item(), worst, worst_name).__dict__)
     return {"outcomes": outcomes, "single_rank": single}

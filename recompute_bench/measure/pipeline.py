@@ -138,23 +138,34 @@ class PipelineParallel(DataParallel):
         return mine
 
     def build(self, cfg: Config, device: torch.device, dtype: torch.dtype | None = None) -> PipelineChunks:
-        """This rank's model chunks: cut from the whole model (seeded as on one rank), then per chunk
-        tensor parallel, recompute (the chunk's own layers' policies), FSDP2 or DDP."""
+        """This rank's model chunks, built as torchtitan builds a stage: the whole model on the meta
+        device, cut into this rank's chunks, per chunk tensor parallel, recompute (the chunk's own
+        layers' policies) and FSDP2 there, then only the chunks materialised and initialised with the
+        values one rank's build holds (`GPT.init_weights` draws every parameter of the whole model in
+        order and drops the other stages'). Under DDP the optimizer reduces the main gradients."""
         fsdp = self.kind == "fsdp" and self.dp_size > 1
-        whole = spec_for(cfg.model).build(cfg, device, torch.float32 if fsdp else dtype or DTYPES[cfg.training.precision])
+        whole = spec_for(cfg.model).build(cfg, "meta", torch.float32 if fsdp else dtype or DTYPES[cfg.training.precision])
         self.whole_parameters = sum(p.numel() for p in whole.parameters())
         per = cfg.model.num_layers // self.num_stages
         chunks = PipelineChunks()
         for v in self.stages:
             chunk = GPTStage(whole, v, self.num_stages, range(v * per, (v + 1) * per), cfg.training.seq_length)
-            if chunk.output_layer is not None and chunk.word_embeddings is None and cfg.model.share_embeddings_and_output_weights:
-                chunk.output_layer.weight = nn.Parameter(whole.word_embeddings.weight.detach().clone())  # this rank's copy
+            if (chunk.output_layer is not None and chunk.word_embeddings is None and not self.first
+                    and cfg.model.share_embeddings_and_output_weights):
+                # this rank's copy; a rank that also holds the embedding (the V's rank 0) keeps the one weight
+                chunk.output_layer.weight = nn.Parameter(torch.empty_like(whole.word_embeddings.weight))
             if self.tensor:
                 self.tensor.parallelize(chunk)
             apply_recompute(chunk, cfg.recompute, self.tensor_group, first=v * per)
             if fsdp:
                 self._shard(chunk, cfg)
             chunks.append(chunk)
+        chunks.to_empty(device=device)
+        if self.first and self.last:
+            whole.tie_weights()  # to_empty gave the V's rank 0 two embeddings, one per chunk: one again
+        whole.init_weights(cfg.training.seed)
+        if device.type == "cuda":
+            torch.cuda.empty_cache()  # the initialisation's one whole parameter at a time
         return chunks
 
     def _shard(self, chunk: GPTStage, cfg: Config) -> None:
@@ -489,3 +500,45 @@ class ScheduleProbe:
         return {"activation_peak_bytes": self.peak, "activation_peak_layer_bytes": self.peak_layers,
                 "microbatches_in_flight": sum(self.held.values()) / len(self.stages),
                 "chunks_in_flight": {str(k): v for k, v in sorted(self.held.items())}}
+
+
+def pipeline_loss_and_grads(cfg: Config, tokens: torch.Tensor, device: torch.device,
+                            layout: PipelineParallel) -> tuple[torch.Tensor, dict[str, torch.Tensor | None]]:
+    """One step's micro-batches `tokens` ([micro-batches, b, s + 1], this data-parallel replica's)
+    through torch's schedule over this rank's chunks, dropout seeded with the training seed before
+    the step: the step's loss (the mean over micro-batches, averaged over the replicas, on every rank)
+    and every gradient whole by its single-rank name on every rank: the tied embedding's two copies
+    summed (Megatron's embedding group), averaged over the data-parallel replicas (DDP) or gathered
+    (FSDP2's shards, `full_tensor`), tensor-parallel shards in the single-rank layout, then every
+    pipeline rank's gathered over the pipeline group."""
+    model = layout.build(cfg, device)
+    model.train()
+    schedule, _ = layout.schedule(model, cfg, device)
+    rows = tokens.reshape(-1, tokens.shape[-1])
+    losses: list[torch.Tensor] = []
+    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+        torch.manual_seed(cfg.training.seed)
+        schedule.step(*((rows[:, :-1],) if layout.first else ()), target=rows[:, 1:] if layout.last else None,
+                      losses=losses if layout.last else None, return_outputs=False)
+    layout.sum_tied_embedding(model)
+    loss = torch.stack([x.detach().float() for x in losses]).sum() if losses else torch.zeros((), device=device)
+    tied_copy = cfg.model.share_embeddings_and_output_weights
+    mine: dict[str, torch.Tensor | None] = {}
+    for chunk in model:
+        for name, p in chunk.named_parameters():
+            if tied_copy and name == "output_layer.weight" and chunk.word_embeddings is None:
+                continue  # the copy of word_embeddings.weight: after the sum its gradient is the embedding's
+            g = p.grad
+            if g is not None and hasattr(g, "full_tensor"):
+                g = g.full_tensor()
+            elif g is not None and layout.dp_size > 1:
+                g = g.clone()
+                dist.all_reduce(g, group=layout.mesh["dp"].get_group())
+                g /= layout.dp_size
+            if g is not None and layout.tensor:
+                g = layout.tensor.whole(name, g, cfg)
+            mine[name] = None if g is None else g.detach().cpu()
+    every: list[dict | None] = [None] * layout.pp
+    dist.all_gather_object(every, mine, group=layout.pp_group)
+    grads = {name: None if g is None else g.to(device) for part in every for name, g in part.items()}
+    return layout.mean(loss), grads

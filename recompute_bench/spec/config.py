@@ -39,6 +39,9 @@ INTERLEAVED_SCHEDULES = ("Interleaved1F1B", "InterleavedZeroBubble")
 """Schedules over virtual stages r, r + p, r + 2p, ... on rank r (Megatron's interleaving)."""
 V_SCHEDULES = ("ZBVZeroBubble", "DualPipeV")
 """Schedules whose rank r holds virtual stages r and 2p - 1 - r (the "V"): exactly two per rank."""
+SPLIT_BACKWARD_SCHEDULES = ("InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV")
+"""Schedules that split a backward into an input-gradient and a weight-gradient pass (torch's
+`stage_backward_input`: `autograd.grad` with `inputs`), which a re-entrant checkpoint refuses."""
 
 # Every module name Megatron accepts, in Megatron's order; the order is also the canonical
 # order of a module list in records and golden keys.

@@ -181,29 +181,40 @@ class GPT(nn.Module):
         ranks (a DTensor: tensor parallel, FSDP2) keeps its own part of the whole draw, a 16-bit one
         its rounding, and a module whose rows a tensor-parallel plan reorders (`init_row_order`,
         SwiGLU's fc1) takes them in that order. Each rank holds one whole parameter at a time
-        beside its shards."""
-        device = _local(self.word_embeddings.weight).device
+        beside its shards. A pipeline rank holds some layers only: a parameter left on the meta
+        device (another stage's) is drawn and dropped, so the generator advances as on one rank, and
+        an output layer holding its own copy of the tied embedding (the last stage's) takes the
+        embedding's draw."""
+        device = next(_local(p).device for p in self.parameters() if not _local(p).is_meta)
         g = torch.Generator(device=device).manual_seed(seed)
         std = self.cfg.init_method_std
         residual_std = std / math.sqrt(2 * self.cfg.num_layers)
         row_orders = {f"{prefix}.{name}": module.init_row_order for prefix, module in self.named_modules()
                       if getattr(module, "init_row_order", None) is not None for name in ("weight", "bias")}
+        copy = (self.output_layer.weight if self.cfg.share_embeddings_and_output_weights
+                and self.output_layer.weight is not self.word_embeddings.weight else None)
         for name, p in self.named_parameters():
+            if copy is not None and p is copy:
+                continue  # drawn with the embedding below
+            targets = [t for t in [p, *([copy] if copy is not None and name == "word_embeddings.weight" else [])]
+                       if not _local(t).is_meta]
             if p.dim() == 1 and name not in row_orders:
-                p.fill_(1.0 if name.endswith("weight") and "norm" in name else 0.0)
+                for t in targets:
+                    t.fill_(1.0 if name.endswith("weight") and "norm" in name else 0.0)
                 continue
             if p.dim() == 1:
                 value = torch.zeros(p.shape, dtype=torch.float32, device=device)  # a reordered bias: zeros
             else:
                 scaled = name.endswith(("linear_proj.weight", "linear_fc2.weight"))
-                if _local(p) is p and p.dtype == torch.float32 and name not in row_orders:
+                if len(targets) == 1 and targets[0] is p and _local(p) is p and p.dtype == torch.float32 and name not in row_orders:
                     p.normal_(0.0, residual_std if scaled else std, generator=g)  # the whole parameter, in place
                     continue
                 value = torch.empty(p.shape, dtype=torch.float32, device=device)
                 value.normal_(0.0, residual_std if scaled else std, generator=g)
             if name in row_orders:
                 value = value[row_orders[name].to(device)]
-            _assign(p, value)
+            for t in targets:
+                _assign(t, value)
         for module in self.modules():  # buffers a module fills itself (RoPE tables, a router's expert bias)
             if hasattr(module, "reset_buffers"):
                 module.reset_buffers()
