@@ -133,6 +133,7 @@ def test_the_solver_is_optimal_against_exhaustive_search_over_every_per_layer_mi
     assert auto.solve(cfg, cfg.model.num_layers, lambda a: peak(a) < lo, "cpu") is None
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("workload", WORKLOADS)
 def test_the_solver_s_policy_run_for_real_fits_and_recomputes_no_more_than_any_fitting_uniform_setting(workload):
     cfg = fp32(workload)
@@ -154,6 +155,7 @@ def test_the_solver_s_policy_run_for_real_fits_and_recomputes_no_more_than_any_f
     assert mixed_seen  # the budgets do make the solver mix choices, so the test can tell it from a uniform one
 
 
+@pytest.mark.slow
 def test_plan_auto_writes_a_policy_that_run_measures_and_verify_proves(tmp_path):
     path = tmp_path / "tiny.toml"
     result = invoke("plan", "--auto", "-w", "tiny", "--device", "cpu", "--allowance-gb", "0", "--allowance-fraction", "0",
@@ -236,6 +238,7 @@ def test_the_solver_and_the_policy_file_import_no_torch():
     assert done.returncode == 0, done.stderr
 
 
+@pytest.mark.slow
 def test_sweep_adds_the_auto_point_and_measures_it(tmp_path):
     result = invoke("sweep", "-w", "tiny", "--baseline", "--policy", "auto", "--memory-gb", "0.0105", "--no-golden",
                     "--results-dir", str(tmp_path), "--run-id", "auto", "--attention-backend", "math", *FAST)
@@ -434,6 +437,7 @@ def test_offload_is_a_choice_priced_by_host_link_time_not_hidden_by_compute():
     assert check(entries, cfg) == with_link
 
 
+@pytest.mark.slow
 def test_the_issue_s_first_example_plans_many_ranks_from_the_rank_model(tmp_path):
     base = ("plan", "--auto", "--workload", "llama3-70b", "--tp", "8", "--sequence-parallel", "--pp", "4", "--json")
     plans = {}

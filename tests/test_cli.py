@@ -38,6 +38,7 @@ def test_bridge_short_flag_means_full_block():
     assert any("block" in n for n in notes)
 
 
+@pytest.mark.slow
 def test_explicit_empty_module_list_recomputes_nothing_and_says_so():
     r, notes = _recompute("--recompute-granularity", "selective", "--recompute-modules", "[]")
     assert r.modules == [] and not r.recomputes
@@ -181,6 +182,7 @@ def test_verify_exits_1_naming_the_setting_that_changes_a_gradient(monkeypatch):
     assert f"{len(differs)} of {len(outcomes)} settings change the loss or a gradient" in " ".join(result.stderr.split())
 
 
+@pytest.mark.slow
 def test_verify_command_passes_on_tiny():
     result = invoke("verify", "--workload", "tiny", "--attention-backend", "math", "--json")
     assert result.exit_code == 0, result.output

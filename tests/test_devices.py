@@ -142,6 +142,7 @@ def test_cuda_visible_devices_counts_as_cuda_does(one_gpu, monkeypatch):
 
 
 # ----- the CPU tests stay on the CPU -----------------------------------------------------------------
+@pytest.mark.slow
 def test_cpu_tests_measure_on_the_cpu_where_torch_sees_a_gpu(tmp_path, monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
@@ -157,6 +158,7 @@ def test_cpu_tests_measure_on_the_cpu_where_torch_sees_a_gpu(tmp_path, monkeypat
     assert json.loads(result.stdout)["env"]["device"] == "cpu"
 
 
+@pytest.mark.slow
 def test_run_no_save_leaves_no_scratch_in_the_working_folder(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     result = invoke("run", "--nproc-per-node", "2", "--no-save", *SETS, "--set", "model.hidden_dropout=0",

@@ -69,6 +69,7 @@ def _rerun_layers(r, num_layers):
 
 
 # FLOPs do not depend on dropout, except that on a CPU it decides which kernel sdpa runs.
+@pytest.mark.slow
 @pytest.mark.parametrize("backend,dropout", [("math", 0.1), ("sdpa", 0.1), ("sdpa", 0.0)],
                          ids=["math", "sdpa-math-fallback", "sdpa-cpu-flash"])
 @pytest.mark.parametrize("workload", list(SHRUNK))

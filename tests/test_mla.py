@@ -45,6 +45,7 @@ SETTINGS = [(), ("mla_up_proj",), ("core_attn",), ("core_attn", "mla_up_proj"), 
             ("layernorm", "moe_act", "mla_up_proj"), ("moe", "mla_up_proj"), "full"]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("variant", ["tiny-mla", "dense-mla"])
 def test_every_mla_setting_s_bytes_and_flops_are_what_the_probe_and_the_flop_counter_measure(variant):
     base = config("tiny-mla", **ONE_STEP) if variant == "tiny-mla" else dense_mla()
@@ -73,6 +74,7 @@ def test_mla_up_proj_frees_q_k_v_and_re_runs_only_the_up_projections():
     assert f_latent_up - f_latent == m.num_layers * 2 * t * (32 * n * (qk + r) + m.kv_lora_rank * n * (qk + v))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("workload", ["tiny-mla", "dense-mla"])
 def test_mla_up_proj_alone_and_combined_leaves_loss_and_gradients_bitwise_equal(workload):
     cfg = config("tiny-mla") if workload == "tiny-mla" else dense_mla()

@@ -49,6 +49,7 @@ def settings_of(variant, precision):
     return [dataclasses.replace(base, recompute=r) for r in [RecomputeConfig()] + chosen + full]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("variant,precision", [("tiny-moe", "bf16"), ("sigmoid-gelu", "fp32"), ("loop-freq2", "fp32"),
                                                ("aux-loss", "bf16")])
 def test_every_moe_setting_s_bytes_and_flops_are_what_the_probe_and_the_flop_counter_measure(variant, precision):
@@ -74,6 +75,7 @@ def test_moe_act_frees_the_activation_without_rerunning_an_expert_matmul():
     assert b_moe < b_act
 
 
+@pytest.mark.slow
 def test_every_moe_setting_leaves_loss_and_gradients_bitwise_equal():
     cfg = config("tiny-moe")
     assert cfg.model.hidden_dropout > 0 and cfg.model.attention_dropout > 0
@@ -240,6 +242,7 @@ def test_the_auxiliary_loss_adds_its_own_gradient_to_the_router_and_nothing_to_t
     assert w.grad.abs().max() > 0
 
 
+@pytest.mark.slow
 def test_every_moe_setting_with_the_auxiliary_loss_leaves_loss_and_gradients_bitwise_equal():
     cfg = config("tiny-moe", model__moe_aux_loss_coeff=0.01)
     settings = [RecomputeConfig("selective", mods) for mods in (["moe"], ["moe_act", "layernorm"], ["shared_experts"])]

@@ -11,6 +11,7 @@ SELECTIVE = lambda *mods: dict(recompute__granularity="selective", recompute__mo
 FULL = lambda method, n: dict(recompute__granularity="full", recompute__method=method, recompute__num_layers=n)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("workload,overrides", [("tiny", {}), ("llama3-8b", SMALL_LLAMA)], ids=["tiny", "small-llama"])
 def test_every_setting_leaves_loss_and_gradients_bitwise_equal(workload, overrides):
     cfg = config(workload, **{k.replace(".", "__"): v for k, v in overrides.items()})
@@ -20,6 +21,7 @@ def test_every_setting_leaves_loss_and_gradients_bitwise_equal(workload, overrid
     assert not bad
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("setting,backend", [(FULL("uniform", 1), "math"), (SELECTIVE("core_attn"), "math"),
                                              (SELECTIVE("core_attn"), "sdpa")], ids=["full", "core_attn-math", "core_attn-sdpa"])
 def test_restoring_the_rng_state_is_what_keeps_recomputed_dropout_masks_equal(monkeypatch, setting, backend):
