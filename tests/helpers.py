@@ -19,7 +19,7 @@ from recompute_bench.measure.point import DTYPES, SCHEMA, SavedTensorProbe, run_
 from recompute_bench.models import spec_for
 from recompute_bench.models.dense.layers import build_model
 from recompute_bench.recompute.apply import apply_recompute
-from recompute_bench.results.records import record_row
+from recompute_bench.results.rows import record_row
 from recompute_bench.spec.presets import resolve
 
 CPU = torch.device("cpu")

@@ -20,7 +20,7 @@ from recompute_bench.analysis.profile_costs import ProfileCosts
 from recompute_bench.recompute.policy import LayerPolicy, layer_policies, megatron_flags, megatron_setting, parse_entry
 from recompute_bench.recompute.policy_file import check, read_policy
 from recompute_bench.recompute.settings import all_settings
-from recompute_bench.results.records import key_fields, point_id
+from recompute_bench.results.rows import key_fields, point_id
 from recompute_bench.spec.config import RecomputeConfig
 
 WORKLOADS = ["tiny", "llama3-8b"]  # tiny: GPT, 4 layers; llama3-8b shrunk to 3 layers (RMSNorm, SwiGLU, GQA, RoPE)

@@ -12,7 +12,7 @@ from helpers import config, invoke, measure
 from recompute_bench.analysis.rank import record_estimate
 from recompute_bench.launch.torchrun import Launch, check_launch, run_ranks, verify_over_ranks
 from recompute_bench.models import spec_for
-from recompute_bench.results.records import key_fields
+from recompute_bench.results.rows import key_fields
 from recompute_bench.spec.config import RecomputeConfig
 from helpers import LOSS_RTOL, RANK_SETS
 

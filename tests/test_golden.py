@@ -10,8 +10,8 @@ import pytest
 from helpers import invoke
 from helpers import CPU_ENV, H100_ENV, record, write_golden_of, write_results
 from recompute_bench.gate import golden as gold
-from recompute_bench.spec.config import ConfigError
-from recompute_bench.results.records import record_row
+from recompute_bench.spec.config import BadInput
+from recompute_bench.results.rows import record_row
 
 
 def verdict(actual, golden_record, *, tolerances=None, strict=False, tolerance_column=""):
@@ -161,7 +161,7 @@ def test_parse_tolerance(spec, expected):
 
 @pytest.mark.parametrize("spec", ["tflops:5%", "tflops_per_gpu", "tflops_per_gpu:-1%", "loss:abc", "loss:inf"])
 def test_bad_tolerance_is_bad_input(spec):
-    with pytest.raises(ConfigError):
+    with pytest.raises(BadInput):
         gold.parse_tolerance(spec)
 
 
@@ -338,7 +338,7 @@ def test_golden_update_creates_a_golden_that_then_passes(tmp_path):
 def test_every_config_field_but_the_measurement_protocol_is_in_the_key():
     import dataclasses
 
-    from recompute_bench.results.records import key_fields, point_id
+    from recompute_bench.results.rows import key_fields, point_id
     from recompute_bench.spec.fields import PROTOCOL_KEYS
     from recompute_bench.spec.config import SECTIONS
 

@@ -15,7 +15,7 @@ from helpers import invoke
 from recompute_bench.gate import golden as gold
 from recompute_bench.ingest import formats
 from recompute_bench.ingest.timing import bridge_window, megatron_window
-from recompute_bench.results.records import load_result_records, record_row
+from recompute_bench.results.rows import load_result_records, record_row
 
 DATA = Path(__file__).parent / "data" / "ingest"
 MEGATRON_LOG = DATA / "megatron-lm" / "gpt-tp2-pp2.log"

@@ -8,7 +8,7 @@ import pytest
 from helpers import invoke
 from recompute_bench.ingest.megatron_args import (CannotExpress, config_from_megatron, megatron_overrides,
                                                   overrides_as_flags, read_argv)
-from recompute_bench.spec.config import ConfigError
+from recompute_bench.spec.config import BadInput
 
 # tests/functional_tests/test_cases/gpt/gpt3_7b_tp1_pp4_memory_speed/model_config.yaml (Megatron-LM
 # d98e8a6), the arguments that shape the run; the rest are paths, logging and learning rate.
@@ -138,11 +138,11 @@ def test_neutral_values_of_those_arguments_are_accepted():
 
 
 def test_bad_megatron_arguments_are_config_errors():
-    with pytest.raises(ConfigError, match="--seq-length"):
+    with pytest.raises(BadInput, match="--seq-length"):
         config_from_megatron({k: v for k, v in SEVEN_B.items() if k != "--seq-length"})
-    with pytest.raises(ConfigError, match="not divisible"):
+    with pytest.raises(BadInput, match="not divisible"):
         config_from_megatron(SEVEN_B, world_size=6)
-    with pytest.raises(ConfigError, match="follows no --flag"):
+    with pytest.raises(BadInput, match="follows no --flag"):
         read_argv(["12", "--num-layers"])
 
 

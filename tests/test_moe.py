@@ -15,7 +15,7 @@ from recompute_bench.measure.point import DTYPES, synthetic_batches
 from recompute_bench.measure.verify import verify
 from recompute_bench.models import spec_for
 from recompute_bench.recompute.settings import all_settings, selective_settings
-from recompute_bench.spec.config import ConfigError, RecomputeConfig
+from recompute_bench.spec.config import BadInput, RecomputeConfig
 from recompute_bench.spec.rules import validate
 
 ONE_STEP = {"training__global_batch_size": 2}
@@ -170,7 +170,7 @@ def test_moe_bad_input_is_one_line_and_exit_2(argv, needle):
 def test_shared_experts_recompute_needs_shared_experts():
     cfg = config("tiny-moe", recompute__granularity="selective", recompute__modules=["shared_experts"])
     cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, moe_shared_expert_intermediate_size=None))
-    with pytest.raises(ConfigError, match="^recompute module shared_experts needs mixture-of-experts layers with shared"):
+    with pytest.raises(BadInput, match="^recompute module shared_experts needs mixture-of-experts layers with shared"):
         validate(cfg)
 
 

@@ -6,9 +6,9 @@ import pytest
 
 from helpers import invoke
 from helpers import CPU_ENV, record, write_results
-from recompute_bench.spec.config import ConfigError
+from recompute_bench.spec.config import BadInput
 from recompute_bench.render.plot import pareto_front
-from recompute_bench.results.records import KEY_COLUMNS, load_results
+from recompute_bench.results.rows import KEY_COLUMNS, load_results
 
 GiB = 2**30
 
@@ -37,7 +37,7 @@ def test_load_results_is_one_row_per_point_with_the_latest_record(tmp_path):
 
 
 def test_load_results_bad_input():
-    with pytest.raises(ConfigError, match="does not exist"):
+    with pytest.raises(BadInput, match="does not exist"):
         load_results("no/such/results.jsonl")
 
 

@@ -9,7 +9,7 @@ from helpers import config, invoke
 from recompute_bench.analysis import flops
 from recompute_bench.analysis.layer import checkpoint_input_bytes, layer_activation_bytes
 from recompute_bench.analysis.stage import stage_activations
-from recompute_bench.spec.config import ConfigError, RecomputeConfig
+from recompute_bench.spec.config import BadInput, RecomputeConfig
 
 FULL = ["--recompute-granularity", "full", "--recompute-method"]
 VPP = "parallel.virtual_pipeline_model_parallel_size"
@@ -81,7 +81,7 @@ def test_recompute_num_layers_may_fill_a_model_chunk():
     cfg = config("gpt3-175b", parallel__pipeline_model_parallel_size=8, parallel__virtual_pipeline_model_parallel_size=3,
                  recompute__granularity="full", recompute__method="uniform", recompute__num_layers=4)
     assert cfg.recompute.num_layers == 4
-    with pytest.raises(ConfigError, match="between 1 and 4"):
+    with pytest.raises(BadInput, match="between 1 and 4"):
         config("gpt3-175b", parallel__pipeline_model_parallel_size=8, parallel__virtual_pipeline_model_parallel_size=3,
                recompute__granularity="full", recompute__method="uniform", recompute__num_layers=5)
 

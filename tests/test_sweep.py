@@ -15,7 +15,7 @@ import pytest
 from helpers import config, invoke
 from recompute_bench.gate.golden import read_golden, write_golden
 from recompute_bench.launch import process as launch
-from recompute_bench.spec.config import ConfigError
+from recompute_bench.spec.config import BadInput
 from recompute_bench.results.store import RunLock
 from recompute_bench.launch.sweep import done_points, expand, plan_from_flags, point_record_id
 from recompute_bench.recompute.settings import all_settings
@@ -69,7 +69,7 @@ def test_no_flag_means_baseline_and_every_verify_setting():
     ({"methods": [], "num_layers_recompute": [1]}, "names no method"),
 ])
 def test_bad_expansions_are_refused(kwargs, words):
-    with pytest.raises(ConfigError, match=words):
+    with pytest.raises(BadInput, match=words):
         expand(num_layers=4, **kwargs)
 
 
@@ -97,7 +97,7 @@ def test_workload_overrides_apply_to_every_point():
 
 def test_default_plan_is_what_the_shipped_cpu_golden_covers():
     from recompute_bench.gate.golden import read_golden, row_key
-    from recompute_bench.results.records import config_hash, key_fields
+    from recompute_bench.results.rows import config_hash, key_fields
 
     points, _ = plan_from_flags("tiny", overrides={}, sets=[], gpu="cpu")
     golden = {row_key(g): g for g in read_golden(SHIPPED_GOLDEN)}

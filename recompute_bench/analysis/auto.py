@@ -43,7 +43,7 @@ from recompute_bench.analysis.stage import StageActivations
 from recompute_bench.models import spec_for
 from recompute_bench.recompute.policy import (LayerPolicy, kind_targets, layer_kind, layer_policies, megatron_flags,
                                               megatron_setting)
-from recompute_bench.spec.config import Config, ConfigError, RecomputeConfig
+from recompute_bench.spec.config import Config, BadInput, RecomputeConfig
 
 AUTO_SCHEMA = "recompute-bench/plan-auto/v3"  # v3: `stages`, `megatron`; costs summed over the stages
 Cost = tuple[float, int]
@@ -276,7 +276,7 @@ def auto_plan(cfg: Config, budget_bytes: float, device: str = "cuda",
     both priced by `costs` (analytical FLOPs unless given) summed over the model's layers. Each
     stage at its own least cost also makes the costliest stage, which paces the pipeline, least."""
     if cfg.parallel.virtual_pipeline_model_parallel_size:
-        raise ConfigError("plan --auto plans one model chunk per pipeline stage; drop "
+        raise BadInput("plan --auto plans one model chunk per pipeline stage; drop "
                           "--set parallel.virtual_pipeline_model_parallel_size")
     costs = costs or FlopCosts(cfg, device)
     p = cfg.parallel.pipeline_model_parallel_size

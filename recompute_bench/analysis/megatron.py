@@ -35,7 +35,7 @@ from recompute_bench.analysis.stage import stage_parameters
 from recompute_bench.models import ELEMENT_BYTES, FP32_BYTES, INDEX_BYTES, MASK_BYTES, SavedBytes, vocab_rows
 from recompute_bench.recompute.policy import chunks, layer_policies
 from recompute_bench.recompute.settings import selective_settings
-from recompute_bench.spec.config import Config, ConfigError, RecomputeConfig
+from recompute_bench.spec.config import Config, BadInput, RecomputeConfig
 from recompute_bench.spec.rules import layers_per_model_chunk
 
 MiB = 2**20
@@ -60,7 +60,7 @@ class MegatronRun:
     @property
     def compute_capability(self) -> int:
         if self.gpu not in COMPUTE_CAPABILITY:
-            raise ConfigError(f"unknown GPU kind {self.gpu!r} for framework megatron; pass --gpu with one of "
+            raise BadInput(f"unknown GPU kind {self.gpu!r} for framework megatron; pass --gpu with one of "
                               f"{', '.join(COMPUTE_CAPABILITY)}")
         return COMPUTE_CAPABILITY[self.gpu]
 
@@ -380,7 +380,7 @@ def chunk_bytes(cfg: Config, run: MegatronRun, layers: int) -> ChunkBytes:
     for start, stop in chunks(policies):
         p = policies[start]
         if p.offload:
-            raise ConfigError("activation offload is not modelled for framework megatron; drop --activation-offload-layers")
+            raise BadInput("activation offload is not modelled for framework megatron; drop --activation-offload-layers")
         if p.chunk is not None:
             rebuilt = max(rebuilt, stored + (stop - start) * full)
             stored += ckpt

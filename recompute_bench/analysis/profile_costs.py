@@ -25,7 +25,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from recompute_bench.spec.config import Config, ConfigError
+from recompute_bench.spec.config import Config, BadInput
 
 PROFILE_SCHEMA = "recompute-bench/profile/v1"
 PROFILE_DIR = Path("results/profiles")
@@ -53,7 +53,7 @@ def read_cached(path: Path, key: dict[str, Any]) -> dict[str, Any] | None:
     except FileNotFoundError:
         return None
     except (OSError, ValueError) as e:
-        raise ConfigError(f"profile cache {path} cannot be read ({e}); delete it to measure again") from None
+        raise BadInput(f"profile cache {path} cannot be read ({e}); delete it to measure again") from None
     if data.get("schema") != PROFILE_SCHEMA or data.get("key") != key:
         return None
     return data

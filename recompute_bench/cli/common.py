@@ -11,7 +11,7 @@ from rich.console import Console
 from rich.markup import escape
 
 from recompute_bench.cli.options import PointOptions
-from recompute_bench.spec.config import Config, ConfigError
+from recompute_bench.spec.config import Config, BadInput
 from recompute_bench.spec.presets import DEFAULT_WORKLOAD, resolve
 
 # People's output goes to stderr; stdout carries data (--json) only. Off a terminal the width is
@@ -78,16 +78,16 @@ def records_kind(rows: list[dict]) -> str:
 
 
 def resolve_point(workload: str, point: PointOptions, gpu: str | None = None) -> tuple[Config, list[str]]:
-    """A command's workload and options -> (validated Config, notes); ConfigError on bad input."""
+    """A command's workload and options -> (validated Config, notes); BadInput on bad input."""
     return resolve(workload, overrides=point.overrides, sets=point.sets, gpu=gpu or point.gpu or this_gpu())
 
 
 def with_policy_file(cfg: Config, point: PointOptions, path: Path | None) -> Config:
-    """cfg running the policy file `path` (when given); ConfigError for a bad file or when recompute
+    """cfg running the policy file `path` (when given); BadInput for a bad file or when recompute
     flags were given too."""
     if path is None:
         return cfg
     if point.given("recompute"):
-        raise ConfigError(f"--policy replaces the recompute setting; drop {' '.join(point.flags())} or --policy")
+        raise BadInput(f"--policy replaces the recompute setting; drop {' '.join(point.flags())} or --policy")
     from recompute_bench.recompute.policy_file import with_policy
     return with_policy(cfg, path)

@@ -12,7 +12,7 @@ from rich.markup import escape
 
 from recompute_bench.cli.common import GoldenFile, ResultsArg, ResultsDir, Strict, err, fail, json_flag, records_kind
 from recompute_bench.cli.hints import print_command, update_command
-from recompute_bench.spec.config import ConfigError
+from recompute_bench.spec.config import BadInput
 
 CompareJson = json_flag("the comparison")
 
@@ -37,7 +37,7 @@ def compare(
     """Compare results with a golden file: a verdict per row, exit 0 pass, 1 a failing verdict, 2 bad input."""
 
     from recompute_bench.gate import golden as gold
-    from recompute_bench.results.records import load_result_records, record_row
+    from recompute_bench.results.rows import load_result_records, record_row
     from recompute_bench.results.store import resolve_results
     from recompute_bench.render.comparison import details_table, experiment_table, headline, junit_xml, markdown as to_markdown, to_json
 
@@ -47,7 +47,7 @@ def compare(
         golden_file = golden or gold.golden_path_for(records_kind(rows), results_dir)
         golden_rows = gold.read_golden(golden_file)
         overrides = gold.parse_tolerances(tolerance)
-    except ConfigError as e:
+    except BadInput as e:
         raise fail(str(e)) from None
     comparison = gold.compare(rows, golden_rows, tolerances=overrides, strict=strict, golden_path=golden_file)
     title = f"compare {results} with {golden_file}"
@@ -92,14 +92,14 @@ def golden_update(
     """Promote measured rows into a golden file: rows with the same key are replaced (their
     tolerance overrides kept), new rows added, every other row kept. Review the result with git diff."""
     from recompute_bench.gate import golden as gold
-    from recompute_bench.results.records import load_result_records, record_row
+    from recompute_bench.results.rows import load_result_records, record_row
     from recompute_bench.results.store import resolve_results
 
     try:
         rows = [record_row(r) for r in load_result_records(resolve_results(results, results_dir))]
         golden_file = golden or gold.golden_path_for(records_kind(rows), results_dir)
         summary = gold.update_golden(golden_file, rows, select)
-    except ConfigError as e:
+    except BadInput as e:
         raise fail(str(e)) from None
     for label, names in (("replaced", summary.replaced), ("added", summary.added), ("skipped (not ok or oom)", summary.skipped)):
         if names:

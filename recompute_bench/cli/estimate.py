@@ -12,7 +12,7 @@ from rich.markup import escape
 from recompute_bench.analysis.rank import ALLOWANCE_BYTES, ALLOWANCE_FRACTION
 from recompute_bench.cli.common import DEFAULT_WORKLOAD, JsonOut, Workload, err, fail, resolve_point, show_notes
 from recompute_bench.cli.options import PointOptions, point_options
-from recompute_bench.spec.config import ConfigError
+from recompute_bench.spec.config import BadInput
 from recompute_bench.spec.rules import check_expert_parallel_world
 
 ModelDevice = Annotated[str, typer.Option("--device", help="What to model: cuda (the default; masks, norm statistics and "
@@ -26,9 +26,9 @@ AllowanceGb = Annotated[float, typer.Option(help="Fixed allowance in GiB: CUDA c
 
 def _check_inputs(device: str, allowance_fraction: float, allowance_gb: float) -> None:
     if device.split(":")[0] not in ("cuda", "cpu"):
-        raise ConfigError(f"--device {device!r} is not cuda or cpu; pass --device cuda (a GPU) or --device cpu")
+        raise BadInput(f"--device {device!r} is not cuda or cpu; pass --device cuda (a GPU) or --device cpu")
     if allowance_fraction < 0 or allowance_gb < 0:
-        raise ConfigError("the allowance cannot be negative; pass --allowance-fraction 0.1 --allowance-gb 1")
+        raise BadInput("the allowance cannot be negative; pass --allowance-fraction 0.1 --allowance-gb 1")
 
 
 @point_options()
@@ -56,7 +56,7 @@ def estimate(
             report = megatron_report(cfg, run, allowance_fraction, allowance_gb * 2**30)
         else:
             report = planner.estimate_report(cfg, device, allowance_fraction, allowance_gb * 2**30)
-    except ConfigError as e:
+    except BadInput as e:
         raise fail(str(e)) from None
     show_notes(notes)
     err.print(escape(layout_line(report)), highlight=False)
@@ -81,14 +81,14 @@ def _megatron_run(gpu: Optional[str], device: str, notes: list[str]):
     from recompute_bench.cli.common import this_gpu
 
     if device.split(":")[0] != "cuda":
-        raise ConfigError("Megatron runs on CUDA; drop --device cpu with --framework megatron")
+        raise BadInput("Megatron runs on CUDA; drop --device cpu with --framework megatron")
     kind = gpu or this_gpu()
     if kind == "cpu":
         kind = DEFAULT_GPU
         notes.append(f"no GPU here: Megatron's GPU-dependent terms (workspaces, TE's attention kernel) are "
                      f"{DEFAULT_GPU}'s; pass --gpu a100, gb200, ... for another")
     if kind not in COMPUTE_CAPABILITY:
-        raise ConfigError(f"unknown GPU kind {kind!r} for framework megatron; pass --gpu with one of "
+        raise BadInput(f"unknown GPU kind {kind!r} for framework megatron; pass --gpu with one of "
                           f"{', '.join(COMPUTE_CAPABILITY)}")
     return MegatronRun(kind, os.environ.get("CUBLAS_WORKSPACE_CONFIG"))
 
@@ -129,11 +129,11 @@ def plan(
         check_expert_parallel_world(cfg)
         _check_inputs(device, allowance_fraction, allowance_gb)
         if cfg.training.framework != "recompute-bench":
-            raise ConfigError("plan chooses settings for this harness; drop --framework (estimate --framework megatron "
+            raise BadInput("plan chooses settings for this harness; drop --framework (estimate --framework megatron "
                               "shows Megatron's peak of every setting)")
         if memory_gb is None or memory_gb <= 0:
-            raise ConfigError(f"plan needs the device memory per GPU; pass --memory-gb 80 (got {memory_gb})")
-    except ConfigError as e:
+            raise BadInput(f"plan needs the device memory per GPU; pass --memory-gb 80 (got {memory_gb})")
+    except BadInput as e:
         raise fail(str(e)) from None
     show_notes(notes)
     if auto:
@@ -193,7 +193,7 @@ def _plan_auto(cfg, memory_gb: float, device: str, allowance_fraction: float, al
 
     try:
         result = auto_plan(cfg, memory_gb * 2**30, device, allowance_fraction, allowance_gb * 2**30, costs)
-    except ConfigError as e:
+    except BadInput as e:
         raise fail(str(e)) from None
     if result["policy"] is None:
         where = "" if cfg.parallel.pipeline_model_parallel_size == 1 else \

@@ -13,7 +13,7 @@ from rich.table import Table
 from recompute_bench.cli.common import err, fail, workload_flag
 from recompute_bench.cli.options import PointOptions, point_options
 from recompute_bench.ingest.formats import FORMATS
-from recompute_bench.spec.config import ConfigError
+from recompute_bench.spec.config import BadInput
 
 ImportWorkload = workload_flag("Preset for what a file does not state (Bridge logs and goldens, torchtitan logs); "
                                "Megatron-LM logs and golden values state the whole run.", Optional[str])
@@ -56,7 +56,7 @@ def import_(
             cfg = run_config(run, workload=workload, overrides=point.overrides, sets=point.sets,
                              gpu=point.gpu or (gpu_type(device) if device else None), world_size=world_size, name=name)
             record = import_record(run, cfg, device_name=device_name)
-        except ConfigError as e:
+        except BadInput as e:
             fail(str(e))  # one line per file; the other files go on
             failed += 1
             continue
@@ -71,7 +71,7 @@ def import_(
 def _cells(record: dict) -> list[str]:
     from recompute_bench.render.comparison import fmt_tflops
     from recompute_bench.render.tables import fmt_bytes
-    from recompute_bench.results.records import setting_label
+    from recompute_bench.results.rows import setting_label
 
     m, src = record["metrics"], record["source"]
     status = record["status"] + (f" ({record['failure']['summary']})" if record.get("failure") else "")

@@ -9,7 +9,7 @@ import pandas as pd
 import typer
 
 from recompute_bench.cli.common import ResultsArg, ResultsDir, err, fail
-from recompute_bench.spec.config import ConfigError
+from recompute_bench.spec.config import BadInput
 
 
 def report(
@@ -20,7 +20,7 @@ def report(
 ) -> None:
     """Write a Markdown report and a Pareto plot (TFLOP/s/GPU against memory, one point per setting)."""
     from recompute_bench.render.plot import write_report
-    from recompute_bench.results.records import load_result_records, record_row
+    from recompute_bench.results.rows import load_result_records, record_row
     from recompute_bench.results.store import resolve_results
 
     try:
@@ -29,6 +29,6 @@ def report(
         df = pd.DataFrame([record_row(r) for r in records])
         folder = out or (path if path.is_dir() else path.parent)
         md, png = write_report(df, folder, f"recompute-bench report: {results}", records)
-    except ConfigError as e:
+    except BadInput as e:
         raise fail(str(e)) from None
     err.print(f"wrote {md} and {png}", highlight=False)

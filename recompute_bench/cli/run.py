@@ -17,7 +17,7 @@ from recompute_bench.cli.options import PointOptions, point_options
 from recompute_bench.cli.ranks import launch_options
 from recompute_bench.launch.torchrun import Launch
 from recompute_bench.measure.record import layout_label
-from recompute_bench.spec.config import Config, ConfigError
+from recompute_bench.spec.config import Config, BadInput
 
 Device = Annotated[Optional[str], typer.Option(help="torch device, e.g. cuda:1 or cpu; default: CUDA if present.",
                                                rich_help_panel="Output")]
@@ -46,7 +46,7 @@ def run(
         cfg, notes = resolve_point(workload, point)
         cfg = with_policy_file(cfg, point, policy)
         cfg = check_runnable(cfg, device, launch)
-    except ConfigError as e:
+    except BadInput as e:
         raise fail(str(e)) from None
     show_notes(notes)
 
@@ -100,16 +100,16 @@ def check_runnable(cfg: Config, device: str | None, launch: Launch | None = None
     cfg = check_launch(cfg, launch, "cuda" if on_cuda else "cpu")
     offloads = cfg.recompute.activation_offload_layers or any("offload" in e for e in cfg.recompute.layer_policy)
     if offloads and not on_cuda:
-        raise ConfigError("activation offload moves saved tensors from a CUDA device to host memory and there is "
+        raise BadInput("activation offload moves saved tensors from a CUDA device to host memory and there is "
                           "no CUDA device here; " + ("write none for the policy's offload layers" if cfg.recompute.layer_policy
                                                      else "drop --activation-offload-layers"))
     if device and device.startswith("cuda") and not cuda_here:
-        raise ConfigError(f"--device {device} asks for CUDA but no CUDA device is visible here; pass --device cpu")
+        raise BadInput(f"--device {device} asks for CUDA but no CUDA device is visible here; pass --device cpu")
     index = device.partition(":")[2] if device else ""
     if on_cuda and index.isdigit():
         from recompute_bench.launch.devices import visible_gpu_count
         gpus = visible_gpu_count()
         if gpus is not None and int(index) >= gpus:
-            raise ConfigError(f"--device {device}: this machine shows {gpus} GPU(s), cuda:0 to cuda:{gpus - 1}; "
+            raise BadInput(f"--device {device}: this machine shows {gpus} GPU(s), cuda:0 to cuda:{gpus - 1}; "
                               f"pass --device cuda:{gpus - 1} or lower")
     return cfg

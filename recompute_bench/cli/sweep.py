@@ -17,7 +17,7 @@ from recompute_bench.cli.options import PointOptions, point_options, split_list
 from recompute_bench.cli.ranks import launch_flags, launch_options
 from recompute_bench.cli.run import check_runnable
 from recompute_bench.launch.torchrun import Launch
-from recompute_bench.spec.config import ConfigError
+from recompute_bench.spec.config import BadInput
 
 SweepWorkload = workload_flag("Preset name or .toml path; default tiny (or the grid file's workload).", Optional[str])
 SweepJson = json_flag("the plan (with --dry-run) or the comparison")
@@ -65,14 +65,14 @@ def sweep(
 
     Results go to results/<run-id>/; with no flag every setting of the workload is measured."""
     from recompute_bench.gate import golden as gold
-    from recompute_bench.results.records import record_row
+    from recompute_bench.results.rows import record_row
     from recompute_bench.render.comparison import details_table, experiment_table, headline, to_json
     from recompute_bench.launch.sweep import SweepRequest, plan_points, plan_to_dict, resume_command, run_sweep
     from recompute_bench.results.store import check_run_id, new_run_id
 
     try:
         if timeout <= 0:
-            raise ConfigError(f"--timeout must be a positive number of seconds, got {timeout:g}")
+            raise BadInput(f"--timeout must be a positive number of seconds, got {timeout:g}")
         kind = hardware_kind(device, point.gpu)
         request = SweepRequest(workload, point.overrides, point.sets, point.gpu or kind, split_list(modules),
                                split_list(methods), split_list(num_layers_recompute), baseline, grid,
@@ -82,7 +82,7 @@ def sweep(
             p.cfg = check_runnable(p.cfg, device, launch)
         golden_file, golden_rows = (None, None) if no_golden else gold.choose_golden(golden, kind, results_dir)
         run = check_run_id(resume or run_id or new_run_id())
-    except ConfigError as e:
+    except BadInput as e:
         raise fail(str(e)) from None
     show_notes(notes)
 
@@ -101,7 +101,7 @@ def sweep(
         with SweepProgress(len(points)) as progress:
             records = run_sweep(points, run_dir, timeout_s=timeout, device=device, peak_tflops=peak_tflops,
                                 resume=bool(resume), launch=launch, on_start=progress.start, on_done=progress.done)
-    except ConfigError as e:
+    except BadInput as e:
         raise fail(str(e)) from None
     except KeyboardInterrupt:
         same = [*(["--gpu", point.gpu] if point.gpu else []), *(["--device", device] if device else []),

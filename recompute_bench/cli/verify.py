@@ -15,7 +15,7 @@ from recompute_bench.cli.options import PointOptions, point_options
 from recompute_bench.cli.ranks import launch_options
 from recompute_bench.launch.torchrun import Launch, check_launch, check_schedule_recompute
 from recompute_bench.measure.record import layout_label
-from recompute_bench.spec.config import ATTENTION_BACKENDS, ConfigError
+from recompute_bench.spec.config import ATTENTION_BACKENDS, BadInput
 
 
 @point_options(panels=("Workload", "Parallelism", "Recompute"),
@@ -46,16 +46,16 @@ def verify(
     try:
         for b in backends:
             if b not in ATTENTION_BACKENDS:
-                raise ConfigError(f"attention_backend {b!r} is not one of {', '.join(ATTENTION_BACKENDS)}; "
+                raise BadInput(f"attention_backend {b!r} is not one of {', '.join(ATTENTION_BACKENDS)}; "
                                   "pass --attention-backend sdpa or math")
         cfg, notes = resolve_point(workload, point, gpu="cpu")
         cfg = with_policy_file(cfg, point, policy)
         if any("offload" in e for e in cfg.recompute.layer_policy):
-            raise ConfigError("verify checks recompute, and offload recomputes nothing; write none for offloaded layers")
+            raise BadInput("verify checks recompute, and offload recomputes nothing; write none for offloaded layers")
         cfg = check_launch(cfg, launch, "cuda" if device.startswith("cuda") else "cpu")
         if device.startswith("cuda") and not torch.cuda.is_available():
-            raise ConfigError(f"--device {device} asks for CUDA but torch sees no CUDA device; pass --device cpu")
-    except ConfigError as e:
+            raise BadInput(f"--device {device} asks for CUDA but torch sees no CUDA device; pass --device cpu")
+    except BadInput as e:
         raise fail(str(e)) from None
     show_notes(notes)
     targets = spec_for(cfg.model).recompute_targets
@@ -64,7 +64,7 @@ def verify(
     if cfg.parallel.pipeline_model_parallel_size > 1:
         try:
             check_schedule_recompute(cfg.parallel.schedule, settings[0])  # every setting but none recomputes
-        except ConfigError as e:
+        except BadInput as e:
             raise fail(str(e)) from None
     if launch.world_size > 1:
         outcomes = _over_ranks(cfg, settings, backends, launch, device)
@@ -103,7 +103,7 @@ def _over_ranks(cfg, settings, backends: list[str], launch: Launch, device: str)
     try:
         result = verify_over_ranks(cfg, settings, backends, launch, work=Path("results") / "ranks" / "verify",
                                    timeout_s=600.0, device=device)
-    except ConfigError as e:
+    except BadInput as e:
         raise fail(str(e), code=1) from None
     for o in result["single_rank"]:
         err.print(f"{launch.world_size} ranks vs one rank running every micro-batch ({o['attention_backend']}): "

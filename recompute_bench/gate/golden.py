@@ -21,8 +21,8 @@ from typing import Any
 
 import pandas as pd
 
-from recompute_bench.spec.config import ConfigError
-from recompute_bench.results.records import KEY_COLUMNS, key_text
+from recompute_bench.spec.config import BadInput
+from recompute_bench.results.rows import KEY_COLUMNS, key_text
 from recompute_bench.spec.fields import LATER_KEYS, field as registry_field
 
 @dataclass(frozen=True)
@@ -96,7 +96,7 @@ def parse_tolerance(spec: str, where: str = "--tolerance") -> tuple[str, float |
     name, sep, raw = spec.strip().partition(":")
     name, raw = name.strip(), raw.strip().lower()
     if not sep or name not in METRICS:
-        raise ConfigError(f"{where} {spec!r} is not METRIC:TOLERANCE with a metric of {', '.join(METRICS)}; "
+        raise BadInput(f"{where} {spec!r} is not METRIC:TOLERANCE with a metric of {', '.join(METRICS)}; "
                           "write for example tflops_per_gpu:10%")
     if raw in ("off", "none"):
         return name, None
@@ -105,7 +105,7 @@ def parse_tolerance(spec: str, where: str = "--tolerance") -> tuple[str, float |
     except ValueError:
         value = -1.0
     if not value >= 0 or math.isinf(value):
-        raise ConfigError(f"{where} {spec!r}: the tolerance must be a number >= 0, a percentage or off; "
+        raise BadInput(f"{where} {spec!r}: the tolerance must be a number >= 0, a percentage or off; "
                           "write for example tflops_per_gpu:10% or activation_bytes:0")
     return name, value
 
@@ -373,12 +373,12 @@ def _number(text: str, where: str) -> int | float | None:
     try:
         return float(text)
     except ValueError:
-        raise ConfigError(f"{where} is {text!r}, not a number; fix or regenerate the golden with "
+        raise BadInput(f"{where} is {text!r}, not a number; fix or regenerate the golden with "
                           "`recompute-bench golden update`") from None
 
 
 def read_golden(path: Path, *, migrate: bool = False) -> list[dict]:
-    """The rows of a golden CSV with metrics as numbers; ConfigError (one line) for a missing or
+    """The rows of a golden CSV with metrics as numbers; BadInput (one line) for a missing or
     corrupt file.
 
     A golden written by an older version may lack key columns that are part of `KEY_COLUMNS` now.
@@ -388,24 +388,24 @@ def read_golden(path: Path, *, migrate: bool = False) -> list[dict]:
     """
     path = Path(path)
     if not path.is_file():
-        raise ConfigError(f"golden file {path} does not exist; create it with "
+        raise BadInput(f"golden file {path} does not exist; create it with "
                           f"`recompute-bench golden update RESULTS --golden {path}`")
     try:
         frame = pd.read_csv(path, dtype=str, keep_default_na=False)
     except (pd.errors.ParserError, pd.errors.EmptyDataError, UnicodeDecodeError, ValueError) as e:
         reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise ConfigError(f"golden file {path} is not a readable CSV ({reason}); restore it from git "
+        raise BadInput(f"golden file {path} is not a readable CSV ({reason}); restore it from git "
                           "or regenerate it with `recompute-bench golden update`") from None
     missing = [c for c in REQUIRED_COLUMNS if c not in frame.columns]
     if missing:
-        raise ConfigError(f"golden file {path} lacks the column(s) {', '.join(missing)}; restore it from git "
+        raise BadInput(f"golden file {path} lacks the column(s) {', '.join(missing)}; restore it from git "
                           "or regenerate it with `recompute-bench golden update`")
     for later in LATER_KEYS:  # a field newer than the file: every row has its default
         if later not in frame.columns:
             frame[later] = key_text(registry_field(later).default)
     absent = [c for c in KEY_COLUMNS if c not in frame.columns]
     if absent and not migrate:
-        raise ConfigError(f"golden file {path} has the key of an older recompute-bench (no {_some(absent)} column); "
+        raise BadInput(f"golden file {path} has the key of an older recompute-bench (no {_some(absent)} column); "
                           "migrate it: measure its points (e.g. `recompute-bench sweep --no-golden --run-id RUN`), "
                           f"then `recompute-bench golden update RUN --golden {path}`")
     present = tuple(c for c in KEY_COLUMNS if c in frame.columns)
@@ -413,7 +413,7 @@ def read_golden(path: Path, *, migrate: bool = False) -> list[dict]:
     for n, raw in enumerate(frame.to_dict("records"), 2):  # line 1 is the header
         row: dict[str, Any] = dict(raw)
         if row["status"] not in GOLDEN_STATUSES:
-            raise ConfigError(f"{path}:{n}: status {row['status']!r} is not ok or oom; fix the row")
+            raise BadInput(f"{path}:{n}: status {row['status']!r} is not ok or oom; fix the row")
         for name in METRICS:
             if name in row:
                 row[name] = _number(row[name], f"{path}:{n} column {name}")
@@ -422,7 +422,7 @@ def read_golden(path: Path, *, migrate: bool = False) -> list[dict]:
             row[OLDER_KEY] = present
         key = _older_row_key(row, present) if absent else row_key(row)
         if key in seen:
-            raise ConfigError(f"{path}:{n} repeats the key of line {seen[key]} ({row.get('setting')}); "
+            raise BadInput(f"{path}:{n} repeats the key of line {seen[key]} ({row.get('setting')}); "
                               "delete one of the two rows")
         seen[key] = n
         rows.append(row)
@@ -490,7 +490,7 @@ def select_rows(results: list[dict], select: list[str] | None) -> list[dict]:
     unknown = [s for s in select if not any(s in (r.get("experiment"), r.get("setting")) for r in results)]
     if unknown:
         names = ", ".join(dict.fromkeys(r.get("experiment") or r["setting"] for r in results))
-        raise ConfigError(f"--select {', '.join(unknown)} matches no result; choose experiments or settings of: {names}")
+        raise BadInput(f"--select {', '.join(unknown)} matches no result; choose experiments or settings of: {names}")
     return chosen
 
 
@@ -502,7 +502,7 @@ def update_golden(path: Path, results: list[dict], select: list[str] | None = No
 
     A golden with the key of an older version is migrated: each of its rows takes the full key of
     the result that matches it on the key columns the file has plus `config_hash`. Every row must
-    find its result (else ConfigError and the file is untouched), since no other source knows the
+    find its result (else BadInput and the file is untouched), since no other source knows the
     new columns' values.
     """
     path = Path(path)
@@ -522,7 +522,7 @@ def update_golden(path: Path, results: list[dict], select: list[str] | None = No
             summary.skipped.append(f"{label} ({r['status']})")
             continue
         if devices and r.get("device_name") not in devices:
-            raise ConfigError(f"golden file {path} holds rows measured on {', '.join(sorted(map(str, devices)))}, "
+            raise BadInput(f"golden file {path} holds rows measured on {', '.join(sorted(map(str, devices)))}, "
                               f"but {label} was measured on {r.get('device_name')!r}; pass the golden file of that "
                               "device, e.g. --golden results/golden/<kind>.csv")
         key = row_key(r)
@@ -541,7 +541,7 @@ def update_golden(path: Path, results: list[dict], select: list[str] | None = No
         index[key] = i
     if unmigrated:
         left = [existing[i].get("setting") or str(i + 2) for i in unmigrated.values()]
-        raise ConfigError(f"golden file {path} has the key of an older recompute-bench (no "
+        raise BadInput(f"golden file {path} has the key of an older recompute-bench (no "
                           f"{_some([c for c in KEY_COLUMNS if c not in older_columns])} column) and these results do "
                           f"not measure {len(left)} of its rows ({_some(left)}), whose full key is therefore unknown; "
                           "pass results that measured every row (for a default golden: `recompute-bench sweep "

@@ -21,7 +21,7 @@ from typing import Any
 
 from recompute_bench.ingest.megatron_args import CannotExpress, config_from_megatron, megatron_overrides, normalize
 from recompute_bench.ingest.parsed import ParsedRun, bad
-from recompute_bench.spec.config import SECTIONS, Config, ConfigError
+from recompute_bench.spec.config import SECTIONS, Config, BadInput
 from recompute_bench.spec.presets import resolve
 from recompute_bench.spec.rules import validate
 
@@ -38,7 +38,7 @@ FRAMEWORK = {"megatron-lm": "megatron", "megatron-golden": "megatron", "megatron
              "bridge-golden": "megatron", "torchtitan": "recompute-bench"}
 
 
-def _cannot(run: ParsedRun, e: CannotExpress) -> ConfigError:
+def _cannot(run: ParsedRun, e: CannotExpress) -> BadInput:
     name = e.argument.lstrip("-").replace("-", "_")
     line = run.argument_lines.get(name)
     return bad(run.config_file or run.path, line, f"{e}; import only runs the estimate can express")
@@ -56,7 +56,7 @@ def run_config(run: ParsedRun, *, workload: str | None, overrides: dict[str, Any
             return config_from_megatron(run.arguments, world_size=run.world_size or world_size, workload=label)
         except CannotExpress as e:
             raise _cannot(run, e) from None
-        except ConfigError as e:
+        except BadInput as e:
             raise bad(run.config_file or run.path, None, f"{e}") from None
     if not workload:
         raise bad(run.path, None, f"a {run.format} file does not state the whole run (the model's vocabulary, position "
@@ -81,7 +81,7 @@ def _bridge_config(run: ParsedRun, base: Config, overrides: dict[str, Any], labe
         tables = megatron_overrides(normalize(args))
     except CannotExpress as e:
         raise _cannot(run, e) from None
-    except ConfigError as e:
+    except BadInput as e:
         raise bad(run.path, None, f"{e}") from None
     # The summary states every other value, a value it omits being Megatron Core's default.
     open_fields = {f"model.{f}" for f in GPT_MODEL_FIELDS} | {"parallel.data_parallel_size"}
@@ -98,7 +98,7 @@ def _bridge_config(run: ParsedRun, base: Config, overrides: dict[str, Any], labe
     try:
         cfg = Config(label, **{s: SECTIONS[s](**tables[s]) for s in SECTIONS})
         validate(cfg)
-    except (TypeError, ConfigError) as e:
+    except (TypeError, BadInput) as e:
         raise bad(run.path, None, f"the stated configuration with preset {base.workload} is invalid: {e}") from None
     return cfg
 

@@ -23,11 +23,11 @@ from __future__ import annotations
 import ast
 from typing import Any, Iterable, Mapping
 
-from recompute_bench.spec.config import SECTIONS, Config, ConfigError, canonical_modules
+from recompute_bench.spec.config import SECTIONS, Config, BadInput, canonical_modules
 from recompute_bench.spec.rules import validate
 
 
-class CannotExpress(ConfigError):
+class CannotExpress(BadInput):
     """A Megatron argument the estimate cannot express; `argument` is its name (`--context-parallel-size`)."""
 
     def __init__(self, argument: str, message: str) -> None:
@@ -133,7 +133,7 @@ def read_argv(argv: Iterable[str]) -> dict[str, Any]:
             held = out[name]
             out[name] = value if held is True else (held + [value] if isinstance(held, list) else [held, value])
         else:
-            raise ConfigError(f"Megatron argument value {token!r} follows no --flag; write --name value")
+            raise BadInput(f"Megatron argument value {token!r} follows no --flag; write --name value")
     return out
 
 
@@ -201,7 +201,7 @@ def megatron_overrides(args: Mapping[str, Any], world_size: int | None = None) -
     """Megatron's arguments -> one table per Config section (framework megatron), Megatron's defaults
     where an argument is absent; `world_size` (the GPU count) gives the data-parallel size when the
     arguments do not (a log's dump has `world_size` and `data_parallel_size`). CannotExpress (a
-    ConfigError) names an argument the estimate cannot express."""
+    BadInput) names an argument the estimate cannot express."""
     a = {**MEGATRON_DEFAULTS, **normalize(args)}
     check_expressible(a)
     tables: dict[str, dict[str, Any]] = {s: {} for s in SECTIONS}
@@ -213,7 +213,7 @@ def megatron_overrides(args: Mapping[str, Any], world_size: int | None = None) -
     tr["framework"] = "megatron"
     for required in ("num_layers", "hidden_size", "num_attention_heads", "seq_length"):
         if a.get(required) is None and not (required == "seq_length" and a.get("encoder_seq_length")):
-            raise ConfigError(f"Megatron arguments lack --{required.replace('_', '-')}; every run sets it")
+            raise BadInput(f"Megatron arguments lack --{required.replace('_', '-')}; every run sets it")
     tr.setdefault("seq_length", a.get("encoder_seq_length"))
     m.setdefault("max_position_embeddings", tr["seq_length"])
 
@@ -251,7 +251,7 @@ def megatron_overrides(args: Mapping[str, Any], world_size: int | None = None) -
         par["data_parallel_size"] = a["data_parallel_size"]
     elif world:
         if world % (tp * pp):
-            raise ConfigError(f"world size {world} is not divisible by tensor x pipeline parallel {tp} x {pp}")
+            raise BadInput(f"world size {world} is not divisible by tensor x pipeline parallel {tp} x {pp}")
         par["data_parallel_size"] = world // (tp * pp)
     par["sequence_parallel"] = bool(a.get("sequence_parallel")) and tp > 1  # validate_args: no SP when tp == 1
     vpp = _virtual_stages(a, m["num_layers"], pp)
@@ -302,7 +302,7 @@ def _virtual_stages(a: Mapping[str, Any], num_layers: int, pp: int) -> int | Non
     elif a.get("num_layers_per_virtual_pipeline_stage"):
         per_stage, per_chunk = num_layers // pp, a["num_layers_per_virtual_pipeline_stage"]
         if per_stage % per_chunk:
-            raise ConfigError(f"num_layers_per_virtual_pipeline_stage {per_chunk} does not divide the {per_stage} layers "
+            raise BadInput(f"num_layers_per_virtual_pipeline_stage {per_chunk} does not divide the {per_stage} layers "
                               f"of a pipeline stage")
         vpp = per_stage // per_chunk
     else:
@@ -312,12 +312,12 @@ def _virtual_stages(a: Mapping[str, Any], num_layers: int, pp: int) -> int | Non
 
 def config_from_megatron(args: Mapping[str, Any], world_size: int | None = None, workload: str = "megatron") -> Config:
     """The validated Config of a Megatron run (framework megatron) from its arguments (see
-    `megatron_overrides`); ConfigError (CannotExpress for an argument the estimate cannot express)."""
+    `megatron_overrides`); BadInput (CannotExpress for an argument the estimate cannot express)."""
     tables = megatron_overrides(args, world_size)
     try:
         cfg = Config(workload, **{s: SECTIONS[s](**tables[s]) for s in SECTIONS})
     except TypeError as e:
-        raise ConfigError(f"Megatron arguments do not make a config ({e})") from None
+        raise BadInput(f"Megatron arguments do not make a config ({e})") from None
     validate(cfg)
     return cfg
 

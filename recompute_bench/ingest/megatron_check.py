@@ -20,7 +20,7 @@ from typing import Any
 
 from recompute_bench.analysis.megatron import MegatronRun, stage_peak
 from recompute_bench.ingest.megatron_args import config_from_megatron
-from recompute_bench.spec.config import ConfigError
+from recompute_bench.spec.config import BadInput
 
 GOAL = {"median_peak_error": 0.03, "peak_within_5_percent": 0.90, "median_static_error": 0.05}
 """The goal the check is held to (issue 17)."""
@@ -69,7 +69,7 @@ def check(data: dict[str, Any]) -> tuple[list[CheckRow], dict[str, list[str]]]:
             else:
                 try:
                     cfg = config_from_megatron(case["args"], world_size=golden["gpus"], workload=case["case"])
-                except ConfigError as e:
+                except BadInput as e:
                     reason = str(e)
             if reason:
                 skipped.setdefault(reason, []).append(f"{case['case']} {name}")

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from recompute_bench.spec.config import ConfigError
+from recompute_bench.spec.config import BadInput
 
 
 @dataclass
@@ -94,6 +94,6 @@ class ParsedRun:
         return f"{source}:{line}" if line else str(source)
 
 
-def bad(path: Path | str, line: int | None, message: str) -> ConfigError:
+def bad(path: Path | str, line: int | None, message: str) -> BadInput:
     """Bad input in a file: one line naming the file (and line), the problem and the fix."""
-    return ConfigError(f"{path}:{line}: {message}" if line else f"{path}: {message}")
+    return BadInput(f"{path}:{line}: {message}" if line else f"{path}: {message}")

@@ -26,10 +26,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterable
 
-from recompute_bench.spec.config import SUPPORTED_RECOMPUTE_MODULES, Config, ConfigError, RecomputeConfig, canonical_modules
+from recompute_bench.spec.config import SUPPORTED_RECOMPUTE_MODULES, Config, BadInput, RecomputeConfig, canonical_modules
 from recompute_bench.launch.process import run_isolated
 from recompute_bench.launch.torchrun import Launch, run_ranks
-from recompute_bench.results.records import point_id
+from recompute_bench.results.rows import point_id
 from recompute_bench.results.store import PLAN_FILE, RESULTS_FILE, RunLock, append_record, load_records, write_json_atomic
 from recompute_bench.spec.fields import fields, flagged, overrides_from_keys
 from recompute_bench.models import spec_for
@@ -72,11 +72,11 @@ def expand(*, num_layers: int, modules: list[str] | None = None, methods: list[s
     if modules is not None:
         named = canonical_modules(modules)
         if not named:
-            raise ConfigError("--modules names no module, so it expands to no setting; pass for example "
+            raise BadInput("--modules names no module, so it expands to no setting; pass for example "
                               f"--modules {' '.join(SUPPORTED_RECOMPUTE_MODULES)}, or use --baseline for no recompute")
         settings += selective_settings(named)
     if methods is not None and not num_layers_recompute:
-        raise ConfigError("--methods needs --num-layers-recompute (the N of each full setting); "
+        raise BadInput("--methods needs --num-layers-recompute (the N of each full setting); "
                           "pass for example --methods uniform block --num-layers-recompute 1 2")
     if num_layers_recompute:
         if methods is None:
@@ -84,7 +84,7 @@ def expand(*, num_layers: int, modules: list[str] | None = None, methods: list[s
             if notes is not None:
                 notes.append("--num-layers-recompute without --methods means method block (as Megatron Bridge's -rl)")
         if not methods:
-            raise ConfigError("--methods names no method; pass --methods uniform, block or both")
+            raise BadInput("--methods names no method; pass --methods uniform, block or both")
         settings += full_settings(methods, num_layers_recompute)
     unique: dict[str, RecomputeConfig] = {}
     for s in settings:
@@ -110,10 +110,10 @@ def name_points(configs: Iterable[Config], names: Iterable[str | None] | None = 
                 n += 1
                 name = f"Exp {n}"
         if name in taken:
-            raise ConfigError(f"two points are named {name!r}; give each [[point]] its own name")
+            raise BadInput(f"two points are named {name!r}; give each [[point]] its own name")
         ident = point_id(cfg.record_fields())
         if ident in seen:
-            raise ConfigError(f"points {seen[ident]!r} and {name!r} are the same setting ({cfg.recompute.label}); "
+            raise BadInput(f"points {seen[ident]!r} and {name!r} are the same setting ({cfg.recompute.label}); "
                               "drop one of them")
         taken.add(name)
         seen[ident] = name
@@ -124,7 +124,7 @@ def name_points(configs: Iterable[Config], names: Iterable[str | None] | None = 
 def plan_from_flags(workload: str, *, overrides: dict[str, Any], sets: list[str], gpu: str | None,
                     modules: list[str] | None = None, methods: list[str] | None = None,
                     num_layers_recompute: list[int] | None = None, baseline: bool = False) -> tuple[list[Point], list[str]]:
-    """Resolve every point the flags expand to; returns (points, notes). ConfigError on bad input."""
+    """Resolve every point the flags expand to; returns (points, notes). BadInput on bad input."""
     notes: list[str] = []
     base, base_notes = resolve(workload, overrides=overrides, sets=sets, gpu=gpu)
     settings = expand(num_layers=base.model.num_layers, targets=spec_for(base.model).recompute_targets,
@@ -170,25 +170,25 @@ def load_grid(path: Path) -> Grid:
         with Path(path).open("rb") as f:
             data = tomllib.load(f)
     except FileNotFoundError:
-        raise ConfigError(f"grid file {path} does not exist; pass the path of a TOML file with [[point]] tables") from None
+        raise BadInput(f"grid file {path} does not exist; pass the path of a TOML file with [[point]] tables") from None
     except (tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
-        raise ConfigError(f"grid file {path} is not valid TOML ({e}); fix the file") from None
+        raise BadInput(f"grid file {path} is not valid TOML ({e}); fix the file") from None
     unknown = set(data) - {"workload", "set", "point", "description"}
     if unknown:
-        raise ConfigError(f"grid file {path} has unknown key(s) {', '.join(sorted(unknown))}; "
+        raise BadInput(f"grid file {path} has unknown key(s) {', '.join(sorted(unknown))}; "
                           "use workload, set and [[point]] tables")
     points = data.get("point")
     if not isinstance(points, list) or not points:
-        raise ConfigError(f"grid file {path} lists no [[point]] table; add one per setting to measure")
+        raise BadInput(f"grid file {path} lists no [[point]] table; add one per setting to measure")
     allowed = {f.key for f in fields()} | {"name", "set"}
     for i, point in enumerate(points, 1):
         bad = set(point) - allowed
         if bad:
-            raise ConfigError(f"point {i} of {path} has unknown key(s) {', '.join(sorted(bad))}; "
+            raise BadInput(f"point {i} of {path} has unknown key(s) {', '.join(sorted(bad))}; "
                               f"allowed: name, set and the field names, e.g. {', '.join(f.key for f in flagged())}")
     sets = data.get("set", [])
     if not isinstance(sets, list) or not all(isinstance(s, str) for s in sets):
-        raise ConfigError(f'"set" in {path} must be a list of "section.key=value" strings')
+        raise BadInput(f'"set" in {path} must be a list of "section.key=value" strings')
     return Grid(data.get("workload"), sets, points)
 
 
@@ -203,12 +203,12 @@ def plan_from_grid(grid: Grid, workload: str, *, overrides: dict[str, Any], sets
             own["recompute.granularity"] = "none"
         point_sets = point.get("set", [])
         if not isinstance(point_sets, list):
-            raise ConfigError(f'"set" of point {i} must be a list of "section.key=value" strings')
+            raise BadInput(f'"set" of point {i} must be a list of "section.key=value" strings')
         try:
             cfg, point_notes = resolve(workload, overrides={**overrides, **own},
                                        sets=[*grid.sets, *sets, *point_sets], gpu=gpu)
-        except ConfigError as e:
-            raise ConfigError(f"point {point.get('name') or i} of the grid: {e}") from None
+        except BadInput as e:
+            raise BadInput(f"point {point.get('name') or i} of the grid: {e}") from None
         configs.append(cfg)
         names.append(point.get("name"))
         notes += point_notes
@@ -248,13 +248,13 @@ class SweepRequest:
 
 
 def plan_points(req: SweepRequest) -> tuple[list[Point], list[str]]:
-    """The points a sweep measures and the notes to show; ConfigError on bad input."""
+    """The points a sweep measures and the notes to show; BadInput on bad input."""
     counts = None
     if req.num_layers_recompute is not None:
         try:
             counts = [int(n) for n in req.num_layers_recompute]
         except ValueError:
-            raise ConfigError(f"--num-layers-recompute takes integers, got {' '.join(req.num_layers_recompute)}; "
+            raise BadInput(f"--num-layers-recompute takes integers, got {' '.join(req.num_layers_recompute)}; "
                               "pass for example --num-layers-recompute 1 2") from None
     workload = req.workload or DEFAULT_WORKLOAD
     notes: list[str] = []
@@ -263,12 +263,12 @@ def plan_points(req: SweepRequest) -> tuple[list[Point], list[str]]:
                                                    ("--run-id", req.run_id), ("--policy", req.policy)) if v]
         given += [f"--{k.split('.')[1].replace('_', '-')}" for k, v in req.overrides.items() if v is not None]
         if given:
-            raise ConfigError(f"--resume reruns the plan saved in {req.resume}/plan.json, Auto point included; "
+            raise BadInput(f"--resume reruns the plan saved in {req.resume}/plan.json, Auto point included; "
                               f"drop {', '.join(given)}")
         return load_plan(req.resume), notes
     if req.grid is not None:
         if len(req.plan_flags()) > 1:
-            raise ConfigError(f"--grid lists the points itself; drop {', '.join(f for f in req.plan_flags() if f != '--grid')}")
+            raise BadInput(f"--grid lists the points itself; drop {', '.join(f for f in req.plan_flags() if f != '--grid')}")
         grid = load_grid(req.grid)
         points, notes = plan_from_grid(grid, req.workload or grid.workload or DEFAULT_WORKLOAD, overrides=req.overrides,
                                        sets=req.sets, gpu=req.gpu)
@@ -279,7 +279,7 @@ def plan_points(req: SweepRequest) -> tuple[list[Point], list[str]]:
     if req.policy is not None:
         points.append(auto_point(points, req))
     elif req.memory_gb is not None:
-        raise ConfigError("--memory-gb is the budget of --policy auto; add --policy auto or drop --memory-gb")
+        raise BadInput("--memory-gb is the budget of --policy auto; add --policy auto or drop --memory-gb")
     return points, notes
 
 
@@ -292,19 +292,19 @@ def auto_point(points: list[Point], req: SweepRequest) -> Point:
     from recompute_bench.recompute.policy_file import with_policy
 
     if "Auto" in {p.name for p in points}:
-        raise ConfigError("a point is already named Auto; rename it in the grid file or drop --policy")
+        raise BadInput("a point is already named Auto; rename it in the grid file or drop --policy")
     base = points[0].cfg if points else resolve(req.workload or DEFAULT_WORKLOAD, overrides=req.overrides,
                                                 sets=req.sets, gpu=req.gpu)[0]
     base = dataclasses.replace(base, recompute=RecomputeConfig())
     if req.policy != "auto":
         return Point("Auto", with_policy(base, Path(req.policy)))
     if req.memory_gb is None or req.memory_gb <= 0:
-        raise ConfigError(f"--policy auto needs the device memory per GPU; pass --memory-gb 80 (got {req.memory_gb})")
+        raise BadInput(f"--policy auto needs the device memory per GPU; pass --memory-gb 80 (got {req.memory_gb})")
     modelled = "cuda" if (req.device or default_device_type()).startswith("cuda") else "cpu"
     allowance = (0.0, 0.0) if modelled == "cpu" else (ALLOWANCE_FRACTION, ALLOWANCE_BYTES)
     result = auto_plan(base, req.memory_gb * 2**30, modelled, *allowance)
     if result["policy"] is None:
-        raise ConfigError(f"--policy auto: no per-layer policy fits {req.memory_gb:g} GiB ({result['reason']}); "
+        raise BadInput(f"--policy auto: no per-layer policy fits {req.memory_gb:g} GiB ({result['reason']}); "
                           "raise --memory-gb (see `recompute-bench plan --auto`)")
     return Point("Auto", dataclasses.replace(base, recompute=RecomputeConfig(layer_policy=result["policy"])))
 
@@ -318,7 +318,7 @@ def load_plan(run_dir: Path) -> list[Point]:
     """The plan saved by an earlier sweep of this run (for --resume)."""
     path = Path(run_dir) / PLAN_FILE
     if not path.is_file():
-        raise ConfigError(f"{path} does not exist, so there is no sweep to resume; pass the run id of a sweep "
+        raise BadInput(f"{path} does not exist, so there is no sweep to resume; pass the run id of a sweep "
                           "(a folder under results/ with a plan.json)")
     try:
         data = json.loads(path.read_text())
@@ -326,7 +326,7 @@ def load_plan(run_dir: Path) -> list[Point]:
             raise ValueError(f"schema {data.get('schema')!r}")
         return [Point(p["name"], config_from_dict(p["config"])) for p in data["points"]]
     except (ValueError, KeyError, TypeError, AttributeError) as e:
-        raise ConfigError(f"{path} is not a sweep plan ({e}); start a new sweep instead of resuming") from None
+        raise BadInput(f"{path} is not a sweep plan ({e}); start a new sweep instead of resuming") from None
 
 
 def point_record_id(point: Point) -> tuple[str, ...]:
@@ -371,7 +371,7 @@ def run_sweep(points: list[Point], run_dir: Path, *, timeout_s: float, device: s
               on_done: Callable[[Point, dict, float, bool], None] | None = None) -> list[dict]:
     """Measure every point of the plan into `run_dir` and return one record per point, in plan order.
 
-    Holds the run's lock throughout (ConfigError when another sweep holds it). A new run saves the
+    Holds the run's lock throughout (BadInput when another sweep holds it). A new run saves the
     plan; a run that already has results is only continued with `resume=True`. `on_start(point,
     index)` and `on_done(point, record, seconds, skipped)` let the caller show progress. Ctrl-C
     raises KeyboardInterrupt (even when SIGINT was ignored at start) once the running point's
@@ -382,7 +382,7 @@ def run_sweep(points: list[Point], run_dir: Path, *, timeout_s: float, device: s
     results_file = run_dir / RESULTS_FILE
     with ctrl_c_interrupts(), RunLock(run_dir):
         if not resume and (results_file.exists() or (run_dir / PLAN_FILE).exists()):
-            raise ConfigError(f"run {run_dir.name} already exists in {run_dir.parent}; continue it with "
+            raise BadInput(f"run {run_dir.name} already exists in {run_dir.parent}; continue it with "
                               f"`{resume_command(run_dir)}` or pass another --run-id")
         if not (run_dir / PLAN_FILE).exists():
             write_json_atomic(run_dir / PLAN_FILE, plan_to_dict(points))

@@ -39,7 +39,7 @@ from typing import Any, Optional
 
 from recompute_bench.launch.process import innermost_frame, tail_of, failed_record, run_group, worker_env
 from recompute_bench.measure.record import STATUS_ORDER, pipeline_summary, rank_summary, unmeasured_rank
-from recompute_bench.spec.config import SPLIT_BACKWARD_SCHEDULES, Config, ConfigError
+from recompute_bench.spec.config import SPLIT_BACKWARD_SCHEDULES, Config, BadInput
 from recompute_bench.spec.rules import check_expert_parallel_world
 
 DATA_PARALLEL = ("ddp", "fsdp")
@@ -82,44 +82,44 @@ class Launch:
 
 def check_launch(cfg: Config, launch: Launch, device_type: str) -> Config:
     """The config a launch measures, its data-parallel size taken from the world when not given;
-    ConfigError (one line, the fix) for what cannot be launched."""
+    BadInput (one line, the fix) for what cannot be launched."""
     p = cfg.parallel
     if launch.nproc_per_node < 1 or launch.nnodes < 1:
-        raise ConfigError("--nproc-per-node and --nnodes must be 1 or more")
+        raise BadInput("--nproc-per-node and --nnodes must be 1 or more")
     if not 0 <= launch.node_rank < launch.nnodes:
-        raise ConfigError(f"--node-rank {launch.node_rank} must be between 0 and --nnodes {launch.nnodes} - 1")
+        raise BadInput(f"--node-rank {launch.node_rank} must be between 0 and --nnodes {launch.nnodes} - 1")
     if launch.nnodes > 1 and not launch.rdzv_endpoint:
-        raise ConfigError("--nnodes above 1 needs the rendezvous host of node 0: pass --rdzv-endpoint HOST:PORT")
+        raise BadInput("--nnodes above 1 needs the rendezvous host of node 0: pass --rdzv-endpoint HOST:PORT")
     if launch.data_parallel not in DATA_PARALLEL:
-        raise ConfigError(f"--data-parallel {launch.data_parallel!r} is not one of {', '.join(DATA_PARALLEL)}")
+        raise BadInput(f"--data-parallel {launch.data_parallel!r} is not one of {', '.join(DATA_PARALLEL)}")
     if launch.memory_limit_gb is not None:
         if device_type != "cuda":
-            raise ConfigError("--memory-limit-gb caps the CUDA allocator and there is no CUDA device here; "
+            raise BadInput("--memory-limit-gb caps the CUDA allocator and there is no CUDA device here; "
                               "drop --memory-limit-gb")
         if launch.memory_limit_gb <= 0:
-            raise ConfigError(f"--memory-limit-gb must be a positive number of GiB, got {launch.memory_limit_gb:g}")
+            raise BadInput(f"--memory-limit-gb must be a positive number of GiB, got {launch.memory_limit_gb:g}")
     if cfg.training.framework != "recompute-bench":
-        raise ConfigError(f"framework {cfg.training.framework} is estimated, not run: this harness measures its own "
+        raise BadInput(f"framework {cfg.training.framework} is estimated, not run: this harness measures its own "
                           "layers; drop --framework (or use `estimate --framework megatron`)")
     if device_type == "cuda":
         from recompute_bench.launch.devices import visible_gpu_count
         gpus = visible_gpu_count()  # from NVML: the launcher holds no CUDA context
         if gpus is not None and launch.nproc_per_node > gpus:
-            raise ConfigError(f"--nproc-per-node {launch.nproc_per_node} needs one GPU per rank and this node shows "
+            raise BadInput(f"--nproc-per-node {launch.nproc_per_node} needs one GPU per rank and this node shows "
                               f"{gpus}; pass --nproc-per-node {max(gpus, 1)}"
                               + (" (or --device cpu)" if gpus == 0 else " (or make more GPUs visible through CUDA_VISIBLE_DEVICES)"))
     world, tp, pp = launch.world_size, p.tensor_model_parallel_size, p.pipeline_model_parallel_size
     if world % (tp * pp):
-        raise ConfigError(f"tensor_model_parallel_size {tp} x pipeline_model_parallel_size {pp} does not divide the "
+        raise BadInput(f"tensor_model_parallel_size {tp} x pipeline_model_parallel_size {pp} does not divide the "
                           f"{world} rank(s) launched; pass --nproc-per-node (x --nnodes) as a multiple of {tp * pp}")
     if pp > 1:
         _check_pipeline(cfg)
     dp = world // (tp * pp)
     if tp > 1 and dp > 1 and launch.data_parallel == "ddp":
-        raise ConfigError("DDP does not take tensor-parallel (DTensor) parameters; pass --data-parallel fsdp to "
+        raise BadInput("DDP does not take tensor-parallel (DTensor) parameters; pass --data-parallel fsdp to "
                           "combine data and tensor parallelism")
     if dp > 1 and p.use_distributed_optimizer and launch.data_parallel == "ddp":
-        raise ConfigError("use_distributed_optimizer shards the optimizer state, which FSDP does here; pass "
+        raise BadInput("use_distributed_optimizer shards the optimizer state, which FSDP does here; pass "
                           "--data-parallel fsdp or drop --set parallel.use_distributed_optimizer=true")
     if dp > 1 and (p.data_parallel_size == 1 or launch.data_parallel == "fsdp"):
         from recompute_bench.spec.rules import validate
@@ -130,36 +130,36 @@ def check_launch(cfg: Config, launch: Launch, device_type: str) -> Config:
         validate(cfg)  # the global batch must still split into micro-batches over the ranks
         p = cfg.parallel
     if p.expert_model_parallel_size > 1 and launch.data_parallel == "fsdp":
-        raise ConfigError("expert parallel with FSDP is not measured here (expert weights would need their own "
+        raise BadInput("expert parallel with FSDP is not measured here (expert weights would need their own "
                           "sharding group); pass --data-parallel ddp, or --ep 1")
     check_expert_parallel_world(cfg)
     if p.data_parallel_size != dp:
-        raise ConfigError(f"data_parallel_size {p.data_parallel_size} x tensor_model_parallel_size {tp} x "
+        raise BadInput(f"data_parallel_size {p.data_parallel_size} x tensor_model_parallel_size {tp} x "
                           f"pipeline_model_parallel_size {pp} does not match the {world} rank(s) launched "
                           f"(--nproc-per-node x --nnodes); pass --nproc-per-node {p.data_parallel_size * tp * pp} or "
                           f"--data-parallel-size {dp}")
     if pp > 1 and p.schedule == "1F1B" and cfg.num_microbatches < pp:
-        raise ConfigError(f"torch's 1F1B schedule needs at least as many micro-batches as stages ({pp}), got "
+        raise BadInput(f"torch's 1F1B schedule needs at least as many micro-batches as stages ({pp}), got "
                           f"{cfg.num_microbatches}; pass --global-batch-size "
                           f"{pp * cfg.training.micro_batch_size * p.data_parallel_size} or more, or --pp-schedule GPipe")
     return cfg
 
 
 def _check_pipeline(cfg: Config) -> None:
-    """What pipeline parallelism is measured with here; ConfigError otherwise."""
+    """What pipeline parallelism is measured with here; BadInput otherwise."""
     p = cfg.parallel
     if p.expert_model_parallel_size > 1:
-        raise ConfigError("expert parallel with pipeline parallel is not measured here; pass --ep 1 or --pp 1")
+        raise BadInput("expert parallel with pipeline parallel is not measured here; pass --ep 1 or --pp 1")
     check_schedule_recompute(p.schedule, cfg.recompute)
 
 
 def check_schedule_recompute(schedule: str, recompute) -> None:
-    """ConfigError when `schedule` splits its backward (input gradients, then weight gradients) and
+    """BadInput when `schedule` splits its backward (input gradients, then weight gradients) and
     `recompute` recomputes anything: the harness's checkpoints are re-entrant, as Megatron's, and
     torch.utils.checkpoint refuses a re-entrant checkpoint under `autograd.grad(..., inputs=...)`,
     which torch's `stage_backward_input` runs (torch/distributed/pipelining/_backward.py)."""
     if schedule in SPLIT_BACKWARD_SCHEDULES and recompute.recomputes:
-        raise ConfigError(f"{schedule} splits each backward into input and weight gradients (autograd.grad with "
+        raise BadInput(f"{schedule} splits each backward into input and weight gradients (autograd.grad with "
                           "inputs), which re-entrant checkpoints (Megatron's, use_reentrant=True) refuse; pass "
                           "--pp-schedule 1F1B or Interleaved1F1B to recompute, or --recompute-granularity none")
 
@@ -226,7 +226,7 @@ def run_ranks(cfg: Config, launch: Launch, *, name: str, pieces: Path, log_path:
 def verify_over_ranks(cfg: Config, settings: list, backends: list[str], launch: Launch, *, work: Path,
                       timeout_s: float, device: str | None = None) -> dict:
     """`verify` over the ranks of `launch` (`measure.distributed.verify_ranks`): rank 0's result, or
-    ConfigError naming the log when the ranks left none."""
+    BadInput naming the log when the ranks left none."""
     work.mkdir(parents=True, exist_ok=True)
     (work / "verify.json").unlink(missing_ok=True)
     (work / "verify-in.json").write_text(json.dumps({"config": cfg.to_dict(), "settings": [asdict(s) for s in settings],
@@ -236,7 +236,7 @@ def verify_over_ranks(cfg: Config, settings: list, backends: list[str], launch: 
                      timeout_s, header=f"verify x{launch.world_size}")
     if not (work / "verify.json").is_file():
         how = "ran past the time limit" if code is None else f"ended with exit code {code}"
-        raise ConfigError(f"verify over {launch.world_size} ranks {how} without a result; see {log}")
+        raise BadInput(f"verify over {launch.world_size} ranks {how} without a result; see {log}")
     return json.loads((work / "verify.json").read_text())
 
 

@@ -78,7 +78,7 @@ def ready_path(out: Path) -> Path:
 
 
 def config_from_dict(data: dict) -> Config:
-    """The config a worker is given (`Config.to_dict()`), validated again; ConfigError if it is not one."""
+    """The config a worker is given (`Config.to_dict()`), validated again; BadInput if it is not one."""
     cfg = Config.from_dict(data)
     validate(cfg)
     return cfg

@@ -25,7 +25,7 @@ numbers count within a section. What `plan --auto --pp` writes:
 
 Every stage has one section, and no `layers` list beside them. Sections need `--pp` above 1 and no
 virtual stages (write one `layers` list over the whole model there).
-Pure Python (tomllib); every problem is a ConfigError of one line that names the fix.
+Pure Python (tomllib); every problem is a BadInput of one line that names the fix.
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ from typing import Any
 
 from recompute_bench.models import spec_for
 from recompute_bench.recompute.policy import LayerPolicy, chunks, kind_targets, layer_kind, parse_entry
-from recompute_bench.spec.config import RECOMPUTE_MODULES, Config, ConfigError, RecomputeConfig
+from recompute_bench.spec.config import RECOMPUTE_MODULES, Config, BadInput, RecomputeConfig
 
 POLICY_SCHEMA = "recompute-bench/policy/v1"
 FIX = "write it with `recompute-bench plan --auto --output FILE` or fix that line"
@@ -48,64 +48,64 @@ def read_policy(path: Path, cfg: Config) -> list[str]:
     try:
         data = tomllib.loads(Path(path).read_text())
     except FileNotFoundError:
-        raise ConfigError(f"policy file {path} does not exist; pass a file written by `recompute-bench plan --auto`") from None
+        raise BadInput(f"policy file {path} does not exist; pass a file written by `recompute-bench plan --auto`") from None
     except (OSError, UnicodeDecodeError) as e:
-        raise ConfigError(f"policy file {path} cannot be read ({e}); pass a readable TOML file") from None
+        raise BadInput(f"policy file {path} cannot be read ({e}); pass a readable TOML file") from None
     except tomllib.TOMLDecodeError as e:
-        raise ConfigError(f"policy file {path} is not valid TOML ({e}); {FIX}") from None
+        raise BadInput(f"policy file {path} is not valid TOML ({e}); {FIX}") from None
     if data.get("schema") != POLICY_SCHEMA:
-        raise ConfigError(f"policy file {path} has schema {data.get('schema')!r}, not {POLICY_SCHEMA!r}; {FIX}")
+        raise BadInput(f"policy file {path} has schema {data.get('schema')!r}, not {POLICY_SCHEMA!r}; {FIX}")
     if "stage" in data:
         layers = stage_sections(data, cfg, f"policy file {path}")
     else:
         layers = data.get("layers")
         if not isinstance(layers, list) or not all(isinstance(x, str) for x in layers):
-            raise ConfigError(f"policy file {path} needs `layers`, a list of one string per layer; {FIX}")
+            raise BadInput(f"policy file {path} needs `layers`, a list of one string per layer; {FIX}")
     check(layers, cfg, str(path))
     return [parse_entry(x).entry for x in layers]
 
 
 def stage_sections(data: dict[str, Any], cfg: Config, where: str) -> list[str]:
     """The whole model's layer entries from a policy file's per-stage sections (`[stage.S]`, each
-    with its stage's `layers`), chunk numbers made distinct across stages; a ConfigError naming the
+    with its stage's `layers`), chunk numbers made distinct across stages; a BadInput naming the
     fix for sections without pipeline stages or with virtual ones, beside a `layers` list, for a
     stage that does not exist or has no section, or a section that does not list its stage's layers."""
     par = cfg.parallel
     p, sections = par.pipeline_model_parallel_size, data["stage"]
     if p == 1:
-        raise ConfigError(f"{where} has per-stage sections but runs one pipeline stage; pass --pp {len(sections)} "
+        raise BadInput(f"{where} has per-stage sections but runs one pipeline stage; pass --pp {len(sections)} "
                           "or write one `layers` list")
     if par.virtual_pipeline_model_parallel_size:
-        raise ConfigError(f"{where} has per-stage sections, which do not go with virtual pipeline stages; write one "
+        raise BadInput(f"{where} has per-stage sections, which do not go with virtual pipeline stages; write one "
                           "`layers` list over the whole model")
     if "layers" in data:
-        raise ConfigError(f"{where} has both `layers` and per-stage sections; keep one of them")
+        raise BadInput(f"{where} has both `layers` and per-stage sections; keep one of them")
     if not isinstance(sections, dict) or not all(isinstance(v, dict) for v in sections.values()):
-        raise ConfigError(f"{where}: write each stage's section as [stage.S] with `layers = [...]`; {FIX}")
+        raise BadInput(f"{where}: write each stage's section as [stage.S] with `layers = [...]`; {FIX}")
     for name in sections:
         if not name.isdigit() or int(name) >= p:
-            raise ConfigError(f"{where} has a section for stage {name}, but --pp {p} has stages 0 to {p - 1}; "
+            raise BadInput(f"{where} has a section for stage {name}, but --pp {p} has stages 0 to {p - 1}; "
                               f"drop [stage.{name}] or pass the --pp the file was written for")
     n = cfg.model.num_layers // p
     missing = [s for s in range(p) if str(s) not in sections]
     if missing:
-        raise ConfigError(f"{where} has no section for stage {', '.join(map(str, missing))}; write one [stage.S] "
+        raise BadInput(f"{where} has no section for stage {', '.join(map(str, missing))}; write one [stage.S] "
                           f"per pipeline stage (each lists its {n} layers)")
     entries: list[str] = []
     offset = 0  # the first chunk number of this stage in the whole model's list
     for s in range(p):
         layers = sections[str(s)].get("layers")
         if not isinstance(layers, list) or not all(isinstance(x, str) for x in layers):
-            raise ConfigError(f"{where}, stage {s}: needs `layers`, a list of one string per layer; {FIX}")
+            raise BadInput(f"{where}, stage {s}: needs `layers`, a list of one string per layer; {FIX}")
         if len(layers) != n:
-            raise ConfigError(f"{where}, stage {s} lists {len(layers)} layers but stage {s} holds {n} "
+            raise BadInput(f"{where}, stage {s} lists {len(layers)} layers but stage {s} holds {n} "
                               f"(layers {s * n} to {(s + 1) * n - 1}); write one entry per layer of the stage")
         policies = []
         for i, entry in enumerate(layers):
             try:
                 policies.append(parse_entry(entry))
             except ValueError as e:
-                raise ConfigError(f"{where}, stage {s}, layer {s * n + i}: {e}; {FIX}") from None
+                raise BadInput(f"{where}, stage {s}, layer {s * n + i}: {e}; {FIX}") from None
         entries += [dataclasses.replace(x, chunk=None if x.chunk is None else x.chunk + offset).entry for x in policies]
         offset += 1 + max((x.chunk for x in policies if x.chunk is not None), default=-1)
     return entries
@@ -117,12 +117,12 @@ def with_policy(cfg: Config, path: Path) -> Config:
 
 
 def check(entries: list[str], cfg: Config, where: str = "the policy") -> list[LayerPolicy]:
-    """The policies of `entries`, or a ConfigError naming the first problem: a malformed entry, a
+    """The policies of `entries`, or a BadInput naming the first problem: a malformed entry, a
     module no model has, this model lacks or this layer's kind lacks (MoE modules on a dense layer,
     `mlp` on a MoE layer), the wrong number of layers, a split chunk."""
     n = cfg.model.num_layers
     if len(entries) != n:
-        raise ConfigError(f"{where} lists {len(entries)} layers but {cfg.workload} has {n}; write one entry per "
+        raise BadInput(f"{where} lists {len(entries)} layers but {cfg.workload} has {n}; write one entry per "
                           f"layer or pass --num-layers {len(entries)}")
     offered = spec_for(cfg.model).recompute_targets
     policies = []
@@ -130,26 +130,26 @@ def check(entries: list[str], cfg: Config, where: str = "the policy") -> list[La
         try:
             p = parse_entry(entry)
         except ValueError as e:
-            raise ConfigError(f"{where}, layer {i}: {e}; {FIX}") from None
+            raise BadInput(f"{where}, layer {i}: {e}; {FIX}") from None
         for module in sorted(p.modules):
             if module not in RECOMPUTE_MODULES:
-                raise ConfigError(f"{where}, layer {i}: unknown module {module!r}; use one of {', '.join(offered)}")
+                raise BadInput(f"{where}, layer {i}: unknown module {module!r}; use one of {', '.join(offered)}")
             if module not in offered:
-                raise ConfigError(f"{where}, layer {i}: {cfg.workload}'s model has no {module} to recompute; "
+                raise BadInput(f"{where}, layer {i}: {cfg.workload}'s model has no {module} to recompute; "
                                   f"use one of {', '.join(offered)}")
             kind = layer_kind(cfg.model, i)
             if module not in kind_targets(offered, kind):
-                raise ConfigError(f"{where}, layer {i} is a {kind} layer (moe_layer_freq {cfg.model.moe_layer_freq}) and "
+                raise BadInput(f"{where}, layer {i} is a {kind} layer (moe_layer_freq {cfg.model.moe_layer_freq}) and "
                                   f"has no {module}; use one of {', '.join(kind_targets(offered, kind))}")
         if p.offload and (p.modules or p.chunk is not None):
-            raise ConfigError(f"{where}, layer {i}: offload goes with no recompute (Megatron's rule); write offload alone")
+            raise BadInput(f"{where}, layer {i}: offload goes with no recompute (Megatron's rule); write offload alone")
         policies.append(p)
     seen: set[int] = set()
     for start, _stop in chunks(policies):
         chunk = policies[start].chunk
         if chunk is not None:
             if chunk in seen:
-                raise ConfigError(f"{where}: full:{chunk} is split by other layers; a chunk is consecutive layers, "
+                raise BadInput(f"{where}: full:{chunk} is split by other layers; a chunk is consecutive layers, "
                                   "so give each run of full layers its own number")
             seen.add(chunk)
     return policies

@@ -19,7 +19,7 @@ from rich.table import Table
 from recompute_bench.gate.golden import (EXPECTED_OOM, FAILED, NEW, PASS, UNEXPECTED_OOM, Comparison, MetricResult, RowResult,
                      signed_percent)
 from recompute_bench.render.tables import NOT_MEASURED, fmt_bytes, fmt_seconds
-from recompute_bench.results.records import KEY_COLUMNS
+from recompute_bench.results.rows import KEY_COLUMNS
 
 COLUMNS = ("Experiment", "recompute setting", "TFLOP/s/GPU", "vs Golden", "Peak Mem", "Activations", "Result")
 STYLES = {"OK": "green", "Expected OOM": "green", "New": "yellow", "Unexpected improvement": "yellow",

@@ -20,9 +20,9 @@ from pathlib import Path
 import pandas as pd
 
 from recompute_bench import __version__
-from recompute_bench.spec.config import ConfigError
+from recompute_bench.spec.config import BadInput
 from recompute_bench.render.tables import NOT_MEASURED, fmt_bytes, fmt_seconds
-from recompute_bench.results.records import SHAPE_COLUMNS
+from recompute_bench.results.rows import SHAPE_COLUMNS
 from recompute_bench.render.comparison import fmt_tflops
 
 
@@ -237,7 +237,7 @@ def write_report(df: pd.DataFrame, out_dir: Path, title: str, records: list[dict
     from recompute_bench.render.ranks import rank_lines
 
     if df.empty:
-        raise ConfigError("the results hold no record to report on; run `recompute-bench sweep` or `import` first")
+        raise BadInput("the results hold no record to report on; run `recompute-bench sweep` or `import` first")
     out_dir = Path(out_dir)
     png = plot_pareto(df, out_dir / "pareto.png", title)
     md = out_dir / "report.md"

@@ -5,7 +5,7 @@ memory, each with `stage` and `estimated_peak_allocated_bytes`."""
 from __future__ import annotations
 
 from recompute_bench.render.tables import NOT_MEASURED, fmt_bytes
-from recompute_bench.results.records import setting_label
+from recompute_bench.results.rows import setting_label
 
 
 def _error(measured: float | None, estimate: float | None) -> str:

@@ -14,7 +14,7 @@ import os
 import secrets
 from pathlib import Path
 
-from recompute_bench.spec.config import ConfigError
+from recompute_bench.spec.config import BadInput
 
 # What json.loads returns, in JSON's own words, for the message about a line that is not an object.
 _JSON_TYPES = {int: "number", float: "number", str: "string", list: "array", bool: "boolean", type(None): "null"}
@@ -35,9 +35,9 @@ def append_record(path: Path, record: dict) -> None:
 
 def load_records(path: Path) -> list[dict]:
     """Every record of a JSONL file, one JSON object per line. A line that is not UTF-8, not JSON or
-    not an object is bad input (ConfigError naming file:line); the file is only read."""
+    not an object is bad input (BadInput naming file:line); the file is only read."""
     if not path.is_file():
-        raise ConfigError(f"results file {path} does not exist; pass a JSONL file written by `recompute-bench run`")
+        raise BadInput(f"results file {path} does not exist; pass a JSONL file written by `recompute-bench run`")
     records = []
     # Bytes, decoded line by line: one bad byte must name its line, not end in a UnicodeDecodeError.
     with path.open("rb") as f:
@@ -45,16 +45,16 @@ def load_records(path: Path) -> list[dict]:
             try:
                 line = raw.decode("utf-8")
             except UnicodeDecodeError as e:
-                raise ConfigError(f"{path}:{n} is not UTF-8 text (byte {raw[e.start]:#04x} at column {e.start + 1}); "
+                raise BadInput(f"{path}:{n} is not UTF-8 text (byte {raw[e.start]:#04x} at column {e.start + 1}); "
                                   "remove or repair that line") from None
             if not line.strip():
                 continue
             try:
                 record = json.loads(line)
             except json.JSONDecodeError as e:
-                raise ConfigError(f"{path}:{n} is not a JSON record ({e.msg}); remove or repair that line") from None
+                raise BadInput(f"{path}:{n} is not a JSON record ({e.msg}); remove or repair that line") from None
             if not isinstance(record, dict):
-                raise ConfigError(f"{path}:{n} is a JSON {_JSON_TYPES.get(type(record), 'value')}, not a record "
+                raise BadInput(f"{path}:{n} is a JSON {_JSON_TYPES.get(type(record), 'value')}, not a record "
                                   "(a JSON object); remove or repair that line")
             records.append(record)
     return records
@@ -76,7 +76,7 @@ def new_run_id() -> str:
 def check_run_id(run_id: str) -> str:
     """A run id names one folder under the results folder: no path separators, no leading dot."""
     if not run_id or run_id.startswith(".") or "/" in run_id or os.sep in run_id:
-        raise ConfigError(f"run id {run_id!r} must be a plain folder name (letters, digits, - and _); "
+        raise BadInput(f"run id {run_id!r} must be a plain folder name (letters, digits, - and _); "
                           "pass for example --run-id nightly-1")
     return run_id
 
@@ -92,7 +92,7 @@ def write_json_atomic(path: Path, data) -> None:
 
 class RunLock:
     """An exclusive `fcntl.flock` on `<run dir>/.lock`, held for a whole sweep: a second sweep on the
-    same run id is refused (ConfigError naming the holder); other run ids have other locks. The
+    same run id is refused (BadInput naming the holder); other run ids have other locks. The
     kernel drops the lock when the holder dies, so a killed sweep never leaves a stale lock."""
 
     def __init__(self, run_dir: Path):
@@ -107,7 +107,7 @@ class RunLock:
         except BlockingIOError:
             holder = os.read(fd, 64).decode(errors="replace").strip() or "another process"
             os.close(fd)
-            raise ConfigError(f"run {self.path.parent.name} is being written by another sweep (pid {holder}); "
+            raise BadInput(f"run {self.path.parent.name} is being written by another sweep (pid {holder}); "
                               "wait for it to finish or pass another --run-id") from None
         os.ftruncate(fd, 0)
         os.write(fd, str(os.getpid()).encode())
@@ -130,5 +130,5 @@ def resolve_results(arg: str, results_dir: Path) -> Path:
     run = Path(results_dir) / arg
     if "/" not in arg and run.is_dir():
         return run
-    raise ConfigError(f"results {arg} is neither a file, a folder nor a run id under {results_dir}/; "
+    raise BadInput(f"results {arg} is neither a file, a folder nor a run id under {results_dir}/; "
                       "pass a run id printed by `recompute-bench sweep`, a results folder or a JSONL file")

@@ -4,7 +4,7 @@ Four dataclasses, one per TOML section of a workload preset: model shape, traini
 and recompute. Field names are Megatron's, and they are the same word in the TOML file, the CLI
 flag (`--<section>-<field>` for recompute, `--<field>` otherwise), the JSON record and the CSV
 columns. `validate()` applies every rule before anything is built, so bad input fails with one
-clear line (`ConfigError`) instead of a traceback deep inside torch.
+clear line (`BadInput`) instead of a traceback deep inside torch.
 """
 
 from __future__ import annotations
@@ -59,8 +59,10 @@ _MODULE_NEEDS = {
 }
 
 
-class ConfigError(ValueError):
-    """Bad input: the message is one line that names the problem and the fix."""
+class BadInput(ValueError):
+    """Bad input of any kind (a setting, a flag, a file that is corrupt or not this product's, a run
+    folder another sweep holds): the message is one line that names the problem and the fix, which
+    the CLI prints before it exits 2."""
 
 
 def parse_layer_pattern(text: Any) -> list[int]:
@@ -87,7 +89,7 @@ def parse_layer_pattern(text: Any) -> list[int]:
         if not isinstance(pattern, list):
             raise ValueError
     except (SyntaxError, ValueError):
-        raise ConfigError(f"moe_layer_freq {text!r} is neither an integer nor a pattern of 0s and 1s such as "
+        raise BadInput(f"moe_layer_freq {text!r} is neither an integer nor a pattern of 0s and 1s such as "
                           "\"([0]*3+[1]*58)\"; pass --set model.moe_layer_freq=N or a pattern") from None
     return pattern
 
@@ -212,13 +214,13 @@ class ModelConfig:
     @property
     def moe_layer_pattern(self) -> list[int]:
         """1 for each mixture-of-experts layer, 0 for each dense one, as Megatron reads moe_layer_freq
-        (ConfigError when it is neither an int nor a pattern of 0s and 1s)."""
+        (BadInput when it is neither an int nor a pattern of 0s and 1s)."""
         if not self.num_moe_experts:
             return [0] * self.num_layers
         freq = self.moe_layer_freq
         if isinstance(freq, int) and not isinstance(freq, bool):
             if freq < 1:
-                raise ConfigError(f"moe_layer_freq must be a positive integer or a pattern, got {freq}; "
+                raise BadInput(f"moe_layer_freq must be a positive integer or a pattern, got {freq}; "
                                   "pass --set model.moe_layer_freq=N")
             return [1 if i % freq == 0 else 0 for i in range(self.num_layers)]
         return parse_layer_pattern(freq)
@@ -358,12 +360,12 @@ class Config:
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> "Config":
-        """The inverse of `to_dict` (not validated: pass it to `spec.rules.validate`); ConfigError
+        """The inverse of `to_dict` (not validated: pass it to `spec.rules.validate`); BadInput
         when `data` is not one."""
         try:
             return cls(data["workload"], **{s: SECTIONS[s](**data[s]) for s in SECTIONS})
         except (KeyError, TypeError) as e:
-            raise ConfigError(f"not a resolved recompute-bench config ({e}); write it with Config.to_dict") from None
+            raise BadInput(f"not a resolved recompute-bench config ({e}); write it with Config.to_dict") from None
 
     def record_fields(self) -> dict[str, Any]:
         """The config as a result record holds it: `workload`, `config` (model, training and

@@ -7,7 +7,7 @@ and the override path `section.attribute` that `--set` takes. The help text of a
 docstring written under the field in `spec/config.py`.
 
 Commands take their options from here (`cli/options.py`), the golden key and the DataFrame key
-columns come from here (`results.records.KEY_FIELDS`), and a grid file's point keys are checked
+columns come from here (`results.rows.KEY_FIELDS`), and a grid file's point keys are checked
 against it.
 Pure Python.
 """

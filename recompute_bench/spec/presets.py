@@ -18,7 +18,7 @@ import tomllib
 from pathlib import Path
 from typing import Any
 
-from recompute_bench.spec.config import SECTIONS, Config, ConfigError, canonical_modules
+from recompute_bench.spec.config import SECTIONS, Config, BadInput, canonical_modules
 from recompute_bench.spec.rules import validate
 
 # A checkout keeps the presets at the top level (workloads/); a wheel carries them inside the
@@ -42,11 +42,11 @@ def preset_path(workload: str) -> Path:
     path = Path(workload)
     if path.suffix == ".toml" or os.sep in workload:
         if not path.is_file():
-            raise ConfigError(f"workload file {workload} does not exist; pass a preset name ({', '.join(workload_names())}) or a .toml path")
+            raise BadInput(f"workload file {workload} does not exist; pass a preset name ({', '.join(workload_names())}) or a .toml path")
         return path
     path = WORKLOADS_DIR / f"{workload}.toml"
     if not path.is_file():
-        raise ConfigError(f"unknown workload {workload!r}; choose one of {', '.join(workload_names())} "
+        raise BadInput(f"unknown workload {workload!r}; choose one of {', '.join(workload_names())} "
                           f"(see `recompute-bench workloads`) or pass a path to a .toml preset")
     return path
 
@@ -58,7 +58,7 @@ def load_preset(workload: str) -> dict[str, Any]:
         with path.open("rb") as f:
             return tomllib.load(f)
     except tomllib.TOMLDecodeError as e:
-        raise ConfigError(f"workload file {path} is not valid TOML ({e}); fix the file") from None
+        raise BadInput(f"workload file {path} is not valid TOML ({e}); fix the file") from None
 
 
 def parse_set(item: str) -> tuple[str, Any]:
@@ -66,7 +66,7 @@ def parse_set(item: str) -> tuple[str, Any]:
     key, sep, raw = item.partition("=")
     key = key.strip().replace("-", "_")
     if not sep or "." not in key:
-        raise ConfigError(f"--set {item!r} is not section.key=value; for example --set model.hidden_dropout=0.1")
+        raise BadInput(f"--set {item!r} is not section.key=value; for example --set model.hidden_dropout=0.1")
     try:
         value = tomllib.loads(f"v = {raw.strip()}")["v"]
     except tomllib.TOMLDecodeError:
@@ -92,7 +92,7 @@ def resolve(workload: str = DEFAULT_WORKLOAD, *, overrides: dict[str, Any] | Non
     raw = load_preset(workload)
     unknown = set(raw) - set(SECTIONS) - {"description"}
     if unknown:
-        raise ConfigError(f"workload {workload} has unknown table(s) {', '.join(sorted(unknown))}; "
+        raise BadInput(f"workload {workload} has unknown table(s) {', '.join(sorted(unknown))}; "
                           f"use {', '.join(SECTIONS)}")
     tables: dict[str, dict[str, Any]] = {s: dict(raw.get(s, {})) for s in SECTIONS}
     per_gpu = tables["recompute"].pop("gpu", {})
@@ -114,7 +114,7 @@ def resolve(workload: str = DEFAULT_WORKLOAD, *, overrides: dict[str, Any] | Non
         if section == "recompute":
             continue
         if section not in SECTIONS:
-            raise ConfigError(f"unknown section {section!r} in {key}; use one of {', '.join(SECTIONS)}")
+            raise BadInput(f"unknown section {section!r} in {key}; use one of {', '.join(SECTIONS)}")
         tables[section][name] = value
 
     if tables["training"].get("framework") == "megatron":
@@ -154,16 +154,16 @@ def _build(section: str, values: dict[str, Any]):
     fields = {f.name: f for f in dataclasses.fields(cls)}
     for key in values:
         if key not in fields:
-            raise ConfigError(f"unknown setting {section}.{key}; known: {', '.join(fields)}")
+            raise BadInput(f"unknown setting {section}.{key}; known: {', '.join(fields)}")
     try:
         obj = cls(**values)
     except TypeError as e:
         missing = str(e).split("argument")[-1].strip(": ")
-        raise ConfigError(f"[{section}] is missing {missing}; add it to the preset or pass --set {section}.KEY=VALUE") from None
+        raise BadInput(f"[{section}] is missing {missing}; add it to the preset or pass --set {section}.KEY=VALUE") from None
     for name, f in fields.items():
         value = getattr(obj, name)
         expected = {"int": int, "float": (int, float), "bool": bool, "str": str}.get(str(f.type).replace("Optional[", "").rstrip("]"))
         if value is not None and expected is not None and (not isinstance(value, expected) or
                                                           (expected is int and isinstance(value, bool))):
-            raise ConfigError(f"{section}.{name} must be {str(f.type).replace('Optional[', '').rstrip(']')}, got {value!r}")
+            raise BadInput(f"{section}.{name} must be {str(f.type).replace('Optional[', '').rstrip(']')}, got {value!r}")
     return obj

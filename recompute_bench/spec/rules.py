@@ -1,7 +1,7 @@
 """Megatron Core's rules for a resolved point, and the model's own shape rules.
 
 `validate()` applies every rule before anything is built, so bad input fails with one clear line
-(`ConfigError`: the problem and the fix) instead of a traceback deep inside torch.
+(`BadInput`: the problem and the fix) instead of a traceback deep inside torch.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from recompute_bench.spec.config import (ACTIVATIONS, ATTENTION_BACKENDS, FRAMEW
                                          MEGATRON_ATTENTION_BACKENDS, MEGATRON_ONLY, METHODS, NORMALIZATIONS,
                                          PIPELINE_SCHEDULES, POSITION_EMBEDDINGS, TRANSFORMER_IMPLS, PRECISIONS,
                                          RECOMPUTE_MODULES, ROUTER_SCORE_FUNCTIONS, SECTIONS, TOKEN_DROP_POLICIES, V_SCHEDULES,
-                                         _MODULE_NEEDS, Config, ConfigError)
+                                         _MODULE_NEEDS, Config, BadInput)
 
 VPP_FLAG = "--set parallel.virtual_pipeline_model_parallel_size"
 
@@ -39,11 +39,11 @@ def _chunk_words(cfg: Config) -> str:
 
 def _choice(name: str, value: Any, choices: tuple, fix: str) -> None:
     if value not in choices:
-        raise ConfigError(f"{name} {value!r} is not one of {', '.join(map(str, choices))}; {fix}")
+        raise BadInput(f"{name} {value!r} is not one of {', '.join(map(str, choices))}; {fix}")
 
 
 def validate(cfg: Config) -> None:
-    """Apply Megatron Core's recompute rules and the model's own shape rules; raise ConfigError."""
+    """Apply Megatron Core's recompute rules and the model's own shape rules; raise BadInput."""
     m, t, p = cfg.model, cfg.training, cfg.parallel
 
     for name, value in (("num_layers", m.num_layers), ("hidden_size", m.hidden_size),
@@ -52,15 +52,15 @@ def validate(cfg: Config) -> None:
                         ("micro_batch_size", t.micro_batch_size), ("global_batch_size", t.global_batch_size),
                         ("measured_steps", t.measured_steps)):
         if not isinstance(value, int) or value < 1:
-            raise ConfigError(f"{name} must be a positive integer, got {value!r}; pass --{name.replace('_', '-')} N "
+            raise BadInput(f"{name} must be a positive integer, got {value!r}; pass --{name.replace('_', '-')} N "
                               f"or --set {_section_of(name)}.{name}=N")
     if t.warmup_steps < 0:
-        raise ConfigError(f"warmup_steps must be 0 or more, got {t.warmup_steps}; pass --set training.warmup_steps=N")
+        raise BadInput(f"warmup_steps must be 0 or more, got {t.warmup_steps}; pass --set training.warmup_steps=N")
     if m.kv_channels is None and m.hidden_size % m.num_attention_heads:
-        raise ConfigError(f"hidden_size {m.hidden_size} is not divisible by num_attention_heads "
+        raise BadInput(f"hidden_size {m.hidden_size} is not divisible by num_attention_heads "
                           f"{m.num_attention_heads}; change one with --set model.hidden_size=... or model.num_attention_heads=...")
     if m.num_attention_heads % m.groups:
-        raise ConfigError(f"num_attention_heads {m.num_attention_heads} is not divisible by num_query_groups "
+        raise BadInput(f"num_attention_heads {m.num_attention_heads} is not divisible by num_query_groups "
                           f"{m.groups}; pass --set model.num_query_groups=G with G dividing the heads")
     _choice("normalization", m.normalization, NORMALIZATIONS, "set model.normalization")
     _choice("activation", m.activation, ACTIVATIONS, "set model.activation")
@@ -68,51 +68,51 @@ def validate(cfg: Config) -> None:
     _validate_framework(cfg)
     _choice("precision", t.precision, PRECISIONS, "pass --precision bf16, fp16 or fp32")
     if m.position_embedding_type == "rope" and m.head_dim % 2:
-        raise ConfigError(f"RoPE needs an even head dimension, got {m.head_dim}; change hidden_size or num_attention_heads")
+        raise BadInput(f"RoPE needs an even head dimension, got {m.head_dim}; change hidden_size or num_attention_heads")
     if m.position_embedding_type == "learned_absolute" and t.seq_length > m.max_position_embeddings:
-        raise ConfigError(f"seq_length {t.seq_length} is longer than max_position_embeddings "
+        raise BadInput(f"seq_length {t.seq_length} is longer than max_position_embeddings "
                           f"{m.max_position_embeddings}; lower --seq-length or --set model.max_position_embeddings=N")
     for name, value in (("hidden_dropout", m.hidden_dropout), ("attention_dropout", m.attention_dropout)):
         if not 0.0 <= value < 1.0:
-            raise ConfigError(f"{name} must lie in [0, 1), got {value}; pass --set model.{name}=0.1")
+            raise BadInput(f"{name} must lie in [0, 1), got {value}; pass --set model.{name}=0.1")
 
     for name in ("tensor_model_parallel_size", "pipeline_model_parallel_size", "data_parallel_size"):
         if getattr(p, name) < 1:
-            raise ConfigError(f"{name} must be 1 or more, got {getattr(p, name)}")
+            raise BadInput(f"{name} must be 1 or more, got {getattr(p, name)}")
     if p.sequence_parallel and p.tensor_model_parallel_size <= 1:
-        raise ConfigError("sequence parallelism needs tensor parallelism; pass --tensor-model-parallel-size 2 or more, "
+        raise BadInput("sequence parallelism needs tensor parallelism; pass --tensor-model-parallel-size 2 or more, "
                           "or drop --sequence-parallel")
     tp = p.tensor_model_parallel_size
     if m.num_attention_heads % tp or m.groups % tp:
-        raise ConfigError(f"tensor_model_parallel_size {tp} must divide num_attention_heads {m.num_attention_heads} and "
+        raise BadInput(f"tensor_model_parallel_size {tp} must divide num_attention_heads {m.num_attention_heads} and "
                           f"num_query_groups {m.groups} (Megatron shards whole heads); change --tensor-model-parallel-size")
     if m.ffn_hidden_size % tp:
-        raise ConfigError(f"tensor_model_parallel_size {tp} must divide ffn_hidden_size {m.ffn_hidden_size} (the MLP's "
+        raise BadInput(f"tensor_model_parallel_size {tp} must divide ffn_hidden_size {m.ffn_hidden_size} (the MLP's "
                           f"columns are split over the ranks); change --tensor-model-parallel-size")
     if p.sequence_parallel and t.seq_length % tp:
-        raise ConfigError(f"sequence parallelism splits seq_length {t.seq_length} over tensor_model_parallel_size {tp}, "
+        raise BadInput(f"sequence parallelism splits seq_length {t.seq_length} over tensor_model_parallel_size {tp}, "
                           f"which does not divide it; pass --seq-length as a multiple of {tp}")
     if m.num_layers % p.pipeline_model_parallel_size:
-        raise ConfigError(f"num_layers {m.num_layers} is not divisible by pipeline_model_parallel_size "
+        raise BadInput(f"num_layers {m.num_layers} is not divisible by pipeline_model_parallel_size "
                           f"{p.pipeline_model_parallel_size}; change --num-layers or --pipeline-model-parallel-size")
     vpp, stage_layers = p.virtual_pipeline_model_parallel_size, m.num_layers // p.pipeline_model_parallel_size
     if vpp is not None and p.pipeline_model_parallel_size == 1:
         # Megatron: the interleaved schedule needs pipeline-model-parallel size greater than 1.
-        raise ConfigError(f"virtual_pipeline_model_parallel_size {vpp} needs pipeline parallelism (the interleaved "
+        raise BadInput(f"virtual_pipeline_model_parallel_size {vpp} needs pipeline parallelism (the interleaved "
                           f"schedule splits each pipeline stage into model chunks); pass --pipeline-model-parallel-size 2 "
                           f"or more, or drop {VPP_FLAG}")
     if vpp is not None and (not isinstance(vpp, int) or vpp < 1 or stage_layers % vpp):
-        raise ConfigError(f"virtual_pipeline_model_parallel_size {vpp} must divide the {stage_layers} layers of each "
+        raise BadInput(f"virtual_pipeline_model_parallel_size {vpp} must divide the {stage_layers} layers of each "
                           f"pipeline stage; pass {VPP_FLAG}=M with M dividing {stage_layers}")
     n = t.global_batch_size // (t.micro_batch_size * p.data_parallel_size)
     if vpp and p.schedule in INTERLEAVED_SCHEDULES and n % p.pipeline_model_parallel_size:
         # Megatron: the micro-batches go through the virtual stages in groups of p (schedules.py,
         # forward_backward_pipelining_with_interleaving); a last group of fewer stalls the pipeline.
-        raise ConfigError(f"the interleaved schedule needs the number of micro-batches ({n}) to be a multiple of "
+        raise BadInput(f"the interleaved schedule needs the number of micro-batches ({n}) to be a multiple of "
                           f"pipeline_model_parallel_size {p.pipeline_model_parallel_size}; pass --global-batch-size as "
                           f"a multiple of {p.pipeline_model_parallel_size * t.micro_batch_size * p.data_parallel_size}")
     if t.global_batch_size % (t.micro_batch_size * p.data_parallel_size):
-        raise ConfigError(f"global_batch_size {t.global_batch_size} is not divisible by micro_batch_size "
+        raise BadInput(f"global_batch_size {t.global_batch_size} is not divisible by micro_batch_size "
                           f"{t.micro_batch_size} x data_parallel_size {p.data_parallel_size}; "
                           f"pass --global-batch-size as a multiple of it")
 
@@ -133,18 +133,18 @@ def _validate_pipeline(cfg: Config) -> None:
         return
     _choice("pipeline_parallel_schedule", schedule, PIPELINE_SCHEDULES, "pass --pp-schedule 1F1B")
     if pp == 1:
-        raise ConfigError(f"pipeline_parallel_schedule {schedule} needs pipeline parallelism; pass --pp 2 or more, "
+        raise BadInput(f"pipeline_parallel_schedule {schedule} needs pipeline parallelism; pass --pp 2 or more, "
                           "or drop --pp-schedule")
     if schedule in V_SCHEDULES and vpp != 2:
-        raise ConfigError(f"{schedule} needs exactly two stages per rank (the V: rank r holds stages r and 2p - 1 - r); "
+        raise BadInput(f"{schedule} needs exactly two stages per rank (the V: rank r holds stages r and 2p - 1 - r); "
                           f"pass {VPP_FLAG}=2")
     if schedule in INTERLEAVED_SCHEDULES and not vpp:
-        raise ConfigError(f"{schedule} interleaves model chunks: pass {VPP_FLAG}=M (M >= 2 chunks per rank), "
+        raise BadInput(f"{schedule} interleaves model chunks: pass {VPP_FLAG}=M (M >= 2 chunks per rank), "
                           "or --pp-schedule 1F1B")
     if schedule in ("1F1B", "GPipe") and vpp:
-        raise ConfigError(f"{schedule} runs one model chunk per rank; drop {VPP_FLAG} or pass --pp-schedule Interleaved1F1B")
+        raise BadInput(f"{schedule} runs one model chunk per rank; drop {VPP_FLAG} or pass --pp-schedule Interleaved1F1B")
     if schedule == "DualPipeV" and n < 2 * pp:
-        raise ConfigError(f"DualPipeV needs at least as many micro-batches as stages (2 x pp = {2 * pp}), got {n}; "
+        raise BadInput(f"DualPipeV needs at least as many micro-batches as stages (2 x pp = {2 * pp}), got {n}; "
                           f"pass --global-batch-size {2 * pp * cfg.training.micro_batch_size * p.data_parallel_size} or more")
 
 
@@ -158,21 +158,21 @@ def _validate_framework(cfg: Config) -> None:
                 "framework megatron takes Megatron's --attention-backend (auto is its default)")
         # megatron/training/arguments.py validate_args: '--attention-backend local is only supported with --spec local'
         if m.attention_backend == "local" and m.transformer_impl != "local":
-            raise ConfigError("Megatron runs --attention-backend local only with its local layers; pass "
+            raise BadInput("Megatron runs --attention-backend local only with its local layers; pass "
                               "--transformer-impl local or another --attention-backend")
         if m.num_moe_experts or m.multi_latent_attention:
-            raise ConfigError("framework megatron models dense GPT layers; mixture-of-experts and multi-latent "
+            raise BadInput("framework megatron models dense GPT layers; mixture-of-experts and multi-latent "
                               "attention are not modelled for it yet: drop --framework megatron for this workload")
         return
     _choice("attention_backend", m.attention_backend, ATTENTION_BACKENDS,
             "pass --attention-backend sdpa or math (Megatron's names go with --framework megatron)")
     if m.transformer_impl != "local":
-        raise ConfigError(f"this harness builds plain torch layers (transformer_impl local), not {m.transformer_impl}; "
+        raise BadInput(f"this harness builds plain torch layers (transformer_impl local), not {m.transformer_impl}; "
                           "drop --transformer-impl, or estimate Megatron's with --framework megatron")
     defaults = {f.name: f.default for f in dataclasses.fields(type(m))}
     for name in MEGATRON_ONLY:
         if getattr(m, name) != defaults[name]:
-            raise ConfigError(f"model.{name} describes how Megatron runs; drop it, or estimate Megatron with "
+            raise BadInput(f"model.{name} describes how Megatron runs; drop it, or estimate Megatron with "
                               "--framework megatron")
 
 
@@ -182,14 +182,14 @@ def _validate_expert_parallel(cfg: Config) -> None:
     m, p = cfg.model, cfg.parallel
     ep = p.expert_model_parallel_size
     if not isinstance(ep, int) or ep < 1:
-        raise ConfigError(f"expert_model_parallel_size must be a positive integer, got {ep!r}; pass --ep N")
+        raise BadInput(f"expert_model_parallel_size must be a positive integer, got {ep!r}; pass --ep N")
     if ep == 1:
         return
     if m.num_moe_experts is None:
-        raise ConfigError(f"expert_model_parallel_size {ep} needs a mixture-of-experts model (num_moe_experts); "
+        raise BadInput(f"expert_model_parallel_size {ep} needs a mixture-of-experts model (num_moe_experts); "
                           "pass --ep 1 or a MoE workload such as -w tiny-moe")
     if m.num_moe_experts % ep:
-        raise ConfigError(f"num_moe_experts {m.num_moe_experts} is not divisible by expert_model_parallel_size {ep}; "
+        raise BadInput(f"num_moe_experts {m.num_moe_experts} is not divisible by expert_model_parallel_size {ep}; "
                           f"pass --ep N with N dividing {m.num_moe_experts}")
     if p.data_parallel_size > 1:
         check_expert_parallel_world(cfg)
@@ -197,11 +197,11 @@ def _validate_expert_parallel(cfg: Config) -> None:
 
 def check_expert_parallel_world(cfg: Config) -> None:
     """Megatron: expert parallel spreads the experts over data-parallel ranks, so ep must divide
-    data_parallel_size (tensor parallel is 1 with MoE here); ConfigError otherwise."""
+    data_parallel_size (tensor parallel is 1 with MoE here); BadInput otherwise."""
     p = cfg.parallel
     ep, dp = p.expert_model_parallel_size, p.data_parallel_size
     if dp % ep:
-        raise ConfigError(f"expert_model_parallel_size {ep} must divide the data-parallel size {dp} (the experts are "
+        raise BadInput(f"expert_model_parallel_size {ep} must divide the data-parallel size {dp} (the experts are "
                           f"spread over data-parallel ranks); pass --nproc-per-node (or --data-parallel-size) a "
                           f"multiple of {ep}, or a smaller --ep")
 
@@ -213,25 +213,25 @@ def _validate_moe(cfg: Config) -> None:
                  "moe_router_num_groups", "moe_router_group_topk"):
         value = getattr(m, name)
         if (value is not None or name == "num_moe_experts") and (not isinstance(value, int) or value < 1):
-            raise ConfigError(f"{name} must be a positive integer, got {value!r}; pass --set model.{name}=N")
+            raise BadInput(f"{name} must be a positive integer, got {value!r}; pass --set model.{name}=N")
     pattern = m.moe_layer_pattern
     if len(pattern) != m.num_layers:
-        raise ConfigError(f"moe_layer_freq {m.moe_layer_freq!r} has {len(pattern)} entries for {m.num_layers} layers; pass "
+        raise BadInput(f"moe_layer_freq {m.moe_layer_freq!r} has {len(pattern)} entries for {m.num_layers} layers; pass "
                           f"one 0 (dense) or 1 (MoE) per layer, e.g. --set 'model.moe_layer_freq=([0]*1+[1]*{m.num_layers - 1})'")
     _validate_router(cfg)
     if m.moe_router_topk > m.num_moe_experts:
-        raise ConfigError(f"moe_router_topk {m.moe_router_topk} is more than num_moe_experts {m.num_moe_experts}; "
+        raise BadInput(f"moe_router_topk {m.moe_router_topk} is more than num_moe_experts {m.num_moe_experts}; "
                           f"pass --set model.moe_router_topk=K with K at most {m.num_moe_experts}")
     _choice("moe_router_score_function", m.moe_router_score_function, ROUTER_SCORE_FUNCTIONS,
             "set model.moe_router_score_function")
     if m.add_bias_linear:
-        raise ConfigError("the experts of a mixture-of-experts layer have no biases here; pass --set model.add_bias_linear=false")
+        raise BadInput("the experts of a mixture-of-experts layer have no biases here; pass --set model.add_bias_linear=false")
     if m.moe_grouped_gemm and (m.hidden_size % 8 or m.moe_ffn % 8):
-        raise ConfigError(f"moe_grouped_gemm needs hidden_size {m.hidden_size} and moe_ffn_hidden_size {m.moe_ffn} to be "
+        raise BadInput(f"moe_grouped_gemm needs hidden_size {m.hidden_size} and moe_ffn_hidden_size {m.moe_ffn} to be "
                           f"multiples of 8 (torch._grouped_mm wants 16-byte rows); change them or pass "
                           f"--set model.moe_grouped_gemm=false")
     if cfg.parallel.tensor_model_parallel_size > 1:
-        raise ConfigError("tensor parallelism of mixture-of-experts layers (expert tensor parallel) is not modelled yet; "
+        raise BadInput("tensor parallelism of mixture-of-experts layers (expert tensor parallel) is not modelled yet; "
                           "pass --tensor-model-parallel-size 1")
 
 
@@ -240,25 +240,25 @@ def _validate_router(cfg: Config) -> None:
     m = cfg.model
     groups, group_topk = m.moe_router_num_groups, m.moe_router_group_topk
     if (groups is None) != (group_topk is None):
-        raise ConfigError("group-limited routing needs both moe_router_num_groups and moe_router_group_topk; "
+        raise BadInput("group-limited routing needs both moe_router_num_groups and moe_router_group_topk; "
                           "pass --set model.moe_router_num_groups=G --set model.moe_router_group_topk=K, or neither")
     if groups is not None and (m.num_moe_experts % groups or group_topk > groups or m.moe_router_topk % group_topk):
-        raise ConfigError(f"moe_router_num_groups {groups} must divide num_moe_experts {m.num_moe_experts}, and "
+        raise BadInput(f"moe_router_num_groups {groups} must divide num_moe_experts {m.num_moe_experts}, and "
                           f"moe_router_group_topk {group_topk} be at most the groups and divide moe_router_topk "
                           f"{m.moe_router_topk}; change them with --set model.moe_router_num_groups/moe_router_group_topk")
     if not m.moe_aux_loss_coeff >= 0:
-        raise ConfigError(f"moe_aux_loss_coeff must be 0 or more, got {m.moe_aux_loss_coeff}; pass --set model.moe_aux_loss_coeff=1e-3")
+        raise BadInput(f"moe_aux_loss_coeff must be 0 or more, got {m.moe_aux_loss_coeff}; pass --set model.moe_aux_loss_coeff=1e-3")
     factor = m.moe_router_topk_scaling_factor
     if factor is not None and not factor > 0:
-        raise ConfigError(f"moe_router_topk_scaling_factor must be positive, got {factor}; "
+        raise BadInput(f"moe_router_topk_scaling_factor must be positive, got {factor}; "
                           "pass --set model.moe_router_topk_scaling_factor=2.5 or leave it unset")
     capacity = m.moe_expert_capacity_factor
     if capacity is not None and not capacity > 0:
-        raise ConfigError(f"moe_expert_capacity_factor must be positive, got {capacity}; "
+        raise BadInput(f"moe_expert_capacity_factor must be positive, got {capacity}; "
                           "pass --set model.moe_expert_capacity_factor=1.0 or leave it unset (dropless)")
     _choice("moe_token_drop_policy", m.moe_token_drop_policy, TOKEN_DROP_POLICIES, "set model.moe_token_drop_policy")
     if capacity is not None and cfg.parallel.expert_model_parallel_size > 1:
-        raise ConfigError("token dropping (moe_expert_capacity_factor) under expert parallel is not modelled yet; "
+        raise BadInput("token dropping (moe_expert_capacity_factor) under expert parallel is not modelled yet; "
                           "pass --ep 1 or leave moe_expert_capacity_factor unset")
 
 
@@ -268,16 +268,16 @@ def _validate_mla(cfg: Config) -> None:
     for name in ("q_lora_rank", "kv_lora_rank", "qk_head_dim", "qk_pos_emb_head_dim", "v_head_dim"):
         value = getattr(m, name)
         if (value is not None or name != "q_lora_rank") and (not isinstance(value, int) or value < 1):
-            raise ConfigError(f"{name} must be a positive integer, got {value!r}; pass --set model.{name}=N")
+            raise BadInput(f"{name} must be a positive integer, got {value!r}; pass --set model.{name}=N")
     if m.position_embedding_type != "rope" or m.qk_pos_emb_head_dim % 2:
-        raise ConfigError(f"multi-latent attention needs RoPE on an even qk_pos_emb_head_dim (got "
+        raise BadInput(f"multi-latent attention needs RoPE on an even qk_pos_emb_head_dim (got "
                           f"{m.position_embedding_type}, {m.qk_pos_emb_head_dim}); pass --set model.position_embedding_type=rope "
                           f"and an even --set model.qk_pos_emb_head_dim=N")
     if m.num_query_groups not in (None, m.num_attention_heads):
-        raise ConfigError("multi-latent attention has one key/value head per attention head (num_query_groups does "
+        raise BadInput("multi-latent attention has one key/value head per attention head (num_query_groups does "
                           "not apply); drop --set model.num_query_groups")
     if cfg.parallel.tensor_model_parallel_size > 1:
-        raise ConfigError("tensor parallelism of multi-latent attention is not modelled yet; "
+        raise BadInput("tensor parallelism of multi-latent attention is not modelled yet; "
                           "pass --tensor-model-parallel-size 1")
 
 
@@ -288,21 +288,21 @@ def _validate_recompute(cfg: Config) -> None:
 
     if r.layer_policy and (len(r.layer_policy) != m.num_layers or r.granularity != "none"
                            or r.activation_offload_layers):
-        raise ConfigError(f"layer_policy needs one entry per layer ({m.num_layers}) and replaces the recompute "
+        raise BadInput(f"layer_policy needs one entry per layer ({m.num_layers}) and replaces the recompute "
                           "setting; write it with `plan --auto` and pass it as --policy FILE alone")
 
     # CPU offloading is checked first, as Megatron does.
     if r.activation_offload_layers:
         if not 0 < r.activation_offload_layers < m.num_layers:
-            raise ConfigError(f"activation_offload_layers must lie between 1 and {m.num_layers - 1} "
+            raise BadInput(f"activation_offload_layers must lie between 1 and {m.num_layers - 1} "
                               f"(CPU offloading can be done only for layers less than num_layers), got "
                               f"{r.activation_offload_layers}; pass --activation-offload-layers N with N from 1 to "
                               f"{m.num_layers - 1}")
         if p.pipeline_model_parallel_size > 1:
-            raise ConfigError("Currently there is no support for Pipeline parallelism with CPU offloading (Megatron's "
+            raise BadInput("Currently there is no support for Pipeline parallelism with CPU offloading (Megatron's "
                               "rule); drop --activation-offload-layers or pass --pipeline-model-parallel-size 1")
         if r.granularity != "none":
-            raise ConfigError("CPU offloading does not work when activation recomputation is enabled; "
+            raise BadInput("CPU offloading does not work when activation recomputation is enabled; "
                               "pass --recompute-granularity none or drop --activation-offload-layers")
 
     if r.method is not None:
@@ -310,50 +310,50 @@ def _validate_recompute(cfg: Config) -> None:
     unknown = [x for x in r.modules if x not in RECOMPUTE_MODULES]
     if unknown:
         lacking = [x for x in RECOMPUTE_MODULES if x not in offered]
-        raise ConfigError(f"unknown recompute module(s) {', '.join(unknown)}; pass --recompute-modules with any of "
+        raise BadInput(f"unknown recompute module(s) {', '.join(unknown)}; pass --recompute-modules with any of "
                           f"{', '.join(offered)}" + (f" ({', '.join(lacking)} need MoE or MLA layers, which this "
                                                      f"workload's model does not have)" if lacking else ""))
 
     if r.granularity == "full":
         if r.method is None:
-            raise ConfigError('recompute_granularity full needs recompute_method "uniform" or "block"; pass --recompute-method uniform')
+            raise BadInput('recompute_granularity full needs recompute_method "uniform" or "block"; pass --recompute-method uniform')
         if r.num_layers is None:
-            raise ConfigError(f"recompute_granularity full needs recompute_num_layers between 1 and {chunk} "
+            raise BadInput(f"recompute_granularity full needs recompute_num_layers between 1 and {chunk} "
                               f"({_chunk_words(cfg)}); pass --recompute-num-layers N")
         if not 1 <= r.num_layers <= chunk:
-            raise ConfigError(f"recompute_num_layers {r.num_layers} must lie between 1 and {chunk} "
+            raise BadInput(f"recompute_num_layers {r.num_layers} must lie between 1 and {chunk} "
                               f"({_chunk_words(cfg)}); pass --recompute-num-layers N")
         if r.modules:
-            raise ConfigError("recompute_modules apply to selective recompute only; drop --recompute-modules "
+            raise BadInput("recompute_modules apply to selective recompute only; drop --recompute-modules "
                               "or pass --recompute-granularity selective")
     elif r.granularity == "selective":
         if r.num_layers is not None:
-            raise ConfigError("recompute_num_layers must be unset with recompute_granularity selective; "
+            raise BadInput("recompute_num_layers must be unset with recompute_granularity selective; "
                               "drop --recompute-num-layers or pass --recompute-granularity full")
         if r.method is not None:
-            raise ConfigError("recompute_method is not supported with recompute_granularity selective; "
+            raise BadInput("recompute_method is not supported with recompute_granularity selective; "
                               "drop --recompute-method or pass --recompute-granularity full")
         for module in r.modules:
             if module not in offered:
-                raise ConfigError(f"recompute module {module} needs {_MODULE_NEEDS[module]}, which this workload's "
+                raise BadInput(f"recompute module {module} needs {_MODULE_NEEDS[module]}, which this workload's "
                                   f"model does not have; choose from {', '.join(offered)}")
     else:
         for name, value in (("recompute_method", r.method), ("recompute_num_layers", r.num_layers)):
             if value is not None:
-                raise ConfigError(f"{name} is set but recompute_granularity is none; pass --recompute-granularity full "
+                raise BadInput(f"{name} is set but recompute_granularity is none; pass --recompute-granularity full "
                                   f"or drop --{name.replace('_', '-')}")
         if r.modules:
-            raise ConfigError("recompute_modules are set but recompute_granularity is none; "
+            raise BadInput("recompute_modules are set but recompute_granularity is none; "
                               "pass --recompute-granularity selective or drop --recompute-modules")
 
     if r.distribute_saved_activations:
         if p.tensor_model_parallel_size <= 1:
-            raise ConfigError("distribute_saved_activations needs tensor parallelism (TP > 1); pass "
+            raise BadInput("distribute_saved_activations needs tensor parallelism (TP > 1); pass "
                               "--tensor-model-parallel-size 2 or more, or drop --set recompute.distribute_saved_activations=true")
         if r.granularity != "full":
-            raise ConfigError("distribute_saved_activations applies to full recompute only; pass --recompute-granularity full")
+            raise BadInput("distribute_saved_activations applies to full recompute only; pass --recompute-granularity full")
         if p.sequence_parallel:
-            raise ConfigError("distribute_saved_activations must be false when sequence parallelism is enabled; drop "
+            raise BadInput("distribute_saved_activations must be false when sequence parallelism is enabled; drop "
                               "--sequence-parallel or --set recompute.distribute_saved_activations=true")
 
 

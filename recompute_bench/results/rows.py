@@ -8,7 +8,7 @@ becomes a key column by itself; each value is rendered as a string, the way the 
 it. `config_hash` hashes the record's model/training/parallel tables as written, so a record whose
 config has fields this version does not know (or lacks ones it does) is noticed instead of compared.
 
-    >>> from recompute_bench.results.records import load_results
+    >>> from recompute_bench.results.rows import load_results
     >>> df = load_results("results/20250101-120000-ab12")   # a run folder, or a .jsonl file
     >>> df[["experiment", "setting", "status", "tflops_per_gpu", "activation_bytes"]]
 """
@@ -22,7 +22,7 @@ from typing import Any, Iterable
 
 import pandas as pd
 
-from recompute_bench.spec.config import SECTIONS, ConfigError, recompute_label
+from recompute_bench.spec.config import SECTIONS, BadInput, recompute_label
 from recompute_bench.spec.fields import LATER_KEYS, PROTOCOL_KEYS, REQUIRED, fields
 from recompute_bench.results.store import load_records
 
@@ -60,7 +60,7 @@ def key_fields(record: dict) -> dict[str, str]:
                 value = float(value)
             values[k.key] = value
     except (KeyError, TypeError, AttributeError) as e:
-        raise ConfigError(f"a record lacks {e} and is not a recompute-bench/result/v1 record; "
+        raise BadInput(f"a record lacks {e} and is not a recompute-bench/result/v1 record; "
                           "pass results written by `recompute-bench run` or `sweep`") from None
     return {k: key_text(v) for k, v in values.items()}
 
@@ -131,11 +131,11 @@ def results_files(path: Path) -> list[Path]:
         own = path / "results.jsonl"
         files = [own] if own.is_file() else sorted(path.glob("*.jsonl"))
         if not files:
-            raise ConfigError(f"folder {path} holds no results.jsonl or other .jsonl file; pass a run id, "
+            raise BadInput(f"folder {path} holds no results.jsonl or other .jsonl file; pass a run id, "
                               "a results folder or a JSONL file")
         return files
     if not path.is_file():
-        raise ConfigError(f"results {path} does not exist; pass a run id (a folder under results/), "
+        raise BadInput(f"results {path} does not exist; pass a run id (a folder under results/), "
                           "a results folder or a JSONL file")
     return [path]
 
@@ -145,7 +145,7 @@ def load_result_records(path: Path, *, latest: bool = True) -> list[dict]:
     records = [r for f in results_files(path) for r in load_records(f)]
     for n, record in enumerate(records, 1):
         if not isinstance(record, dict) or record.get("schema") != "recompute-bench/result/v1":
-            raise ConfigError(f"record {n} of {path} is not a recompute-bench/result/v1 record; "
+            raise BadInput(f"record {n} of {path} is not a recompute-bench/result/v1 record; "
                               "pass results written by `recompute-bench run` or `sweep`")
     return latest_per_point(records) if latest else records
 
@@ -168,7 +168,7 @@ def load_results(path: str | Path, *, latest: bool = True) -> pd.DataFrame:
     where unknown), every metric of the record under its own name (`tflops_per_gpu`,
     `step_time_s`, `peak_allocated_bytes`, `activation_bytes`, ...; None where not measured), and
     the env fields `device`, `device_name`, `torch_version`, `package_version`, `git_sha`,
-    `hostname`, `time`. Bad input raises `ConfigError` with a one-line message.
+    `hostname`, `time`. Bad input raises `BadInput` with a one-line message.
     """
     rows = [record_row(r) for r in load_result_records(Path(path), latest=latest)]
     return pd.DataFrame(rows)
