@@ -7,6 +7,9 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import torch
@@ -115,6 +118,18 @@ def held_tensors(model, optimizer) -> list[torch.Tensor]:
 def held_bytes(model, optimizer) -> int:
     """Bytes of the distinct storages of `held_tensors`, Adam's 0-dim step counters left out."""
     return storage_bytes(held_tensors(model, optimizer))
+
+
+def rank_script(script: str, out: Path, *args: str, nproc: int = 2, timeout: float = 300) -> list[dict]:
+    """Run tests/<script> on `nproc` gloo ranks in one torchrun launch (each rank writes
+    out/rank<r>.json) and return what each rank wrote; the launch's output tail on failure."""
+    here = Path(__file__).resolve().parent
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(here.parent), str(here)])}
+    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
+                           "--rdzv-backend", "c10d", "--rdzv-endpoint", "localhost:0", str(here / script), str(out), *args],
+                          env=env, capture_output=True, text=True, timeout=timeout)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    return [json.loads((out / f"rank{r}.json").read_text()) for r in range(nproc)]
 
 
 def invoke(*args: str):

@@ -8,12 +8,10 @@ what the estimate says; the gradients the update reads equal one rank's over the
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
+
+from helpers import rank_script
 
 pytestmark = pytest.mark.slow  # launches ranks: `make test-all`
 
@@ -45,15 +43,8 @@ LAYOUTS = {  # name -> (data parallel kind, workload, sets, DDP bucket parameter
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory) -> list[dict]:
     """Every layout on 4 ranks in one torchrun launch (optimizer_bytes_ranks.py): each rank's results."""
-    out = tmp_path_factory.mktemp("held")
-    here = Path(__file__).resolve().parent
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(here.parent), str(here)])}
-    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(WORLD),
-                           "--rdzv-backend", "c10d", "--rdzv-endpoint", "localhost:0",
-                           str(here / "optimizer_bytes_ranks.py"), str(out), json.dumps(LAYOUTS)],
-                          env=env, capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, done.stderr[-3000:]
-    return [json.loads((out / f"rank{r}.json").read_text()) for r in range(WORLD)]
+    return rank_script("optimizer_bytes_ranks.py", tmp_path_factory.mktemp("held"), json.dumps(LAYOUTS), nproc=WORLD,
+                       timeout=600)
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)

@@ -7,16 +7,12 @@ its stage and rank, and `verify --pp 2` proves recompute exact on the pipeline."
 from __future__ import annotations
 
 import json
-import os
 import re
-import subprocess
-import sys
 import time
-from pathlib import Path
 
 import pytest
 
-from helpers import LOSS_RTOL, RANK_SETS, config, invoke, measure
+from helpers import LOSS_RTOL, RANK_SETS, config, invoke, measure, rank_script
 from recompute_bench.measure.record import FAULT_ENV
 from test_ranks import _ranks
 
@@ -51,14 +47,7 @@ def single_rank_losses() -> list[float]:
 @pytest.fixture(scope="module")
 def schedules(tmp_path_factory) -> list[dict]:
     """Every point of SCHEDULES measured and its gradients gathered on 2 ranks: each rank's results."""
-    out = tmp_path_factory.mktemp("pp")
-    here = Path(__file__).resolve().parent
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(here.parent), str(here)])}
-    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--rdzv-backend", "c10d",
-                           "--rdzv-endpoint", "localhost:0", str(here / "pipeline_ranks.py"), str(out),
-                           json.dumps(SCHEDULES)], env=env, capture_output=True, text=True, timeout=400)
-    assert done.returncode == 0, done.stderr[-3000:]
-    return [json.loads((out / f"rank{r}.json").read_text()) for r in (0, 1)]
+    return rank_script("pipeline_ranks.py", tmp_path_factory.mktemp("pp"), json.dumps(SCHEDULES), timeout=400)
 
 
 def _stages_match_the_estimate(stages: list[dict]) -> None:

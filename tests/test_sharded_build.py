@@ -14,6 +14,8 @@ from pathlib import Path
 
 import pytest
 
+from helpers import rank_script
+
 pytestmark = pytest.mark.slow  # launches ranks: `make test-all`
 
 HERE = Path(__file__).resolve().parent
@@ -22,12 +24,7 @@ ENV = {**os.environ, "PYTHONPATH": os.pathsep.join([str(HERE.parent), str(HERE)]
 
 @pytest.fixture(scope="module")
 def two_ranks(tmp_path_factory) -> list[dict]:
-    out = tmp_path_factory.mktemp("sharded")
-    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--rdzv-backend", "c10d",
-                           "--rdzv-endpoint", "localhost:0", str(HERE / "sharded_build_ranks.py"), str(out)],
-                          env=ENV, capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    return [json.loads((out / f"rank{r}.json").read_text()) for r in (0, 1)]
+    return rank_script("sharded_build_ranks.py", tmp_path_factory.mktemp("sharded"))
 
 
 def test_tensor_parallel_build_never_holds_the_whole_model(two_ranks):

@@ -6,18 +6,14 @@ gathers every gradient and compares it; bad combinations are one line, exit 2.""
 from __future__ import annotations
 
 import json
-import os
 import re
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 
 from helpers import SMALL_LLAMA, config, invoke, measure
 from recompute_bench.analysis.stage import activation_bytes as estimated_activation_bytes
 from recompute_bench.measure.record import layout_label
-from helpers import LOSS_RTOL, RANK_SETS
+from helpers import LOSS_RTOL, RANK_SETS, rank_script
 
 pytestmark = pytest.mark.slow  # launches ranks: `make test-all`
 
@@ -48,15 +44,7 @@ GATHERED = {  # one micro-batch's gradients, gathered (full_tensor) and compared
 @pytest.fixture(scope="module")
 def two_ranks(tmp_path_factory) -> list[dict]:
     """Both points measured on 2 ranks in one torchrun launch (tensor_parallel_ranks.py): each rank's results."""
-    out = tmp_path_factory.mktemp("tp")
-    here = Path(__file__).resolve().parent
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(here.parent), str(here)])}
-    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--rdzv-backend", "c10d",
-                           "--rdzv-endpoint", "localhost:0", str(here / "tensor_parallel_ranks.py"), str(out),
-                           json.dumps(POINTS), json.dumps(GATHERED)], env=env, capture_output=True, text=True,
-                          timeout=300)
-    assert done.returncode == 0, done.stderr[-3000:]
-    return [json.loads((out / f"rank{r}.json").read_text()) for r in (0, 1)]
+    return rank_script("tensor_parallel_ranks.py", tmp_path_factory.mktemp("tp"), json.dumps(POINTS), json.dumps(GATHERED))
 
 
 def test_tp2_with_sequence_parallel_matches_one_rank_and_the_estimate(two_ranks):
