@@ -26,6 +26,7 @@ import re
 from dataclasses import dataclass
 from typing import Any, Iterable
 
+from recompute_bench.analysis.layer import checkpoint_input_bytes
 from recompute_bench.analysis.paper import (built_minus_paper_bytes, paper_flops_per_step, paper_layer_bytes,
                                             paper_layer_differences)
 from recompute_bench.analysis.planner import ESTIMATE_SCHEMA, with_setting, compute
@@ -279,17 +280,6 @@ def layer_bytes(cfg: Config, run: MegatronRun, modules: Iterable[str] = ()) -> f
     return sum(layer_saved_bytes(cfg, run, modules).values())
 
 
-def layer_input_bytes(cfg: Config) -> float:
-    """A full-recompute checkpoint's saved input (tensor_parallel/random.py CheckpointFunction, or
-    TE's checkpoint): the [s, b, h] hidden states, split over tp with sequence parallelism or
-    distribute_saved_activations."""
-    tr, par = cfg.training, cfg.parallel
-    nbytes = ELEMENT_BYTES[tr.precision] * tr.seq_length * tr.micro_batch_size * cfg.model.hidden_size
-    if par.sequence_parallel or cfg.recompute.distribute_saved_activations:
-        nbytes /= par.tensor_model_parallel_size
-    return nbytes
-
-
 def layer_backward_bytes(cfg: Config, run: MegatronRun) -> float:
     """What one layer's backward holds beyond the saved tensors: the MLP's, where the largest
     gradients meet: linear_fc2's data gradient [s, b, f] and the activation's backward output
@@ -375,7 +365,9 @@ def chunk_bytes(cfg: Config, run: MegatronRun, layers: int) -> ChunkBytes:
     activations over what the earlier units keep; a layer keeps `layer_saved_bytes`. Backward adds
     `layer_backward_bytes` to the most of that."""
     policies = layer_policies(cfg.recompute, layers)
-    ckpt, full = layer_input_bytes(cfg), layer_bytes(cfg, run)
+    # A full-recompute checkpoint keeps its [s, b, h] input, as this harness's does (Megatron's
+    # tensor_parallel/random.py CheckpointFunction, or TE's checkpoint).
+    ckpt, full = checkpoint_input_bytes(cfg), layer_bytes(cfg, run)
     stored = rebuilt = 0.0
     for start, stop in chunks(policies):
         p = policies[start]
@@ -526,7 +518,7 @@ def estimate_report(cfg: Config, run: MegatronRun, allowance_fraction: float = A
                            "paper_bytes": paper_layer_bytes(tr.seq_length, tr.micro_batch_size, m.hidden_size,
                                                             m.num_attention_heads, par.tensor_model_parallel_size,
                                                             par.sequence_parallel, kind),
-                           "built_bytes": layer_input_bytes(cfg) if modules is None else layer_bytes(cfg, run, modules),
+                           "built_bytes": checkpoint_input_bytes(cfg) if modules is None else layer_bytes(cfg, run, modules),
                            "paper_flops": paper_flops_per_step(cfg, kind)})
     path = attention_path(cfg, run)
     differences = [d for d in paper_layer_differences(cfg, "cuda") if not d.startswith("attention runs")]
