@@ -22,7 +22,8 @@ from recompute_bench.analysis.rank import fsdp_unsharded_bytes, is_fsdp, optimiz
 from recompute_bench.analysis.stage import stage_parameters
 from recompute_bench.measure import distributed
 from recompute_bench.measure.distributed import DataParallel, init_process_group
-from recompute_bench.measure.point import SingleRank, Stepper, local
+from recompute_bench.backends.pytorch import local
+from recompute_bench.measure.point import SingleRank, Stepper
 
 CPU = torch.device("cpu")
 

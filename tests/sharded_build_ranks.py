@@ -14,7 +14,8 @@ import torch.distributed as dist
 
 from helpers import config
 from recompute_bench.measure.distributed import DataParallel, init_process_group
-from recompute_bench.measure.point import SavedTensorProbe, SingleRank, local, run_point
+from recompute_bench.backends.pytorch import local
+from recompute_bench.measure.point import SavedTensorProbe, SingleRank, run_point
 from recompute_bench.models import spec_for
 
 CPU = torch.device("cpu")

@@ -73,7 +73,7 @@ LLAMA_70B_TP8 = textwrap.dedent("""
     from torch.testing._internal.distributed.fake_pg import FakeStore
     from helpers import config
     from recompute_bench.measure.distributed import DataParallel
-    from recompute_bench.measure.point import local
+    from recompute_bench.backends.pytorch import local
 
     dist.init_process_group("fake", rank=int(sys.argv[1]), world_size=8, store=FakeStore())
     cfg = config("llama3-70b", sets=["model.num_layers=2", "parallel.tensor_model_parallel_size=8",

@@ -461,10 +461,10 @@ def _refill(ctx, output: torch.Tensor | tuple[torch.Tensor, ...] | None) -> None
     with torch.enable_grad():
         ys = _tensors(ctx.fn(*xs))
     for old, new in zip(_tensors(output) if output is not None else (), ys):
-        storage = _local(old).untyped_storage()
-        storage.resize_(_local(new).untyped_storage().nbytes())
+        storage = local(old).untyped_storage()
+        storage.resize_(local(new).untyped_storage().nbytes())
         with torch.no_grad():
-            storage.copy_(_local(new).untyped_storage())
+            storage.copy_(local(new).untyped_storage())
     ctx.recomputed = (xs, ys)
 
 
@@ -474,8 +474,9 @@ def without_output(fn: Callable[..., torch.Tensor], *xs: torch.Tensor):
     return _WithoutOutput.apply(fn, *xs)
 
 
-def _local(t: torch.Tensor) -> torch.Tensor:
-    """A DTensor's local shard (its storage is what is freed and refilled); a tensor as it is."""
+def local(t: torch.Tensor) -> torch.Tensor:
+    """This rank's part of a DTensor (a tensor-parallel or FSDP shard, or a replica: its storage is
+    what is allocated, freed, refilled and counted); any other tensor as it is."""
     return getattr(t, "_local_tensor", t)
 
 
@@ -486,5 +487,5 @@ def discard(output: torch.Tensor | tuple[torch.Tensor, ...], hook_tensor: torch.
     if not hook_tensor.requires_grad:
         return
     for y in _tensors(output):
-        _local(y).untyped_storage().resize_(0)
+        local(y).untyped_storage().resize_(0)
     hook_tensor.register_hook(lambda _grad: _refill(_tensors(output)[0].grad_fn, output))

@@ -39,7 +39,8 @@ from typing import Iterator
 import torch
 import torch.distributed as dist
 
-from recompute_bench.measure.point import (DTYPES, MainGradAdam, MainGrads, SingleRank, make_adam, local, pick_device,
+from recompute_bench.backends.pytorch import local
+from recompute_bench.measure.point import (DTYPES, MainGradAdam, MainGrads, SingleRank, make_adam, pick_device,
                                            run_point, synthetic_batches)
 from recompute_bench.spec.config import Config
 

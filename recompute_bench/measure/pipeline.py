@@ -34,7 +34,8 @@ from torch import nn
 
 from recompute_bench.analysis.schedules import rank_stages
 from recompute_bench.measure.distributed import BUCKET_PARAMETERS, BucketedGrads, DataParallel
-from recompute_bench.measure.point import DTYPES, MainGradAdam, MainGrads, Stepper, make_adam, local
+from recompute_bench.backends.pytorch import local
+from recompute_bench.measure.point import DTYPES, MainGradAdam, MainGrads, Stepper, make_adam
 from recompute_bench.models import spec_for
 from recompute_bench.models.dense.layers import GPT, TransformerLayers
 from recompute_bench.recompute.apply import apply_recompute

@@ -27,7 +27,7 @@ import torch
 from torch.utils.flop_counter import FlopCounterMode
 
 from recompute_bench.analysis import flops
-from recompute_bench.backends.pytorch import kernels_that_ran
+from recompute_bench.backends.pytorch import kernels_that_ran, local
 from recompute_bench.spec.config import Config
 from recompute_bench.models import DeviceKernels, spec_for
 from recompute_bench.models.dense.layers import GPT, materialize
@@ -40,11 +40,6 @@ __all__ = ["SCHEMA", "FAULT_ENV", "DTYPES", "MainGradAdam", "MainGrads", "SavedT
            "SingleRank", "make_record", "pick_device", "run_point", "synthetic_batches", "unmeasured_metrics", "unmeasured_rank"]
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
-
-
-def local(t: torch.Tensor) -> torch.Tensor:
-    """This rank's part of a DTensor (a tensor-parallel shard or replica); any other tensor as it is."""
-    return getattr(t, "_local_tensor", t)
 
 
 def local_grad(p: torch.Tensor) -> torch.Tensor:

@@ -54,6 +54,8 @@ from typing import Any, Callable, Iterable, Iterator
 
 import torch
 
+from recompute_bench.backends.pytorch import local
+
 
 class _Stored:
     """One storage saved by an offloaded layer: its host copy and, while backward needs it, the
@@ -98,11 +100,6 @@ class _DTensorLayout:
         with torch.no_grad():  # a saved tensor comes back without a graph of its own
             return DTensor.from_local(local, self.mesh, self.placements, run_check=False,
                                       shape=self.shape, stride=self.stride)
-
-
-def _local(t: torch.Tensor) -> torch.Tensor:
-    """A DTensor's local shard (the data); any other tensor as it is."""
-    return getattr(t, "_local_tensor", t)
 
 
 def _data(t: torch.Tensor) -> tuple[torch.Tensor | None, _DTensorLayout | None]:
@@ -159,7 +156,7 @@ class ActivationOffloader:
         """Offload what the forward of layer `index` run inside saves for backward."""
         state = self._layers[index] = _LayerState()
         seen: dict[int, tuple[weakref.ref, _Stored]] = {}  # storage key -> its copy, this forward only
-        kept = [_local(t) for t in self._keep_of()]  # the weights as this forward sees them
+        kept = [local(t) for t in self._keep_of()]  # the weights as this forward sees them
         if self.device is None:
             self._place(kept[0].device)
         keep = {t.untyped_storage()._cdata for t in kept}

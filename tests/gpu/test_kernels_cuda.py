@@ -82,7 +82,8 @@ SHARDED = textwrap.dedent("""
     from torch.testing._internal.distributed.fake_pg import FakeStore
     from helpers import config
     from recompute_bench.measure.distributed import DataParallel
-    from recompute_bench.measure.point import SavedTensorProbe, local
+    from recompute_bench.backends.pytorch import local
+    from recompute_bench.measure.point import SavedTensorProbe
 
     # rank 0 of a tp 2 group whose peer is torch's fake process group: the build needs no collective,
     # the forward's collectives return at once (values wrong, shapes and memory right)

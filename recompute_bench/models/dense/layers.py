@@ -25,6 +25,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from recompute_bench.backends import get_backend
+from recompute_bench.backends.pytorch import local
 from recompute_bench.spec.config import ModelConfig
 
 
@@ -185,7 +186,7 @@ class GPT(nn.Module):
         device (another stage's) is drawn and dropped, so the generator advances as on one rank, and
         an output layer holding its own copy of the tied embedding (the last stage's) takes the
         embedding's draw."""
-        device = next(_local(p).device for p in self.parameters() if not _local(p).is_meta)
+        device = next(local(p).device for p in self.parameters() if not local(p).is_meta)
         g = torch.Generator(device=device).manual_seed(seed)
         std = self.cfg.init_method_std
         residual_std = std / math.sqrt(2 * self.cfg.num_layers)
@@ -197,7 +198,7 @@ class GPT(nn.Module):
             if copy is not None and p is copy:
                 continue  # drawn with the embedding below
             targets = [t for t in [p, *([copy] if copy is not None and name == "word_embeddings.weight" else [])]
-                       if not _local(t).is_meta]
+                       if not local(t).is_meta]
             if p.dim() == 1 and name not in row_orders:
                 for t in targets:
                     t.fill_(1.0 if name.endswith("weight") and "norm" in name else 0.0)
@@ -206,7 +207,7 @@ class GPT(nn.Module):
                 value = torch.zeros(p.shape, dtype=torch.float32, device=device)  # a reordered bias: zeros
             else:
                 scaled = name.endswith(("linear_proj.weight", "linear_fc2.weight"))
-                if len(targets) == 1 and targets[0] is p and _local(p) is p and p.dtype == torch.float32 and name not in row_orders:
+                if len(targets) == 1 and targets[0] is p and local(p) is p and p.dtype == torch.float32 and name not in row_orders:
                     p.normal_(0.0, residual_std if scaled else std, generator=g)  # the whole parameter, in place
                     continue
                 value = torch.empty(p.shape, dtype=torch.float32, device=device)
@@ -241,14 +242,9 @@ class GPT(nn.Module):
         return self.loss(self.head(self.layers(self.embed(tokens), *rope)), labels)
 
 
-def _local(t: torch.Tensor) -> torch.Tensor:
-    """A DTensor's local shard; any other tensor as it is."""
-    return getattr(t, "_local_tensor", t)
-
-
 def _assign(p: torch.Tensor, whole: torch.Tensor) -> None:
     """Write this rank's part of `whole` (the parameter's global value) into p, cast to p's dtype."""
-    if _local(p) is p:
+    if local(p) is p:
         p.copy_(whole)
         return
     from torch.distributed.tensor import distribute_tensor
@@ -256,7 +252,7 @@ def _assign(p: torch.Tensor, whole: torch.Tensor) -> None:
     # src_data_rank=None: every rank drew the same whole value, so each cuts its own part locally,
     # with no collective (FSDP2 over a tensor-parallel shard included).
     part = distribute_tensor(whole, p.device_mesh, p.placements, src_data_rank=None).to_local()
-    _local(p).copy_(part)
+    local(p).copy_(part)
 
 
 def materialize(model: GPT, device: torch.device | str, seed: int) -> GPT:
