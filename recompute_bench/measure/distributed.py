@@ -99,13 +99,7 @@ class DataParallel(SingleRank):
         anything is allocated)."""
         if self.kind != "fsdp" or self.dp_size == 1:
             return model
-        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-        policy = MixedPrecisionPolicy(param_dtype=DTYPES[cfg.training.precision], reduce_dtype=torch.float32)
-        mesh = self.tensor.dp_mesh if self.tensor else None
-        for layer in model.layers:
-            fully_shard(layer, mesh=mesh, mp_policy=policy)
-        fully_shard(model, mesh=mesh, mp_policy=policy)
-        return model
+        return fsdp_shard(model, cfg, self.tensor.dp_mesh if self.tensor else None)
 
     def whole_expert_grad(self, grad: torch.Tensor) -> torch.Tensor:
         """Every expert's gradient of one weight, gathered from the expert-parallel group."""
@@ -170,6 +164,17 @@ class DataParallel(SingleRank):
         dist.all_gather_object(every, list(times))
         steps = list(zip(*every))
         return [max(s) for s in steps], statistics.median(max(s) - min(s) for s in steps) if steps else None
+
+
+def fsdp_shard(model: torch.nn.Module, cfg: Config, mesh, reshard_after_forward: bool = True) -> torch.nn.Module:
+    """FSDP2 on every transformer layer of `model`, then on `model` itself, over `mesh` (None: every
+    rank): fp32 shards, compute in the training precision, gradients reduced in fp32."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    policy = MixedPrecisionPolicy(param_dtype=DTYPES[cfg.training.precision], reduce_dtype=torch.float32)
+    for layer in model.layers:
+        fully_shard(layer, mesh=mesh, mp_policy=policy, reshard_after_forward=reshard_after_forward)
+    fully_shard(model, mesh=mesh, mp_policy=policy, reshard_after_forward=reshard_after_forward)
+    return model
 
 
 BUCKET_PARAMETERS = 40_000_000

@@ -33,7 +33,7 @@ import torch.distributed as dist
 from torch import nn
 
 from recompute_bench.analysis.schedules import rank_stages
-from recompute_bench.measure.distributed import BUCKET_PARAMETERS, BucketedGrads, DataParallel
+from recompute_bench.measure.distributed import BUCKET_PARAMETERS, BucketedGrads, DataParallel, fsdp_shard
 from recompute_bench.backends.pytorch import local
 from recompute_bench.measure.point import DTYPES, MainGradAdam, MainGrads, Stepper, make_adam
 from recompute_bench.models import spec_for
@@ -159,7 +159,7 @@ class PipelineParallel(DataParallel):
                 self.tensor.parallelize(chunk)
             apply_recompute(chunk, cfg.recompute, self.tensor_group, first=v * per)
             if fsdp:
-                self._shard(chunk, cfg)
+                fsdp_shard(chunk, cfg, self.mesh["dp"], reshard_after_forward=False)  # held for the step
             chunks.append(chunk)
         chunks.to_empty(device=device)
         if self.first and self.last:
@@ -168,13 +168,6 @@ class PipelineParallel(DataParallel):
         if device.type == "cuda":
             torch.cuda.empty_cache()  # the initialisation's one whole parameter at a time
         return chunks
-
-    def _shard(self, chunk: GPTStage, cfg: Config) -> None:
-        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-        policy = MixedPrecisionPolicy(param_dtype=DTYPES[cfg.training.precision], reduce_dtype=torch.float32)
-        for layer in chunk.layers:
-            fully_shard(layer, mesh=self.mesh["dp"], mp_policy=policy, reshard_after_forward=False)
-        fully_shard(chunk, mesh=self.mesh["dp"], mp_policy=policy, reshard_after_forward=False)
 
     def optimizer(self, model: nn.Module, precision: str):
         """As `DataParallel.optimizer`, its reduction over this rank's data-parallel group."""
