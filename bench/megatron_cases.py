@@ -1,7 +1,7 @@
-"""Regenerate tests/data/megatron/cases.json from a checkout of Megatron-LM: the facts of its GPT
-functional tests, not its code.
+"""Regenerate tests/data/megatron/cases.json from a checkout of Megatron-LM: the facts of its GPT,
+MoE and Mixtral functional tests, not its code.
 
-For each case under `tests/functional_tests/test_cases/gpt/<case>/`: the arguments and environment of
+For each case under `tests/functional_tests/test_cases/{gpt,moe,mixtral}/<case>/`: the arguments and environment of
 its `model_config.yaml`, the GPU count of each (environment, platform) its recipes under
 `tests/test_utils/recipes/` run it on (`nodes` x `gpus`), and from each
 `golden_values_{dev,lts}_dgx_{h100,a100,gb200}.json` the last step's `mem-allocated-bytes` (after the
@@ -25,7 +25,10 @@ from pathlib import Path
 
 import yaml
 
-CASES = "tests/functional_tests/test_cases/gpt"
+TEST_CASES = "tests/functional_tests/test_cases"
+SUITES = ("gpt", "moe", "mixtral")
+"""The folders of test cases read; each case records its folder as `suite`."""
+RECIPE_MODELS = ("gpt", "moe")
 RECIPES = "tests/test_utils/recipes"
 GOLDEN = re.compile(r"golden_values_(dev|lts)_dgx_(h100|a100|gb200)\.json$")
 OUTPUT = Path(__file__).resolve().parent.parent / "tests" / "data" / "megatron" / "cases.json"
@@ -44,7 +47,7 @@ def gpu_counts(repo: str) -> dict[str, dict[str, dict[str, object]]]:
     for path in sorted(f for f in files if f.endswith(".yaml")):
         recipe = yaml.safe_load(git(repo, "show", f"HEAD:{path}"))
         spec = (recipe or {}).get("spec") or {}
-        if spec.get("model") != "gpt" or not spec.get("gpus"):
+        if spec.get("model") not in RECIPE_MODELS or not spec.get("gpus"):
             continue
         folder = path.split("/")[-2]
         for product in recipe.get("products") or []:
@@ -58,12 +61,14 @@ def gpu_counts(repo: str) -> dict[str, dict[str, dict[str, object]]]:
     return out
 
 
-def suite_counts(repo: str) -> dict[str, dict[str, object]]:
-    """The GPU count of the suite's GPT recipe of each node kind, for a case whose golden files stay
-    but that no recipe at HEAD lists any more: h100/gpt.yaml (DGX nodes, its `spec` count holds for
-    every case it runs), gb200/gpt.yaml, and gb200/gpt-1node.yaml for `_1node` cases."""
+def suite_counts(repo: str, model: str) -> dict[str, dict[str, object]]:
+    """The GPU count of the suite's recipe of each node kind for `model` (gpt, moe), for a case whose
+    golden files stay but that no recipe at HEAD lists any more: h100/MODEL.yaml (DGX nodes, its
+    `spec` count holds for every case it runs), gb200/MODEL.yaml, and gb200/MODEL-1node.yaml for
+    `_1node` cases."""
     out = {}
-    for key, path in (("h100", "h100/gpt.yaml"), ("gb200", "gb200/gpt.yaml"), ("gb200_1node", "gb200/gpt-1node.yaml")):
+    for key, path in (("h100", f"h100/{model}.yaml"), ("gb200", f"gb200/{model}.yaml"),
+                      ("gb200_1node", f"gb200/{model}-1node.yaml")):
         spec = yaml.safe_load(git(repo, "show", f"HEAD:{RECIPES}/{path}"))["spec"]
         out[key] = {"gpus": spec["gpus"] * spec.get("nodes", 1), "recipe": f"{RECIPES}/{path} (spec; case not listed)"}
     return out
@@ -88,18 +93,24 @@ def main() -> None:
     parser.add_argument("--output", type=Path, default=OUTPUT)
     args = parser.parse_args()
     commit = git(args.repo, "rev-parse", "HEAD").strip()
-    files = git(args.repo, "ls-tree", "-r", "--name-only", "HEAD", CASES, RECIPES).split()
-    counts, suite = gpu_counts(args.repo), suite_counts(args.repo)
+    folders = [f"{TEST_CASES}/{name}" for name in SUITES]
+    files = git(args.repo, "ls-tree", "-r", "--name-only", "HEAD", *folders, RECIPES).split()
+    counts = gpu_counts(args.repo)
+    suites = {model: suite_counts(args.repo, model) for model in RECIPE_MODELS}
     cases = []
-    for case in sorted({f.split("/")[4] for f in files if f.startswith(CASES + "/")}):
-        folder = f"{CASES}/{case}"
+    for case_suite, case in sorted({tuple(f.split("/")[3:5]) for f in files if f.startswith(TEST_CASES + "/")}):
+        folder = f"{TEST_CASES}/{case_suite}/{case}"
+        suite = suites["gpt" if case_suite == "gpt" else "moe"]
         if f"{folder}/model_config.yaml" not in files:
             continue
         config = yaml.safe_load(git(args.repo, "show", f"HEAD:{folder}/model_config.yaml"))
         goldens = {}
         for path in sorted(f for f in files if f.startswith(folder + "/") and GOLDEN.search(f)):
             env, gpu = GOLDEN.search(path).groups()
-            golden = json.loads(git(args.repo, "show", f"HEAD:{path}"))
+            text = git(args.repo, "show", f"HEAD:{path}").strip()
+            if not text:  # a few golden files are committed empty
+                continue
+            golden = json.loads(text)
             allocated, peak = last_step(golden, "mem-allocated-bytes"), last_step(golden, "mem-max-allocated-bytes")
             if not allocated or not peak:
                 continue
@@ -113,7 +124,7 @@ def main() -> None:
                                        "gpus": placed["gpus"] if placed else None,
                                        "recipe": placed["recipe"] if placed else None}
         if goldens:
-            cases.append({"case": case, "path": f"{folder}/model_config.yaml", "test_type": config.get("TEST_TYPE"),
+            cases.append({"case": case, "suite": case_suite, "path": f"{folder}/model_config.yaml", "test_type": config.get("TEST_TYPE"),
                           "mode": mode_of(config), "env": config.get("ENV_VARS") or {},
                           "args": config.get("MODEL_ARGS") or {}, "goldens": goldens})
     data = {"source": "https://github.com/NVIDIA/Megatron-LM", "commit": commit,

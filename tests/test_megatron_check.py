@@ -9,6 +9,7 @@ import pytest
 
 from helpers import invoke
 from recompute_bench.analysis import megatron as mg
+from recompute_bench.analysis.megatron import attention, buffers, layer, optimizer, outside
 from recompute_bench.analysis.schedule import chunk_forwards_in_flight
 from recompute_bench.ingest.megatron_args import config_from_megatron
 from recompute_bench.ingest.megatron_check import GOAL, check, load_cases, meets_goal, summary
@@ -76,7 +77,7 @@ def test_workspaces_are_the_difference_between_gpu_kinds(data):
     assert goldens["dev_h100"]["allocated_bytes"] - goldens["dev_a100"]["allocated_bytes"] == 28 * MiB + 1024
     for golden in ("dev_a100", "dev_h100", "dev_gb200"):
         _, run, peak, g = _estimate(data, "gpt3_mcore_te_tp1_pp1_resume_torch_dist_dist_optimizer", golden)
-        assert mg.torch_cublas_workspace_bytes(run) == 32 * MiB
+        assert buffers.torch_cublas_workspace_bytes(run) == 32 * MiB
         # what stays after the step, to within the few KiB of small optimizer tensors
         assert 0 <= g["allocated_bytes"] - peak.static_bytes < 8 * 1024
 
@@ -95,7 +96,7 @@ def test_fp16_keeps_fp32_gradient_copies_after_the_step_only(data):
     # `.float()` copy (4/dp) held from the step to the next zero_grad: after the step, not at the peak.
     cfg, run, peak, g = _estimate(data, "gpt3_mcore_tp1_pp1_resume_torch_dist_dist_optimizer_overlap_grad_reduce_param_gather",
                                   "dev_a100")
-    per = mg.bytes_per_parameter(cfg)
+    per = optimizer.bytes_per_parameter(cfg)
     assert per["main gradients"] == 2 and per["fp32 gradient copies"] == 4 / 8
     assert 0 <= g["allocated_bytes"] - peak.static_bytes < 8 * 1024
     assert "fp32 gradient copies" not in peak.items
@@ -108,10 +109,10 @@ def test_the_loss_holds_six_bytes_per_logit_and_the_fused_one_ten(data):
     # on H100 and GB200 hold 4 bytes per logit more than the same case unfused.
     cfg, run, peak, g = _estimate(data, "gpt3_mcore_te_tp2_pp2_resume_torch_dist_cross_entropy_loss_fusion", "dev_h100")
     assert cfg.model.cross_entropy_loss_fusion
-    assert mg.loss_peak_bytes(cfg) == 10 * mg.logits(cfg)
+    assert outside.loss_peak_bytes(cfg) == 10 * outside.logits(cfg)
     assert abs(peak.peak_allocated_bytes / g["max_allocated_bytes"] - 1) < 0.01
     cfg, run, peak, g = _estimate(data, "gpt3_mcore_te_tp2_pp2_resume_torch_dist", "dev_h100")
-    assert mg.loss_peak_bytes(cfg) == 6 * mg.logits(cfg)
+    assert outside.loss_peak_bytes(cfg) == 6 * outside.logits(cfg)
     assert abs(peak.peak_allocated_bytes / g["max_allocated_bytes"] - 1) < 0.015
 
 
@@ -121,14 +122,14 @@ def test_attention_paths_follow_transformer_engines_choice(data):
     name = "gpt3_mcore_te_tp1_pp1_resume_torch_dist_dist_optimizer"
     cfg, a100, peak_a, g_a = _estimate(data, name, "dev_a100")
     _, h100, peak_h, g_h = _estimate(data, name, "dev_h100")
-    assert (mg.attention_path(cfg, a100), mg.attention_path(cfg, h100)) == ("flash", "fused")
+    assert (attention.attention_path(cfg, a100), attention.attention_path(cfg, h100)) == ("flash", "fused")
     acts = [p.peak_allocated_bytes - p.static_bytes for p in (peak_a, peak_h)]
     measured = [g["max_allocated_bytes"] - g["allocated_bytes"] for g in (g_a, g_h)]
     assert acts[0] - acts[1] == 12 * 4 * MiB
     assert measured[0] - measured[1] == pytest.approx(12 * 4 * MiB, rel=0.05)
     # unfused keeps the [b, a, s, s] softmax, dropout mask and output: 5 bytes a score per layer
     unfused = config_from_megatron({**_case(data, name)["args"], "--attention-backend": "unfused"}, world_size=8)
-    extra = mg.layer_bytes(unfused, h100) - mg.layer_bytes(cfg, h100)
+    extra = layer.layer_bytes(unfused, h100) - layer.layer_bytes(cfg, h100)
     assert extra == 5 * 4 * 8 * 1024 * 1024 - 4 * 4 * 8 * 1024  # minus the fused kernel's fp32 statistics [b, a, s]
 
 
@@ -138,8 +139,8 @@ def test_interleaved_last_stage_holds_vp_minus_one_times_p_plus_one_chunks(data)
     assert chunk_forwards_in_flight(cfg, 3) == (8 - 1) * 4 + 1 == 29
     assert chunk_forwards_in_flight(cfg, 0) == 32  # (p - 1) x 2 + (vp - 1) x p >= n x vp: all in warm-up
     peak = mg.stage_peak(cfg, 3, mg.MegatronRun("h100", ":4096:8"))
-    layer = mg.layer_bytes(cfg, mg.MegatronRun("h100"))
-    assert peak.items["activations of the other micro-batches in flight"] == 28 * layer
+    one_layer = layer.layer_bytes(cfg, mg.MegatronRun("h100"))
+    assert peak.items["activations of the other micro-batches in flight"] == 28 * one_layer
 
 
 def test_estimate_framework_megatron_json_carries_every_stage():
@@ -172,8 +173,8 @@ def test_selective_layernorm_frees_the_local_norms_and_nothing_with_te():
     run = mg.MegatronRun("h100")
     te = config_from_megatron(base)
     local = config_from_megatron({**base, "--transformer-impl": "local"})
-    assert mg.layer_saved_bytes(te, run, ["layernorm"]) == mg.layer_saved_bytes(te, run)  # IdentityOp norms
-    dropped = set(mg.layer_saved_bytes(local, run)) - set(mg.layer_saved_bytes(local, run, ["layernorm"]))
+    assert layer.layer_saved_bytes(te, run, ["layernorm"]) == layer.layer_saved_bytes(te, run)  # IdentityOp norms
+    dropped = set(layer.layer_saved_bytes(local, run)) - set(layer.layer_saved_bytes(local, run, ["layernorm"]))
     assert dropped == {"input_layernorm.norm_stats", "linear_qkv.input", "pre_mlp_layernorm.norm_stats", "linear_fc1.input"}
 
 

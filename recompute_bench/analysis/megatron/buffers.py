@@ -1,0 +1,62 @@
+"""Buffers a Megatron rank holds for the whole run besides parameters and optimizer state: cuBLAS
+workspaces (torch's and Transformer Engine's), the local attention's score buffer and causal mask.
+
+Sources: transformer_engine/pytorch/cpp_extensions/gemm.py, aten/src/ATen/cuda/CublasHandlePool.cpp,
+torch/csrc/autograd/engine.cpp, megatron/core/transformer/dot_product_attention.py,
+megatron/core/fusions/fused_softmax.py."""
+
+from __future__ import annotations
+
+import re
+
+from recompute_bench.analysis.megatron.attention import softmax_fused
+from recompute_bench.analysis.megatron.run import MiB, MegatronRun
+from recompute_bench.models import ELEMENT_BYTES, MASK_BYTES
+from recompute_bench.spec.config import Config
+
+def te_cublas_workspace_bytes(run: MegatronRun) -> float:
+    """Transformer Engine's cuBLAS workspace, one per device (cpp_extensions/gemm.py
+    `get_cublas_workspace`, lru-cached): `get_cublas_workspace_size_bytes` is 32 MiB plus 1 KiB on
+    sm90 and newer, 4 MiB before."""
+    return 32 * MiB + 1024 if run.compute_capability >= 90 else 4 * MiB
+
+
+def torch_cublas_workspace_bytes(run: MegatronRun) -> float:
+    """One of torch's cuBLAS workspaces (CublasHandlePool.cpp `getChosenWorkspaceSize`, allocated
+    through the caching allocator by `setWorkspaceForHandle`): the sum of SIZE KiB x COUNT over
+    CUBLAS_WORKSPACE_CONFIG's ":SIZE:COUNT" pairs; unset, 32 MiB on Hopper and Blackwell (sm9x to
+    sm12x) and :4096:2:16:8 before."""
+    config = run.cublas_workspace_config
+    pairs = re.findall(r":(\d+):(\d+)", config or "")
+    if pairs:
+        return sum(int(size) * 1024 * int(count) for size, count in pairs)
+    return 4096 * 8 * 1024 if 90 <= run.compute_capability < 130 else 4096 * 1024 * 2 + 16 * 1024 * 8
+
+
+TORCH_CUBLAS_HANDLES = 2
+"""torch keeps one workspace per (cuBLAS handle, stream): the main thread's handle runs the forward,
+and the autograd engine's device thread takes a second handle from the pool for the backward
+(torch/csrc/autograd/engine.cpp runs CUDA backward on its own thread; handles are per thread)."""
+
+
+def local_attention_buffer_bytes(cfg: Config) -> float:
+    """Megatron's own attention (transformer_impl local): dot_product_attention.py
+    `DotProductAttention.forward` takes `matmul_input_buffer` [b x a/t, s, s] in 16 bits from the
+    global memory buffer (parallel_state.GlobalMemoryBuffer), which keeps it for the whole run."""
+    if cfg.model.transformer_impl != "local":
+        return 0.0
+    tr, m = cfg.training, cfg.model
+    return ELEMENT_BYTES[tr.precision] * tr.micro_batch_size * m.num_attention_heads / \
+        cfg.parallel.tensor_model_parallel_size * tr.seq_length ** 2
+
+
+def buffer_bytes(cfg: Config, run: MegatronRun) -> dict[str, float]:
+    """The buffers a Megatron rank holds for the whole run besides parameters and optimizer state."""
+    out = {"torch cuBLAS workspaces": TORCH_CUBLAS_HANDLES * torch_cublas_workspace_bytes(run)}
+    if cfg.model.transformer_impl == "transformer_engine":
+        out["Transformer Engine cuBLAS workspace"] = te_cublas_workspace_bytes(run)
+    else:
+        out["attention score buffer (local)"] = local_attention_buffer_bytes(cfg)
+        if not softmax_fused(cfg, run):  # fused_softmax.py get_default_causal_mask is lru-cached
+            out["causal mask (local softmax)"] = MASK_BYTES * cfg.training.seq_length ** 2
+    return out

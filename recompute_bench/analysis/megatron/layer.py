@@ -1,0 +1,68 @@
+"""One Megatron GPT layer, one micro-batch on one tensor-parallel rank: what it keeps for backward
+under a selective-recompute setting, and what its backward holds beyond that.
+
+Sources: megatron/core/transformer/transformer_layer.py, mlp.py, fusions/fused_bias_dropout.py,
+fused_bias_gelu.py, fused_bias_swiglu.py; transformer_engine/pytorch/module/layernorm_linear.py."""
+
+from __future__ import annotations
+
+from typing import Iterable
+
+from recompute_bench.analysis.megatron.attention import attention_saved
+from recompute_bench.analysis.megatron.run import MegatronRun
+from recompute_bench.models import ELEMENT_BYTES, FP32_BYTES, MASK_BYTES, SavedBytes
+from recompute_bench.spec.config import Config
+
+def layer_saved_bytes(cfg: Config, run: MegatronRun, modules: Iterable[str] = ()) -> dict[str, float]:
+    """Bytes one Megatron GPT layer keeps for backward, one micro-batch on one tensor-parallel rank,
+    storage by storage (names after the module that keeps each), when `modules` are recomputed
+    selectively: core_attn (attention.py `_checkpointed_attention_forward`), mlp
+    (transformer_layer.py checkpoints `self.mlp`, which with TE includes fc1's fused norm), layernorm
+    (transformer_layer.py `CheckpointWithoutOutput` around the local spec's norms, whose output is
+    dropped once the next linear saved it; TE's norms are fused into the linear, its IdentityOp
+    norms leave nothing to recompute)."""
+    m, tr = cfg.model, cfg.training
+    e, tokens, h, f = ELEMENT_BYTES[tr.precision], tr.seq_length * tr.micro_batch_size, m.hidden_size, m.ffn_hidden_size
+    mods = set(modules)
+    saved = SavedBytes()
+    te = m.transformer_impl == "transformer_engine"
+    norms_kept = te or "layernorm" not in mods
+    stats = (2 if m.normalization == "LayerNorm" else 1) * FP32_BYTES * tokens  # mu and rsigma, fp32
+    # TE's _LayerNormLinear.forward saves `inputmat` and `ln_out` (and mu, rsigma); the local spec's
+    # norm saves its input and statistics and ColumnParallelLinear saves the norm's output.
+    for block in ("linear_qkv", "linear_fc1"):
+        name = block if te else {"linear_qkv": "input_layernorm", "linear_fc1": "pre_mlp_layernorm"}[block]
+        saved.add(f"{name}.input", e * tokens * h, "sp")  # the mlp checkpoint's input too
+        if block == "linear_fc1" and "mlp" in mods and te:
+            continue  # recomputed inside the checkpoint with the rest of the MLP
+        if norms_kept:
+            saved.add(f"{name}.norm_stats", stats, "sp")
+            saved.add(f"{name}.ln_out" if te else f"{block}.input", e * tokens * h, "sp")
+        if block == "linear_qkv":
+            attention_saved(saved, cfg, run, mods)
+            if m.hidden_dropout > 0:  # fused_bias_dropout.py: the dropout mask of bias-dropout-add
+                saved.add("self_attn_bda.dropout_mask", MASK_BYTES * tokens * h, "sp")
+    if "mlp" not in mods:
+        # fused bias_swiglu (SwiGLUFunction) saves fc1's output only; bias_gelu (GeLUFunction) saves
+        # fc1's output, and the activation's output is fc2's input
+        saved.add("linear_fc1.output", e * tokens * (2 * f if m.activation == "swiglu" else f), "tp")
+        saved.add("linear_fc2.input", e * tokens * f, "tp")
+    if m.hidden_dropout > 0:
+        saved.add("mlp_bda.dropout_mask", MASK_BYTES * tokens * h, "sp")
+    par = cfg.parallel
+    return saved.per_rank(par.tensor_model_parallel_size, par.sequence_parallel)
+
+
+def layer_bytes(cfg: Config, run: MegatronRun, modules: Iterable[str] = ()) -> float:
+    """Sum of `layer_saved_bytes`."""
+    return sum(layer_saved_bytes(cfg, run, modules).values())
+
+
+def layer_backward_bytes(cfg: Config, run: MegatronRun) -> float:
+    """What one layer's backward holds beyond the saved tensors: the MLP's, where the largest
+    gradients meet: linear_fc2's data gradient [s, b, f] and the activation's backward output
+    (the gradient of fc1's output), both in 16 bits."""
+    tr, m = cfg.training, cfg.model
+    e, tokens, t = ELEMENT_BYTES[tr.precision], tr.seq_length * tr.micro_batch_size, cfg.parallel.tensor_model_parallel_size
+    fc1 = 2 * m.ffn_hidden_size if m.activation == "swiglu" else m.ffn_hidden_size
+    return e * tokens * (m.ffn_hidden_size + fc1) / t

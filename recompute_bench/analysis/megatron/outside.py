@@ -1,0 +1,65 @@
+"""Outside the layers, per micro-batch: the embedding's dropout mask, the final norm and output
+layer, the loss, and the micro-batch's inputs.
+
+Sources: megatron/core/models/common/embeddings/language_model_embedding.py,
+megatron/core/tensor_parallel/cross_entropy.py, megatron/core/fusions/fused_cross_entropy.py,
+pretrain_gpt.py get_batch."""
+
+from __future__ import annotations
+
+from recompute_bench.models import ELEMENT_BYTES, FP32_BYTES, INDEX_BYTES, MASK_BYTES, vocab_rows
+from recompute_bench.spec.config import Config
+
+def embedding_saved_bytes(cfg: Config) -> float:
+    """First stage, per micro-batch: the embedding dropout's mask (LanguageModelEmbedding.forward)."""
+    m, tr, par = cfg.model, cfg.training, cfg.parallel
+    if m.hidden_dropout <= 0:
+        return 0.0
+    t = par.tensor_model_parallel_size if par.sequence_parallel else 1
+    return MASK_BYTES * tr.seq_length * tr.micro_batch_size * m.hidden_size / t
+
+
+def output_saved_bytes(cfg: Config) -> float:
+    """Last stage, per micro-batch: the final norm's input and statistics (TENorm / FusedLayerNorm)
+    and its output, which the output layer (ColumnParallelLinear) keeps for its weight gradient."""
+    m, tr, par = cfg.model, cfg.training, cfg.parallel
+    tokens = tr.seq_length * tr.micro_batch_size
+    t = par.tensor_model_parallel_size if par.sequence_parallel else 1
+    stats = (2 if m.normalization == "LayerNorm" else 1) * FP32_BYTES * tokens
+    return (2 * ELEMENT_BYTES[tr.precision] * tokens * m.hidden_size + stats) / t
+
+
+def logits(cfg: Config) -> float:
+    """Logits on one tensor-parallel rank: s x b x padded vocabulary / t."""
+    tr = cfg.training
+    return tr.seq_length * tr.micro_batch_size * vocab_rows(cfg) / cfg.parallel.tensor_model_parallel_size
+
+
+def loss_saved_bytes(cfg: Config) -> float:
+    """Kept from the loss's forward to its backward: cross_entropy.py `_VocabParallelCrossEntropy`
+    saves `exp_logits`, its fp32 working copy of the logits turned into the softmax in place."""
+    return FP32_BYTES * logits(cfg)
+
+
+def loss_peak_bytes(cfg: Config) -> float:
+    """The most the loss holds at once. cross_entropy.py `_VocabParallelCrossEntropy.forward`: the
+    16-bit logits and their fp32 copy (`calculate_logits_max`: `.float()`), everything after in place;
+    backward: the gradient is computed in place in the saved fp32 buffer and autograd casts it to the
+    logits' 16 bits (engine.cpp validate_outputs) while it is alive: 2 + 4 bytes per logit either way.
+    The fused cross-entropy (fused_cross_entropy.py, its steps under jit_fuser = torch.compile) holds
+    one more fp32 buffer: the compiled `calculate_predicted_logits` writes exp(logits) anew before
+    copying it back into the input it mutates, and `calculate_gradients` likewise: 2 + 4 + 4."""
+    e = ELEMENT_BYTES[cfg.training.precision]
+    held = (e + FP32_BYTES) if e < FP32_BYTES else FP32_BYTES
+    if cfg.model.cross_entropy_loss_fusion:
+        held += FP32_BYTES
+    return held * logits(cfg)
+
+
+def batch_bytes(cfg: Config) -> float:
+    """One micro-batch's inputs on the GPU on the first and last stages (pretrain_gpt.py get_batch):
+    tokens, labels and position ids (int64), the loss mask (fp32) and, with
+    create_attention_mask_in_dataloader (Megatron's default), the [b, 1, s, s] bool attention mask."""
+    tr = cfg.training
+    tokens = tr.seq_length * tr.micro_batch_size
+    return (3 * INDEX_BYTES + FP32_BYTES) * tokens + MASK_BYTES * tr.micro_batch_size * tr.seq_length ** 2

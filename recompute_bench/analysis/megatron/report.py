@@ -1,0 +1,125 @@
+"""What `estimate --framework megatron` prints, and what a result record carries beside a Megatron
+run's measured figures."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from recompute_bench.analysis.layer import checkpoint_input_bytes
+from recompute_bench.analysis.megatron.attention import attention_path
+from recompute_bench.analysis.megatron.layer import layer_backward_bytes, layer_bytes, layer_saved_bytes
+from recompute_bench.analysis.megatron.outside import embedding_saved_bytes, loss_saved_bytes, output_saved_bytes
+from recompute_bench.analysis.megatron.run import MegatronRun
+from recompute_bench.analysis.megatron.stage import StagePeak, chunk_bytes, stage_peaks
+from recompute_bench.analysis.paper import (built_minus_paper_bytes, paper_flops_per_step, paper_layer_bytes,
+                                            paper_layer_differences)
+from recompute_bench.analysis.planner import ESTIMATE_SCHEMA, compute, with_setting
+from recompute_bench.analysis.rank import ALLOWANCE_BYTES, ALLOWANCE_FRACTION, device_bytes_needed
+from recompute_bench.analysis.schedule import chunk_forwards_in_flight
+from recompute_bench.recompute.settings import selective_settings
+from recompute_bench.spec.config import Config, RecomputeConfig
+from recompute_bench.spec.rules import layers_per_model_chunk
+
+def _settings(cfg: Config) -> list[RecomputeConfig]:
+    """The settings tabulated: none, every selective subset, full uniform 1 and full block at a few
+    layer counts of a model chunk, and cfg's own."""
+    n = layers_per_model_chunk(cfg)
+    out = [RecomputeConfig(), *selective_settings(("core_attn", "mlp", "layernorm")), RecomputeConfig("full", [], "uniform", 1)]
+    out += [RecomputeConfig("full", [], "block", k) for k in sorted({1, n // 4, n // 2, 3 * n // 4, n} - {0})]
+    if cfg.recompute.label not in {r.label for r in out}:
+        out.insert(0, cfg.recompute)
+    return out
+
+
+def setting_estimate(cfg: Config, run: MegatronRun) -> dict[str, Any]:
+    """One recompute setting: Megatron's bytes per layer and per stage, the peak rank, FLOPs."""
+    par = cfg.parallel
+    vp = par.virtual_pipeline_model_parallel_size or 1
+    layers = layers_per_model_chunk(cfg)
+    chunk = chunk_bytes(cfg, run, layers)
+    peak = max(stage_peaks(cfg, run), key=lambda r: r.peak_allocated_bytes)
+    return {
+        "label": cfg.recompute.label,
+        "recompute": cfg.record_fields()["recompute"],
+        "activation_bytes_per_layer": chunk.stored / layers,
+        "stage_activation_bytes": vp * chunk.stored,
+        "stage_activation_peak_bytes": (vp - 1) * chunk.stored + chunk.backward - layer_backward_bytes(cfg, run),
+        "peak_allocated_bytes": peak.peak_allocated_bytes,
+        "peak_stage": peak.stage,
+        "peak_phase": peak.phase,
+        **compute(cfg, "cuda"),
+    }
+
+
+def _stage_row(r: StagePeak, fraction: float, fixed: float) -> dict[str, Any]:
+    return {"stage": r.stage, "peak_allocated_bytes": r.peak_allocated_bytes, "phase": r.phase,
+            "device_bytes_needed": device_bytes_needed(r.peak_allocated_bytes, fraction, fixed),
+            "bytes_after_step": r.static_bytes, "parameters_on_rank": r.parameters, "breakdown": dict(r.items)}
+
+
+def estimate_report(cfg: Config, run: MegatronRun, allowance_fraction: float = ALLOWANCE_FRACTION,
+                    allowance_bytes: float = ALLOWANCE_BYTES) -> dict[str, Any]:
+    """What `estimate --framework megatron` prints, in the layout of `planner.estimate_report`: the
+    settings table, the paper's Table 2 beside Megatron's layer, the peak rank's breakdown of cfg's
+    own setting, and every pipeline stage's peak and parts."""
+    m, tr, par = cfg.model, cfg.training, cfg.parallel
+    stages = stage_peaks(cfg, run)
+    peak = max(stages, key=lambda r: r.peak_allocated_bytes)
+    settings = [setting_estimate(with_setting(cfg, r), run) for r in _settings(cfg)]
+    for row in settings:
+        row["device_bytes_needed"] = device_bytes_needed(row["peak_allocated_bytes"], allowance_fraction, allowance_bytes)
+    paper_rows = []
+    for name, modules, kind in (("none", (), "none"), ("selective", ("core_attn",), "selective"), ("full", None, "full")):
+        paper_rows.append({"recompute": name,
+                           "paper_bytes": paper_layer_bytes(tr.seq_length, tr.micro_batch_size, m.hidden_size,
+                                                            m.num_attention_heads, par.tensor_model_parallel_size,
+                                                            par.sequence_parallel, kind),
+                           "built_bytes": checkpoint_input_bytes(cfg) if modules is None else layer_bytes(cfg, run, modules),
+                           "paper_flops": paper_flops_per_step(cfg, kind)})
+    path = attention_path(cfg, run)
+    differences = [d for d in paper_layer_differences(cfg, "cuda") if not d.startswith("attention runs")]
+    if path in ("flash", "fused"):
+        differences.insert(0, f"attention runs Transformer Engine's {path} kernel, not the paper's explicit softmax path")
+    if m.transformer_impl == "transformer_engine" or m.activation == "swiglu":
+        differences.append("Megatron's layer keeps what its modules keep (TE's fused norm-linear, fused bias-activation)")
+    modules = cfg.recompute.modules if cfg.recompute.granularity == "selective" else ()
+    return {
+        "schema": ESTIMATE_SCHEMA,
+        "framework": "megatron",
+        "workload": cfg.workload,
+        "config": cfg.to_dict(),
+        "recompute": cfg.record_fields()["recompute"],
+        "device": "cuda",
+        "gpu": run.gpu,
+        "cublas_workspace_config": run.cublas_workspace_config,
+        "attention_kernel": path,
+        "num_microbatches": cfg.num_microbatches,
+        "microbatches_in_flight": chunk_forwards_in_flight(cfg, 0) / (par.virtual_pipeline_model_parallel_size or 1),
+        "allowance": {"fraction": allowance_fraction, "bytes": allowance_bytes},
+        "setting": {**setting_estimate(cfg, run),
+                    "device_bytes_needed": device_bytes_needed(peak.peak_allocated_bytes, allowance_fraction, allowance_bytes),
+                    "layer_saved_bytes": layer_saved_bytes(cfg, run, modules),
+                    "breakdown": dict(peak.items), "parameters_on_rank": peak.parameters},
+        "stages": [_stage_row(r, allowance_fraction, allowance_bytes) for r in stages],
+        "settings": settings,
+        "paper": {"differences": differences, "norm_stats_bytes": built_minus_paper_bytes(cfg, "cuda"), "rows": paper_rows},
+        "other_optimizer": None if par.data_parallel_size == 1 else {
+            "use_distributed_optimizer": not par.use_distributed_optimizer,
+            "peak_allocated_bytes": max(r.peak_allocated_bytes for r in stage_peaks(
+                with_setting(cfg, use_distributed_optimizer=not par.use_distributed_optimizer), run))},
+    }
+
+
+def record_estimate(cfg: Config, run: MegatronRun) -> dict[str, float]:
+    """What a result record carries beside a Megatron run's measured figures (the keys of
+    `rank.record_estimate`): one micro-batch's activations over the whole model and per layer, as
+    Megatron's layers keep them, the hardware FLOPs, and the peak of the most loaded stage."""
+    layers = layers_per_model_chunk(cfg)
+    per_layer = chunk_bytes(cfg, run, layers).stored / layers
+    outside = embedding_saved_bytes(cfg) + output_saved_bytes(cfg) + loss_saved_bytes(cfg)
+    return {
+        "estimated_activation_bytes": per_layer * cfg.model.num_layers + outside,
+        "estimated_activation_bytes_per_layer": per_layer,
+        "estimated_hardware_flops_per_step": compute(cfg, "cuda")["hardware_flops_per_step"],
+        "estimated_peak_allocated_bytes": max(r.peak_allocated_bytes for r in stage_peaks(cfg, run)),
+    }
