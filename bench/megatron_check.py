@@ -18,7 +18,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from recompute_bench.ingest.megatron_check import GOAL, check, load_cases, meets_goal, summary  # noqa: E402
+from recompute_bench.ingest.megatron_check import (CATEGORIES, GOAL, check, load_cases, meets_goal,  # noqa: E402
+                                                  skipped_in, summary)
 
 GiB = 2**30
 
@@ -45,6 +46,18 @@ def main() -> None:
           f"{100 * figures['peak_within_5_percent']:.1f}% (goal >= {100 * GOAL['peak_within_5_percent']:.0f}%), worst "
           f"{100 * figures['worst_peak_error']:.1f}%; median |static error| {100 * figures['median_static_error']:.2f}% "
           f"(goal <= {100 * GOAL['median_static_error']:.0f}%): {'goal met' if meets_goal(figures) else 'GOAL MISSED'}")
+    print(f"\n{'category':18s} {'goldens':>7s} {'cases':>5s} {'median |peak|':>13s} {'within 5%':>9s} "
+          f"{'median |static|':>15s} {'skipped':>7s}  goal")
+    for name in (*CATEGORIES, None):
+        f = summary(rows, name)
+        label = name or "overall"
+        skips = skipped_in(skipped, name) if name else sum(map(len, skipped.values()))
+        if not f["rows"]:
+            print(f"{label:18s} {0:7d} {0:5d} {'-':>13s} {'-':>9s} {'-':>15s} {skips:7d}  no golden checked")
+            continue
+        print(f"{label:18s} {f['rows']:7d} {f['cases']:5d} {100 * f['median_peak_error']:12.2f}% "
+              f"{100 * f['peak_within_5_percent']:8.1f}% {100 * f['median_static_error']:14.2f}% {skips:7d}  "
+              f"{'met' if meets_goal(f) else 'MISSED'}")
     print(f"\nskipped {sum(map(len, skipped.values()))} goldens:")
     for reason, which in sorted(skipped.items(), key=lambda kv: -len(kv[1])):
         print(f"  {len(which):3d}  {reason}")

@@ -63,6 +63,15 @@ REFUSED = [
       *FULL, "uniform", "--recompute-num-layers", "1"],
      "distribute_saved_activations must be false when sequence parallelism is enabled; drop --sequence-parallel "
      "or --set recompute.distribute_saved_activations=true"),
+    # Context parallel: 2 x cp chunks of the sequence (tiny: s = 128), and each rank's tokens over tp with SP.
+    (["estimate", "--framework", "megatron", "--cp", "3"],
+     "context parallel 3 splits seq_length 128 into 2 x cp = 6 chunks, which do not divide it; pass --seq-length as "
+     "a multiple of 6 or a smaller --context-parallel-size"),
+    (["estimate", "--framework", "megatron", "--cp", "2", "--seq-length", "12", "--tp", "4", "--sequence-parallel"],
+     "sequence parallelism splits each context-parallel rank's 6 tokens over tensor_model_parallel_size 4, which "
+     "does not divide them; pass --seq-length as a multiple of 16"),
+    (["estimate", "--framework", "megatron", "--cp", "2", "--set", "parallel.cp_comm_type=ring"],
+     "cp_comm_type 'ring' is not one of p2p, all_gather, a2a, a2a+p2p; pass --set parallel.cp_comm_type=p2p"),
     # The message lists what the dense model offers, not modules it would then refuse.
     (["run", "--recompute-modules", "attention"],
      "unknown recompute module(s) attention; pass --recompute-modules with any of core_attn, mlp, layernorm "

@@ -32,6 +32,8 @@ ACTIVATIONS = ("gelu", "swiglu")
 POSITION_EMBEDDINGS = ("learned_absolute", "rope")
 ROUTER_SCORE_FUNCTIONS = ("softmax", "sigmoid")
 TOKEN_DROP_POLICIES = ("probs", "position")
+CP_COMM_TYPES = ("p2p", "all_gather", "a2a", "a2a+p2p")
+"""Megatron's --cp-comm-type values (TransformerConfig.cp_comm_type)."""
 PIPELINE_SCHEDULES = ("1F1B", "Interleaved1F1B", "GPipe", "InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV")
 """torch.distributed.pipelining's schedule names (its `get_schedule_class`), as torchtitan's
 `pipeline_parallel_schedule` takes them."""
@@ -288,6 +290,14 @@ class ParallelConfig:
     expert_model_parallel_size: int = 1
     """Expert parallel size (ep): the routed experts of every MoE layer are spread over ep
     data-parallel ranks, num_moe_experts / ep on each, tokens sent to them by all-to-all."""
+    context_parallel_size: int = 1
+    """Context parallel size (cp): each sequence is split over cp ranks in 2 x cp chunks, rank r
+    holding chunks r and 2cp - 1 - r so that causal attention's work is even (Megatron's load
+    balancing; `models.context_parallel`). Gradients are reduced over dp x cp."""
+    cp_comm_type: str = "p2p"
+    """How attention reaches the other ranks' keys and values under context parallel (Megatron's
+    --cp-comm-type): p2p (a ring passing K/V chunks), all_gather (K/V of the whole sequence gathered
+    once), a2a (all-to-all over heads, Ulysses) or a2a+p2p (hierarchical)."""
     pipeline_parallel_schedule: Optional[str] = None
     """The pipeline schedule, by torch's pipelining names: 1F1B, Interleaved1F1B (virtual stages),
     GPipe, InterleavedZeroBubble, ZBVZeroBubble or DualPipeV (two stages per rank, the "V"); None:
@@ -302,7 +312,8 @@ class ParallelConfig:
 
     @property
     def world_size(self) -> int:
-        return self.tensor_model_parallel_size * self.pipeline_model_parallel_size * self.data_parallel_size
+        return (self.tensor_model_parallel_size * self.pipeline_model_parallel_size * self.context_parallel_size
+                * self.data_parallel_size)
 
 
 @dataclass

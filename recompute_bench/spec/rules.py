@@ -10,7 +10,7 @@ import dataclasses
 from typing import Any
 
 from recompute_bench.models import spec_for
-from recompute_bench.spec.config import (ACTIVATIONS, ATTENTION_BACKENDS, FRAMEWORKS, GRANULARITIES, INTERLEAVED_SCHEDULES,
+from recompute_bench.spec.config import (ACTIVATIONS, ATTENTION_BACKENDS, CP_COMM_TYPES, FRAMEWORKS, GRANULARITIES, INTERLEAVED_SCHEDULES,
                                          MEGATRON_ATTENTION_BACKENDS, MEGATRON_ONLY, METHODS, NORMALIZATIONS,
                                          PIPELINE_SCHEDULES, POSITION_EMBEDDINGS, TRANSFORMER_IMPLS, PRECISIONS,
                                          RECOMPUTE_MODULES, ROUTER_SCORE_FUNCTIONS, SECTIONS, TOKEN_DROP_POLICIES, V_SCHEDULES,
@@ -79,6 +79,7 @@ def validate(cfg: Config) -> None:
     for name in ("tensor_model_parallel_size", "pipeline_model_parallel_size", "data_parallel_size"):
         if getattr(p, name) < 1:
             raise BadInput(f"{name} must be 1 or more, got {getattr(p, name)}")
+    _validate_context_parallel(cfg)
     if p.sequence_parallel and p.tensor_model_parallel_size <= 1:
         raise BadInput("sequence parallelism needs tensor parallelism; pass --tensor-model-parallel-size 2 or more, "
                           "or drop --sequence-parallel")
@@ -146,6 +147,30 @@ def _validate_pipeline(cfg: Config) -> None:
     if schedule == "DualPipeV" and n < 2 * pp:
         raise BadInput(f"DualPipeV needs at least as many micro-batches as stages (2 x pp = {2 * pp}), got {n}; "
                           f"pass --global-batch-size {2 * pp * cfg.training.micro_batch_size * p.data_parallel_size} or more")
+
+
+def _validate_context_parallel(cfg: Config) -> None:
+    """Megatron's context-parallel rules: the sequence splits into 2 x cp equal chunks
+    (megatron/core/utils.py `get_batch_on_this_cp_rank` views it as [2cp, s / 2cp]), and sequence
+    parallel splits each rank's s / cp tokens again over tp."""
+    p, s = cfg.parallel, cfg.training.seq_length
+    cp = p.context_parallel_size
+    if not isinstance(cp, int) or cp < 1:
+        raise BadInput(f"context_parallel_size must be a positive integer, got {cp!r}; pass --context-parallel-size N")
+    _choice("cp_comm_type", p.cp_comm_type, CP_COMM_TYPES, "pass --set parallel.cp_comm_type=p2p")
+    if cp == 1:
+        return
+    if s % (2 * cp):
+        raise BadInput(f"context parallel {cp} splits seq_length {s} into 2 x cp = {2 * cp} chunks, which do not "
+                       f"divide it; pass --seq-length as a multiple of {2 * cp} or a smaller --context-parallel-size")
+    if p.sequence_parallel and (s // cp) % p.tensor_model_parallel_size:
+        raise BadInput(f"sequence parallelism splits each context-parallel rank's {s // cp} tokens over "
+                       f"tensor_model_parallel_size {p.tensor_model_parallel_size}, which does not divide them; "
+                       f"pass --seq-length as a multiple of {2 * cp * p.tensor_model_parallel_size}")
+    if cfg.training.framework == "recompute-bench":
+        raise BadInput("this harness does not run context parallel yet; estimate Megatron's with --framework megatron, "
+                       "or drop --context-parallel-size")
+    raise BadInput("context parallel is not modelled for framework megatron yet; drop --context-parallel-size")
 
 
 def _validate_framework(cfg: Config) -> None:
