@@ -72,6 +72,10 @@ REFUSED = [
      "does not divide them; pass --seq-length as a multiple of 16"),
     (["estimate", "--framework", "megatron", "--cp", "2", "--set", "parallel.cp_comm_type=ring"],
      "cp_comm_type 'ring' is not one of p2p, all_gather, a2a, a2a+p2p; pass --set parallel.cp_comm_type=p2p"),
+    (["run", "--precision", "fp8"],
+     "this harness does not run FP8 yet; estimate Megatron's FP8 with --framework megatron, or pass --precision bf16"),
+    (["estimate", "--framework", "megatron", "--precision", "fp8", "--set", "training.fp8_recipe=current"],
+     "fp8_recipe 'current' is not one of delayed, tensorwise, blockwise, mxfp8; pass --set training.fp8_recipe=tensorwise"),
     # The message lists what the dense model offers, not modules it would then refuse.
     (["run", "--recompute-modules", "attention"],
      "unknown recompute module(s) attention; pass --recompute-modules with any of core_attn, mlp, layernorm "

@@ -24,7 +24,9 @@ from typing import Any, Iterable, Protocol
 
 from recompute_bench.spec.config import Config, ModelConfig
 
-ELEMENT_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
+ELEMENT_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4, "fp8": 2}
+"""Bytes of one activation (and weight, unless FP8 weights are asked for) by precision: fp8 keeps
+bf16 activations; only the linears' matrix multiplies and what they save change (analysis.megatron.fp8)."""
 FP32_BYTES = 4
 MASK_BYTES = 1      # dropout keeps a bool mask (native_dropout)
 INDEX_BYTES = 8     # int64 token ids and labels

@@ -15,7 +15,14 @@ from typing import Any, Optional
 
 GRANULARITIES = ("none", "selective", "full")
 METHODS = ("uniform", "block")
-PRECISIONS = ("bf16", "fp16", "fp32")
+PRECISIONS = ("bf16", "fp16", "fp32", "fp8")
+"""fp8: bf16 weights, activations and gradients with the linears' matrix multiplies in FP8
+(Megatron's --bf16 with --fp8-format; the scaling is `fp8_recipe`)."""
+FP8_RECIPES = ("delayed", "tensorwise", "blockwise", "mxfp8")
+"""Megatron's --fp8-recipe (Transformer Engine's DelayedScaling, Float8CurrentScaling,
+Float8BlockScaling, MXFP8BlockScaling); delayed is Megatron's default."""
+FP8_FORMATS = ("hybrid", "e4m3")
+"""Megatron's --fp8-format: hybrid (E4M3 forward, E5M2 gradients) or e4m3 throughout."""
 ATTENTION_BACKENDS = ("sdpa", "math")
 # Megatron's `--attention-backend` (megatron/core/transformer/enums.py AttnBackend), which the estimate
 # of `framework megatron` takes; this harness runs its own two above.
@@ -258,7 +265,16 @@ class TrainingConfig:
     global_batch_size: int = 1
     """Samples per optimizer step, over all data-parallel ranks."""
     precision: str = "bf16"
-    """bf16 or fp16 (16-bit weights and activations, fp32 master weights, grads and Adam) or fp32."""
+    """bf16 or fp16 (16-bit weights and activations, fp32 master weights, grads and Adam), fp32, or
+    fp8 (bf16 with FP8 matrix multiplies in the linears; framework megatron)."""
+    fp8_recipe: str = "delayed"
+    """With precision fp8: the scaling recipe (Megatron's --fp8-recipe): delayed, tensorwise (current
+    scaling), blockwise or mxfp8."""
+    fp8_format: str = "hybrid"
+    """With precision fp8: Megatron's --fp8-format, hybrid (E4M3 forward, E5M2 backward) or e4m3."""
+    fp8_param_gather: bool = False
+    """With precision fp8: keep the weights themselves in FP8 (Megatron's --fp8-param-gather, TE's
+    fp8_model_init) instead of bf16 weights with FP8 copies."""
     warmup_steps: int = 2
     """Steps run before measuring."""
     measured_steps: int = 5

@@ -10,7 +10,7 @@ import dataclasses
 from typing import Any
 
 from recompute_bench.models import spec_for
-from recompute_bench.spec.config import (ACTIVATIONS, ATTENTION_BACKENDS, CP_COMM_TYPES, FRAMEWORKS, GRANULARITIES, INTERLEAVED_SCHEDULES,
+from recompute_bench.spec.config import (ACTIVATIONS, ATTENTION_BACKENDS, CP_COMM_TYPES, FP8_FORMATS, FP8_RECIPES, FRAMEWORKS, GRANULARITIES, INTERLEAVED_SCHEDULES,
                                          MEGATRON_ATTENTION_BACKENDS, MEGATRON_ONLY, METHODS, NORMALIZATIONS,
                                          PIPELINE_SCHEDULES, POSITION_EMBEDDINGS, TRANSFORMER_IMPLS, PRECISIONS,
                                          RECOMPUTE_MODULES, ROUTER_SCORE_FUNCTIONS, SECTIONS, TOKEN_DROP_POLICIES, V_SCHEDULES,
@@ -66,7 +66,14 @@ def validate(cfg: Config) -> None:
     _choice("activation", m.activation, ACTIVATIONS, "set model.activation")
     _choice("position_embedding_type", m.position_embedding_type, POSITION_EMBEDDINGS, "set model.position_embedding_type")
     _validate_framework(cfg)
-    _choice("precision", t.precision, PRECISIONS, "pass --precision bf16, fp16 or fp32")
+    _choice("precision", t.precision, PRECISIONS, "pass --precision bf16, fp16, fp32 or fp8")
+    _choice("fp8_recipe", t.fp8_recipe, FP8_RECIPES, "pass --set training.fp8_recipe=tensorwise")
+    _choice("fp8_format", t.fp8_format, FP8_FORMATS, "pass --set training.fp8_format=hybrid")
+    if t.precision == "fp8" and t.framework != "megatron":
+        raise BadInput("this harness does not run FP8 yet; estimate Megatron's FP8 with --framework megatron, or pass "
+                       "--precision bf16")
+    if t.precision == "fp8":
+        raise BadInput("FP8 is not modelled for framework megatron yet; pass --precision bf16")
     if m.position_embedding_type == "rope" and m.head_dim % 2:
         raise BadInput(f"RoPE needs an even head dimension, got {m.head_dim}; change hidden_size or num_attention_heads")
     if m.position_embedding_type == "learned_absolute" and t.seq_length > m.max_position_embeddings:
