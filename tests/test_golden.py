@@ -9,22 +9,22 @@ import pytest
 
 from helpers import invoke
 from helpers import CPU_ENV, H100_ENV, record, write_golden_of, write_results
-from recompute_bench.gate import golden as gold
+from recompute_bench.gate import golden as gold, metrics, tolerances as tol, verdicts
 from recompute_bench.spec.config import BadInput
-from recompute_bench.results.rows import record_row
+from recompute_bench.results.rows import KEY_COLUMNS, record_row
 
 
 def verdict(actual, golden_record, *, tolerances=None, strict=False, tolerance_column=""):
     """Verdict of one result against a golden made of one record."""
     g = gold.golden_row(record_row(golden_record), tolerance_column)
-    g["tolerance_parsed"] = gold.parse_tolerances([tolerance_column])
-    comparison = gold.compare([record_row(actual)], [g], tolerances=tolerances or {}, strict=strict)
+    g["tolerance_parsed"] = tol.parse_tolerances([tolerance_column])
+    comparison = verdicts.compare([record_row(actual)], [g], tolerances=tolerances or {}, strict=strict)
     return comparison.rows[0], comparison
 
 
 @pytest.mark.parametrize("tflops, expected", [
-    (100.0, gold.PASS), (95.1, gold.PASS), (95.0, gold.PASS),  # exactly at the 5% edge passes
-    (94.9, gold.PERF), (105.0, gold.PASS), (105.1, gold.IMPROVED),
+    (100.0, verdicts.PASS), (95.1, verdicts.PASS), (95.0, verdicts.PASS),  # exactly at the 5% edge passes
+    (94.9, verdicts.PERF), (105.0, verdicts.PASS), (105.1, verdicts.IMPROVED),
 ])
 def test_tflops_is_higher_is_better_with_a_5_percent_tolerance(tflops, expected):
     row, _ = verdict(record(tflops_per_gpu=tflops), record())
@@ -32,18 +32,18 @@ def test_tflops_is_higher_is_better_with_a_5_percent_tolerance(tflops, expected)
     assert row.metric("tflops_per_gpu").rel_diff == pytest.approx((tflops - 100) / 100)
 
 
-@pytest.mark.parametrize("factor, expected", [(1.05, gold.PASS), (1.051, gold.MEMORY), (0.949, gold.IMPROVED)])
+@pytest.mark.parametrize("factor, expected", [(1.05, verdicts.PASS), (1.051, verdicts.MEMORY), (0.949, verdicts.IMPROVED)])
 def test_peak_memory_is_lower_is_better(factor, expected):
     row, _ = verdict(record(peak_allocated_bytes=int(50 * 2**30 * factor)), record())
     assert row.verdict == expected
 
 
 def test_deterministic_metrics_are_exact():
-    assert verdict(record(activation_bytes=10**9 + 1), record())[0].verdict == gold.MEMORY
-    assert verdict(record(measured_flops_per_step=4 * 10**15 + 2), record())[0].verdict == gold.PERF
-    assert verdict(record(num_parameters=10**9 + 1), record())[0].verdict == gold.CHANGED
-    assert verdict(record(loss=6.0 * 1.009), record())[0].verdict == gold.PASS
-    assert verdict(record(loss=6.0 * 1.011), record())[0].verdict == gold.CHANGED
+    assert verdict(record(activation_bytes=10**9 + 1), record())[0].verdict == verdicts.MEMORY
+    assert verdict(record(measured_flops_per_step=4 * 10**15 + 2), record())[0].verdict == verdicts.PERF
+    assert verdict(record(num_parameters=10**9 + 1), record())[0].verdict == verdicts.CHANGED
+    assert verdict(record(loss=6.0 * 1.009), record())[0].verdict == verdicts.PASS
+    assert verdict(record(loss=6.0 * 1.011), record())[0].verdict == verdicts.CHANGED
 
 
 @pytest.mark.parametrize("metric, golden_value", [
@@ -51,12 +51,12 @@ def test_deterministic_metrics_are_exact():
     ("model_flops_per_step", 3 * 10**15), ("num_parameters", 10**9)])
 def test_a_deterministic_metric_that_drops_is_a_changed_program_and_fails(metric, golden_value):
     row, comparison = verdict(record(**{metric: golden_value - 1}), record())
-    assert (row.verdict, row.metric(metric).outcome, comparison.passed) == (gold.CHANGED, "changed", False)
+    assert (row.verdict, row.metric(metric).outcome, comparison.passed) == (verdicts.CHANGED, "changed", False)
     percent = f"{-100 / golden_value:+.2g}%"  # -1e-07% for one byte of a gigabyte: never "±0.0%"
     assert row.reasons == [f"{metric} {golden_value - 1} vs golden {golden_value} ({percent}, tolerance 0%): changed "
                            "(the program computes something else; if that is intended, update the golden)"]
     # TFLOP/s and peak memory are not deterministic: beyond tolerance they stay an improvement (strict only).
-    assert verdict(record(tflops_per_gpu=200.0), record())[0].verdict == gold.IMPROVED
+    assert verdict(record(tflops_per_gpu=200.0), record())[0].verdict == verdicts.IMPROVED
 
 
 def test_compare_fails_on_fewer_activation_bytes_and_prints_the_update_command(tmp_path):
@@ -73,39 +73,49 @@ def test_compare_fails_on_fewer_activation_bytes_and_prints_the_update_command(t
 
 def test_cpu_rows_report_timing_and_gate_the_deterministic_metrics():
     row, _ = verdict(record(device=CPU_ENV, tflops_per_gpu=5.0), record(device=CPU_ENV))
-    assert row.verdict == gold.PASS
+    assert row.verdict == verdicts.PASS
     assert (row.metric("tflops_per_gpu").outcome, row.metric("tflops_per_gpu").rel_diff) == ("info", pytest.approx(-0.95))
-    assert verdict(record(device=CPU_ENV, activation_bytes=10**9 + 1), record(device=CPU_ENV))[0].verdict == gold.MEMORY
+    assert verdict(record(device=CPU_ENV, activation_bytes=10**9 + 1), record(device=CPU_ENV))[0].verdict == verdicts.MEMORY
     opted_in, _ = verdict(record(device=CPU_ENV, tflops_per_gpu=40.0), record(device=CPU_ENV), tolerance_column="tflops_per_gpu:50%")
-    assert opted_in.verdict == gold.PERF
+    assert opted_in.verdict == verdicts.PERF
     row, _ = verdict(record(device=CPU_ENV), record(device=CPU_ENV))
     assert row.metric("peak_allocated_bytes").outcome == "n/m"
     assert row.metric("step_time_s").outcome == "info"
 
 
+def test_the_table_says_cpu_timing_is_not_gated_where_a_gpu_row_shows_its_difference():
+    from recompute_bench.render.comparison import CPU_NOT_GATED, CPU_NOTE, cpu_note, table_cells
+
+    cpu, _ = verdict(record(device=CPU_ENV, tflops_per_gpu=5.0), record(device=CPU_ENV))
+    assert table_cells(cpu)[3] == CPU_NOT_GATED  # not "-95.0%" beside OK
+    gpu, _ = verdict(record(device=H100_ENV, tflops_per_gpu=5.0), record(device=H100_ENV))
+    assert table_cells(gpu)[3] == "-95.0%"
+    assert cpu_note(verdicts.Comparison([cpu])) == CPU_NOTE and cpu_note(verdicts.Comparison([gpu])) is None
+
+
 def test_tolerance_overrides_command_line_beats_row_beats_default():
     slower = record(tflops_per_gpu=93.0)
-    assert verdict(slower, record())[0].verdict == gold.PERF
-    assert verdict(slower, record(), tolerances={"tflops_per_gpu": 0.10})[0].verdict == gold.PASS
-    assert verdict(slower, record(), tolerance_column="tflops_per_gpu:10%")[0].verdict == gold.PASS
-    assert verdict(record(tflops_per_gpu=98.0), record(), tolerance_column="tflops_per_gpu:1%")[0].verdict == gold.PERF
+    assert verdict(slower, record())[0].verdict == verdicts.PERF
+    assert verdict(slower, record(), tolerances={"tflops_per_gpu": 0.10})[0].verdict == verdicts.PASS
+    assert verdict(slower, record(), tolerance_column="tflops_per_gpu:10%")[0].verdict == verdicts.PASS
+    assert verdict(record(tflops_per_gpu=98.0), record(), tolerance_column="tflops_per_gpu:1%")[0].verdict == verdicts.PERF
     row, _ = verdict(slower, record(), tolerances={"tflops_per_gpu": 0.01}, tolerance_column="tflops_per_gpu:10%")
-    assert row.verdict == gold.PERF
+    assert row.verdict == verdicts.PERF
     assert verdict(slower, record(), tolerances={"tflops_per_gpu": None})[0].metric("tflops_per_gpu").outcome == "info"
 
 
 def test_a_row_shows_its_worst_verdict_and_keeps_the_others():
     row, _ = verdict(record(tflops_per_gpu=120.0, activation_bytes=2 * 10**9), record())
-    assert row.verdict == gold.MEMORY
-    assert set(row.verdicts) == {gold.MEMORY, gold.IMPROVED}
+    assert row.verdict == verdicts.MEMORY
+    assert set(row.verdicts) == {verdicts.MEMORY, verdicts.IMPROVED}
 
 
 def test_oom_matrix():
     oom = record(status="oom", failure_rank=3)
-    assert verdict(oom, record())[0].verdict == gold.UNEXPECTED_OOM
-    assert verdict(oom, record(status="oom"))[0].verdict == gold.EXPECTED_OOM
+    assert verdict(oom, record())[0].verdict == verdicts.UNEXPECTED_OOM
+    assert verdict(oom, record(status="oom"))[0].verdict == verdicts.EXPECTED_OOM
     fits, comparison = verdict(record(), record(status="oom"))
-    assert fits.verdict == gold.NOW_FITS and comparison.passed
+    assert fits.verdict == verdicts.NOW_FITS and comparison.passed
     assert not verdict(record(), record(status="oom"), strict=True)[1].passed
 
 
@@ -114,35 +124,35 @@ def test_failed_points_fail_whatever_the_golden():
 
     for status, text in (("error", "Error"), ("timeout", "Timeout"), ("killed", "Killed")):
         row, comparison = verdict(record(status=status), record())
-        assert row.verdict == gold.FAILED and not comparison.passed and result_text(row) == text
-        assert gold.compare([record_row(record(status=status))], []).rows[0].verdict == gold.FAILED
+        assert row.verdict == verdicts.FAILED and not comparison.passed and result_text(row) == text
+        assert verdicts.compare([record_row(record(status=status))], []).rows[0].verdict == verdicts.FAILED
 
 
 def test_not_comparable_device_software_or_definition():
-    assert verdict(record(device=CPU_ENV), record())[0].verdict == gold.NOT_COMPARABLE
-    assert verdict(record(device=(H100_ENV[0], "2.12.1+cu128")), record())[0].verdict == gold.NOT_COMPARABLE
-    assert verdict(record(device=(H100_ENV[0], "2.13.1+cu130")), record())[0].verdict == gold.PASS
+    assert verdict(record(device=CPU_ENV), record())[0].verdict == verdicts.NOT_COMPARABLE
+    assert verdict(record(device=(H100_ENV[0], "2.12.1+cu128")), record())[0].verdict == verdicts.NOT_COMPARABLE
+    assert verdict(record(device=(H100_ENV[0], "2.13.1+cu130")), record())[0].verdict == verdicts.PASS
     # A v1 record written before ModelConfig had make_vocab_size_divisible_by: it keeps its key (the
     # field's default) but was measured by another program (the vocabulary was not padded).
     older = record()
     del older["config"]["model"]["make_vocab_size_divisible_by"]
-    assert gold.row_key(record_row(older)) == gold.row_key(record_row(record()))
+    assert verdicts.row_key(record_row(older)) == verdicts.row_key(record_row(record()))
     row, _ = verdict(older, record())
-    assert row.verdict == gold.NOT_COMPARABLE and "config_hash" in row.reasons[0]
+    assert row.verdict == verdicts.NOT_COMPARABLE and "config_hash" in row.reasons[0]
 
 
 def test_missing_and_new_rows(tmp_path):
     golden = [record(), record(["core_attn"])]
     results = [record(), record(["mlp"])]
     rows = gold.read_golden(write_golden_of(tmp_path / "g.csv", golden))
-    comparison = gold.compare([record_row(r) for r in results], rows)
+    comparison = verdicts.compare([record_row(r) for r in results], rows)
     assert [(r.setting, r.verdict) for r in comparison.rows] == [
-        ("none", gold.PASS), ("selective[mlp]", gold.NEW), ("selective[core_attn]", gold.MISSING)]
-    assert not comparison.passed and [r.verdict for r in comparison.failing_rows] == [gold.MISSING]
-    only = gold.compare([record_row(r) for r in results], rows, only_keys={gold.row_key(record_row(results[0]))})
-    assert [r.verdict for r in only.rows] == [gold.PASS, gold.NEW] and only.passed
-    assert not gold.compare([record_row(r) for r in results], rows, strict=True,
-                            only_keys={gold.row_key(record_row(results[0]))}).passed
+        ("none", verdicts.PASS), ("selective[mlp]", verdicts.NEW), ("selective[core_attn]", verdicts.MISSING)]
+    assert not comparison.passed and [r.verdict for r in comparison.failing_rows] == [verdicts.MISSING]
+    only = verdicts.compare([record_row(r) for r in results], rows, only_keys={verdicts.row_key(record_row(results[0]))})
+    assert [r.verdict for r in only.rows] == [verdicts.PASS, verdicts.NEW] and only.passed
+    assert not verdicts.compare([record_row(r) for r in results], rows, strict=True,
+                            only_keys={verdicts.row_key(record_row(results[0]))}).passed
 
 
 def test_golden_csv_round_trip_keeps_exact_integers(tmp_path):
@@ -150,19 +160,19 @@ def test_golden_csv_round_trip_keeps_exact_integers(tmp_path):
     row = gold.read_golden(write_golden_of(tmp_path / "g.csv", [big]))[0]
     assert row["measured_flops_per_step"] == 1234567890123456789
     assert row["peak_allocated_bytes"] == 50 * 2**30 and row["recompute_modules"] == ""
-    assert gold.compare([record_row(big)], [row]).passed
+    assert verdicts.compare([record_row(big)], [row]).passed
 
 
 @pytest.mark.parametrize("spec, expected", [("tflops_per_gpu:5%", 0.05), ("loss:0.02", 0.02), ("activation_bytes:0", 0.0),
                                             ("step_time_s:off", None)])
 def test_parse_tolerance(spec, expected):
-    assert gold.parse_tolerance(spec)[1] == expected
+    assert tol.parse_tolerance(spec)[1] == expected
 
 
 @pytest.mark.parametrize("spec", ["tflops:5%", "tflops_per_gpu", "tflops_per_gpu:-1%", "loss:abc", "loss:inf"])
 def test_bad_tolerance_is_bad_input(spec):
     with pytest.raises(BadInput):
-        gold.parse_tolerance(spec)
+        tol.parse_tolerance(spec)
 
 
 # ----- the command line -----------------------------------------------------------------------
@@ -186,7 +196,7 @@ def test_compare_exit_0_on_pass_and_writes_ci_outputs(tmp_path, monkeypatch):
     tflops = next(m for m in doc["rows"][1]["metrics"] if m["name"] == "tflops_per_gpu")
     assert tflops["rel_diff"] == pytest.approx(0.02)
     suite = ET.parse(tmp_path / "out" / "junit.xml").getroot().find("testsuite")
-    assert int(suite.get("tests")) == 2 * len(gold.METRICS) and suite.get("failures") == "0"
+    assert int(suite.get("tests")) == 2 * len(metrics.METRICS) and suite.get("failures") == "0"
     text = summary.read_text()
     assert text.startswith("earlier step\n") and "**PASS" in text and "+2.0%" in text
     assert (tmp_path / "out" / "compare.md").read_text() in text
@@ -357,7 +367,7 @@ def test_every_config_field_but_the_measurement_protocol_is_in_the_key():
                 assert differs == [] and point_id(other) == point_id(base)
             else:
                 assert len(differs) == 1, (section, f.name, differs)
-    assert sorted(c for cs in changed_by.values() for c in cs) == sorted(gold.KEY_COLUMNS[1:])
+    assert sorted(c for cs in changed_by.values() for c in cs) == sorted(KEY_COLUMNS[1:])
     assert changed_by["model.hidden_size"] == ["hidden_size"] and changed_by["recompute.num_layers"] == ["recompute_num_layers"]
 
 
@@ -365,7 +375,7 @@ def test_an_integer_in_a_float_field_gives_the_same_key():
     a, b = record(), record()
     b["config"]["model"]["rotary_base"] = 10000
     a["config"]["model"]["rotary_base"] = 10000.0
-    assert gold.row_key(record_row(a)) == gold.row_key(record_row(b))
+    assert verdicts.row_key(record_row(a)) == verdicts.row_key(record_row(b))
 
 
 def test_points_that_differ_only_in_hidden_size_are_two_golden_rows(tmp_path):
@@ -407,7 +417,7 @@ def _older_golden(path, records, tolerance=None):
 
     write_golden_of(path, records, tolerance)
     frame = pd.read_csv(path, dtype=str, keep_default_na=False)
-    frame.drop(columns=[c for c in gold.KEY_COLUMNS if c not in OLDER_KEY_COLUMNS]).to_csv(path, index=False)
+    frame.drop(columns=[c for c in KEY_COLUMNS if c not in OLDER_KEY_COLUMNS]).to_csv(path, index=False)
     return path
 
 
@@ -435,7 +445,7 @@ def test_an_older_golden_is_refused_by_compare_and_migrated_by_golden_update(tmp
     assert "migrated the key: every row now has the column(s) hidden_size, num_attention_heads," in update.stderr
     assert f"wrote {g}: 1 added, 3 replaced, 0 kept;" in update.stderr
     header = g.read_text().splitlines()[0].split(",")
-    assert [c for c in gold.KEY_COLUMNS if c not in header] == []
+    assert [c for c in KEY_COLUMNS if c not in header] == []
     rows = {row["setting"]: row for row in gold.read_golden(g)}
     assert rows["selective[mlp]"]["tolerance"] == "tflops_per_gpu:9%" and rows["selective[mlp]"]["tflops_per_gpu"] == 95.0
     assert invoke("compare", str(every), "--golden", str(g), "--strict").exit_code == 0

@@ -96,7 +96,8 @@ def test_workload_overrides_apply_to_every_point():
 
 
 def test_default_plan_is_what_the_shipped_cpu_golden_covers():
-    from recompute_bench.gate.golden import read_golden, row_key
+    from recompute_bench.gate.golden import read_golden
+    from recompute_bench.gate.verdicts import row_key
     from recompute_bench.results.rows import config_hash, key_fields
 
     points, _ = plan_from_flags("tiny", overrides={}, sets=[], gpu="cpu")

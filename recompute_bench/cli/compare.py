@@ -36,7 +36,7 @@ def compare(
 ) -> None:
     """Compare results with a golden file: a verdict per row, exit 0 pass, 1 a failing verdict, 2 bad input."""
 
-    from recompute_bench.gate import golden as gold
+    from recompute_bench.gate import golden as gold, tolerances as tol, verdicts
     from recompute_bench.results.rows import load_result_records, record_row
     from recompute_bench.results.store import resolve_results
     from recompute_bench.render.comparison import details_table, experiment_table, headline, junit_xml, markdown as to_markdown, to_json
@@ -46,10 +46,10 @@ def compare(
         rows = [record_row(r) for r in load_result_records(path)]
         golden_file = golden or gold.golden_path_for(records_kind(rows), results_dir)
         golden_rows = gold.read_golden(golden_file)
-        overrides = gold.parse_tolerances(tolerance)
+        overrides = tol.parse_tolerances(tolerance)
     except BadInput as e:
         raise fail(str(e)) from None
-    comparison = gold.compare(rows, golden_rows, tolerances=overrides, strict=strict, golden_path=golden_file)
+    comparison = verdicts.compare(rows, golden_rows, tolerances=overrides, strict=strict, golden_path=golden_file)
     title = f"compare {results} with {golden_file}"
     err.print(experiment_table(comparison, title))
     table = details_table(comparison, everything=details)

@@ -64,7 +64,7 @@ def sweep(
     """Measure several recompute settings, each in its own process, and compare them with the golden.
 
     Results go to results/<run-id>/; with no flag every setting of the workload is measured."""
-    from recompute_bench.gate import golden as gold
+    from recompute_bench.gate import golden as gold, verdicts
     from recompute_bench.results.rows import record_row
     from recompute_bench.render.comparison import details_table, experiment_table, headline, to_json
     from recompute_bench.launch.sweep import SweepRequest, plan_points, plan_to_dict, resume_command, run_sweep
@@ -113,8 +113,8 @@ def sweep(
         raise typer.Exit(130) from None
 
     rows = [record_row(r) for r in records]
-    planned = {gold.row_key(r) for r in rows}
-    comparison = gold.compare(rows, golden_rows, strict=strict, only_keys=planned, golden_path=golden_file)
+    planned = {verdicts.row_key(r) for r in rows}
+    comparison = verdicts.compare(rows, golden_rows, strict=strict, only_keys=planned, golden_path=golden_file)
     title = f"sweep {run}: {points[0].cfg.workload} on {rows[0].get('device_name') if rows else '?'}"
     if golden_rows is not None:
         title += f" vs {golden_file}"

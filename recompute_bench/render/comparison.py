@@ -16,8 +16,8 @@ from typing import Any
 from rich.markup import escape
 from rich.table import Table
 
-from recompute_bench.gate.golden import (EXPECTED_OOM, FAILED, NEW, PASS, UNEXPECTED_OOM, Comparison, MetricResult, RowResult,
-                     signed_percent)
+from recompute_bench.gate.verdicts import (EXPECTED_OOM, FAILED, NEW, PASS, UNEXPECTED_OOM, Comparison, MetricResult,
+                                           RowResult, signed_percent)
 from recompute_bench.render.tables import NOT_MEASURED, fmt_bytes, fmt_seconds
 from recompute_bench.results.rows import KEY_COLUMNS
 
@@ -73,25 +73,43 @@ def _with_diff(text: str, m: MetricResult | None) -> str:
     return f"{text} ({signed_percent(m.rel_diff)})"
 
 
+CPU_NOT_GATED = "not gated on cpu"
+CPU_NOTE = ("TFLOP/s is not gated against a CPU golden: wall-clock on a shared CPU swings far beyond any tolerance, "
+            "so FLOPs, bytes, parameters and loss carry the gate (docs/gate.md)")
+
+
+def _cpu_wall_clock(row: RowResult, m: MetricResult | None) -> bool:
+    """A wall-clock metric compared with a CPU golden row and left ungated for that reason."""
+    return m is not None and m.tolerance is None and (row.golden or {}).get("device_name") == "cpu"
+
+
 def table_cells(row: RowResult) -> list[str]:
-    """The cells of one row of the experiment table, as plain text."""
+    """The cells of one row of the experiment table, as plain text. Against a CPU golden the
+    "vs Golden" cell says the TFLOP/s is not gated instead of a difference nobody acts on."""
     actual = row.actual or {}
     tflops = row.metric("tflops_per_gpu")
     peak = actual.get("peak_allocated_bytes")
+    vs_golden = "" if tflops is None else CPU_NOT_GATED if _cpu_wall_clock(row, tflops) else signed_percent(tflops.rel_diff)
     return [
         row.experiment,
         row.setting,
         fmt_tflops(actual.get("tflops_per_gpu")) if row.actual is not None else "",
-        signed_percent(tflops.rel_diff) if tflops is not None else "",
+        vs_golden,
         _with_diff(fmt_bytes(peak), row.metric("peak_allocated_bytes")) if row.actual is not None else "",
         _with_diff(fmt_bytes(actual.get("activation_bytes")), row.metric("activation_bytes")) if row.actual is not None else "",
         result_text(row),
     ]
 
 
+def cpu_note(comparison: Comparison) -> str | None:
+    """The line under the table that says why TFLOP/s is not compared, when a row is a CPU one."""
+    return CPU_NOTE if any(_cpu_wall_clock(r, r.metric("tflops_per_gpu")) for r in comparison.rows) else None
+
+
 def experiment_table(comparison: Comparison, title: str) -> Table:
-    """The rich experiment table."""
-    table = Table(title=escape(title), header_style="bold")
+    """The rich experiment table (with `cpu_note` as its caption where it applies)."""
+    note = cpu_note(comparison)
+    table = Table(title=escape(title), header_style="bold", caption=escape(note) if note else None, caption_justify="left")
     for col in COLUMNS:
         table.add_column(col, justify="right" if col in ("TFLOP/s/GPU", "vs Golden", "Peak Mem", "Activations") else "left")
     for row in comparison.rows:
@@ -141,6 +159,8 @@ def markdown(comparison: Comparison, title: str, update_command: str | None = No
     lines = [f"## {_md(title)}", "", f"**{headline(comparison)}**", ""]
     lines += ["| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
     lines += ["| " + " | ".join(_md(c) for c in table_cells(row)) + " |" for row in comparison.rows]
+    if note := cpu_note(comparison):
+        lines += ["", _md(note)]
     failing = comparison.failing_rows
     if failing:
         lines += ["", "### Failing rows", ""]
