@@ -187,3 +187,12 @@ def test_framework_megatron_takes_megatron_defaults_and_is_not_run():
     assert (model["transformer_impl"], model["attention_backend"]) == ("transformer_engine", "auto")
     result = invoke("run", "--no-save", "--framework", "megatron")
     assert result.exit_code == 2 and "estimated, not run" in result.stderr
+
+
+def test_context_parallels_flags_give_estimate_the_same_config():
+    args = {**SEVEN_B, "--context-parallel-size": 4, "--cp-comm-type": "a2a+p2p",
+            "--hierarchical-context-parallel-sizes": "2 2"}
+    result = invoke("estimate", *overrides_as_flags(megatron_overrides(args, world_size=16)), "--json")
+    assert result.exit_code == 0, result.output
+    assert json.loads(result.stdout)["config"] == {**config_from_megatron(args, world_size=16).to_dict(),
+                                                   "workload": "tiny"}
