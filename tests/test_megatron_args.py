@@ -110,7 +110,7 @@ def test_the_mapped_flags_give_estimate_the_same_config():
 
 
 @pytest.mark.parametrize("argument,value,words", [
-    ("--context-parallel-size", 2, "context parallelism"),
+    ("--hybrid-context-parallel", True, "hybrid context parallel"),
     ("--fp8-format", "hybrid", "FP8"),
     ("--use-torch-fsdp2", True, "FSDP"),
     ("--decoder-first-pipeline-num-layers", 2, "uneven pipeline"),
@@ -129,6 +129,29 @@ def test_what_the_estimate_cannot_express_is_refused_naming_the_argument(argumen
         config_from_megatron({**SEVEN_B, argument: value}, world_size=8)
     assert e.value.argument == argument and argument in str(e.value) and words in str(e.value)
     assert "\n" not in str(e.value)
+
+
+def test_context_parallels_arguments_are_read():
+    # arguments.py: data_parallel_size = world_size // (tp x pp x cp); --cp-comm-type takes one type
+    # or one per layer; --hierarchical-context-parallel-sizes two integers (a yaml writes "2 2" or
+    # "[2 2]", a command line two words, a log's dump [2, 2]).
+    cfg = config_from_megatron({**SEVEN_B, "--context-parallel-size": 2}, world_size=16)
+    assert (cfg.parallel.context_parallel_size, cfg.parallel.data_parallel_size, cfg.parallel.cp_comm_type) == (2, 2, "p2p")
+    for sizes in ("2 2", "[2 2]", [2, 2], "[2, 2]"):
+        cfg = config_from_megatron({**SEVEN_B, "--context-parallel-size": 4, "--cp-comm-type": "a2a+p2p",
+                                    "--hierarchical-context-parallel-sizes": sizes}, world_size=16)
+        assert cfg.parallel.hierarchical_context_parallel_sizes == [2, 2] and cfg.parallel.cp_comm_type == "a2a+p2p"
+    argv = read_argv(["--context-parallel-size", "2", "--cp-comm-type", *["p2p"] * 16, *["a2a"] * 16])
+    cfg = config_from_megatron({**SEVEN_B, **argv}, world_size=16)
+    assert cfg.parallel.cp_comm_type == " ".join(["p2p"] * 16 + ["a2a"] * 16)
+    dump = {**SEVEN_B, "context_parallel_size": "2", "cp_comm_type": "['all_gather']",
+            "hierarchical_context_parallel_sizes": "None"}
+    assert config_from_megatron(dump, world_size=16).parallel.cp_comm_type == "all_gather"
+    with pytest.raises(BadInput, match="tensor x pipeline x context parallel 1 x 4 x 2"):
+        config_from_megatron({**SEVEN_B, "--context-parallel-size": 2}, world_size=12)
+    with pytest.raises(BadInput, match="--hierarchical-context-parallel-sizes"):
+        config_from_megatron({**SEVEN_B, "--context-parallel-size": 4, "--cp-comm-type": "a2a+p2p",
+                              "--hierarchical-context-parallel-sizes": "two two"}, world_size=16)
 
 
 def test_neutral_values_of_those_arguments_are_accepted():
@@ -164,3 +187,12 @@ def test_framework_megatron_takes_megatron_defaults_and_is_not_run():
     assert (model["transformer_impl"], model["attention_backend"]) == ("transformer_engine", "auto")
     result = invoke("run", "--no-save", "--framework", "megatron")
     assert result.exit_code == 2 and "estimated, not run" in result.stderr
+
+
+def test_context_parallels_flags_give_estimate_the_same_config():
+    args = {**SEVEN_B, "--context-parallel-size": 4, "--cp-comm-type": "a2a+p2p",
+            "--hierarchical-context-parallel-sizes": "2 2"}
+    result = invoke("estimate", *overrides_as_flags(megatron_overrides(args, world_size=16)), "--json")
+    assert result.exit_code == 0, result.output
+    assert json.loads(result.stdout)["config"] == {**config_from_megatron(args, world_size=16).to_dict(),
+                                                   "workload": "tiny"}

@@ -72,6 +72,33 @@ REFUSED = [
      "does not divide them; pass --seq-length as a multiple of 16"),
     (["estimate", "--framework", "megatron", "--cp", "2", "--set", "parallel.cp_comm_type=ring"],
      "cp_comm_type 'ring' is not one of p2p, all_gather, a2a, a2a+p2p; pass --set parallel.cp_comm_type=p2p"),
+    # The harness's own refusal stays until it runs context parallel (issue 27).
+    (["estimate", "--cp", "2"],
+     "this harness does not run context parallel yet; estimate Megatron's with --framework megatron, or drop "
+     "--context-parallel-size"),
+    # Megatron runs context parallel only through Transformer Engine's flash or fused attention
+    # (dot_product_attention.py's assert; get_attention_backend disables the unfused kernel under CP).
+    (["estimate", "--framework", "megatron", "--cp", "2", "--transformer-impl", "local"],
+     "Megatron runs context parallel only with Transformer Engine's attention; pass --transformer-impl "
+     "transformer_engine or drop --context-parallel-size"),
+    (["estimate", "--framework", "megatron", "--cp", "2", "--attention-backend", "unfused"],
+     "Transformer Engine's unfused attention cannot split the sequence over context-parallel ranks; pass "
+     "--attention-backend flash, fused or auto, or drop --context-parallel-size"),
+    # a2a spreads each tensor-parallel rank's heads over the cp ranks (tiny: 4 heads)
+    (["estimate", "--framework", "megatron", "--cp", "8", "--set", "parallel.cp_comm_type=a2a"],
+     "cp_comm_type a2a splits each tensor-parallel rank's 4 heads and 4 query groups over 8 ranks, which do not "
+     "divide them; pass another --set parallel.cp_comm_type or --context-parallel-size"),
+    (["estimate", "--framework", "megatron", "--cp", "4", "--set", "parallel.cp_comm_type=a2a+p2p"],
+     "cp_comm_type a2a+p2p needs the two levels of context parallel; pass --set "
+     "parallel.hierarchical_context_parallel_sizes=[A2A,P2P] with A2A x P2P = 4"),
+    (["estimate", "--framework", "megatron", "--cp", "4", "--set", "parallel.cp_comm_type=a2a+p2p", "--set",
+      "parallel.hierarchical_context_parallel_sizes=[2,4]"],
+     "hierarchical_context_parallel_sizes [2, 4] must be two sizes [a2a, p2p] whose product is "
+     "context_parallel_size 4; pass --set parallel.hierarchical_context_parallel_sizes=[2,2]"),
+    # one type per layer (tiny: 4 layers), as Megatron's list form gives them
+    (["estimate", "--framework", "megatron", "--cp", "2", "--set", "parallel.cp_comm_type=p2p a2a"],
+     "cp_comm_type lists 2 types for 4 layers; pass one type for every layer (--set parallel.cp_comm_type=p2p) "
+     "or 4 separated by spaces"),
     (["run", "--precision", "fp8"],
      "this harness does not run FP8 yet; estimate Megatron's FP8 with --framework megatron, or pass --precision bf16"),
     (["estimate", "--framework", "megatron", "--precision", "fp8", "--set", "training.fp8_recipe=current"],

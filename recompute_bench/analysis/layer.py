@@ -17,6 +17,7 @@ import dataclasses
 from typing import Iterable
 
 from recompute_bench.models import ELEMENT_BYTES, spec_for
+from recompute_bench.models.context_parallel import local_seq_length
 from recompute_bench.spec.config import Config
 
 
@@ -41,9 +42,11 @@ def layer_activation_bytes(cfg: Config, modules: Iterable[str] = (), device: str
 
 def checkpoint_input_bytes(cfg: Config) -> float:
     """What full recompute keeps per checkpoint: the chunk's [s, b, h] input, sharded over the
-    tensor-parallel group with sequence parallelism or `distribute_saved_activations`."""
+    tensor-parallel group with sequence parallelism or `distribute_saved_activations`; under
+    context parallel a rank's s/cp tokens (`models.context_parallel.local_seq_length`)."""
     tr, par = cfg.training, cfg.parallel
-    nbytes = ELEMENT_BYTES[tr.precision] * tr.seq_length * tr.micro_batch_size * cfg.model.hidden_size
+    s = local_seq_length(tr.seq_length, par.context_parallel_size)
+    nbytes = ELEMENT_BYTES[tr.precision] * s * tr.micro_batch_size * cfg.model.hidden_size
     if par.sequence_parallel or cfg.recompute.distribute_saved_activations:
         nbytes /= par.tensor_model_parallel_size
     return nbytes

@@ -11,9 +11,9 @@ map one to one; the rest are Megatron's spellings of a field (`--swiglu` is `act
   `num_layers ........ 12`): every argument, as text (`None`, `True`, `AttnBackend.flash`), derived
   ones included (`ffn_hidden_size`, `virtual_pipeline_model_parallel_size`, `padded_vocab_size`).
 
-An argument that changes what a rank holds but that the estimate cannot express (context parallel,
-FP8, FSDP, MoE, ...) raises `CannotExpress` naming it, unless it holds Megatron's
-neutral value (`context_parallel_size 1`, `fp8 None`): a log's dump lists them all. Every other
+An argument that changes what a rank holds but that the estimate cannot express (FP8, FSDP, MoE,
+...) raises `CannotExpress` naming it, unless it holds Megatron's neutral value (`fp8 None`): a
+log's dump lists them all. Every other
 argument (data, logging, checkpointing, learning rate, timers) changes nothing the estimate holds and
 is not read. Pure Python.
 """
@@ -58,8 +58,6 @@ ALIASES = {"microbatch_group_size_per_virtual_pipeline_stage": "microbatch_group
 # Arguments the estimate cannot express, each with Megatron's neutral values (what leaves the rank's
 # bytes as the estimate counts them) and why. A value outside them raises CannotExpress.
 NEUTRAL: dict[str, tuple[tuple[Any, ...], str]] = {
-    "context_parallel_size": ((1,), "context parallelism is not modelled"),
-    "hierarchical_context_parallel_sizes": ((None,), "context parallelism is not modelled"),
     "fp8": ((None,), "FP8 training is not modelled"),
     "fp8_format": ((None,), "FP8 training is not modelled"),
     "fp8_param_gather": ((False,), "FP8 training is not modelled"),
@@ -109,6 +107,14 @@ NEUTRAL: dict[str, tuple[tuple[Any, ...], str]] = {
     "moe_z_loss_coeff": ((None, 0, 0.0), "the router z-loss is not modelled"),
     "moe_token_dispatcher_type": (("allgather", "alltoall"), "the flex token dispatcher is not modelled"),
 }
+
+# Context parallel (context_parallel_size, cp_comm_type, hierarchical_context_parallel_sizes) is
+# read by `_context_parallel`; what of it the estimate cannot express:
+NEUTRAL.update({
+    "hybrid_context_parallel": ((False,), "hybrid context parallel (a context-parallel size per micro-batch) is "
+                                          "not modelled"),
+})
+
 
 # Megatron's neutral values (TransformerConfig and arguments.py defaults) of the arguments read
 # below, where they differ from this product's defaults; a yaml or a command line gives only the
@@ -244,15 +250,18 @@ def megatron_overrides(args: Mapping[str, Any], world_size: int | None = None) -
 
     tr["precision"] = "fp16" if a.get("fp16") else "bf16" if a.get("bf16") else "fp32"
 
-    # Layout: arguments.py validate_args derives the data-parallel and virtual-pipeline sizes.
+    # Layout: arguments.py validate_args derives the data-parallel and virtual-pipeline sizes:
+    # data_parallel_size = world_size // (tp x pp x cp).
     tp, pp = a.get("tensor_model_parallel_size") or 1, a.get("pipeline_model_parallel_size") or 1
+    cp = _context_parallel(a, par)
     world = a.get("world_size") or world_size
     if a.get("data_parallel_size"):
         par["data_parallel_size"] = a["data_parallel_size"]
     elif world:
-        if world % (tp * pp):
-            raise BadInput(f"world size {world} is not divisible by tensor x pipeline parallel {tp} x {pp}")
-        par["data_parallel_size"] = world // (tp * pp)
+        if world % (tp * pp * cp):
+            raise BadInput(f"world size {world} is not divisible by tensor x pipeline x context parallel "
+                           f"{tp} x {pp} x {cp}")
+        par["data_parallel_size"] = world // (tp * pp * cp)
     par["sequence_parallel"] = bool(a.get("sequence_parallel")) and tp > 1  # validate_args: no SP when tp == 1
     vpp = _virtual_stages(a, m["num_layers"], pp)
     if vpp:
@@ -274,6 +283,29 @@ def megatron_overrides(args: Mapping[str, Any], world_size: int | None = None) -
     if a.get("cpu_offloading"):
         r["activation_offload_layers"] = a.get("cpu_offloading_num_layers") or 0
     return tables
+
+
+def _context_parallel(a: Mapping[str, Any], par: dict[str, Any]) -> int:
+    """Context parallel's arguments into `par`; returns context_parallel_size. --cp-comm-type takes
+    one type or one per layer (arguments.py: nargs '+'; argument_utils.py passes a single one as a
+    string, a list on to TransformerConfig); --hierarchical-context-parallel-sizes two integers, which
+    a yaml may write as "2 2" or "[2 2]" and a log's dump as [2, 2]."""
+    cp = a.get("context_parallel_size") or 1
+    par["context_parallel_size"] = cp
+    types = a.get("cp_comm_type")
+    if types is not None:
+        words = [str(t) for t in types] if isinstance(types, (list, tuple)) else str(types).strip("[]").replace(
+            ",", " ").replace("'", " ").split()
+        par["cp_comm_type"] = words[0] if len(set(words)) == 1 else " ".join(words)
+    sizes = a.get("hierarchical_context_parallel_sizes")
+    if sizes is not None:
+        words = sizes if isinstance(sizes, (list, tuple)) else str(sizes).strip("[]").replace(",", " ").split()
+        try:
+            par["hierarchical_context_parallel_sizes"] = [int(n) for n in words]
+        except ValueError:
+            raise BadInput(f"Megatron argument --hierarchical-context-parallel-sizes {sizes} is not a list of "
+                           f"integers; write it as --hierarchical-context-parallel-sizes 2 2") from None
+    return cp
 
 
 def _vocabulary(a: Mapping[str, Any]) -> int:

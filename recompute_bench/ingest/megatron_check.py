@@ -104,6 +104,7 @@ def check(data: dict[str, Any]) -> tuple[list[CheckRow], dict[str, list[str]]]:
             peak = stage_peak(cfg, par.pipeline_model_parallel_size - 1, run)
             layout = (f"tp{par.tensor_model_parallel_size} pp{par.pipeline_model_parallel_size}"
                       + (f" vp{par.virtual_pipeline_model_parallel_size}" if par.virtual_pipeline_model_parallel_size else "")
+                      + (f" cp{par.context_parallel_size}" if par.context_parallel_size > 1 else "")
                       + f" dp{par.data_parallel_size}")
             rows.append(CheckRow(case["case"], name, golden["gpus"], layout, peak.peak_allocated_bytes,
                                  golden["max_allocated_bytes"], peak.static_bytes, golden["allocated_bytes"], peak.phase, kinds))

@@ -31,9 +31,10 @@ def layout_line(report: dict[str, Any]) -> str:
     """One line naming the shape and layout an estimate is for."""
     c = report["config"]
     m, t, p = c["model"], c["training"], c["parallel"]
-    vpp, ep = p["virtual_pipeline_model_parallel_size"], p.get("expert_model_parallel_size", 1)
+    vpp, ep, cp = p["virtual_pipeline_model_parallel_size"], p.get("expert_model_parallel_size", 1), p.get("context_parallel_size", 1)
     layout = (f"t={p['tensor_model_parallel_size']} p={p['pipeline_model_parallel_size']}"
-              + (f" vpp={vpp}" if vpp else "") + f" dp={p['data_parallel_size']}" + (f" ep={ep}" if ep > 1 else "")
+              + (f" vpp={vpp}" if vpp else "") + (f" cp={cp} ({p.get('cp_comm_type', 'p2p')})" if cp > 1 else "")
+              + f" dp={p['data_parallel_size']}" + (f" ep={ep}" if ep > 1 else "")
               + (" sp" if p["sequence_parallel"] else "") + (" dist-opt" if p["use_distributed_optimizer"] else ""))
     return (f"{report['workload']}: L={m['num_layers']} h={m['hidden_size']} a={m['num_attention_heads']} "
             f"g={m['num_query_groups'] or m['num_attention_heads']} | {layout} | b={t['micro_batch_size']} "

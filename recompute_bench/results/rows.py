@@ -43,7 +43,7 @@ def key_text(value: Any) -> str:
     if isinstance(value, bool):
         return "true" if value else "false"
     if isinstance(value, (list, tuple)):
-        return "+".join(value)
+        return "+".join(map(str, value))
     return str(value)
 
 

@@ -313,7 +313,11 @@ class ParallelConfig:
     cp_comm_type: str = "p2p"
     """How attention reaches the other ranks' keys and values under context parallel (Megatron's
     --cp-comm-type): p2p (a ring passing K/V chunks), all_gather (K/V of the whole sequence gathered
-    once), a2a (all-to-all over heads, Ulysses) or a2a+p2p (hierarchical)."""
+    once), a2a (all-to-all over heads, Ulysses) or a2a+p2p (hierarchical); one type for every layer,
+    or one per layer separated by spaces ("p2p p2p a2a a2a"), as Megatron's list form gives them."""
+    hierarchical_context_parallel_sizes: Optional[list[int]] = None
+    """a2a+p2p only: the two levels of context parallel, [a2a ranks, p2p ranks], whose product is
+    context_parallel_size (Megatron's --hierarchical-context-parallel-sizes)."""
     pipeline_parallel_schedule: Optional[str] = None
     """The pipeline schedule, by torch's pipelining names: 1F1B, Interleaved1F1B (virtual stages),
     GPipe, InterleavedZeroBubble, ZBVZeroBubble or DualPipeV (two stages per rank, the "V"); None:

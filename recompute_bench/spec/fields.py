@@ -36,6 +36,7 @@ LATER_KEYS = ("num_moe_experts", "moe_router_topk", "moe_ffn_hidden_size", "moe_
               "moe_expert_capacity_factor", "moe_token_drop_policy", "framework", "transformer_impl",
               "masked_softmax_fusion", "attention_softmax_in_fp32", "cross_entropy_loss_fusion",
               "pipeline_parallel_schedule", "context_parallel_size", "cp_comm_type",
+              "hierarchical_context_parallel_sizes",
               "fp8_recipe", "fp8_format", "fp8_param_gather")
 # The default of a field that has none (the model's shape): a record must hold it.
 REQUIRED = object()

@@ -10,6 +10,7 @@ import dataclasses
 from typing import Any
 
 from recompute_bench.models import spec_for
+from recompute_bench.models.context_parallel import comm_levels, layer_comm_types
 from recompute_bench.spec.config import (ACTIVATIONS, ATTENTION_BACKENDS, CP_COMM_TYPES, FP8_FORMATS, FP8_RECIPES, FRAMEWORKS, GRANULARITIES, INTERLEAVED_SCHEDULES,
                                          MEGATRON_ATTENTION_BACKENDS, MEGATRON_ONLY, METHODS, NORMALIZATIONS,
                                          PIPELINE_SCHEDULES, POSITION_EMBEDDINGS, TRANSFORMER_IMPLS, PRECISIONS,
@@ -159,12 +160,26 @@ def _validate_pipeline(cfg: Config) -> None:
 def _validate_context_parallel(cfg: Config) -> None:
     """Megatron's context-parallel rules: the sequence splits into 2 x cp equal chunks
     (megatron/core/utils.py `get_batch_on_this_cp_rank` views it as [2cp, s / 2cp]), and sequence
-    parallel splits each rank's s / cp tokens again over tp."""
-    p, s = cfg.parallel, cfg.training.seq_length
+    parallel splits each rank's s / cp tokens again over tp. cp_comm_type names one type or one per
+    layer (transformer_config.py: a list must have num_layers entries); a2a+p2p needs two
+    hierarchical levels whose product is cp (arguments.py validate_args, parallel_state.py, and
+    Transformer Engine's `attn_forward_func_with_cp`: cp_group = [a2a group, p2p group])."""
+    p, s, m = cfg.parallel, cfg.training.seq_length, cfg.model
     cp = p.context_parallel_size
     if not isinstance(cp, int) or cp < 1:
         raise BadInput(f"context_parallel_size must be a positive integer, got {cp!r}; pass --context-parallel-size N")
-    _choice("cp_comm_type", p.cp_comm_type, CP_COMM_TYPES, "pass --set parallel.cp_comm_type=p2p")
+    types = layer_comm_types(str(p.cp_comm_type), m.num_layers)
+    for kind in types:
+        _choice("cp_comm_type", kind, CP_COMM_TYPES, "pass --set parallel.cp_comm_type=p2p")
+    if len(types) != m.num_layers:
+        raise BadInput(f"cp_comm_type lists {len(types)} types for {m.num_layers} layers; pass one type for every "
+                       f"layer (--set parallel.cp_comm_type=p2p) or {m.num_layers} separated by spaces")
+    sizes = p.hierarchical_context_parallel_sizes
+    if sizes is not None and (not isinstance(sizes, list) or len(sizes) != 2
+                              or not all(isinstance(n, int) and n >= 1 for n in sizes) or sizes[0] * sizes[1] != cp):
+        a2a = min(n for n in range(2, cp + 1) if cp % n == 0) if cp > 1 else 1
+        raise BadInput(f"hierarchical_context_parallel_sizes {sizes!r} must be two sizes [a2a, p2p] whose product is "
+                       f"context_parallel_size {cp}; pass --set parallel.hierarchical_context_parallel_sizes=[{a2a},{cp // a2a}]")
     if cp == 1:
         return
     if s % (2 * cp):
@@ -174,10 +189,30 @@ def _validate_context_parallel(cfg: Config) -> None:
         raise BadInput(f"sequence parallelism splits each context-parallel rank's {s // cp} tokens over "
                        f"tensor_model_parallel_size {p.tensor_model_parallel_size}, which does not divide them; "
                        f"pass --seq-length as a multiple of {2 * cp * p.tensor_model_parallel_size}")
+    if "a2a+p2p" in types and sizes is None:
+        raise BadInput("cp_comm_type a2a+p2p needs the two levels of context parallel; pass --set "
+                       f"parallel.hierarchical_context_parallel_sizes=[A2A,P2P] with A2A x P2P = {cp}")
+    tp = p.tensor_model_parallel_size
+    for kind in sorted(set(types)) if not (m.num_attention_heads % tp or m.groups % tp) else ():
+        a2a = comm_levels(kind, cp, sizes)[1]
+        # context_parallel.py AttnFuncWithCPAndQKVOA2A / flash_attn_a2a_communicate: the heads of
+        # each tensor-parallel rank are split over the all-to-all's ranks
+        if (m.num_attention_heads // tp) % a2a or (m.groups // tp) % a2a:
+            raise BadInput(f"cp_comm_type {kind} splits each tensor-parallel rank's {m.num_attention_heads // tp} "
+                           f"heads and {m.groups // tp} query groups over {a2a} ranks, which do not divide them; "
+                           f"pass another --set parallel.cp_comm_type or --context-parallel-size")
     if cfg.training.framework == "recompute-bench":
         raise BadInput("this harness does not run context parallel yet; estimate Megatron's with --framework megatron, "
                        "or drop --context-parallel-size")
-    raise BadInput("context parallel is not modelled for framework megatron yet; drop --context-parallel-size")
+    # megatron/core/transformer/dot_product_attention.py: "Context parallelism is only supported by
+    # TEDotProductAttention"; Transformer Engine's get_attention_backend disables
+    # UnfusedDotProductAttention under context parallel, leaving no kernel for --attention-backend unfused.
+    if m.transformer_impl == "local":
+        raise BadInput("Megatron runs context parallel only with Transformer Engine's attention; pass "
+                       "--transformer-impl transformer_engine or drop --context-parallel-size")
+    if m.attention_backend == "unfused":
+        raise BadInput("Transformer Engine's unfused attention cannot split the sequence over context-parallel "
+                       "ranks; pass --attention-backend flash, fused or auto, or drop --context-parallel-size")
 
 
 def _validate_framework(cfg: Config) -> None:

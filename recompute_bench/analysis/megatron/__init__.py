@@ -16,13 +16,16 @@ Sources (Megatron-LM d98e8a6, TransformerEngine d0067d0, torch 2.13):
 - megatron/core/tensor_parallel/cross_entropy.py, megatron/core/fusions/fused_cross_entropy.py (the loss)
 - megatron/core/transformer/dot_product_attention.py, attention.py, mlp.py, megatron/core/fusions/* (layers)
 - transformer_engine/pytorch/module/layernorm_linear.py, linear.py, attention/dot_product_attention/*.py
+  (context_parallel.py: the CP attention functions)
+- megatron/core/utils.py get_batch_on_this_cp_rank (the sequence split)
 - transformer_engine/pytorch/cpp_extensions/gemm.py (TE's cuBLAS workspace)
 - aten/src/ATen/cuda/CublasHandlePool.cpp (torch's cuBLAS workspaces)
 
 One module per concern: `run` (the GPU kind), `buffers` (workspaces and buffers outside the
 parameters), `optimizer` (bytes per parameter), `attention` (the attention paths), `layer` (one
-dense layer), `outside` (embedding, output layer, loss, inputs), `stage` (a chunk and a stage's
-peak through the schedule), `report` (what `estimate` prints and records carry).
+dense layer), `outside` (embedding, output layer, loss, inputs), `context_parallel` (the sequence
+split over cp ranks and Transformer Engine's CP attention), `stage` (a chunk and a stage's peak
+through the schedule), `report` (what `estimate` prints and records carry).
 """
 
 from recompute_bench.analysis.megatron.run import COMPUTE_CAPABILITY, DEFAULT_GPU, MegatronRun

@@ -5,6 +5,8 @@ transformer_engine/pytorch/attention/dot_product_attention/{backends,utils,softm
 
 from __future__ import annotations
 
+from recompute_bench.analysis.megatron import context_parallel
+from recompute_bench.analysis.megatron.context_parallel import layer_attention, rank_tokens
 from recompute_bench.analysis.megatron.run import MegatronRun
 from recompute_bench.models import ELEMENT_BYTES, FP32_BYTES, MASK_BYTES, SavedBytes
 from recompute_bench.spec.config import Config
@@ -24,12 +26,14 @@ def attention_path(cfg: Config, run: MegatronRun) -> str:
     return "fused" if run.compute_capability >= 90 else "flash"
 
 
-def attention_saved(saved: SavedBytes, cfg: Config, run: MegatronRun, mods: set[str]) -> None:
-    """What the attention block keeps after its norm: the QKV output, RoPE's q and k, the core
-    attention's tensors, its output (linear_proj's input)."""
+def attention_saved(saved: SavedBytes, cfg: Config, run: MegatronRun, mods: set[str], layer: int = 0) -> None:
+    """What the attention block of layer `layer` (0-based) keeps after its norm: the QKV output,
+    RoPE's q and k, the core attention's tensors, its output (linear_proj's input). Under context
+    parallel every tensor holds the CP rank's s/cp tokens, and Transformer Engine's CP attention
+    keeps its own set (`context_parallel.attention_saved`)."""
     m, tr = cfg.model, cfg.training
     e, b, s = ELEMENT_BYTES[tr.precision], tr.micro_batch_size, tr.seq_length
-    tokens, d, a, g = s * b, m.head_dim, m.num_attention_heads, m.groups
+    tokens, d, a, g = rank_tokens(cfg), m.head_dim, m.num_attention_heads, m.groups
     qkv = ("linear_qkv.output", e * tokens * (a + 2 * g) * d)
     rope = m.position_embedding_type == "rope"
     # attention.py get_query_key_value_tensors: q, k, v are views of the QKV output; query.reshape to
@@ -42,6 +46,10 @@ def attention_saved(saved: SavedBytes, cfg: Config, run: MegatronRun, mods: set[
     if "core_attn" in mods:  # tensor_parallel.checkpoint saves q, k, v and the output
         for name, nbytes in (q, k, qkv, out):
             saved.add(name, nbytes, "tp")
+        return
+    cp_attention = layer_attention(cfg, layer)
+    if cp_attention is not None:  # validate: flash or fused under context parallel
+        context_parallel.attention_saved(saved, cfg, path, cp_attention)
         return
     if path == "fused":  # FusedAttnFunc saves q, k, v as given, the output, the softmax statistics
         for name, nbytes in (q, k, qkv, out):

@@ -8,21 +8,24 @@ from __future__ import annotations
 
 from typing import Iterable
 
-from recompute_bench.analysis.megatron.attention import attention_saved
+from recompute_bench.analysis.megatron.attention import attention_path, attention_saved
+from recompute_bench.analysis.megatron.context_parallel import (attention_backward_bytes, attention_forward_bytes,
+                                                                layer_attention, rank_tokens)
 from recompute_bench.analysis.megatron.run import MegatronRun
 from recompute_bench.models import ELEMENT_BYTES, FP32_BYTES, MASK_BYTES, SavedBytes
 from recompute_bench.spec.config import Config
 
-def layer_saved_bytes(cfg: Config, run: MegatronRun, modules: Iterable[str] = ()) -> dict[str, float]:
-    """Bytes one Megatron GPT layer keeps for backward, one micro-batch on one tensor-parallel rank,
-    storage by storage (names after the module that keeps each), when `modules` are recomputed
-    selectively: core_attn (attention.py `_checkpointed_attention_forward`), mlp
-    (transformer_layer.py checkpoints `self.mlp`, which with TE includes fc1's fused norm), layernorm
-    (transformer_layer.py `CheckpointWithoutOutput` around the local spec's norms, whose output is
-    dropped once the next linear saved it; TE's norms are fused into the linear, its IdentityOp
-    norms leave nothing to recompute)."""
+def layer_saved_bytes(cfg: Config, run: MegatronRun, modules: Iterable[str] = (), layer: int = 0) -> dict[str, float]:
+    """Bytes Megatron GPT layer `layer` (0-based; layers differ only in their cp_comm_type) keeps
+    for backward, one micro-batch on one tensor-parallel rank, storage by storage (names after the
+    module that keeps each), when `modules` are recomputed selectively: core_attn (attention.py
+    `_checkpointed_attention_forward`), mlp (transformer_layer.py checkpoints `self.mlp`, which with
+    TE includes fc1's fused norm), layernorm (transformer_layer.py `CheckpointWithoutOutput` around
+    the local spec's norms, whose output is dropped once the next linear saved it; TE's norms are
+    fused into the linear, its IdentityOp norms leave nothing to recompute). Under context parallel
+    every tensor holds the rank's s/cp tokens (`context_parallel.rank_tokens`)."""
     m, tr = cfg.model, cfg.training
-    e, tokens, h, f = ELEMENT_BYTES[tr.precision], tr.seq_length * tr.micro_batch_size, m.hidden_size, m.ffn_hidden_size
+    e, tokens, h, f = ELEMENT_BYTES[tr.precision], rank_tokens(cfg), m.hidden_size, m.ffn_hidden_size
     mods = set(modules)
     saved = SavedBytes()
     te = m.transformer_impl == "transformer_engine"
@@ -39,7 +42,7 @@ def layer_saved_bytes(cfg: Config, run: MegatronRun, modules: Iterable[str] = ()
             saved.add(f"{name}.norm_stats", stats, "sp")
             saved.add(f"{name}.ln_out" if te else f"{block}.input", e * tokens * h, "sp")
         if block == "linear_qkv":
-            attention_saved(saved, cfg, run, mods)
+            attention_saved(saved, cfg, run, mods, layer)
             if m.hidden_dropout > 0:  # fused_bias_dropout.py: the dropout mask of bias-dropout-add
                 saved.add("self_attn_bda.dropout_mask", MASK_BYTES * tokens * h, "sp")
     if "mlp" not in mods:
@@ -53,16 +56,31 @@ def layer_saved_bytes(cfg: Config, run: MegatronRun, modules: Iterable[str] = ()
     return saved.per_rank(par.tensor_model_parallel_size, par.sequence_parallel)
 
 
-def layer_bytes(cfg: Config, run: MegatronRun, modules: Iterable[str] = ()) -> float:
+def layer_bytes(cfg: Config, run: MegatronRun, modules: Iterable[str] = (), layer: int = 0) -> float:
     """Sum of `layer_saved_bytes`."""
-    return sum(layer_saved_bytes(cfg, run, modules).values())
+    return sum(layer_saved_bytes(cfg, run, modules, layer).values())
 
 
-def layer_backward_bytes(cfg: Config, run: MegatronRun) -> float:
-    """What one layer's backward holds beyond the saved tensors: the MLP's, where the largest
-    gradients meet: linear_fc2's data gradient [s, b, f] and the activation's backward output
-    (the gradient of fc1's output), both in 16 bits."""
+def layer_backward_bytes(cfg: Config, run: MegatronRun, layer: int = 0) -> float:
+    """What one layer's backward holds beyond the saved tensors, at its most: the MLP's, where the
+    largest gradients meet (linear_fc2's data gradient [s, b, f] and the activation's backward
+    output, the gradient of fc1's output, both in 16 bits), or under context parallel the
+    attention's, whichever is more (`context_parallel.attention_backward_bytes`)."""
     tr, m = cfg.training, cfg.model
-    e, tokens, t = ELEMENT_BYTES[tr.precision], tr.seq_length * tr.micro_batch_size, cfg.parallel.tensor_model_parallel_size
+    e, tokens, t = ELEMENT_BYTES[tr.precision], rank_tokens(cfg), cfg.parallel.tensor_model_parallel_size
     fc1 = 2 * m.ffn_hidden_size if m.activation == "swiglu" else m.ffn_hidden_size
-    return e * tokens * (m.ffn_hidden_size + fc1) / t
+    mlp = e * tokens * (m.ffn_hidden_size + fc1) / t
+    cp_attention = layer_attention(cfg, layer)
+    if cp_attention is None:
+        return mlp
+    return max(mlp, sum(attention_backward_bytes(cfg, attention_path(cfg, run), cp_attention).values()))
+
+
+def layer_forward_bytes(cfg: Config, run: MegatronRun, layer: int = 0) -> float:
+    """What one layer's forward holds beyond what it keeps, at its most: under context parallel the
+    working set of Transformer Engine's CP attention (`context_parallel.attention_forward_bytes`);
+    nothing is counted without it (no golden peaks inside a layer's forward)."""
+    cp_attention = layer_attention(cfg, layer)
+    if cp_attention is None:
+        return 0.0
+    return sum(attention_forward_bytes(cfg, attention_path(cfg, run), cp_attention).values())

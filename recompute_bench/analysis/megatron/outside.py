@@ -1,5 +1,7 @@
 """Outside the layers, per micro-batch: the embedding's dropout mask, the final norm and output
-layer, the loss, and the micro-batch's inputs.
+layer, the loss, and the micro-batch's inputs. Under context parallel each holds the rank's s/cp
+tokens (`context_parallel.rank_tokens`): the loss runs over the split sequence, and its per-token
+losses are summed and reduced afterwards.
 
 Sources: megatron/core/models/common/embeddings/language_model_embedding.py,
 megatron/core/tensor_parallel/cross_entropy.py, megatron/core/fusions/fused_cross_entropy.py,
@@ -7,32 +9,32 @@ pretrain_gpt.py get_batch."""
 
 from __future__ import annotations
 
+from recompute_bench.analysis.megatron.context_parallel import attention_mask_bytes, rank_tokens
 from recompute_bench.models import ELEMENT_BYTES, FP32_BYTES, INDEX_BYTES, MASK_BYTES, vocab_rows
 from recompute_bench.spec.config import Config
 
 def embedding_saved_bytes(cfg: Config) -> float:
     """First stage, per micro-batch: the embedding dropout's mask (LanguageModelEmbedding.forward)."""
-    m, tr, par = cfg.model, cfg.training, cfg.parallel
+    m, par = cfg.model, cfg.parallel
     if m.hidden_dropout <= 0:
         return 0.0
     t = par.tensor_model_parallel_size if par.sequence_parallel else 1
-    return MASK_BYTES * tr.seq_length * tr.micro_batch_size * m.hidden_size / t
+    return MASK_BYTES * rank_tokens(cfg) * m.hidden_size / t
 
 
 def output_saved_bytes(cfg: Config) -> float:
     """Last stage, per micro-batch: the final norm's input and statistics (TENorm / FusedLayerNorm)
     and its output, which the output layer (ColumnParallelLinear) keeps for its weight gradient."""
     m, tr, par = cfg.model, cfg.training, cfg.parallel
-    tokens = tr.seq_length * tr.micro_batch_size
+    tokens = rank_tokens(cfg)
     t = par.tensor_model_parallel_size if par.sequence_parallel else 1
     stats = (2 if m.normalization == "LayerNorm" else 1) * FP32_BYTES * tokens
     return (2 * ELEMENT_BYTES[tr.precision] * tokens * m.hidden_size + stats) / t
 
 
 def logits(cfg: Config) -> float:
-    """Logits on one tensor-parallel rank: s x b x padded vocabulary / t."""
-    tr = cfg.training
-    return tr.seq_length * tr.micro_batch_size * vocab_rows(cfg) / cfg.parallel.tensor_model_parallel_size
+    """Logits on one tensor-parallel rank: s/cp x b x padded vocabulary / t."""
+    return rank_tokens(cfg) * vocab_rows(cfg) / cfg.parallel.tensor_model_parallel_size
 
 
 def loss_saved_bytes(cfg: Config) -> float:
@@ -59,7 +61,7 @@ def loss_peak_bytes(cfg: Config) -> float:
 def batch_bytes(cfg: Config) -> float:
     """One micro-batch's inputs on the GPU on the first and last stages (pretrain_gpt.py get_batch):
     tokens, labels and position ids (int64), the loss mask (fp32) and, with
-    create_attention_mask_in_dataloader (Megatron's default), the [b, 1, s, s] bool attention mask."""
-    tr = cfg.training
-    tokens = tr.seq_length * tr.micro_batch_size
-    return (3 * INDEX_BYTES + FP32_BYTES) * tokens + MASK_BYTES * tr.micro_batch_size * tr.seq_length ** 2
+    create_attention_mask_in_dataloader (Megatron's default), the [b, 1, s, s] bool attention mask;
+    under context parallel the rank's slices (`get_batch_on_this_cp_rank`: s/cp tokens, the mask's
+    s/cp queries over all s keys)."""
+    return (3 * INDEX_BYTES + FP32_BYTES) * rank_tokens(cfg) + attention_mask_bytes(cfg)

@@ -7,6 +7,7 @@ from typing import Any
 
 from recompute_bench.analysis.layer import checkpoint_input_bytes
 from recompute_bench.analysis.megatron.attention import attention_path
+from recompute_bench.analysis.megatron.context_parallel import context_parallel_report, optimizer_shards, rank_tokens
 from recompute_bench.analysis.megatron.layer import layer_backward_bytes, layer_bytes, layer_saved_bytes
 from recompute_bench.analysis.megatron.outside import embedding_saved_bytes, loss_saved_bytes, output_saved_bytes
 from recompute_bench.analysis.megatron.run import MegatronRun
@@ -16,6 +17,7 @@ from recompute_bench.analysis.paper import (built_minus_paper_bytes, paper_flops
 from recompute_bench.analysis.planner import ESTIMATE_SCHEMA, compute, with_setting
 from recompute_bench.analysis.rank import ALLOWANCE_BYTES, ALLOWANCE_FRACTION, device_bytes_needed
 from recompute_bench.analysis.schedule import chunk_forwards_in_flight
+from recompute_bench.models.context_parallel import layer_comm_types
 from recompute_bench.recompute.settings import selective_settings
 from recompute_bench.spec.config import Config, RecomputeConfig
 from recompute_bench.spec.rules import layers_per_model_chunk
@@ -68,18 +70,27 @@ def estimate_report(cfg: Config, run: MegatronRun, allowance_fraction: float = A
     settings = [setting_estimate(with_setting(cfg, r), run) for r in _settings(cfg)]
     for row in settings:
         row["device_bytes_needed"] = device_bytes_needed(row["peak_allocated_bytes"], allowance_fraction, allowance_bytes)
+    # The paper has no context parallel: its formula is taken at a CP rank's s/cp tokens.
+    cp, local = par.context_parallel_size, rank_tokens(cfg) // tr.micro_batch_size
     paper_rows = []
     for name, modules, kind in (("none", (), "none"), ("selective", ("core_attn",), "selective"), ("full", None, "full")):
         paper_rows.append({"recompute": name,
-                           "paper_bytes": paper_layer_bytes(tr.seq_length, tr.micro_batch_size, m.hidden_size,
+                           "paper_bytes": paper_layer_bytes(local, tr.micro_batch_size, m.hidden_size,
                                                             m.num_attention_heads, par.tensor_model_parallel_size,
                                                             par.sequence_parallel, kind),
                            "built_bytes": checkpoint_input_bytes(cfg) if modules is None else layer_bytes(cfg, run, modules),
                            "paper_flops": paper_flops_per_step(cfg, kind)})
     path = attention_path(cfg, run)
-    differences = [d for d in paper_layer_differences(cfg, "cuda") if not d.startswith("attention runs")]
+    differences = [d for d in paper_layer_differences(cfg, "cuda") if not d.startswith("attention runs")
+                   and not (cp > 1 and d.startswith("RoPE"))]
     if path in ("flash", "fused"):
         differences.insert(0, f"attention runs Transformer Engine's {path} kernel, not the paper's explicit softmax path")
+    if cp > 1:
+        kinds = " ".join(sorted(set(layer_comm_types(str(par.cp_comm_type), m.num_layers))))
+        differences.insert(0, f"context parallel {cp} ({kinds}): a rank holds s/cp = {local} tokens of each sequence, "
+                              f"the paper's formula is taken at s/cp (its s^2 scores term then counts s/cp x s/cp where "
+                              f"a rank's queries meet all s keys), and Transformer Engine's CP attention keeps its own "
+                              f"tensors (no QKV output)")
     if m.transformer_impl == "transformer_engine" or m.activation == "swiglu":
         differences.append("Megatron's layer keeps what its modules keep (TE's fused norm-linear, fused bias-activation)")
     modules = cfg.recompute.modules if cfg.recompute.granularity == "selective" else ()
@@ -93,6 +104,7 @@ def estimate_report(cfg: Config, run: MegatronRun, allowance_fraction: float = A
         "gpu": run.gpu,
         "cublas_workspace_config": run.cublas_workspace_config,
         "attention_kernel": path,
+        "context_parallel": context_parallel_report(cfg, path),
         "num_microbatches": cfg.num_microbatches,
         "microbatches_in_flight": chunk_forwards_in_flight(cfg, 0) / (par.virtual_pipeline_model_parallel_size or 1),
         "allowance": {"fraction": allowance_fraction, "bytes": allowance_bytes},
@@ -102,8 +114,9 @@ def estimate_report(cfg: Config, run: MegatronRun, allowance_fraction: float = A
                     "breakdown": dict(peak.items), "parameters_on_rank": peak.parameters},
         "stages": [_stage_row(r, allowance_fraction, allowance_bytes) for r in stages],
         "settings": settings,
-        "paper": {"differences": differences, "norm_stats_bytes": built_minus_paper_bytes(cfg, "cuda"), "rows": paper_rows},
-        "other_optimizer": None if par.data_parallel_size == 1 else {
+        "paper": {"differences": differences, "norm_stats_bytes": built_minus_paper_bytes(cfg, "cuda") / cp,
+                  "rows": paper_rows},
+        "other_optimizer": None if optimizer_shards(cfg) == 1 else {
             "use_distributed_optimizer": not par.use_distributed_optimizer,
             "peak_allocated_bytes": max(r.peak_allocated_bytes for r in stage_peaks(
                 with_setting(cfg, use_distributed_optimizer=not par.use_distributed_optimizer), run))},

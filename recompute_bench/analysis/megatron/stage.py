@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 from recompute_bench.analysis.layer import checkpoint_input_bytes
 from recompute_bench.analysis.megatron.buffers import buffer_bytes
-from recompute_bench.analysis.megatron.layer import layer_backward_bytes, layer_bytes
+from recompute_bench.analysis.megatron.layer import layer_backward_bytes, layer_bytes, layer_forward_bytes
 from recompute_bench.analysis.megatron.optimizer import bytes_per_parameter
 from recompute_bench.analysis.megatron.outside import (batch_bytes, embedding_saved_bytes, loss_peak_bytes,
                                                        loss_saved_bytes, output_saved_bytes)
@@ -28,28 +28,49 @@ class ChunkBytes:
     """Kept from its forward to its backward."""
     backward: float
     """The most held while its backward runs (full recompute rebuilds a checkpoint's layers)."""
+    forward: float = 0.0
+    """The most its forward holds beyond what it keeps by then (the context-parallel attention's
+    working set), taken at the chunk's end: an upper bound by the layers after that attention."""
 
 
-def chunk_bytes(cfg: Config, run: MegatronRun, layers: int) -> ChunkBytes:
-    """A model chunk of `layers` layers under cfg.recompute, unit by unit (recompute/policy.py
-    `chunks`): a full-recompute checkpoint keeps its input and, rebuilt in backward, its layers'
-    activations over what the earlier units keep; a layer keeps `layer_saved_bytes`. Backward adds
-    `layer_backward_bytes` to the most of that."""
+def chunk_first_layer(cfg: Config, stage: int, chunk: int) -> int:
+    """The first layer (0-based, over the whole model) of model chunk `chunk` on pipeline stage
+    `stage`: Megatron's `get_transformer_layer_offset` for an even split, chunk x (L / vp) +
+    stage x (L / p / vp)."""
+    par = cfg.parallel
+    vp, n = par.virtual_pipeline_model_parallel_size or 1, cfg.model.num_layers
+    return chunk * (n // vp) + stage * (n // par.pipeline_model_parallel_size // vp)
+
+
+def chunk_bytes(cfg: Config, run: MegatronRun, layers: int, first_layer: int = 0) -> ChunkBytes:
+    """A model chunk of `layers` layers from layer `first_layer` under cfg.recompute, unit by unit
+    (recompute/policy.py `chunks`): a full-recompute checkpoint keeps its input and, rebuilt in
+    backward, its layers' activations over what the earlier units keep; a layer keeps
+    `layer_saved_bytes`. Backward adds the most a layer's backward holds beyond that
+    (`layer_backward_bytes`), or, where it re-runs the attention (full recompute, selective
+    core_attn), the attention forward's working set if that is more (`layer_forward_bytes`)."""
     policies = layer_policies(cfg.recompute, layers)
     # A full-recompute checkpoint keeps its [s, b, h] input, as this harness's does (Megatron's
     # tensor_parallel/random.py CheckpointFunction, or TE's checkpoint).
-    ckpt, full = checkpoint_input_bytes(cfg), layer_bytes(cfg, run)
+    ckpt = checkpoint_input_bytes(cfg)
     stored = rebuilt = 0.0
+    reruns_attention = False
     for start, stop in chunks(policies):
         p = policies[start]
         if p.offload:
             raise BadInput("activation offload is not modelled for framework megatron; drop --activation-offload-layers")
         if p.chunk is not None:
-            rebuilt = max(rebuilt, stored + (stop - start) * full)
+            rebuilt = max(rebuilt, stored + sum(layer_bytes(cfg, run, (), first_layer + i) for i in range(start, stop)))
             stored += ckpt
+            reruns_attention = True
         else:
-            stored += layer_bytes(cfg, run, p.modules)
-    return ChunkBytes(stored, max(stored, rebuilt) + layer_backward_bytes(cfg, run))
+            stored += layer_bytes(cfg, run, p.modules, first_layer + start)
+            reruns_attention = reruns_attention or "core_attn" in p.modules
+    forward = max(layer_forward_bytes(cfg, run, first_layer + i) for i in range(layers))
+    backward = max(layer_backward_bytes(cfg, run, first_layer + i) for i in range(layers))
+    if reruns_attention:
+        backward = max(backward, forward)
+    return ChunkBytes(stored, max(stored, rebuilt) + backward, forward)
 
 
 @dataclass
@@ -87,7 +108,8 @@ def stage_peak(cfg: Config, stage: int, run: MegatronRun) -> StagePeak:
     holds the micro-batch's inputs; a layer's backward)."""
     par = cfg.parallel
     p, vp = par.pipeline_model_parallel_size, par.virtual_pipeline_model_parallel_size or 1
-    chunk = chunk_bytes(cfg, run, cfg.model.num_layers // p // vp)
+    layers = cfg.model.num_layers // p // vp
+    chunk = [chunk_bytes(cfg, run, layers, chunk_first_layer(cfg, stage, c)) for c in range(vp)]
     first, last = stage == 0, stage == p - 1
     params = stage_parameters(cfg, stage)
     per = bytes_per_parameter(cfg)
@@ -105,14 +127,16 @@ def stage_peak(cfg: Config, stage: int, run: MegatronRun) -> StagePeak:
     output, kept = output_saved_bytes(cfg), loss_saved_bytes(cfg)
 
     def stored(c: int) -> float:
-        return chunk.stored + (embedding_saved_bytes(cfg) if embeds(c) else 0.0) + ((output + kept) if loses(c) else 0.0)
+        return chunk[c].stored + (embedding_saved_bytes(cfg) if embeds(c) else 0.0) + ((output + kept) if loses(c) else 0.0)
 
     def forward(c: int) -> float:
         extra = batch_bytes(cfg) if embeds(c) or loses(c) else 0.0
-        return extra + (loss_peak_bytes(cfg) - kept if loses(c) else 0.0)
+        # the layers' attention runs before the output layer and the loss, whose bytes stored(c) holds
+        layers = chunk[c].forward - ((output + kept) if loses(c) else 0.0)
+        return extra + max(loss_peak_bytes(cfg) - kept if loses(c) else 0.0, layers)
 
     def backward(c: int) -> float:
-        layers = chunk.backward - chunk.stored
+        layers = chunk[c].backward - chunk[c].stored
         if loses(c):  # the loss's backward first, then the layers' with the loss and output freed
             return max(loss_peak_bytes(cfg) - kept, layers - output - kept)
         return layers
