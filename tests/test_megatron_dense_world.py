@@ -226,3 +226,20 @@ def test_the_optimizer_dtypes_set_the_bytes_per_parameter():
                  "--exp-avg-sq-dtype": "bf16"})
     assert aware == {"weights": 2, "main gradients": 2, "master weights": 2 / 8, "Adam moments": 3 / 8,
                      "fp32 gradient copies": 0}
+
+
+def test_userbuffers_and_squared_relu_change_nothing_torch_counts():
+    # --tp-comm-overlap: TE's userbuffers are allocated outside torch's caching allocator and its
+    # linears save the same local inputs: the same config, the same bytes
+    base = {**SMALL, "--tensor-model-parallel-size": 2, "--sequence-parallel": True}
+    assert config_from_megatron({**base, "--tp-comm-overlap": True}, world_size=8) == config_from_megatron(base, world_size=8)
+    # squared ReLU (activations.py, under torch.compile) keeps its [s, b, f] input and gives fc2 a new
+    # [s, b, f] input, as bias-GeLU keeps fc1's output: the same bytes and parameters as gelu
+    gelu = config_from_megatron(base, world_size=8)
+    relu2 = config_from_megatron({**base, "--squared-relu": True}, world_size=8)
+    run = mg.MegatronRun("h100")
+    assert relu2.model.activation == "squared_relu"
+    assert layer.layer_bytes(relu2, run) == layer.layer_bytes(gelu, run)
+    assert layer_parameters(relu2) == layer_parameters(gelu)
+    with pytest.raises(BadInput, match="--mtp-num-layers"):
+        config_from_megatron({**base, "--mtp-num-layers": 1}, world_size=8)

@@ -92,9 +92,13 @@ NEUTRAL: dict[str, tuple[tuple[Any, ...], str]] = {
     # Dense world and multi-latent attention: what stays refused beside the arguments DENSE_WORLD maps
     "qk_l2_norm": ((False,), "L2 query/key norms are not modelled (--qk-layernorm is)"),
     "mla_down_proj_fusion": ((False,), "MLA's fused down-projection (FusedMLASelfAttention) is not modelled"),
-    "tp_comm_overlap": ((False,), "tensor-parallel communication overlap (userbuffers) is not modelled"),
-    "mtp_num_layers": ((None, 0), "multi-token prediction is not modelled"),
+    "mtp_num_layers": ((None, 0), "multi-token prediction is not modelled (no golden outside MoE checks it)"),
 }
+# --tp-comm-overlap is read by nobody here: TE's userbuffers (initialize_ub -> comm_gemm_overlap.cpp,
+# userbuffers-host.cpp `register_user_buffer_collective`: cuMemCreate / cudaMalloc) lie outside
+# torch's caching allocator, which Megatron's memory figures and this estimate count, and TE's
+# linears save the same local inputs with them (layernorm_linear.py: ln_out stays the local shard;
+# the gathered input goes to the userbuffer instead of a torch tensor).
 
 # Megatron's neutral values (TransformerConfig and arguments.py defaults) of the arguments read
 # below, where they differ from this product's defaults; a yaml or a command line gives only the

@@ -38,15 +38,14 @@ MEGATRON_ONLY = ("transformer_impl", "masked_softmax_fusion", "attention_softmax
 # models (section.attribute): framework recompute-bench takes their defaults only.
 MEGATRON_ONLY_SETTINGS = (
     "model.qk_layernorm", "model.attention_output_gate", "model.add_qkv_bias", "model.cross_entropy_fusion_impl",
-    "model.mtp_num_layers", "model.rope_type", "model.apply_rope_fusion",
+    "model.rope_type", "model.apply_rope_fusion",
     "training.create_attention_mask_in_dataloader", "training.use_precision_aware_optimizer",
     "training.main_grads_dtype", "training.main_params_dtype", "training.exp_avg_dtype", "training.exp_avg_sq_dtype",
     "training.grad_reduce_in_bf16", "training.defer_embedding_wgrad_compute", "training.wgrad_deferral_limit",
     "parallel.num_distributed_optimizer_instances", "parallel.decoder_first_pipeline_num_layers",
     "parallel.decoder_last_pipeline_num_layers", "parallel.account_for_embedding_in_pipeline_split",
     "parallel.account_for_loss_in_pipeline_split", "parallel.pipeline_model_parallel_layout",
-    "parallel.microbatch_group_size_per_vp_stage", "parallel.tp_comm_overlap", "parallel.use_megatron_fsdp",
-    "parallel.data_parallel_sharding_strategy")
+    "parallel.microbatch_group_size_per_vp_stage")
 MEGATRON_ACTIVATIONS = ("squared_relu",)
 """Activations framework megatron models beyond ACTIVATIONS (Megatron's --squared-relu)."""
 CROSS_ENTROPY_FUSION_IMPLS = ("native", "te")
@@ -54,9 +53,6 @@ CROSS_ENTROPY_FUSION_IMPLS = ("native", "te")
 OPTIMIZER_DTYPES = ("fp32", "fp16", "bf16", "fp8")
 """The precision-aware optimizer's dtypes (--main-grads-dtype, --main-params-dtype, --exp-avg-dtype,
 --exp-avg-sq-dtype), as Megatron spells them."""
-DATA_PARALLEL_SHARDING_STRATEGIES = ("no_shard", "optim", "optim_grads", "optim_grads_params")
-"""Megatron FSDP's --data-parallel-sharding-strategy: what it shards over the data-parallel group
-(optimizer state; and gradients; and parameters: ZeRO-1, 2 and 3)."""
 ROPE_TYPES = ("rope", "yarn")
 """Megatron's --rope-type for multi-latent attention (None: MLA's default, yarn)."""
 NORMALIZATIONS = ("LayerNorm", "RMSNorm")
@@ -240,8 +236,6 @@ class ModelConfig:
     cross_entropy_fusion_impl: str = "native"
     """Framework megatron, with cross_entropy_loss_fusion: native (Megatron's fused cross-entropy) or
     te (Transformer Engine's parallel cross-entropy)."""
-    mtp_num_layers: Optional[int] = None
-    """Framework megatron: multi-token prediction layers after the last layer (--mtp-num-layers); None: none."""
     rope_type: Optional[str] = None
     """Framework megatron, multi-latent attention: its RoPE, rope or yarn (None: MLA's default, yarn)."""
     apply_rope_fusion: bool = True
@@ -403,14 +397,6 @@ class ParallelConfig:
     microbatch_group_size_per_vp_stage: Optional[int] = None
     """Framework megatron, interleaved: micro-batches run through a model chunk before the next
     (--microbatch-group-size-per-virtual-pipeline-stage); None: pipeline_model_parallel_size."""
-    tp_comm_overlap: bool = False
-    """Framework megatron: Transformer Engine's userbuffers overlap tensor-parallel communication
-    with the GEMMs (--tp-comm-overlap)."""
-    use_megatron_fsdp: bool = False
-    """Framework megatron: Megatron FSDP in place of DDP (--use-megatron-fsdp)."""
-    data_parallel_sharding_strategy: str = "no_shard"
-    """Framework megatron, Megatron FSDP: what it shards over the data-parallel group: no_shard,
-    optim, optim_grads or optim_grads_params."""
 
     @property
     def schedule(self) -> str:

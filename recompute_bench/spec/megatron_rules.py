@@ -4,8 +4,7 @@ ModelParallelConfig `__post_init__` reject them. Pure Python."""
 
 from __future__ import annotations
 
-from recompute_bench.spec.config import (CROSS_ENTROPY_FUSION_IMPLS, DATA_PARALLEL_SHARDING_STRATEGIES, OPTIMIZER_DTYPES,
-                                         ROPE_TYPES, BadInput, Config)
+from recompute_bench.spec.config import CROSS_ENTROPY_FUSION_IMPLS, OPTIMIZER_DTYPES, ROPE_TYPES, BadInput, Config
 
 
 def _choice(name: str, value: object, choices: tuple, fix: str) -> None:
@@ -20,15 +19,11 @@ def validate_megatron_settings(cfg: Config) -> None:
             "pass --set model.cross_entropy_fusion_impl=native")
     for name in ("main_grads_dtype", "main_params_dtype", "exp_avg_dtype", "exp_avg_sq_dtype"):
         _choice(name, getattr(t, name), OPTIMIZER_DTYPES, f"pass --set training.{name}=fp32")
-    _choice("data_parallel_sharding_strategy", p.data_parallel_sharding_strategy, DATA_PARALLEL_SHARDING_STRATEGIES,
-            "pass --set parallel.data_parallel_sharding_strategy=optim_grads_params")
     if m.rope_type is not None:
         _choice("rope_type", m.rope_type, ROPE_TYPES, "pass --set model.rope_type=rope, or leave it unset")
         # argument_utils.py: common attention only supports rope_type "rope"
         if m.rope_type != "rope" and not m.multi_latent_attention:
             raise BadInput(f"rope_type {m.rope_type} applies to multi-latent attention only; drop --set model.rope_type")
-    if m.mtp_num_layers is not None and (not isinstance(m.mtp_num_layers, int) or m.mtp_num_layers < 0):
-        raise BadInput(f"mtp_num_layers must be 0 or more, got {m.mtp_num_layers!r}; pass --set model.mtp_num_layers=1")
     # optimizer/__init__.py: "--use-precision-aware-optimizer only supported with distributed optimizer"
     if t.use_precision_aware_optimizer and not p.use_distributed_optimizer:
         raise BadInput("the precision-aware optimizer (Transformer Engine's FusedAdam) runs under the distributed "
@@ -52,10 +47,6 @@ def validate_megatron_settings(cfg: Config) -> None:
     if m.multi_latent_attention and m.transformer_impl != "transformer_engine":
         raise BadInput("multi-latent attention is modelled with Transformer Engine's modules (Megatron's default); "
                        "pass --transformer-impl transformer_engine")
-    if p.use_megatron_fsdp and p.pipeline_model_parallel_size > 1:
-        raise BadInput("Megatron FSDP is modelled without pipeline parallelism; pass --pipeline-model-parallel-size 1")
-    if p.data_parallel_sharding_strategy != "no_shard" and not p.use_megatron_fsdp:
-        raise BadInput("data_parallel_sharding_strategy applies to Megatron FSDP; pass --set parallel.use_megatron_fsdp=true")
     if p.microbatch_group_size_per_vp_stage is not None and not p.virtual_pipeline_model_parallel_size:
         raise BadInput("microbatch_group_size_per_vp_stage groups the interleaved schedule's micro-batches; set "
                        "virtual_pipeline_model_parallel_size or drop it")

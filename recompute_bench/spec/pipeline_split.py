@@ -31,8 +31,6 @@ class ModelChunk:
     """The word (and position) embedding: the model's first virtual stage."""
     loss: bool = False
     """The final norm, the output layer and the loss: the model's last virtual stage."""
-    mtp_layers: int = 0
-    """Multi-token-prediction layers (each with its own norms, projection and loss)."""
 
 
 def parse_layout(text: str) -> list[str]:
@@ -70,11 +68,10 @@ def model_chunks(cfg: Config, stage: int) -> list[ModelChunk]:
     """The model chunks pipeline rank `stage` builds, in order (chunk c is virtual stage c x p + stage)."""
     par, m = cfg.parallel, cfg.model
     p, vp = par.pipeline_model_parallel_size, par.virtual_pipeline_model_parallel_size or 1
-    mtp = m.mtp_num_layers or 0
     if par.pipeline_model_parallel_layout is not None:
         stages = parse_layout(par.pipeline_model_parallel_layout)
         mine = [stages[c * p + stage] for c in range(len(stages) // p)]
-        return [ModelChunk(s.count("t"), "E" in s, "L" in s, s.count("m")) for s in mine]
+        return [ModelChunk(s.count("t"), "E" in s, "L" in s) for s in mine]
     per_rank = _layers_per_rank(cfg, stage)
     out = []
     for c in range(vp):
@@ -83,7 +80,7 @@ def model_chunks(cfg: Config, stage: int) -> list[ModelChunk]:
         # get_num_layers_to_build: the embedding (loss) takes one layer's place in its chunk
         layers -= int(embedding and par.account_for_embedding_in_pipeline_split)
         layers -= int(loss and par.account_for_loss_in_pipeline_split)
-        out.append(ModelChunk(layers, embedding, loss, mtp if loss else 0))
+        out.append(ModelChunk(layers, embedding, loss))
     return out
 
 
@@ -123,10 +120,12 @@ def validate_split(cfg: Config) -> None:
         if not flat.startswith("E") or not flat.endswith("L") or flat.count("E") != 1 or flat.count("L") != 1:
             raise BadInput(f"pipeline_model_parallel_layout {layout!r} must start with the embedding E and end with the "
                            "loss L, each once")
-        if flat.count("t") != m.num_layers or flat.count("m") != (m.mtp_num_layers or 0):
-            raise BadInput(f"pipeline_model_parallel_layout {layout!r} places {flat.count('t')} layers and "
-                           f"{flat.count('m')} multi-token-prediction layers, not num_layers {m.num_layers} and "
-                           f"mtp_num_layers {m.mtp_num_layers or 0}; write one t per layer")
+        if "m" in flat:
+            raise BadInput(f"pipeline_model_parallel_layout {layout!r} places multi-token-prediction layers (m), which "
+                           "are not modelled; drop them with --mtp-num-layers")
+        if flat.count("t") != m.num_layers:
+            raise BadInput(f"pipeline_model_parallel_layout {layout!r} places {flat.count('t')} layers, not num_layers "
+                           f"{m.num_layers}; write one t per layer")
         return
     if first is not None or last is not None:
         if accounted:

@@ -6,7 +6,7 @@ Sources: megatron/core/transformer/attention.py `SelfAttention.__init__` (linear
 output gate, its bias with add_qkv_bias, q_layernorm / k_layernorm over one head),
 megatron/core/transformer/multi_latent_attention.py (`analysis.megatron.mla`),
 megatron/core/models/gpt/gpt_model.py (embedding, final norm, output layer; on pipelined runs the
-last stage's copy of a tied embedding), megatron/core/transformer/multi_token_prediction.py."""
+last stage's copy of a tied embedding)."""
 
 from __future__ import annotations
 
@@ -54,8 +54,7 @@ def layer_parameters(cfg: Config) -> float:
 def chunk_parameters(cfg: Config, chunk: ModelChunk, holds_embedding: bool) -> float:
     """A model chunk's parameters on one rank: its layers, and the embedding (the padded
     vocabulary's rows over tp, learned absolute positions whole), or the final norm and the output
-    layer (tied to the embedding: a copy of it unless this rank `holds_embedding` too), and its
-    multi-token-prediction layers."""
+    layer (tied to the embedding: a copy of it unless this rank `holds_embedding` too)."""
     m, t = cfg.model, cfg.parallel.tensor_model_parallel_size
     vocab = vocab_rows(cfg) * m.hidden_size / t
     n = chunk.layers * layer_parameters(cfg)
@@ -65,17 +64,7 @@ def chunk_parameters(cfg: Config, chunk: ModelChunk, holds_embedding: bool) -> f
         n += norm_parameters(cfg, m.hidden_size)
         if not m.share_embeddings_and_output_weights or not holds_embedding:
             n += vocab
-    n += chunk.mtp_layers * mtp_layer_parameters(cfg)
     return n
-
-
-def mtp_layer_parameters(cfg: Config) -> float:
-    """One multi-token-prediction layer (multi_token_prediction.py `MultiTokenPredictionLayer`): the
-    norms of the embedding and of the hidden states (enorm, hnorm), eh_proj (2h -> h, column-parallel
-    without bias), a transformer layer and its final norm; the embedding and output layer are the
-    model's own."""
-    m, t = cfg.model, cfg.parallel.tensor_model_parallel_size
-    return 3 * norm_parameters(cfg, m.hidden_size) + 2 * m.hidden_size * m.hidden_size / t + layer_parameters(cfg)
 
 
 def stage_parameters(cfg: Config, stage: int) -> float:
