@@ -44,7 +44,7 @@ def test_the_estimate_meets_the_goal_on_megatrons_own_data(checked):
     rows, skipped = checked
     figures = summary(rows)
     # Every dense GPT training case the estimate can express, on every GPU kind it was measured on.
-    assert figures["cases"] >= 85 and figures["rows"] >= 200
+    assert figures["cases"] >= 105 and figures["rows"] >= 265
     assert figures["median_peak_error"] <= GOAL["median_peak_error"]
     assert figures["peak_within_5_percent"] >= GOAL["peak_within_5_percent"]
     assert figures["median_static_error"] <= GOAL["median_static_error"]
@@ -96,7 +96,7 @@ def test_the_loss_runs_over_the_split_sequence(data):
 def test_what_is_skipped_says_why(checked):
     _, skipped = checked
     reasons = " ".join(skipped)
-    for words in ("mixture-of-experts", "FP8", "FSDP", "multi-latent attention", "not a training run (rl)"):
+    for words in ("mixture-of-experts", "FP8", "FSDP", "not a training run (rl)"):
         assert words in reasons
     assert all(r.startswith(("Megatron argument --", "not a training run", "GPU count unknown")) for r in skipped)
 

@@ -10,7 +10,8 @@ import pytest
 from helpers import invoke
 from recompute_bench.analysis import megatron as mg
 from recompute_bench.analysis.megatron import context_parallel as cp, layer, optimizer, outside
-from recompute_bench.analysis.megatron.stage import chunk_bytes, chunk_first_layer
+from recompute_bench.analysis.megatron.stage import chunk_bytes
+from recompute_bench.spec.pipeline_split import model_chunks
 from recompute_bench.ingest.megatron_args import config_from_megatron
 
 MiB = 2**20
@@ -113,7 +114,7 @@ def test_one_comm_type_per_layer_gives_each_layer_its_own():
     assert c.parallel.cp_comm_type == " ".join(types)
     p2p, a2a = _cfg(), _cfg(cp_comm_type="a2a")
     # stage 0 holds layers 0-5 (p2p), stage 1 layers 6-11 (a2a)
-    assert (chunk_first_layer(c, 0, 0), chunk_first_layer(c, 1, 0)) == (0, 6)
+    assert (model_chunks(c, 0)[0].first_layer, model_chunks(c, 1)[0].first_layer) == (0, 6)
     assert chunk_bytes(c, A100, 6, 0).stored == chunk_bytes(p2p, A100, 6).stored
     assert chunk_bytes(c, A100, 6, 6).stored == chunk_bytes(a2a, A100, 6).stored
     assert mg.stage_peak(c, 1, A100).peak_allocated_bytes == mg.stage_peak(a2a, 1, A100).peak_allocated_bytes

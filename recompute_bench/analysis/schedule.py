@@ -33,7 +33,8 @@ def schedule(cfg: Config, stage: int) -> list[Pass]:
         table = [(mb, 0) for mb in range(n)]
         backward_table, warmup = table, min(n, p - stage - 1)
     else:
-        group, table = p, []
+        # microbatch_group_size_per_vp_stage (ModelParallelConfig: None means p)
+        group, table = par.microbatch_group_size_per_vp_stage or p, []
         for first in range(0, n, group):
             last = n if first + group >= n else first + group
             table += [(mb, chunk) for chunk in range(vp) for mb in range(first, last)]
@@ -71,15 +72,20 @@ class SchedulePeak:
     """The model chunk of the pass at the peak."""
     kind: str = "B"
     """Whether the peak is in that chunk's forward ("F") or backward ("B")."""
+    retained: float = 0.0
+    """Kept by earlier backwards until the step ends (deferred weight-gradient buffers)."""
 
 
 def schedule_peak(cfg: Config, stage: int, stored: Callable[[int], float],
-                  backward: Callable[[int], float], forward: Callable[[int], float] = lambda c: 0.0) -> SchedulePeak:
+                  backward: Callable[[int], float], forward: Callable[[int], float] = lambda c: 0.0,
+                  retained: Callable[[int, int], float] = lambda mb, c: 0.0) -> SchedulePeak:
     """The peak over a stage's schedule: a chunk's forward adds `stored(chunk)` until its backward,
     which holds `backward(chunk)` more than that at its most; a forward may hold `forward(chunk)`
-    more than it stores while it runs (the loss's fp32 logits)."""
-    held, best = 0.0, SchedulePeak(0.0, 0.0, 0.0, 0.0, 0)
-    for kind, _, c in schedule(cfg, stage):
+    more than it stores while it runs (the loss's fp32 logits); a backward may leave
+    `retained(micro-batch, chunk)` held until the step ends (deferred weight gradients)."""
+    held = kept = 0.0
+    best = SchedulePeak(0.0, 0.0, 0.0, 0.0, 0)
+    for kind, mb, c in schedule(cfg, stage):
         own = stored(c)
         if kind == "F":
             extra, others = forward(c), held
@@ -87,6 +93,8 @@ def schedule_peak(cfg: Config, stage: int, stored: Callable[[int], float],
         else:
             extra, others = backward(c), held - own
             held -= own
-        if others + own + extra > best.total:
-            best = SchedulePeak(others + own + extra, others, own, extra, c, kind)
+        if others + own + extra + kept > best.total:
+            best = SchedulePeak(others + own + extra + kept, others, own, extra, c, kind, kept)
+        if kind == "B":
+            kept += retained(mb, c)
     return best

@@ -24,6 +24,7 @@ import ast
 from typing import Any, Iterable, Mapping
 
 from recompute_bench.spec.config import SECTIONS, Config, BadInput, canonical_modules
+from recompute_bench.spec.pipeline_split import layout_virtual_stages
 from recompute_bench.spec.rules import validate
 
 
@@ -53,7 +54,8 @@ SAME_NAME = {
     "recompute": (),
 }
 # Long flags whose argparse destination has another name.
-ALIASES = {"microbatch_group_size_per_virtual_pipeline_stage": "microbatch_group_size_per_vp_stage"}
+ALIASES = {"microbatch_group_size_per_virtual_pipeline_stage": "microbatch_group_size_per_vp_stage",
+           "no_rope_fusion": "no_apply_rope_fusion"}  # argparse: --no-rope-fusion's dest is apply_rope_fusion
 
 # Arguments the estimate cannot express, each with Megatron's neutral values (what leaves the rank's
 # bytes as the estimate counts them) and why. A value outside them raises CannotExpress.
@@ -62,22 +64,10 @@ NEUTRAL: dict[str, tuple[tuple[Any, ...], str]] = {
     "fp8_format": ((None,), "FP8 training is not modelled"),
     "fp8_param_gather": ((False,), "FP8 training is not modelled"),
     "fp4": ((None,), "FP4 training is not modelled"),
-    "tp_comm_overlap": ((False,), "tensor-parallel communication overlap (userbuffers) is not modelled"),
     "use_torch_fsdp2": ((False,), "FSDP is not modelled for framework megatron"),
     "use_megatron_fsdp": ((False,), "FSDP is not modelled for framework megatron"),
     "use_custom_fsdp": ((False,), "FSDP is not modelled for framework megatron"),
-    "num_distributed_optimizer_instances": ((1,), "several distributed-optimizer instances are not modelled"),
-    "decoder_first_pipeline_num_layers": ((None,), "an uneven pipeline split is not modelled"),
-    "decoder_last_pipeline_num_layers": ((None,), "an uneven pipeline split is not modelled"),
-    "account_for_embedding_in_pipeline_split": ((False,), "an uneven pipeline split is not modelled"),
-    "account_for_loss_in_pipeline_split": ((False,), "an uneven pipeline split is not modelled"),
-    "pipeline_model_parallel_layout": ((None,), "a custom pipeline layout is not modelled"),
-    "microbatch_group_size_per_virtual_pipeline_stage": ((None,), "a custom interleaving group is not modelled"),
     "experimental_attention_variant": ((None,), "attention variants (gated delta net, DSA) are not modelled"),
-    "qk_layernorm": ((False,), "query/key norms are not modelled"),
-    "squared_relu": ((False,), "the squared-ReLU MLP is not modelled (gelu and swiglu are)"),
-    "attention_output_gate": ((False,), "the attention output gate is not modelled"),
-    "add_qkv_bias": ((False,), "a QKV bias without the other linear biases is not modelled"),
     "apply_residual_connection_post_layernorm": ((False,), "post-norm residuals are not modelled"),
     "cuda_graph_impl": (("none", None), "CUDA graphs are not modelled"),
     "enable_cuda_graph": ((False,), "CUDA graphs are not modelled"),
@@ -85,28 +75,28 @@ NEUTRAL: dict[str, tuple[tuple[Any, ...], str]] = {
     "cpu_offloading_weights": ((False,), "offloading weights is not modelled"),
     "optimizer": (("adam",), "optimizers other than Adam are not modelled"),
     "optimizer_cpu_offload": ((False,), "offloading the optimizer is not modelled"),
-    "use_precision_aware_optimizer": ((False,), "the precision-aware optimizer is not modelled"),
-    "main_grads_dtype": (("fp32", "torch.float32", None), "main gradients other than fp32 are not modelled"),
-    "main_params_dtype": (("fp32", "torch.float32", None), "master weights other than fp32 are not modelled"),
-    "exp_avg_dtype": (("fp32", "torch.float32", None), "Adam moments other than fp32 are not modelled"),
-    "exp_avg_sq_dtype": (("fp32", "torch.float32", None), "Adam moments other than fp32 are not modelled"),
-    "defer_embedding_wgrad_compute": ((False,), "deferring the embedding's weight gradient is not modelled"),
-    "cross_entropy_fusion_impl": (("native", None), "Transformer Engine's fused cross-entropy is not modelled"),
     "bias_swiglu_fusion": ((True, None), "SwiGLU without Megatron's fused bias-SwiGLU is not modelled"),
     "fp16_lm_cross_entropy": ((False,), "a 16-bit cross-entropy is not modelled"),
-    "mtp_num_layers": ((None, 0), "multi-token prediction is not modelled"),
     "use_legacy_models": ((False,), "Megatron's legacy models are not modelled (use_mcore_models is)"),
     "heterogeneous_layers_config_path": ((None,), "heterogeneous layers are not modelled"),
     "perform_rl_step": ((False,), "reinforcement-learning steps (generation and training) are not modelled"),
     "num_experts": ((None, 0), "mixture-of-experts layers are not modelled for framework megatron yet"),
-    "multi_latent_attention": ((False,), "multi-latent attention is not modelled for framework megatron yet"),
     "export_kd_teacher_load": ((None,), "knowledge distillation (a teacher model beside the student) is not modelled"),
     "moe_shared_expert_gate": ((False,), "the shared experts' gate is not modelled"),
     "moe_router_dtype": ((None,), "a router in another dtype is not modelled"),
     "moe_router_load_balancing_type": (("aux_loss", "none"), "load balancing other than aux_loss is not modelled"),
     "moe_z_loss_coeff": ((None, 0, 0.0), "the router z-loss is not modelled"),
     "moe_token_dispatcher_type": (("allgather", "alltoall"), "the flex token dispatcher is not modelled"),
+    # Dense world and multi-latent attention: what stays refused beside the arguments DENSE_WORLD maps
+    "qk_l2_norm": ((False,), "L2 query/key norms are not modelled (--qk-layernorm is)"),
+    "mla_down_proj_fusion": ((False,), "MLA's fused down-projection (FusedMLASelfAttention) is not modelled"),
+    "mtp_num_layers": ((None, 0), "multi-token prediction is not modelled (no golden outside MoE checks it)"),
 }
+# --tp-comm-overlap is read by nobody here: TE's userbuffers (initialize_ub -> comm_gemm_overlap.cpp,
+# userbuffers-host.cpp `register_user_buffer_collective`: cuMemCreate / cudaMalloc) lie outside
+# torch's caching allocator, which Megatron's memory figures and this estimate count, and TE's
+# linears save the same local inputs with them (layernorm_linear.py: ln_out stays the local shard;
+# the gathered input goes to the userbuffer instead of a torch tensor).
 
 # Context parallel (context_parallel_size, cp_comm_type, hierarchical_context_parallel_sizes) is
 # read by `_context_parallel`; what of it the estimate cannot express:
@@ -190,12 +180,6 @@ def check_expressible(args: Mapping[str, Any]) -> None:
             raise _cannot(name, args[name], why)
     if args.get("fp16") and args.get("accumulate_allreduce_grads_in_fp32"):
         raise _cannot("accumulate_allreduce_grads_in_fp32", True, "an fp32 grad buffer for fp16 runs is not modelled")
-    if args.get("bf16") and args.get("grad_reduce_in_bf16"):
-        raise _cannot("grad_reduce_in_bf16", True, "a bf16 grad buffer is not modelled")
-    group = args.get("microbatch_group_size_per_vp_stage")
-    if group not in (None, args.get("pipeline_model_parallel_size", 1)):
-        raise _cannot("microbatch_group_size_per_vp_stage", group, "interleaving groups other than the "
-                      "pipeline-parallel size are not modelled")
     if args.get("cpu_offloading") and args.get("cpu_offloading_activations") is False:
         raise _cannot("cpu_offloading_activations", False, "offloading without activations is not modelled")
     position = args.get("position_embedding_type")
@@ -282,6 +266,7 @@ def megatron_overrides(args: Mapping[str, Any], world_size: int | None = None) -
         r["distribute_saved_activations"] = True
     if a.get("cpu_offloading"):
         r["activation_offload_layers"] = a.get("cpu_offloading_num_layers") or 0
+    _dense_world(a, tables)
     return tables
 
 
@@ -308,6 +293,57 @@ def _context_parallel(a: Mapping[str, Any], par: dict[str, Any]) -> int:
     return cp
 
 
+# ---- The dense world and multi-latent attention (issue 24) -------------------------------------
+# Megatron's name -> (section, Megatron's default): read as they are, each a field of the same name.
+DENSE_WORLD = {
+    "qk_layernorm": ("model", False), "attention_output_gate": ("model", False), "add_qkv_bias": ("model", False),
+    "apply_rope_fusion": ("model", True), "rope_type": ("model", None),
+    "create_attention_mask_in_dataloader": ("training", True),
+    "use_precision_aware_optimizer": ("training", False), "grad_reduce_in_bf16": ("training", False),
+    "defer_embedding_wgrad_compute": ("training", False), "wgrad_deferral_limit": ("training", 0),
+    "num_distributed_optimizer_instances": ("parallel", 1), "decoder_first_pipeline_num_layers": ("parallel", None),
+    "decoder_last_pipeline_num_layers": ("parallel", None), "account_for_embedding_in_pipeline_split": ("parallel", False),
+    "account_for_loss_in_pipeline_split": ("parallel", False), "pipeline_model_parallel_layout": ("parallel", None),
+    "microbatch_group_size_per_vp_stage": ("parallel", None),
+}
+# Megatron's MLA arguments and their argparse defaults (arguments.py _add_mla_args: --kv-lora-rank 32).
+MLA_ARGUMENTS = {"q_lora_rank": None, "kv_lora_rank": 32, "qk_head_dim": 128, "qk_pos_emb_head_dim": 64, "v_head_dim": 128}
+# The optimizer dtypes as arguments.py maps them to torch dtypes (a log's dump prints the torch names).
+OPTIMIZER_DTYPE_NAMES = {"fp32": "fp32", "torch.float32": "fp32", "bf16": "bf16", "torch.bfloat16": "bf16",
+                         "fp16": "fp16", "torch.float16": "fp16", "fp8": "fp8", "torch.uint8": "fp8", None: "fp32"}
+
+
+def _dense_world(a: Mapping[str, Any], tables: dict[str, dict[str, Any]]) -> None:
+    """The dense-world arguments (uneven pipeline splits and layouts, interleaving groups, the
+    optimizer's instances and dtypes, deferred embedding gradients, query/key norms, squared ReLU,
+    TE's cross-entropy, the attention mask) and multi-latent attention, into `tables`."""
+    m, tr, par = tables["model"], tables["training"], tables["parallel"]
+    for name, (section, default) in DENSE_WORLD.items():
+        if a.get(name, default) != default and a.get(name) is not None:
+            tables[section][name] = a[name]
+    if not par.get("virtual_pipeline_model_parallel_size"):  # schedules.py reads the group when interleaving only
+        par.pop("microbatch_group_size_per_vp_stage", None)
+    if a.get("squared_relu"):  # arguments.py: --squared-relu sets activation_func squared_relu
+        if a.get("swiglu"):
+            raise _cannot("squared_relu", True, "--squared-relu and --swiglu are two activations; give one")
+        m["activation"] = "squared_relu"
+        m["ffn_hidden_size"] = a.get("ffn_hidden_size") or 4 * m["hidden_size"]
+    if m.get("cross_entropy_loss_fusion") and a.get("cross_entropy_fusion_impl") == "te":
+        m["cross_entropy_fusion_impl"] = "te"
+    for name in ("main_grads_dtype", "main_params_dtype", "exp_avg_dtype", "exp_avg_sq_dtype"):
+        value = a.get(name)
+        if value not in OPTIMIZER_DTYPE_NAMES:
+            raise _cannot(name, value, "Megatron takes fp32, bf16, fp16 or fp8 here")
+        if OPTIMIZER_DTYPE_NAMES[value] != "fp32":
+            tr[name] = OPTIMIZER_DTYPE_NAMES[value]
+    if a.get("multi_latent_attention"):
+        m["multi_latent_attention"] = True
+        for name, default in MLA_ARGUMENTS.items():
+            m[name] = a.get(name, default)
+        m.pop("kv_channels", None)
+        m.pop("num_query_groups", None)
+
+
 def _vocabulary(a: Mapping[str, Any]) -> int:
     """The tokenizer's vocabulary (before Megatron pads it): a log's padded_vocab_size (padding it
     again changes nothing), --vocab-size, or what the tokenizer's name alone gives."""
@@ -329,10 +365,15 @@ def _virtual_stages(a: Mapping[str, Any], num_layers: int, pp: int) -> int | Non
     (None for 1)."""
     if a.get("virtual_pipeline_model_parallel_size"):
         vpp = a["virtual_pipeline_model_parallel_size"]
+    elif a.get("pipeline_model_parallel_layout"):  # validate_args: the layout's stages / pp
+        vpp = layout_virtual_stages(a["pipeline_model_parallel_layout"], pp)
     elif a.get("num_virtual_stages_per_pipeline_rank"):
         vpp = a["num_virtual_stages_per_pipeline_rank"]
     elif a.get("num_layers_per_virtual_pipeline_stage"):
-        per_stage, per_chunk = num_layers // pp, a["num_layers_per_virtual_pipeline_stage"]
+        # validate_args counts the embedding and the loss as layers where they are accounted for
+        counted = num_layers + bool(a.get("account_for_embedding_in_pipeline_split")) + \
+            bool(a.get("account_for_loss_in_pipeline_split"))
+        per_stage, per_chunk = counted // pp, a["num_layers_per_virtual_pipeline_stage"]
         if per_stage % per_chunk:
             raise BadInput(f"num_layers_per_virtual_pipeline_stage {per_chunk} does not divide the {per_stage} layers "
                               f"of a pipeline stage")

@@ -34,6 +34,27 @@ FRAMEWORKS = ("recompute-bench", "megatron")
 TRANSFORMER_IMPLS = ("local", "transformer_engine")
 # Fields that describe how Megatron runs: framework recompute-bench takes their defaults only.
 MEGATRON_ONLY = ("transformer_impl", "masked_softmax_fusion", "attention_softmax_in_fp32", "cross_entropy_loss_fusion")
+# Megatron's arguments of the dense world and of multi-latent attention that only framework megatron
+# models (section.attribute): framework recompute-bench takes their defaults only.
+MEGATRON_ONLY_SETTINGS = (
+    "model.qk_layernorm", "model.attention_output_gate", "model.add_qkv_bias", "model.cross_entropy_fusion_impl",
+    "model.rope_type", "model.apply_rope_fusion",
+    "training.create_attention_mask_in_dataloader", "training.use_precision_aware_optimizer",
+    "training.main_grads_dtype", "training.main_params_dtype", "training.exp_avg_dtype", "training.exp_avg_sq_dtype",
+    "training.grad_reduce_in_bf16", "training.defer_embedding_wgrad_compute", "training.wgrad_deferral_limit",
+    "parallel.num_distributed_optimizer_instances", "parallel.decoder_first_pipeline_num_layers",
+    "parallel.decoder_last_pipeline_num_layers", "parallel.account_for_embedding_in_pipeline_split",
+    "parallel.account_for_loss_in_pipeline_split", "parallel.pipeline_model_parallel_layout",
+    "parallel.microbatch_group_size_per_vp_stage")
+MEGATRON_ACTIVATIONS = ("squared_relu",)
+"""Activations framework megatron models beyond ACTIVATIONS (Megatron's --squared-relu)."""
+CROSS_ENTROPY_FUSION_IMPLS = ("native", "te")
+"""Megatron's --cross-entropy-fusion-impl: its own fused cross-entropy or Transformer Engine's."""
+OPTIMIZER_DTYPES = ("fp32", "fp16", "bf16", "fp8")
+"""The precision-aware optimizer's dtypes (--main-grads-dtype, --main-params-dtype, --exp-avg-dtype,
+--exp-avg-sq-dtype), as Megatron spells them."""
+ROPE_TYPES = ("rope", "yarn")
+"""Megatron's --rope-type for multi-latent attention (None: MLA's default, yarn)."""
 NORMALIZATIONS = ("LayerNorm", "RMSNorm")
 ACTIVATIONS = ("gelu", "swiglu")
 POSITION_EMBEDDINGS = ("learned_absolute", "rope")
@@ -203,6 +224,23 @@ class ModelConfig:
     """MLA: per-head rotary dimension of queries and keys (the decoupled RoPE; the key's is shared by all heads)."""
     v_head_dim: int = 128
     """MLA: per-head value dimension."""
+    # Framework megatron only (MEGATRON_ONLY_SETTINGS): Megatron's arguments that change its layers.
+    qk_layernorm: bool = False
+    """Framework megatron: a norm over every query and key head before attention (Megatron's
+    --qk-layernorm); with multi-latent attention, norms over the latents fused into the up-projections."""
+    attention_output_gate: bool = False
+    """Framework megatron: a sigmoid gate on the attention output, its weights a fourth part of
+    linear_qkv (Megatron's --attention-output-gate)."""
+    add_qkv_bias: bool = False
+    """Framework megatron: a bias on linear_qkv even where the other linears have none (--add-qkv-bias)."""
+    cross_entropy_fusion_impl: str = "native"
+    """Framework megatron, with cross_entropy_loss_fusion: native (Megatron's fused cross-entropy) or
+    te (Transformer Engine's parallel cross-entropy)."""
+    rope_type: Optional[str] = None
+    """Framework megatron, multi-latent attention: its RoPE, rope or yarn (None: MLA's default, yarn)."""
+    apply_rope_fusion: bool = True
+    """Framework megatron: the fused RoPE kernels (Megatron's default; --no-rope-fusion turns them off,
+    and Megatron turns them off when position_embedding_type is not rope)."""
 
     @property
     def groups(self) -> int:
@@ -284,6 +322,29 @@ class TrainingConfig:
     framework: str = "recompute-bench"
     """What runs the step: recompute-bench (this harness, which `run` measures) or megatron
     (Megatron-LM / Megatron Bridge as they run: `estimate` and imported records only)."""
+    # Framework megatron only (MEGATRON_ONLY_SETTINGS): Megatron's training arguments that change
+    # what a rank holds.
+    create_attention_mask_in_dataloader: bool = True
+    """Framework megatron: the data loader builds each micro-batch's [b, 1, s, s] causal mask
+    (Megatron's default; --no-create-attention-mask-in-dataloader leaves it out)."""
+    use_precision_aware_optimizer: bool = False
+    """Framework megatron: Transformer Engine's FusedAdam keeps master weights, gradients and moments in
+    the dtypes below (--use-precision-aware-optimizer)."""
+    main_grads_dtype: str = "fp32"
+    """Framework megatron, precision-aware optimizer: DDP's gradient buffer dtype (fp32 or bf16)."""
+    main_params_dtype: str = "fp32"
+    """Framework megatron, precision-aware optimizer: the master weights' dtype (fp32 or fp16)."""
+    exp_avg_dtype: str = "fp32"
+    """Framework megatron, precision-aware optimizer: Adam's first moment dtype (fp32, fp16, bf16, fp8)."""
+    exp_avg_sq_dtype: str = "fp32"
+    """Framework megatron, precision-aware optimizer: Adam's second moment dtype (fp32, fp16, bf16, fp8)."""
+    grad_reduce_in_bf16: bool = False
+    """Framework megatron, bf16: DDP's gradient buffer in bf16 instead of fp32 (--grad-reduce-in-bf16)."""
+    defer_embedding_wgrad_compute: bool = False
+    """Framework megatron, pipelined: the output layer's weight gradient waits for the pipeline flush,
+    its input and output gradient kept per micro-batch until then (--defer-embedding-wgrad-compute)."""
+    wgrad_deferral_limit: int = 0
+    """Framework megatron, with defer_embedding_wgrad_compute: how many micro-batches defer (0: all)."""
 
 
 @dataclass
@@ -322,6 +383,24 @@ class ParallelConfig:
     """The pipeline schedule, by torch's pipelining names: 1F1B, Interleaved1F1B (virtual stages),
     GPipe, InterleavedZeroBubble, ZBVZeroBubble or DualPipeV (two stages per rank, the "V"); None:
     Megatron's, 1F1B, or Interleaved1F1B with virtual stages."""
+    # Framework megatron only (MEGATRON_ONLY_SETTINGS): Megatron's layouts beyond an even split.
+    num_distributed_optimizer_instances: int = 1
+    """Framework megatron: distributed-optimizer instances, each sharding the state over
+    data_parallel_size / instances ranks (--num-distributed-optimizer-instances)."""
+    decoder_first_pipeline_num_layers: Optional[int] = None
+    """Framework megatron: layers of the first pipeline stage when the split is uneven."""
+    decoder_last_pipeline_num_layers: Optional[int] = None
+    """Framework megatron: layers of the last pipeline stage when the split is uneven."""
+    account_for_embedding_in_pipeline_split: bool = False
+    """Framework megatron: the embedding counts as a layer of the first stage's split."""
+    account_for_loss_in_pipeline_split: bool = False
+    """Framework megatron: the loss counts as a layer of the last stage's split."""
+    pipeline_model_parallel_layout: Optional[str] = None
+    """Framework megatron: each virtual stage's layers (--pipeline-model-parallel-layout, "Et*3|(tt|)*6L":
+    E embedding, t a layer, m a multi-token-prediction layer, L the loss, | between stages)."""
+    microbatch_group_size_per_vp_stage: Optional[int] = None
+    """Framework megatron, interleaved: micro-batches run through a model chunk before the next
+    (--microbatch-group-size-per-virtual-pipeline-stage); None: pipeline_model_parallel_size."""
 
     @property
     def schedule(self) -> str:

@@ -11,8 +11,11 @@ from typing import Any
 
 from recompute_bench.models import spec_for
 from recompute_bench.models.context_parallel import comm_levels, layer_comm_types
+from recompute_bench.spec.pipeline_split import model_chunks, uneven, validate_split
+from recompute_bench.spec.megatron_rules import validate_megatron_settings
 from recompute_bench.spec.config import (ACTIVATIONS, ATTENTION_BACKENDS, CP_COMM_TYPES, FP8_FORMATS, FP8_RECIPES, FRAMEWORKS, GRANULARITIES, INTERLEAVED_SCHEDULES,
-                                         MEGATRON_ATTENTION_BACKENDS, MEGATRON_ONLY, METHODS, NORMALIZATIONS,
+                                         MEGATRON_ACTIVATIONS, MEGATRON_ATTENTION_BACKENDS, MEGATRON_ONLY,
+                                         MEGATRON_ONLY_SETTINGS, METHODS, NORMALIZATIONS,
                                          PIPELINE_SCHEDULES, POSITION_EMBEDDINGS, TRANSFORMER_IMPLS, PRECISIONS,
                                          RECOMPUTE_MODULES, ROUTER_SCORE_FUNCTIONS, SECTIONS, TOKEN_DROP_POLICIES, V_SCHEDULES,
                                          _MODULE_NEEDS, Config, BadInput)
@@ -25,6 +28,8 @@ def layers_per_model_chunk(cfg: Config) -> int:
     interleaved schedule is on. Megatron builds one TransformerBlock per chunk and applies full
     recompute's method and `recompute_num_layers` within each."""
     p = cfg.parallel
+    if uneven(cfg):  # Megatron's uneven splits: the largest chunk of any rank bounds recompute_num_layers
+        return max(c.layers for r in range(p.pipeline_model_parallel_size) for c in model_chunks(cfg, r))
     return cfg.model.num_layers // p.pipeline_model_parallel_size // (p.virtual_pipeline_model_parallel_size or 1)
 
 
@@ -64,7 +69,9 @@ def validate(cfg: Config) -> None:
         raise BadInput(f"num_attention_heads {m.num_attention_heads} is not divisible by num_query_groups "
                           f"{m.groups}; pass --set model.num_query_groups=G with G dividing the heads")
     _choice("normalization", m.normalization, NORMALIZATIONS, "set model.normalization")
-    _choice("activation", m.activation, ACTIVATIONS, "set model.activation")
+    megatron = t.framework == "megatron"
+    _choice("activation", m.activation, ACTIVATIONS + (MEGATRON_ACTIVATIONS if megatron else ()),
+            "set model.activation" + ("" if megatron else " (squared_relu goes with --framework megatron)"))
     _choice("position_embedding_type", m.position_embedding_type, POSITION_EMBEDDINGS, "set model.position_embedding_type")
     _validate_framework(cfg)
     _choice("precision", t.precision, PRECISIONS, "pass --precision bf16, fp16, fp32 or fp8")
@@ -101,7 +108,9 @@ def validate(cfg: Config) -> None:
     if p.sequence_parallel and t.seq_length % tp:
         raise BadInput(f"sequence parallelism splits seq_length {t.seq_length} over tensor_model_parallel_size {tp}, "
                           f"which does not divide it; pass --seq-length as a multiple of {tp}")
-    if m.num_layers % p.pipeline_model_parallel_size:
+    if uneven(cfg):
+        pass  # Megatron's uneven splits: validate_split below
+    elif m.num_layers % p.pipeline_model_parallel_size:
         raise BadInput(f"num_layers {m.num_layers} is not divisible by pipeline_model_parallel_size "
                           f"{p.pipeline_model_parallel_size}; change --num-layers or --pipeline-model-parallel-size")
     vpp, stage_layers = p.virtual_pipeline_model_parallel_size, m.num_layers // p.pipeline_model_parallel_size
@@ -110,22 +119,35 @@ def validate(cfg: Config) -> None:
         raise BadInput(f"virtual_pipeline_model_parallel_size {vpp} needs pipeline parallelism (the interleaved "
                           f"schedule splits each pipeline stage into model chunks); pass --pipeline-model-parallel-size 2 "
                           f"or more, or drop {VPP_FLAG}")
-    if vpp is not None and (not isinstance(vpp, int) or vpp < 1 or stage_layers % vpp):
+    if vpp is not None and (not isinstance(vpp, int) or vpp < 1 or (stage_layers % vpp and not uneven(cfg))):
         raise BadInput(f"virtual_pipeline_model_parallel_size {vpp} must divide the {stage_layers} layers of each "
                           f"pipeline stage; pass {VPP_FLAG}=M with M dividing {stage_layers}")
     n = t.global_batch_size // (t.micro_batch_size * p.data_parallel_size)
-    if vpp and p.schedule in INTERLEAVED_SCHEDULES and n % p.pipeline_model_parallel_size:
+    group = p.microbatch_group_size_per_vp_stage or p.pipeline_model_parallel_size
+    if vpp and p.schedule in INTERLEAVED_SCHEDULES and p.microbatch_group_size_per_vp_stage is None \
+            and n % p.pipeline_model_parallel_size:
         # Megatron: the micro-batches go through the virtual stages in groups of p (schedules.py,
         # forward_backward_pipelining_with_interleaving); a last group of fewer stalls the pipeline.
         raise BadInput(f"the interleaved schedule needs the number of micro-batches ({n}) to be a multiple of "
                           f"pipeline_model_parallel_size {p.pipeline_model_parallel_size}; pass --global-batch-size as "
                           f"a multiple of {p.pipeline_model_parallel_size * t.micro_batch_size * p.data_parallel_size}")
+    if vpp and p.microbatch_group_size_per_vp_stage is not None and (
+            not p.pipeline_model_parallel_size <= group <= n or 0 < n % group < p.pipeline_model_parallel_size):
+        # forward_backward_pipelining_with_interleaving: the group lies in [p, n], and a last group
+        # smaller than p would stall the pipeline
+        raise BadInput(f"microbatch_group_size_per_vp_stage {group} must lie between pipeline_model_parallel_size "
+                       f"{p.pipeline_model_parallel_size} and the {n} micro-batches, and leave a last group of 0 or at "
+                       f"least {p.pipeline_model_parallel_size}; change it or --global-batch-size")
     if t.global_batch_size % (t.micro_batch_size * p.data_parallel_size):
         raise BadInput(f"global_batch_size {t.global_batch_size} is not divisible by micro_batch_size "
                           f"{t.micro_batch_size} x data_parallel_size {p.data_parallel_size}; "
                           f"pass --global-batch-size as a multiple of it")
 
     _validate_pipeline(cfg)
+    if uneven(cfg):
+        validate_split(cfg)
+    if megatron:
+        validate_megatron_settings(cfg)
     if m.multi_latent_attention:
         _validate_mla(cfg)
     if m.num_moe_experts is not None:
@@ -213,6 +235,9 @@ def _validate_context_parallel(cfg: Config) -> None:
     if m.attention_backend == "unfused":
         raise BadInput("Transformer Engine's unfused attention cannot split the sequence over context-parallel "
                        "ranks; pass --attention-backend flash, fused or auto, or drop --context-parallel-size")
+    if m.multi_latent_attention:  # the CP attention terms are written for MHA/GQA's head shapes
+        raise BadInput("context parallel with multi-latent attention is not modelled for framework megatron; drop "
+                       "--context-parallel-size")
 
 
 def _validate_framework(cfg: Config) -> None:
@@ -227,9 +252,9 @@ def _validate_framework(cfg: Config) -> None:
         if m.attention_backend == "local" and m.transformer_impl != "local":
             raise BadInput("Megatron runs --attention-backend local only with its local layers; pass "
                               "--transformer-impl local or another --attention-backend")
-        if m.num_moe_experts or m.multi_latent_attention:
-            raise BadInput("framework megatron models dense GPT layers; mixture-of-experts and multi-latent "
-                              "attention are not modelled for it yet: drop --framework megatron for this workload")
+        if m.num_moe_experts:
+            raise BadInput("framework megatron models dense GPT layers; mixture-of-experts "
+                              "is not modelled for it yet: drop --framework megatron for this workload")
         return
     _choice("attention_backend", m.attention_backend, ATTENTION_BACKENDS,
             "pass --attention-backend sdpa or math (Megatron's names go with --framework megatron)")
@@ -241,6 +266,12 @@ def _validate_framework(cfg: Config) -> None:
         if getattr(m, name) != defaults[name]:
             raise BadInput(f"model.{name} describes how Megatron runs; drop it, or estimate Megatron with "
                               "--framework megatron")
+    for path in MEGATRON_ONLY_SETTINGS:
+        section, name = path.split(".")
+        value = getattr(getattr(cfg, section), name)
+        if value != next(f.default for f in dataclasses.fields(type(getattr(cfg, section))) if f.name == name):
+            raise BadInput(f"{path} is a Megatron argument this harness does not run; drop it, or estimate "
+                           "Megatron with --framework megatron")
 
 
 def _validate_expert_parallel(cfg: Config) -> None:
@@ -332,18 +363,20 @@ def _validate_router(cfg: Config) -> None:
 def _validate_mla(cfg: Config) -> None:
     """The multi-latent attention fields, one clear line each."""
     m = cfg.model
+    megatron = cfg.training.framework == "megatron"
     for name in ("q_lora_rank", "kv_lora_rank", "qk_head_dim", "qk_pos_emb_head_dim", "v_head_dim"):
         value = getattr(m, name)
         if (value is not None or name != "q_lora_rank") and (not isinstance(value, int) or value < 1):
             raise BadInput(f"{name} must be a positive integer, got {value!r}; pass --set model.{name}=N")
-    if m.position_embedding_type != "rope" or m.qk_pos_emb_head_dim % 2:
+    # Megatron's MLA applies its own RoPE (rope_type) whatever the model's position embedding
+    if (m.position_embedding_type != "rope" and not megatron) or m.qk_pos_emb_head_dim % 2:
         raise BadInput(f"multi-latent attention needs RoPE on an even qk_pos_emb_head_dim (got "
                           f"{m.position_embedding_type}, {m.qk_pos_emb_head_dim}); pass --set model.position_embedding_type=rope "
                           f"and an even --set model.qk_pos_emb_head_dim=N")
     if m.num_query_groups not in (None, m.num_attention_heads):
         raise BadInput("multi-latent attention has one key/value head per attention head (num_query_groups does "
                           "not apply); drop --set model.num_query_groups")
-    if cfg.parallel.tensor_model_parallel_size > 1:
+    if cfg.parallel.tensor_model_parallel_size > 1 and not megatron:
         raise BadInput("tensor parallelism of multi-latent attention is not modelled yet; "
                           "pass --tensor-model-parallel-size 1")
 

@@ -15,6 +15,8 @@ Sources (Megatron-LM d98e8a6, TransformerEngine d0067d0, torch 2.13):
 - megatron/core/pipeline_parallel/schedules.py (micro-batches in flight per stage)
 - megatron/core/tensor_parallel/cross_entropy.py, megatron/core/fusions/fused_cross_entropy.py (the loss)
 - megatron/core/transformer/dot_product_attention.py, attention.py, mlp.py, megatron/core/fusions/* (layers)
+- megatron/core/transformer/multi_latent_attention.py, mla_qk_norm_config.py (multi-latent attention)
+- megatron/core/transformer/transformer_block.py, pipeline_parallel_layer_layout.py (the pipeline split)
 - transformer_engine/pytorch/module/layernorm_linear.py, linear.py, attention/dot_product_attention/*.py
   (context_parallel.py: the CP attention functions)
 - megatron/core/utils.py get_batch_on_this_cp_rank (the sequence split)
@@ -22,10 +24,12 @@ Sources (Megatron-LM d98e8a6, TransformerEngine d0067d0, torch 2.13):
 - aten/src/ATen/cuda/CublasHandlePool.cpp (torch's cuBLAS workspaces)
 
 One module per concern: `run` (the GPU kind), `buffers` (workspaces and buffers outside the
-parameters), `optimizer` (bytes per parameter), `attention` (the attention paths), `layer` (one
-dense layer), `outside` (embedding, output layer, loss, inputs), `context_parallel` (the sequence
-split over cp ranks and Transformer Engine's CP attention), `stage` (a chunk and a stage's peak
-through the schedule), `report` (what `estimate` prints and records carry).
+parameters), `optimizer` (bytes per parameter), `parameters` (parameters per layer and per stage,
+over Megatron's pipeline split), `attention` (the attention paths), `mla` (multi-latent attention),
+`layer` (one layer), `outside` (embedding, output layer, loss, inputs, deferred output-layer
+gradients), `context_parallel` (the sequence split over cp ranks and Transformer Engine's CP
+attention), `stage` (a chunk and a stage's peak through the schedule), `report` (what `estimate`
+prints and records carry).
 """
 
 from recompute_bench.analysis.megatron.run import COMPUTE_CAPABILITY, DEFAULT_GPU, MegatronRun

@@ -5,6 +5,8 @@ transformer_engine/pytorch/attention/dot_product_attention/{backends,utils,softm
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from recompute_bench.analysis.megatron import context_parallel
 from recompute_bench.analysis.megatron.context_parallel import layer_attention, rank_tokens
 from recompute_bench.analysis.megatron.run import MegatronRun
@@ -26,25 +28,73 @@ def attention_path(cfg: Config, run: MegatronRun) -> str:
     return "fused" if run.compute_capability >= 90 else "flash"
 
 
+@dataclass(frozen=True)
+class CoreAttentionInputs:
+    """What core attention is given, one micro-batch before the tensor-parallel split: q, k and v
+    as (name, bytes) of the storage each is (a view of), and the shapes the kernels see."""
+
+    q: tuple[str, float]
+    k: tuple[str, float]
+    v: tuple[str, float]
+    heads: int
+    """Query heads (a)."""
+    kv_heads: int
+    """Key/value heads (g)."""
+    qk_dim: int
+    """q and k's head dimension."""
+    v_dim: int
+    """v's (and the output's) head dimension."""
+
+
 def attention_saved(saved: SavedBytes, cfg: Config, run: MegatronRun, mods: set[str], layer: int = 0) -> None:
     """What the attention block of layer `layer` (0-based) keeps after its norm: the QKV output,
-    RoPE's q and k, the core attention's tensors, its output (linear_proj's input). Under context
-    parallel every tensor holds the CP rank's s/cp tokens, and Transformer Engine's CP attention
-    keeps its own set (`context_parallel.attention_saved`)."""
+    query/key norms, RoPE's q and k, the core attention's tensors, its output (linear_proj's input).
+    Under context parallel every tensor holds the CP rank's s/cp tokens, and Transformer Engine's
+    CP attention keeps its own set (`context_parallel.attention_saved`)."""
     m, tr = cfg.model, cfg.training
-    e, b, s = ELEMENT_BYTES[tr.precision], tr.micro_batch_size, tr.seq_length
+    e = ELEMENT_BYTES[tr.precision]
     tokens, d, a, g = rank_tokens(cfg), m.head_dim, m.num_attention_heads, m.groups
-    qkv = ("linear_qkv.output", e * tokens * (a + 2 * g) * d)
+    gate = a * d if m.attention_output_gate else 0  # attention.py: linear_qkv grows by the gate's a x d
+    qkv = ("linear_qkv.output", e * tokens * ((a + 2 * g) * d + gate))
     rope = m.position_embedding_type == "rope"
     # attention.py get_query_key_value_tensors: q, k, v are views of the QKV output; query.reshape to
     # [s, b, heads, d] is a copy when several heads share a group (their columns are not adjacent).
     # RoPE (rope_utils.apply_rotary_pos_emb) makes new q and k; v stays a view of the QKV output.
-    q = ("rotary.query", e * tokens * a * d) if rope else ("query.reshape", e * tokens * a * d) if g != a else qkv
-    k = ("rotary.key", e * tokens * g * d) if rope else qkv
-    out = ("core_attention.output", e * tokens * a * d)  # [s, b, h/t]: linear_proj's input
+    q = ("query.reshape", e * tokens * a * d) if g != a else qkv
+    k = qkv
+    if m.qk_layernorm:
+        # q_layernorm / k_layernorm (TENorm over one head; TE ops/basic/layer_norm.py and rmsnorm.py
+        # `op_forward`) save `input_.contiguous()` (a copy of a view) and fp32 statistics per row, and
+        # return new tensors, which RoPE (if any) replaces again.
+        rows = (2 if m.normalization == "LayerNorm" else 1) * FP32_BYTES * tokens
+        saved.add("q_layernorm.input", e * tokens * a * d, "tp")
+        saved.add("q_layernorm.norm_stats", rows * a, "tp")
+        saved.add("k_layernorm.input", e * tokens * g * d, "tp")
+        saved.add("k_layernorm.norm_stats", rows * g, "tp")
+        q, k = ("q_layernorm.output", e * tokens * a * d), ("k_layernorm.output", e * tokens * g * d)
+    if rope:
+        q, k = ("rotary.query", e * tokens * a * d), ("rotary.key", e * tokens * g * d)
+    core_attention_saved(saved, cfg, run, mods, CoreAttentionInputs(q, k, qkv, a, g, d, d), layer)
+    if m.attention_output_gate:
+        # attention.py `_apply_output_gate` (torch.compile): x * sigmoid(gate.float()) saves its
+        # inputs, the core attention output and the gate (a view of linear_qkv's output), and returns
+        # a new tensor, linear_proj's input
+        saved.add("core_attention.output", e * tokens * a * d, "tp")
+        saved.add("output_gate.output", e * tokens * a * d, "tp")
+
+
+def core_attention_saved(saved: SavedBytes, cfg: Config, run: MegatronRun, mods: set[str],
+                         inputs: CoreAttentionInputs, layer: int = 0) -> None:
+    """What core attention keeps for backward on the path it runs, and its output (linear_proj's
+    input, [s, b, heads x v_dim / t]); selective `core_attn` keeps q, k, v and the output."""
+    tr, m = cfg.training, cfg.model
+    e, b, s = ELEMENT_BYTES[tr.precision], tr.micro_batch_size, tr.seq_length
+    tokens, a, g, dqk, dv = rank_tokens(cfg), inputs.heads, inputs.kv_heads, inputs.qk_dim, inputs.v_dim
+    q, k, v = inputs.q, inputs.k, inputs.v
+    out = ("core_attention.output", e * tokens * a * dv)  # [s, b, h/t]: linear_proj's input
     path = attention_path(cfg, run)
     if "core_attn" in mods:  # tensor_parallel.checkpoint saves q, k, v and the output
-        for name, nbytes in (q, k, qkv, out):
+        for name, nbytes in (q, k, v, out):
             saved.add(name, nbytes, "tp")
         return
     cp_attention = layer_attention(cfg, layer)
@@ -52,20 +102,20 @@ def attention_saved(saved: SavedBytes, cfg: Config, run: MegatronRun, mods: set[
         context_parallel.attention_saved(saved, cfg, path, cp_attention)
         return
     if path == "fused":  # FusedAttnFunc saves q, k, v as given, the output, the softmax statistics
-        for name, nbytes in (q, k, qkv, out):
+        for name, nbytes in (q, k, v, out):
             saved.add(name, nbytes, "tp")
         saved.add("core_attention.softmax_stats", FP32_BYTES * b * a * s, "tp")
     elif path == "flash":  # FlashAttention.forward: contiguous [b, s, heads, d] copies of q, k, v;
         # flash-attn saves its own output; `output.contiguous()` is the [s, b, h] copy linear_proj keeps
-        saved.add("core_attention.qkv_bshd", e * tokens * (a + 2 * g) * d, "tp")
-        saved.add("core_attention.flash_output", e * tokens * a * d, "tp")
+        saved.add("core_attention.qkv_bshd", e * tokens * (a * dqk + g * dqk + g * dv), "tp")
+        saved.add("core_attention.flash_output", e * tokens * a * dv, "tp")
         saved.add(*out, "tp")
         saved.add("core_attention.softmax_lse", FP32_BYTES * b * a * s, "tp")
     else:  # unfused (TE) and local (Megatron): QK^T, softmax, dropout, times V, in 16 bits
         scores = b * a * s * s
         saved.add(*q, "tp")  # baddbmm saves q and k (GQA: repeat_interleave makes k and v anew)
-        saved.add(*(("core_attention.key_repeated", e * tokens * a * d) if g != a else k), "tp")
-        saved.add(*(("core_attention.value_repeated", e * tokens * a * d) if g != a else qkv), "tp")
+        saved.add(*(("core_attention.key_repeated", e * tokens * a * dqk) if g != a else k), "tp")
+        saved.add(*(("core_attention.value_repeated", e * tokens * a * dv) if g != a else v), "tp")
         # The fused masked-softmax kernel keeps its 16-bit output; torch's softmax (softmax_fused
         # False) keeps an fp32 output when it works in fp32, and the probabilities go on cast back.
         probs = e if softmax_fused(cfg, run) or not _softmax_in_fp32(cfg) else FP32_BYTES

@@ -11,6 +11,7 @@ from typing import Iterable
 from recompute_bench.analysis.megatron.attention import attention_path, attention_saved
 from recompute_bench.analysis.megatron.context_parallel import (attention_backward_bytes, attention_forward_bytes,
                                                                 layer_attention, rank_tokens)
+from recompute_bench.analysis.megatron.mla import mla_attention_saved
 from recompute_bench.analysis.megatron.run import MegatronRun
 from recompute_bench.models import ELEMENT_BYTES, FP32_BYTES, MASK_BYTES, SavedBytes
 from recompute_bench.spec.config import Config
@@ -33,16 +34,24 @@ def layer_saved_bytes(cfg: Config, run: MegatronRun, modules: Iterable[str] = ()
     stats = (2 if m.normalization == "LayerNorm" else 1) * FP32_BYTES * tokens  # mu and rsigma, fp32
     # TE's _LayerNormLinear.forward saves `inputmat` and `ln_out` (and mu, rsigma); the local spec's
     # norm saves its input and statistics and ColumnParallelLinear saves the norm's output.
+    mla = m.multi_latent_attention
     for block in ("linear_qkv", "linear_fc1"):
         name = block if te else {"linear_qkv": "input_layernorm", "linear_fc1": "pre_mlp_layernorm"}[block]
+        # MLA's spec keeps input_layernorm a TENorm of its own (layernorm recompute applies to it):
+        # TE's norm op saves its input and statistics, the down projections its output
+        separate = mla and block == "linear_qkv"
+        name = "input_layernorm" if separate else name
         saved.add(f"{name}.input", e * tokens * h, "sp")  # the mlp checkpoint's input too
         if block == "linear_fc1" and "mlp" in mods and te:
             continue  # recomputed inside the checkpoint with the rest of the MLP
-        if norms_kept:
+        if norms_kept and not (separate and "layernorm" in mods):
             saved.add(f"{name}.norm_stats", stats, "sp")
-            saved.add(f"{name}.ln_out" if te else f"{block}.input", e * tokens * h, "sp")
+            saved.add(f"{name}.output" if separate else f"{name}.ln_out" if te else f"{block}.input", e * tokens * h, "sp")
         if block == "linear_qkv":
-            attention_saved(saved, cfg, run, mods, layer)
+            if mla:
+                mla_attention_saved(saved, cfg, run, mods, layer)
+            else:
+                attention_saved(saved, cfg, run, mods, layer)
             if m.hidden_dropout > 0:  # fused_bias_dropout.py: the dropout mask of bias-dropout-add
                 saved.add("self_attn_bda.dropout_mask", MASK_BYTES * tokens * h, "sp")
     if "mlp" not in mods:

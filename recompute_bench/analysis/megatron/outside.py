@@ -39,7 +39,8 @@ def logits(cfg: Config) -> float:
 
 def loss_saved_bytes(cfg: Config) -> float:
     """Kept from the loss's forward to its backward: cross_entropy.py `_VocabParallelCrossEntropy`
-    saves `exp_logits`, its fp32 working copy of the logits turned into the softmax in place."""
+    saves `exp_logits`, its fp32 working copy of the logits turned into the softmax in place;
+    Transformer Engine's cross-entropy (cross_entropy_fusion_impl te) its fp32 gradient buffer."""
     return FP32_BYTES * logits(cfg)
 
 
@@ -52,8 +53,15 @@ def loss_peak_bytes(cfg: Config) -> float:
     one more fp32 buffer: the compiled `calculate_predicted_logits` writes exp(logits) anew before
     copying it back into the input it mutates, and `calculate_gradients` likewise: 2 + 4 + 4."""
     e = ELEMENT_BYTES[cfg.training.precision]
+    m = cfg.model
+    if m.cross_entropy_loss_fusion and m.cross_entropy_fusion_impl == "te":
+        # Transformer Engine's parallel_cross_entropy (cross_entropy.py `CrossEntropyFunction`,
+        # triton/cross_entropy.py `cross_entropy_forward`): the logits as they are and a new fp32
+        # gradient buffer, written in forward and saved; backward scales it in place and autograd
+        # casts it to the logits' dtype: e + 4 bytes per logit either way, 4 kept
+        return (e + FP32_BYTES) * logits(cfg)
     held = (e + FP32_BYTES) if e < FP32_BYTES else FP32_BYTES
-    if cfg.model.cross_entropy_loss_fusion:
+    if m.cross_entropy_loss_fusion:
         held += FP32_BYTES
     return held * logits(cfg)
 
@@ -64,4 +72,24 @@ def batch_bytes(cfg: Config) -> float:
     create_attention_mask_in_dataloader (Megatron's default), the [b, 1, s, s] bool attention mask;
     under context parallel the rank's slices (`get_batch_on_this_cp_rank`: s/cp tokens, the mask's
     s/cp queries over all s keys)."""
-    return (3 * INDEX_BYTES + FP32_BYTES) * rank_tokens(cfg) + attention_mask_bytes(cfg)
+    # --no-create-attention-mask-in-dataloader: gpt_dataset.py `GPTDataset.__getitem__` builds no
+    # mask (`elif self.config.create_attention_mask`), and get_batch moves none to the GPU
+    mask = attention_mask_bytes(cfg) if cfg.training.create_attention_mask_in_dataloader else 0
+    return (3 * INDEX_BYTES + FP32_BYTES) * rank_tokens(cfg) + mask
+
+
+def deferred_wgrad_bytes(cfg: Config, microbatch: int) -> float:
+    """With defer_embedding_wgrad_compute, what the output layer's backward of micro-batch
+    `microbatch` leaves held until the pipeline flush: tensor_parallel/layers.py
+    `ColumnParallelLinear.forward` appends its input to `embedding_activation_buffer` and
+    `LinearWithGradAccumulationAndAsyncCommunication.backward` its 16-bit output gradient (the
+    logits' gradient) to `grad_output_buffer`, for the first wgrad_deferral_limit micro-batches (0:
+    all); schedules.py `finish_embedding_wgrad_compute` (utils.py `drain_embedding_wgrad_compute`)
+    computes their weight gradient and frees them after the last backward."""
+    tr, m, par = cfg.training, cfg.model, cfg.parallel
+    limit = tr.wgrad_deferral_limit
+    if not tr.defer_embedding_wgrad_compute or (limit and microbatch >= limit):
+        return 0.0
+    t = par.tensor_model_parallel_size if par.sequence_parallel else 1
+    e = ELEMENT_BYTES[tr.precision]
+    return e * logits(cfg) + e * rank_tokens(cfg) * m.hidden_size / t

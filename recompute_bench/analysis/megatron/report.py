@@ -26,7 +26,8 @@ def _settings(cfg: Config) -> list[RecomputeConfig]:
     """The settings tabulated: none, every selective subset, full uniform 1 and full block at a few
     layer counts of a model chunk, and cfg's own."""
     n = layers_per_model_chunk(cfg)
-    out = [RecomputeConfig(), *selective_settings(("core_attn", "mlp", "layernorm")), RecomputeConfig("full", [], "uniform", 1)]
+    targets = ("core_attn", "mlp", "layernorm") + (("mla_up_proj",) if cfg.model.multi_latent_attention else ())
+    out = [RecomputeConfig(), *selective_settings(targets), RecomputeConfig("full", [], "uniform", 1)]
     out += [RecomputeConfig("full", [], "block", k) for k in sorted({1, n // 4, n // 2, 3 * n // 4, n} - {0})]
     if cfg.recompute.label not in {r.label for r in out}:
         out.insert(0, cfg.recompute)

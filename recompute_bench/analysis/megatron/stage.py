@@ -12,13 +12,14 @@ from recompute_bench.analysis.layer import checkpoint_input_bytes
 from recompute_bench.analysis.megatron.buffers import buffer_bytes
 from recompute_bench.analysis.megatron.layer import layer_backward_bytes, layer_bytes, layer_forward_bytes
 from recompute_bench.analysis.megatron.optimizer import bytes_per_parameter
-from recompute_bench.analysis.megatron.outside import (batch_bytes, embedding_saved_bytes, loss_peak_bytes,
-                                                       loss_saved_bytes, output_saved_bytes)
+from recompute_bench.analysis.megatron.outside import (batch_bytes, deferred_wgrad_bytes, embedding_saved_bytes,
+                                                       loss_peak_bytes, loss_saved_bytes, output_saved_bytes)
 from recompute_bench.analysis.megatron.run import MegatronRun
 from recompute_bench.analysis.schedule import schedule_peak
-from recompute_bench.analysis.stage import stage_parameters
+from recompute_bench.analysis.megatron.parameters import stage_parameters
 from recompute_bench.recompute.policy import chunks, layer_policies
 from recompute_bench.spec.config import BadInput, Config
+from recompute_bench.spec.pipeline_split import model_chunks
 
 @dataclass(frozen=True)
 class ChunkBytes:
@@ -33,15 +34,6 @@ class ChunkBytes:
     working set), taken at the chunk's end: an upper bound by the layers after that attention."""
 
 
-def chunk_first_layer(cfg: Config, stage: int, chunk: int) -> int:
-    """The first layer (0-based, over the whole model) of model chunk `chunk` on pipeline stage
-    `stage`: Megatron's `get_transformer_layer_offset` for an even split, chunk x (L / vp) +
-    stage x (L / p / vp)."""
-    par = cfg.parallel
-    vp, n = par.virtual_pipeline_model_parallel_size or 1, cfg.model.num_layers
-    return chunk * (n // vp) + stage * (n // par.pipeline_model_parallel_size // vp)
-
-
 def chunk_bytes(cfg: Config, run: MegatronRun, layers: int, first_layer: int = 0) -> ChunkBytes:
     """A model chunk of `layers` layers from layer `first_layer` under cfg.recompute, unit by unit
     (recompute/policy.py `chunks`): a full-recompute checkpoint keeps its input and, rebuilt in
@@ -49,6 +41,8 @@ def chunk_bytes(cfg: Config, run: MegatronRun, layers: int, first_layer: int = 0
     `layer_saved_bytes`. Backward adds the most a layer's backward holds beyond that
     (`layer_backward_bytes`), or, where it re-runs the attention (full recompute, selective
     core_attn), the attention forward's working set if that is more (`layer_forward_bytes`)."""
+    if layers == 0:  # a chunk that holds only the embedding or the loss (uneven splits)
+        return ChunkBytes(0.0, 0.0)
     policies = layer_policies(cfg.recompute, layers)
     # A full-recompute checkpoint keeps its [s, b, h] input, as this harness's does (Megatron's
     # tensor_parallel/random.py CheckpointFunction, or TE's checkpoint).
@@ -96,8 +90,9 @@ class StagePeak:
         return held + self.gradient_copies_bytes
 
 
+DEFERRED_WGRAD_ITEM = "deferred output-layer weight-gradient buffers"
 ACTIVATION_ITEMS = ("activations of the other micro-batches in flight", "activations of the pass at the peak",
-                    "transient of the pass at the peak")
+                    "transient of the pass at the peak", DEFERRED_WGRAD_ITEM)
 
 
 def stage_peak(cfg: Config, stage: int, run: MegatronRun) -> StagePeak:
@@ -107,10 +102,11 @@ def stage_peak(cfg: Config, stage: int, run: MegatronRun) -> StagePeak:
     backward, plus the pass in flight (the loss on the last stage's last chunk, whose forward also
     holds the micro-batch's inputs; a layer's backward)."""
     par = cfg.parallel
-    p, vp = par.pipeline_model_parallel_size, par.virtual_pipeline_model_parallel_size or 1
-    layers = cfg.model.num_layers // p // vp
-    chunk = [chunk_bytes(cfg, run, layers, chunk_first_layer(cfg, stage, c)) for c in range(vp)]
-    first, last = stage == 0, stage == p - 1
+    vp = par.virtual_pipeline_model_parallel_size or 1
+    # the model chunks this rank builds (spec/pipeline_split.py: even, uneven or by layout), each
+    # from its own first layer (layers differ in their cp_comm_type)
+    built = model_chunks(cfg, stage)
+    chunk = [chunk_bytes(cfg, run, c.layers, c.first_layer) for c in built]
     params = stage_parameters(cfg, stage)
     per = bytes_per_parameter(cfg)
     # The fp32 gradient copies live from the optimizer step to the next step's zero_grad, which
@@ -119,10 +115,10 @@ def stage_peak(cfg: Config, stage: int, run: MegatronRun) -> StagePeak:
     static.update(buffer_bytes(cfg, run))
 
     def embeds(c: int) -> bool:
-        return first and c == 0
+        return built[c].embedding
 
     def loses(c: int) -> bool:
-        return last and c == vp - 1
+        return built[c].loss
 
     output, kept = output_saved_bytes(cfg), loss_saved_bytes(cfg)
 
@@ -141,9 +137,14 @@ def stage_peak(cfg: Config, stage: int, run: MegatronRun) -> StagePeak:
             return max(loss_peak_bytes(cfg) - kept, layers - output - kept)
         return layers
 
-    peak = schedule_peak(cfg, stage, stored, backward, forward)
+    def retained(mb: int, c: int) -> float:
+        return deferred_wgrad_bytes(cfg, mb) if loses(c) else 0.0
+
+    peak = schedule_peak(cfg, stage, stored, backward, forward, retained)
     items = {**static, "activations of the other micro-batches in flight": peak.others,
              "activations of the pass at the peak": peak.own, "transient of the pass at the peak": peak.transient}
+    if peak.retained:
+        items[DEFERRED_WGRAD_ITEM] = peak.retained
     phase = ("the loss's " if loses(peak.chunk) else "") + ("forward" if peak.kind == "F" else "backward") + \
         (f" of model chunk {peak.chunk}" if vp > 1 else "")
     copies = per["fp32 gradient copies"] * params

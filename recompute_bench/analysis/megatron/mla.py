@@ -1,0 +1,117 @@
+"""Multi-latent attention as Megatron runs it (megatron/core/transformer/multi_latent_attention.py
+`MLASelfAttention`, built by gpt_layer_specs.py `get_gpt_layer_with_transformer_engine_submodules`
+with multi_latent_attention): what one layer's attention block keeps for backward, one micro-batch
+on one tensor-parallel rank, and its parameters.
+
+The block, with n heads (n / t on a rank), qk = qk_head_dim, r = qk_pos_emb_head_dim, v = v_head_dim:
+
+    input_layernorm (TENorm: MLA's spec does not fuse it into a linear)
+    linear_q_down_proj  h -> q_lora_rank           TELinear, parallel_mode "duplicated": a whole copy
+    linear_q_up_proj    q_lora_rank -> n (qk + r)  TEColumnParallelLinear     (or linear_q_proj h -> n (qk + r))
+    linear_kv_down_proj h -> kv_lora_rank + r      TELinear "duplicated"; split into the latent and k_pos_emb
+    linear_kv_up_proj   kv_lora_rank -> n (qk + v) TEColumnParallelLinear
+    RoPE on q's last r dims and on k_pos_emb (shared by every head); query = [q_nope, q_pe],
+    key = [k_nope, k_pe expanded], value contiguous; core attention; linear_proj n v -> h
+
+No linear of the block has a bias (every build_module passes bias=False but linear_proj's). The latent
+norms exist only with qk_layernorm (mla_qk_norm_config.py `QKNormConfigResolver`: IdentityOp
+otherwise), fused into the up-projections (TELayerNormColumnParallelLinear). The duplicated down
+projections run on the rank's sequence shard under sequence parallelism (no gather), the
+column-parallel up projections gather it, so q, k and v cover the whole sequence for n / t heads.
+Transformer Engine's modules only: the local spec's MLA (ColumnParallelLinear down projections
+whose outputs are gathered and scattered again) is refused. Pure Python.
+"""
+
+from __future__ import annotations
+
+from recompute_bench.analysis.megatron.attention import CoreAttentionInputs, core_attention_saved
+from recompute_bench.analysis.megatron.run import MegatronRun
+from recompute_bench.models import ELEMENT_BYTES, FP32_BYTES, SavedBytes
+from recompute_bench.spec.config import Config
+
+
+def _norm(cfg: Config, width: int) -> int:
+    return (2 if cfg.model.normalization == "LayerNorm" else 1) * width
+
+
+def mla_rope_fused(cfg: Config) -> bool:
+    """Whether MLA's RoPE runs the fused yarn kernels (fused_mla_yarn_rope_apply.py): apply_rope_fusion,
+    which validate_args turns off unless position_embedding_type is rope, with rope_type yarn
+    (MLATransformerConfig's default; its __post_init__ refuses fusion with plain rope)."""
+    m = cfg.model
+    return m.apply_rope_fusion and m.position_embedding_type == "rope" and m.rope_type in (None, "yarn")
+
+
+def mla_attention_parameters(cfg: Config) -> tuple[float, float]:
+    """The attention block's parameters (input norm included): (sharded over the tensor-parallel
+    group, before the split; replicated on every rank). The duplicated down projections are whole on
+    every rank; with qk_layernorm the latent norms (or, without q_lora_rank, a norm over the hidden
+    states fused into linear_q_proj) are the fused linears' replicated layer_norm weights."""
+    m = cfg.model
+    h, n, r = m.hidden_size, m.num_attention_heads, m.qk_pos_emb_head_dim
+    q_width, kv_width = n * (m.qk_head_dim + r), n * (m.qk_head_dim + m.v_head_dim)
+    sharded = kv_width * m.kv_lora_rank + n * m.v_head_dim * h
+    replicated = _norm(cfg, h) + h * (m.kv_lora_rank + r) + (h if m.add_bias_linear else 0)
+    if m.q_lora_rank is None:
+        sharded += h * q_width
+        replicated += _norm(cfg, h) if m.qk_layernorm else 0
+    else:
+        sharded += m.q_lora_rank * q_width
+        replicated += h * m.q_lora_rank + (_norm(cfg, m.q_lora_rank) if m.qk_layernorm else 0)
+    replicated += _norm(cfg, m.kv_lora_rank) if m.qk_layernorm else 0
+    return sharded, replicated
+
+
+def mla_attention_saved(saved: SavedBytes, cfg: Config, run: MegatronRun, mods: set[str], layer: int = 0) -> None:
+    """What the MLA block keeps after its input norm's output (which the down projections save), in
+    `SavedBytes` splits: "sp" for the down projections' sequence shards, "tp" for the n / t heads over
+    the whole sequence, "none" for what every rank holds whole.
+
+    - linear_q_up_proj keeps its input, the q latent (TE linear.py `_Linear.forward` saves `inputmat`,
+      the local shard under sequence parallelism); without q_lora_rank linear_q_proj keeps the
+      norm's output, already counted.
+    - linear_kv_up_proj's input is a strided view of the kv latent; TE's `prepare_forward` makes it
+      contiguous, and that copy is what it keeps (the down projection's output is freed).
+    - with qk_layernorm the up projections are TELayerNormColumnParallelLinear: each also keeps its
+      norm's output and fp32 statistics (layernorm_linear.py).
+    - unfused RoPE (rope_utils.py `_apply_rotary_pos_emb_bshd`): `t * cos_` and `rotate(t) * sin_`
+      keep cos_ and sin_ ([s, 1, 1, r] in 16 bits), made anew for q and for k; the fused kernels
+      keep cached cos and sin (no per-layer bytes). Both make query, key and value anew
+      (cat / the fused kernel's outputs, `value.contiguous()`): core attention's inputs.
+    - `mla_up_proj` (CheckpointWithoutOutput around `qkv_up_proj_and_rope_apply`): the up projections
+      and RoPE run without grad and keep nothing; the checkpoint keeps its inputs (the q latent, the
+      kv latent, a view of the down projection's whole output, and k_pos_emb, gathered over the
+      sequence under sequence parallelism), and `discard_output_and_register_recompute` frees
+      query, key and value once core attention has run: what core attention saved of them as they
+      are is gone, the copies it made (FlashAttention's) stay."""
+    m, tr, par = cfg.model, cfg.training, cfg.parallel
+    e, b, s = ELEMENT_BYTES[tr.precision], tr.micro_batch_size, tr.seq_length
+    tokens, n, r = s * b, m.num_attention_heads, m.qk_pos_emb_head_dim
+    qk, v = m.qk_head_dim + r, m.v_head_dim
+    rows = (2 if m.normalization == "LayerNorm" else 1) * FP32_BYTES * tokens  # mu and rsigma per token
+    up_proj = "mla_up_proj" in mods
+    if up_proj:
+        if m.q_lora_rank is not None:
+            saved.add("linear_q_down_proj.output", e * tokens * m.q_lora_rank, "sp")
+        saved.add("linear_kv_down_proj.output", e * tokens * (m.kv_lora_rank + r), "sp")
+        if par.sequence_parallel and par.tensor_model_parallel_size > 1:  # gather_from_sequence_parallel_region
+            saved.add("k_pos_emb.gathered", e * tokens * r, "none")
+    else:
+        if m.q_lora_rank is not None:
+            saved.add("linear_q_down_proj.output", e * tokens * m.q_lora_rank, "sp")
+            if m.qk_layernorm:
+                saved.add("linear_q_up_proj.norm_stats", rows, "sp")
+                saved.add("linear_q_up_proj.ln_out", e * tokens * m.q_lora_rank, "sp")
+        elif m.qk_layernorm:
+            saved.add("linear_q_proj.norm_stats", rows, "sp")
+            saved.add("linear_q_proj.ln_out", e * tokens * m.hidden_size, "sp")
+        saved.add("linear_kv_up_proj.input", e * tokens * m.kv_lora_rank, "sp")
+        if m.qk_layernorm:
+            saved.add("linear_kv_up_proj.norm_stats", rows, "sp")
+            saved.add("linear_kv_up_proj.ln_out", e * tokens * m.kv_lora_rank, "sp")
+        if not mla_rope_fused(cfg):
+            saved.add("rotary.cos_sin", 4 * e * s * r, "none")
+    kept = 0.0 if up_proj else 1.0  # discarded storages count nothing
+    inputs = CoreAttentionInputs(("query", kept * e * tokens * n * qk), ("key", kept * e * tokens * n * qk),
+                                 ("value", kept * e * tokens * n * v), n, n, qk, v)
+    core_attention_saved(saved, cfg, run, mods, inputs, layer)

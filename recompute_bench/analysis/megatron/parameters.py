@@ -1,0 +1,74 @@
+"""Parameters on one Megatron rank: one layer's on a tensor-parallel rank, and a pipeline stage's
+over its model chunks as Megatron splits the model (evenly, unevenly, by layout:
+`spec.pipeline_split.model_chunks`).
+
+Sources: megatron/core/transformer/attention.py `SelfAttention.__init__` (linear_qkv's width with the
+output gate, its bias with add_qkv_bias, q_layernorm / k_layernorm over one head),
+megatron/core/transformer/multi_latent_attention.py (`analysis.megatron.mla`),
+megatron/core/models/gpt/gpt_model.py (embedding, final norm, output layer; on pipelined runs the
+last stage's copy of a tied embedding)."""
+
+from __future__ import annotations
+
+from recompute_bench.analysis.megatron.mla import mla_attention_parameters
+from recompute_bench.models import spec_for, vocab_rows
+from recompute_bench.spec.config import Config
+from recompute_bench.spec.pipeline_split import ModelChunk, model_chunks
+
+
+def norm_parameters(cfg: Config, width: int) -> int:
+    """A norm over `width` features: LayerNorm's weight and bias, RMSNorm's weight."""
+    return (2 if cfg.model.normalization == "LayerNorm" else 1) * width
+
+
+def layer_parameters(cfg: Config) -> float:
+    """One Megatron transformer layer's parameters on one tensor-parallel rank.
+
+    The dense layer is this harness's (`DenseSpec.layer_parameters`: the same linears, norms and
+    biases) with Megatron's own arguments: the attention output gate widens linear_qkv by a x d
+    columns, add_qkv_bias puts a bias on linear_qkv alone, qk_layernorm adds a norm over one head
+    for the queries and one for the keys (TENorm(hidden_size_per_attention_head), replicated over
+    the tensor-parallel group). Multi-latent attention replaces the attention block (`mla`)."""
+    m, t = cfg.model, cfg.parallel.tensor_model_parallel_size
+    h, d, a, g = m.hidden_size, m.head_dim, m.num_attention_heads, m.groups
+    if m.multi_latent_attention:
+        sharded, replicated = mla_attention_parameters(cfg)
+        fc1 = 2 * m.ffn_hidden_size if m.activation == "swiglu" else m.ffn_hidden_size
+        bias = 1 if m.add_bias_linear else 0
+        # the MLP beside it: linear_fc1 with its fused pre-MLP norm, linear_fc2 (row-parallel bias)
+        sharded += h * fc1 + bias * fc1 + m.ffn_hidden_size * h
+        replicated += norm_parameters(cfg, h) + bias * h
+        return sharded / t + replicated
+    dense = spec_for(m).layer_parameters(cfg)
+    sharded, replicated = dense["sharded"] * t, dense["replicated"]
+    qkv_width = (a + 2 * g) * d + (a * d if m.attention_output_gate else 0)
+    if m.attention_output_gate:  # the gate's columns, with their bias where linear_qkv has one
+        sharded += h * a * d + (a * d if m.add_bias_linear else 0)
+    if m.add_qkv_bias and not m.add_bias_linear:  # `bias=add_bias_linear or add_qkv_bias`
+        sharded += qkv_width
+    if m.qk_layernorm:
+        replicated += 2 * norm_parameters(cfg, d)
+    return sharded / t + replicated
+
+
+def chunk_parameters(cfg: Config, chunk: ModelChunk, holds_embedding: bool) -> float:
+    """A model chunk's parameters on one rank: its layers, and the embedding (the padded
+    vocabulary's rows over tp, learned absolute positions whole), or the final norm and the output
+    layer (tied to the embedding: a copy of it unless this rank `holds_embedding` too)."""
+    m, t = cfg.model, cfg.parallel.tensor_model_parallel_size
+    vocab = vocab_rows(cfg) * m.hidden_size / t
+    n = chunk.layers * layer_parameters(cfg)
+    if chunk.embedding:
+        n += vocab + (m.max_position_embeddings * m.hidden_size if m.position_embedding_type == "learned_absolute" else 0)
+    if chunk.loss:
+        n += norm_parameters(cfg, m.hidden_size)
+        if not m.share_embeddings_and_output_weights or not holds_embedding:
+            n += vocab
+    return n
+
+
+def stage_parameters(cfg: Config, stage: int) -> float:
+    """Parameters on one rank of pipeline stage `stage`: its model chunks'."""
+    chunks = model_chunks(cfg, stage)
+    holds_embedding = any(c.embedding for c in chunks)
+    return sum(chunk_parameters(cfg, c, holds_embedding) for c in chunks)

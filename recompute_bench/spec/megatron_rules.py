@@ -1,0 +1,52 @@
+"""Megatron's own rules for the arguments only framework megatron models (`MEGATRON_ONLY_SETTINGS`):
+one clear line each, as megatron/training/arguments.py `validate_args`, TransformerConfig and
+ModelParallelConfig `__post_init__` reject them. Pure Python."""
+
+from __future__ import annotations
+
+from recompute_bench.spec.config import CROSS_ENTROPY_FUSION_IMPLS, OPTIMIZER_DTYPES, ROPE_TYPES, BadInput, Config
+
+
+def _choice(name: str, value: object, choices: tuple, fix: str) -> None:
+    if value not in choices:
+        raise BadInput(f"{name} {value!r} is not one of {', '.join(map(str, choices))}; {fix}")
+
+
+def validate_megatron_settings(cfg: Config) -> None:
+    """The settings of MEGATRON_ONLY_SETTINGS, by Megatron's rules."""
+    m, t, p = cfg.model, cfg.training, cfg.parallel
+    _choice("cross_entropy_fusion_impl", m.cross_entropy_fusion_impl, CROSS_ENTROPY_FUSION_IMPLS,
+            "pass --set model.cross_entropy_fusion_impl=native")
+    for name in ("main_grads_dtype", "main_params_dtype", "exp_avg_dtype", "exp_avg_sq_dtype"):
+        _choice(name, getattr(t, name), OPTIMIZER_DTYPES, f"pass --set training.{name}=fp32")
+    if m.rope_type is not None:
+        _choice("rope_type", m.rope_type, ROPE_TYPES, "pass --set model.rope_type=rope, or leave it unset")
+        # argument_utils.py: common attention only supports rope_type "rope"
+        if m.rope_type != "rope" and not m.multi_latent_attention:
+            raise BadInput(f"rope_type {m.rope_type} applies to multi-latent attention only; drop --set model.rope_type")
+    # optimizer/__init__.py: "--use-precision-aware-optimizer only supported with distributed optimizer"
+    if t.use_precision_aware_optimizer and not p.use_distributed_optimizer:
+        raise BadInput("the precision-aware optimizer (Transformer Engine's FusedAdam) runs under the distributed "
+                       "optimizer only; pass --use-distributed-optimizer")
+    if t.grad_reduce_in_bf16 and t.precision not in ("bf16", "fp8"):
+        raise BadInput("grad_reduce_in_bf16 applies to bf16 runs; pass --precision bf16 or drop it")
+    instances = p.num_distributed_optimizer_instances
+    if not isinstance(instances, int) or instances < 1 or p.data_parallel_size % instances:
+        raise BadInput(f"num_distributed_optimizer_instances {instances!r} must divide the data-parallel size "
+                       f"{p.data_parallel_size} (each instance shards over dp / instances ranks); pass a divisor")
+    if instances > 1 and not p.use_distributed_optimizer:
+        raise BadInput("several distributed-optimizer instances need the distributed optimizer; pass "
+                       "--use-distributed-optimizer")
+    # model_parallel_config.py __post_init__
+    if t.defer_embedding_wgrad_compute and p.pipeline_model_parallel_size == 1:
+        raise BadInput("Cannot defer embedding wgrad compute when pipeline model parallel is not used (Megatron's "
+                       "rule); pass --pipeline-model-parallel-size 2 or more, or drop defer_embedding_wgrad_compute")
+    if not isinstance(t.wgrad_deferral_limit, int) or t.wgrad_deferral_limit < 0:
+        raise BadInput(f"wgrad_deferral_limit must be 0 (every micro-batch) or more, got {t.wgrad_deferral_limit!r}; "
+                       "pass --set training.wgrad_deferral_limit=N")
+    if m.multi_latent_attention and m.transformer_impl != "transformer_engine":
+        raise BadInput("multi-latent attention is modelled with Transformer Engine's modules (Megatron's default); "
+                       "pass --transformer-impl transformer_engine")
+    if p.microbatch_group_size_per_vp_stage is not None and not p.virtual_pipeline_model_parallel_size:
+        raise BadInput("microbatch_group_size_per_vp_stage groups the interleaved schedule's micro-batches; set "
+                       "virtual_pipeline_model_parallel_size or drop it")
