@@ -16,9 +16,10 @@ from recompute_bench.results.rows import key_fields
 from recompute_bench.spec.config import RecomputeConfig
 from helpers import LOSS_RTOL, RANK_SETS
 
-pytestmark = pytest.mark.slow  # launches ranks: `make test-all`
+SLOW = pytest.mark.slow  # launches ranks: `make test-all`; the pure logic here runs in the fast lane
 
 
+@SLOW
 def test_expert_parallel_over_two_ranks_matches_one_rank(tmp_path):
     launch = Launch(nproc_per_node=2)
     cfg = check_launch(config("tiny-moe", sets=RANK_SETS, parallel__expert_model_parallel_size=2), launch, "cpu")
@@ -60,6 +61,7 @@ def test_expert_parallel_over_two_ranks_matches_one_rank(tmp_path):
         assert a == pytest.approx(estimate, rel=0.02)
 
 
+@SLOW
 def test_verify_over_two_ranks_with_expert_parallel_is_exact(tmp_path):
     launch = Launch(nproc_per_node=2)
     cfg = check_launch(config("tiny-moe", sets=["training.seq_length=32"], parallel__expert_model_parallel_size=2),

@@ -12,9 +12,8 @@ import time
 
 import pytest
 
-from helpers import LOSS_RTOL, RANK_SETS, config, invoke, measure, rank_script
+from helpers import LOSS_RTOL, RANK_SETS, config, invoke, launch_ranks, measure, rank_script
 from recompute_bench.measure.record import FAULT_ENV
-from test_ranks import _ranks
 
 # A global batch of 8: 4 micro-batches of 2, the step's on every pipeline (1F1B needs at least p).
 BATCH = ["training.global_batch_size=8"]
@@ -111,7 +110,7 @@ def test_pp2_1f1b_through_the_cli_records_and_shows_each_stage(tmp_path, single_
 
 @pytest.mark.slow  # launches ranks: `make test-all`
 def test_pp4_1f1b_holds_p_minus_r_micro_batches_on_stage_r(tmp_path, single_rank_losses):
-    record = _ranks(tmp_path, sets=[*BATCH, *PP4], nproc_per_node=4)
+    record = launch_ranks(tmp_path, sets=[*BATCH, *PP4], nproc_per_node=4)
     assert record["status"] == "ok", record["failure"]
     for rank in record["ranks"]:
         assert rank["losses"] == pytest.approx(single_rank_losses, rel=LOSS_RTOL)
@@ -122,8 +121,8 @@ def test_pp4_1f1b_holds_p_minus_r_micro_batches_on_stage_r(tmp_path, single_rank
 
 
 @pytest.mark.slow  # launches ranks: `make test-all`
-def test_tp2_by_pp2_on_four_ranks(tmp_path, single_rank_losses):
-    record = _ranks(tmp_path, sets=[*BATCH, *PP2, "parallel.tensor_model_parallel_size=2"], nproc_per_node=4)
+def test_tp2_by_pp2_on_fourlaunch_ranks(tmp_path, single_rank_losses):
+    record = launch_ranks(tmp_path, sets=[*BATCH, *PP2, "parallel.tensor_model_parallel_size=2"], nproc_per_node=4)
     assert record["status"] == "ok", record["failure"]
     # The vocabulary-parallel cross-entropy and the row-parallel all-reduce add in another order too.
     for rank in record["ranks"]:
@@ -137,7 +136,7 @@ def test_tp2_by_pp2_on_four_ranks(tmp_path, single_rank_losses):
 @pytest.mark.slow  # launches ranks: `make test-all`
 def test_an_oom_on_one_stage_names_the_stage_and_the_rank(tmp_path, monkeypatch):
     monkeypatch.setenv(FAULT_ENV, "oom:backward:1@1")
-    record = _ranks(tmp_path, sets=[*PP2, "training.measured_steps=2"])
+    record = launch_ranks(tmp_path, sets=[*PP2, "training.measured_steps=2"])
     assert record["status"] == "oom"
     assert {k: record["failure"][k] for k in ("rank", "step", "phase")} == {"rank": 1, "step": 1, "phase": "backward"}
     failed = record["ranks"][1]
@@ -153,7 +152,7 @@ def test_a_hang_in_a_stage_is_cut_by_the_watchdog_in_its_peers_receive(tmp_path,
     monkeypatch.setenv(FAULT_ENV, "hang:forward:1@1")
     watchdog = 5.0
     started = time.monotonic()
-    record = _ranks(tmp_path, sets=[*PP2, "training.measured_steps=2"], watchdog_s=watchdog)
+    record = launch_ranks(tmp_path, sets=[*PP2, "training.measured_steps=2"], watchdog_s=watchdog)
     assert time.monotonic() - started < watchdog + 60  # start-up, the watchdog, torchrun's teardown
     assert record["status"] == "timeout" and record["failure"]["rank"] == 0
     assert [r["status"] for r in record["ranks"]] == ["timeout", "waiting"]

@@ -17,21 +17,13 @@ from pathlib import Path
 
 import pytest
 
-from helpers import LOSS_RTOL, RANK_SETS, config, invoke, measure
+from helpers import LOSS_RTOL, RANK_SETS, config, invoke, launch_ranks, measure
 from recompute_bench.launch.process import FAULT_POINTS_ENV, PARENT_PID_ENV, worker_env
 from recompute_bench.launch.torchrun import Launch, check_launch, classify_rank, run_ranks, torchrun_command
 from recompute_bench.measure.point import FAULT_DELAY_S
 from recompute_bench.measure.record import FAULT_ENV, rank_summary
 
-pytestmark = pytest.mark.slow  # launches ranks: `make test-all`
-
-
-def _ranks(tmp_path: Path, data_parallel: str = "ddp", sets=(), watchdog_s: float = 60.0,
-           timeout_s: float = 180.0, nproc_per_node: int = 2) -> dict:
-    """One point of the tiny model (`RANK_SETS`, then `sets`) measured over `nproc_per_node` ranks: its record."""
-    launch = Launch(nproc_per_node=nproc_per_node, data_parallel=data_parallel, watchdog_s=watchdog_s)
-    cfg = check_launch(config(sets=[*RANK_SETS, *sets]), launch, "cpu")
-    return run_ranks(cfg, launch, name="t", pieces=tmp_path / "pieces", log_path=tmp_path / "t.log", timeout_s=timeout_s)
+SLOW = pytest.mark.slow  # launches ranks: `make test-all`; the pure logic below runs in the fast lane
 
 
 # A global batch of 8: two micro-batches per rank under dp = 2, the first accumulated without being
@@ -44,9 +36,10 @@ def single_rank_losses() -> list[float]:
     return measure(config(sets=[*RANK_SETS, *ACCUMULATE]))["ranks"][0]["losses"]
 
 
+@SLOW
 @pytest.mark.parametrize("data_parallel", ["ddp", "fsdp"])
 def test_data_parallel_over_two_ranks_gives_the_single_rank_losses(tmp_path, data_parallel, single_rank_losses):
-    record = _ranks(tmp_path, data_parallel, sets=ACCUMULATE)
+    record = launch_ranks(tmp_path, data_parallel, sets=ACCUMULATE)
     assert record["status"] == "ok", record["failure"]
     assert record["config"]["parallel"]["data_parallel_size"] == 2
     assert record["launch"]["world_size"] == 2 and record["launch"]["data_parallel"] == data_parallel
@@ -63,9 +56,10 @@ def test_data_parallel_over_two_ranks_gives_the_single_rank_losses(tmp_path, dat
     assert record["metrics"]["estimated_activation_bytes"] == pytest.approx(single, rel=0.02)
 
 
+@SLOW
 def test_an_oom_on_one_rank_names_it_and_keeps_the_other_ranks_figures(tmp_path, monkeypatch):
     monkeypatch.setenv(FAULT_ENV, "oom:backward:1@1")
-    record = _ranks(tmp_path, sets=["training.measured_steps=2"])
+    record = launch_ranks(tmp_path, sets=["training.measured_steps=2"])
     assert record["status"] == "oom"
     assert {k: record["failure"][k] for k in ("rank", "step", "phase")} == {"rank": 1, "step": 1, "phase": "backward"}
     assert rank_summary(record) == record["failure"]["summary"] == "OOM rank1; waiting rank0"
@@ -73,11 +67,12 @@ def test_an_oom_on_one_rank_names_it_and_keeps_the_other_ranks_figures(tmp_path,
     assert rank0["status"] == "waiting" and rank0["losses"] and rank0["activation_bytes"] > 0  # what it measured stays
 
 
+@SLOW
 def test_a_hang_on_one_rank_is_cut_by_the_collective_watchdog(tmp_path, monkeypatch):
     monkeypatch.setenv(FAULT_ENV, "hang:forward:1@1")
     watchdog = 5.0
     started = time.monotonic()
-    record = _ranks(tmp_path, sets=["training.measured_steps=2"], watchdog_s=watchdog)
+    record = launch_ranks(tmp_path, sets=["training.measured_steps=2"], watchdog_s=watchdog)
     assert time.monotonic() - started < watchdog + 60  # start-up, the watchdog, torchrun's teardown
     assert record["status"] == "timeout"
     assert [r["status"] for r in record["ranks"]] == ["timeout", "waiting"]
@@ -85,11 +80,12 @@ def test_a_hang_on_one_rank_is_cut_by_the_collective_watchdog(tmp_path, monkeypa
     assert "Timed out" in record["failure"]["message"] and record["failure"]["rank"] == 0
 
 
+@SLOW
 def test_a_step_takes_as_long_as_its_slowest_rank(tmp_path, monkeypatch):
     # Rank 1's optimizer takes FAULT_DELAY_S longer in the measured step; rank 0 does not wait for
     # it inside the step (no collective follows the optimizer), so rank 0's own time is short.
     monkeypatch.setenv(FAULT_ENV, "delay:optimizer:1@1")
-    record = _ranks(tmp_path)
+    record = launch_ranks(tmp_path)
     assert record["status"] == "ok", record["failure"]
     [fast], [slow] = (r["step_times_s"] for r in record["ranks"])
     assert slow > FAULT_DELAY_S > fast
@@ -98,11 +94,12 @@ def test_a_step_takes_as_long_as_its_slowest_rank(tmp_path, monkeypatch):
     assert record["metrics"]["tflops_per_gpu"] == pytest.approx(record["metrics"]["model_flops_per_step"] / slow / 2 / 1e12)
 
 
+@SLOW
 def test_a_rank_late_to_a_step_does_not_start_its_peers_clocks(tmp_path, monkeypatch):
     # Rank 1 takes FAULT_DELAY_S to write its piece before the measured step, as a slow disk would.
     # Without the barrier rank 0 would time that as its own step (waiting in the gradient all-reduce).
     monkeypatch.setenv(FAULT_ENV, "delay:write:1@1")
-    record = _ranks(tmp_path)
+    record = launch_ranks(tmp_path)
     assert record["status"] == "ok", record["failure"]
     assert max(r["step_times_s"][0] for r in record["ranks"]) == record["metrics"]["step_time_s"] < FAULT_DELAY_S / 2
 
@@ -120,6 +117,7 @@ def _rank_pid(pieces: Path, rank: int) -> int | None:
     return None
 
 
+@SLOW
 def test_a_rank_killed_by_a_signal_is_killed_and_its_peer_waiting(tmp_path):
     # What the host's OOM killer does: SIGKILL to one rank in the middle of the run.
     launch = Launch(nproc_per_node=2)
@@ -145,18 +143,20 @@ def test_a_rank_killed_by_a_signal_is_killed_and_its_peer_waiting(tmp_path):
     assert result["ranks"][1]["losses"]  # what the killed rank measured before stays
 
 
+@SLOW
 def test_the_nccl_watchdogs_verdict_reaches_the_record(tmp_path, monkeypatch):
     # Rank 1 ends as ProcessGroupNCCL's watchdog ends a rank: its verdict on stderr, then SIGABRT.
     monkeypatch.setenv(FAULT_ENV, "watchdog:backward:1@1")
-    record = _ranks(tmp_path, sets=["training.measured_steps=2"])
+    record = launch_ranks(tmp_path, sets=["training.measured_steps=2"])
     assert [r["status"] for r in record["ranks"]] == ["waiting", "timeout"]
     assert record["status"] == "timeout" and record["failure"]["rank"] == 1
     assert record["failure"]["collective"] == "ALLREDUCE" and "300.042 s" in record["failure"]["message"]
 
 
+@SLOW
 def test_a_gloo_timeout_names_the_collective_and_the_rank(tmp_path, monkeypatch):
     monkeypatch.setenv(FAULT_ENV, "hang:write:1@1")  # rank 1 never reaches the next step's barrier
-    record = _ranks(tmp_path, sets=["training.measured_steps=2"], watchdog_s=5.0)
+    record = launch_ranks(tmp_path, sets=["training.measured_steps=2"], watchdog_s=5.0)
     assert record["status"] == "timeout" and record["failure"]["rank"] == 0
     assert record["failure"]["collective"] == "barrier"
     assert [r["status"] for r in record["ranks"]] == ["timeout", "waiting"]
@@ -226,6 +226,7 @@ def test_classifying_ranks_from_torchruns_exits_and_the_watchdog(line, collectiv
     assert classify_rank(1, running, exits={})["status"] == "waiting"
 
 
+@SLOW
 def test_two_launchers_on_localhost_rendezvous_into_one_point(tmp_path):
     with socket.socket() as s:
         s.bind(("localhost", 0))
@@ -285,6 +286,7 @@ def test_bad_launches_are_one_line_exit_2(tmp_path, args, words):
     assert not (tmp_path / "r.jsonl").exists()
 
 
+@SLOW
 def test_a_sweep_over_two_ranks_records_one_ranks_oom_and_goes_on(tmp_path, monkeypatch):
     monkeypatch.setenv(FAULT_POINTS_ENV, "Baseline=oom:forward:0@1")
     result = invoke("sweep", "--baseline", "--modules", "core_attn", "--nproc-per-node", "2", "--run-id", "two",
@@ -296,6 +298,7 @@ def test_a_sweep_over_two_ranks_records_one_ranks_oom_and_goes_on(tmp_path, monk
     assert [len(r["ranks"]) for r in records] == [2, 2] and "OOM rank1" in " ".join(result.stderr.split())
 
 
+@SLOW
 def test_verify_over_two_fsdp_ranks_is_exact_and_matches_one_rank(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     result = invoke("verify", "--nproc-per-node", "2", "--data-parallel", "fsdp", "--attention-backend", "sdpa",
