@@ -245,20 +245,66 @@ def one_rank_group():
     dist.destroy_process_group()
 
 
-def test_ddp_broadcasts_no_buffer_before_a_forward(one_rank_group, monkeypatch):
+@pytest.fixture
+def nccl_like_group():
+    """A one-rank gloo group mapped, as an NCCL group is, for CUDA tensors only."""
     import torch.distributed as dist
-    from recompute_bench.measure.distributed import DataParallel
-    from recompute_bench.measure.point import synthetic_batches
+    dist.init_process_group("cuda:gloo", store=dist.HashStore(), rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
 
-    sent = []
-    for name in ("broadcast", "_broadcast_coalesced"):
-        monkeypatch.setattr(dist, name, lambda *a, _name=name, **k: sent.append(_name))
-    cfg = config("tiny-moe")  # RoPE: its cos/sin tables are buffers
-    layout = DataParallel("ddp", cfg)
-    layout.dp_size = 2  # as on two ranks: the data-parallel layout, not tensor parallel alone
-    model = layout.build(cfg, CPU)
-    assert list(model.buffers())
-    sent.clear()  # what building sends is not the question
-    tokens = synthetic_batches(cfg, CPU)[0]
-    model(tokens[:, :-1], tokens[:, 1:])
-    assert sent == []
+
+def test_a_pipelines_world_flops_are_summed_on_the_ranks_device(nccl_like_group, monkeypatch):
+    # Every pipeline point on CUDA used to end in "No backend type associated with device type cpu"
+    # right after its probe step: the FLOPs were all-reduced as a CPU tensor. Here CUDA tensors are
+    # torch's fake tensors (shapes and devices, no data), so the sum itself cannot be read.
+    import torch.distributed as dist
+    from torch._subclasses.fake_tensor import DataDependentOutputException, FakeTensorMode
+    from recompute_bench.measure.pipeline import PipelineParallel
+
+    layout = object.__new__(PipelineParallel)  # its mesh needs CUDA; world_flops needs only its device
+    layout.device_type = "cuda"
+    seen = []
+    real = dist.all_reduce
+    monkeypatch.setattr(dist, "all_reduce", lambda t, *a, **k: seen.append(t.device.type) or real(t, *a, **k))
+    with FakeTensorMode(), pytest.raises(DataDependentOutputException):  # the collective went through
+        layout.world_flops(10**12)
+    assert seen == ["cuda"]
+
+
+def test_bucketed_grads_reduce_each_bucket_once_as_its_last_gradient_arrives(one_rank_group, monkeypatch):
+    # Megatron's overlap (measure.distributed.BucketedGrads): a micro-batch under no_sync only
+    # accumulates; on the one that synchronises, each bucket's all-reduce starts as soon as its
+    # parameters' gradients are in, while the backward still runs, once per bucket; the buffer ends
+    # as the sum over the micro-batches times 1/dp (a one-rank group adds nothing to it).
+    import copy
+
+    import torch.distributed as dist
+    from recompute_bench.measure.distributed import BucketedGrads
+
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Tanh(), torch.nn.Linear(4, 4), torch.nn.Tanh(),
+                              torch.nn.Linear(4, 4))
+    alone = copy.deepcopy(net)
+    params = list(net.parameters())  # w0 b0 w1 b1 w2 b2: buckets of 20 parameters in backward order
+    grads = BucketedGrads(params[::-1], [dist.group.WORLD] * len(params), dp_size=2, bucket_parameters=20)
+    assert [b[0] for b in grads.buckets] == [slice(0, 20), slice(20, 40), slice(40, 60)]
+    events = []
+    names = {id(p): n for n, p in net.named_parameters()}
+    for p in params:  # after MainGrads' own hook: the gradient is in the main gradient by then
+        p.register_post_accumulate_grad_hook(lambda p: events.append(f"in {names[id(p)]}"))
+    real = dist.all_reduce
+    monkeypatch.setattr(dist, "all_reduce", lambda t, *a, **k: events.append(f"reduce {t.numel()}") or real(t, *a, **k))
+    batches = torch.randn(2, 3, 4)
+    with grads.no_sync():
+        net(batches[0]).square().sum().backward()
+    assert not any(e.startswith("reduce") for e in events)  # accumulated, not reduced
+    events.clear()
+    net(batches[1]).square().sum().backward()
+    grads.finish()
+    assert [e for e in events if e.startswith("reduce")] == ["reduce 20"] * 3
+    assert events.index("reduce 20") < events.index("in 0.weight")  # the first bucket went while layer 0 ran backward
+    for x in batches:
+        alone(x).square().sum().backward()
+    for (name, p), q in zip(net.named_parameters(), alone.parameters()):
+        assert torch.allclose(p.main_grad, q.grad / 2), name

@@ -55,6 +55,10 @@ class DataParallel(SingleRank):
         if kind not in DATA_PARALLEL:
             raise ValueError(f"data parallel kind {kind!r} is not one of {DATA_PARALLEL}")
         self.kind = kind
+        self.device_type = device_type
+        """Where this rank's tensors live, and so every tensor it hands a collective: an NCCL group
+        maps only "cuda" (torch/distributed/distributed_c10d.py, `BackendConfig`), so a CPU tensor
+        there fails with "No backend type associated with device type cpu"."""
         self.world_size = dist.get_world_size()
         self.rank = dist.get_rank()
         tp = cfg.parallel.tensor_model_parallel_size if cfg is not None else 1

@@ -197,8 +197,10 @@ class PipelineParallel(DataParallel):
         return value / (self.world_size // self.pp)
 
     def world_flops(self, local_flops: int) -> int:
-        """The step's FLOPs over every rank (stages differ: the first embeds, the last has the output layer)."""
-        total = torch.tensor(float(local_flops), dtype=torch.float64)
+        """The step's FLOPs over every rank (stages differ: the first embeds, the last has the output
+        layer), summed on this rank's device (`DataParallel.device_type`; "cuda" is the current GPU,
+        which `rank_device` set)."""
+        total = torch.tensor(float(local_flops), dtype=torch.float64, device=self.device_type)
         dist.all_reduce(total)
         return int(total.item())
 
