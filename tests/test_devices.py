@@ -308,3 +308,43 @@ def test_bucketed_grads_reduce_each_bucket_once_as_its_last_gradient_arrives(one
         alone(x).square().sum().backward()
     for (name, p), q in zip(net.named_parameters(), alone.parameters()):
         assert torch.allclose(p.main_grad, q.grad / 2), name
+
+
+def test_allocator_retries_and_ooms_are_the_measured_windows(fake_cuda, monkeypatch):
+    # The point runs its steps on the CPU while torch.cuda is a fake allocator whose counters grow
+    # from the process's start: each step retries one allocation, the probe step also meets one OOM.
+    # The record's counts are the measured window's, as its peaks are; not the build's, probe's and
+    # warm-up's added in.
+    from recompute_bench.measure.point import SingleRank, Stepper, _measure, synthetic_batches
+
+    counters = {"num_alloc_retries": 0, "num_ooms": 0}
+
+    class CountingStepper(Stepper):
+        def step(self, probe=None):
+            counters["num_alloc_retries"] += 1
+            counters["num_ooms"] += self.step_index == 0
+            return super().step(probe)
+
+    class OnTheCpu(SingleRank):
+        def build(self, cfg, device, dtype=None):
+            return super().build(cfg, CPU, dtype)
+
+        def batches(self, cfg, device):
+            return synthetic_batches(cfg, CPU)
+
+        def stepper(self, cfg, model, optimizer, batches):
+            return CountingStepper(cfg, model, optimizer, batches)
+
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA H100 80GB HBM3")
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
+    monkeypatch.setattr(torch.cuda, "memory_stats", lambda device=None: dict(counters))
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda device=None: 1)
+    monkeypatch.setattr(torch.cuda, "max_memory_reserved", lambda device=None: 2)
+    monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", lambda device=None: None)
+    monkeypatch.setattr(torch.cuda, "reset_accumulated_memory_stats", lambda device=None: counters.update(
+        num_alloc_retries=0, num_ooms=0))
+    cfg = config(sets=["training.warmup_steps=2", "training.measured_steps=3"])
+    _, rank = _measure(cfg, torch.device("cuda", 0), None, OnTheCpu(), lambda *_: None, {})
+    assert rank["status"] == "ok", rank["failure"]
+    assert len(rank["step_times_s"]) == 3
+    assert (rank["alloc_retries"], rank["num_ooms"]) == (3, 0)  # the 3 measured steps' retries, no OOM among them
