@@ -25,8 +25,10 @@ SETS = [a for s in FAST for a in ("--set", s)]
 
 @pytest.fixture
 def fake_cuda(monkeypatch):
-    """torch.cuda as a machine with GPUs shows it, for what device selection and timing call."""
-    state = types.SimpleNamespace(current=0, set=[], streams=[])
+    """torch.cuda as a machine with GPUs shows it, for what device selection and timing call: each
+    event recorded is 2 ms after the one before (`clock`); `waits` lists the host's waits for the
+    device (a synchronize, an event's or the whole device's) and reads of an event's time."""
+    state = types.SimpleNamespace(current=0, set=[], streams=[], clock=0.0, waits=[])
 
     def stream(device=None):
         index = torch.device(device).index if device is not None else None
@@ -39,12 +41,14 @@ def fake_cuda(monkeypatch):
         def record(self, stream_=None):
             self.stream = stream_ if stream_ is not None else stream()  # torch: the current device's stream
             state.streams.append(self.stream)
+            self.ms, state.clock = state.clock, state.clock + 2.0
 
         def synchronize(self):
-            pass
+            state.waits.append("event.synchronize")
 
         def elapsed_time(self, other):
-            return 2.0
+            state.waits.append("elapsed_time")
+            return other.ms - self.ms
 
     def set_device(device):
         state.current = torch.device(device).index
@@ -54,7 +58,7 @@ def fake_cuda(monkeypatch):
     monkeypatch.setattr(torch.cuda, "current_device", lambda: state.current)
     monkeypatch.setattr(torch.cuda, "set_device", set_device)
     monkeypatch.setattr(torch.cuda, "current_stream", stream)
-    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: state.waits.append("cuda.synchronize"))
     monkeypatch.setattr(torch.cuda, "Event", Event)
     return state
 
@@ -95,6 +99,35 @@ def test_the_profilers_spans_are_timed_on_the_devices_stream(fake_cuda):
     for h in handles:
         h.remove()
     assert fake_cuda.streams == ["stream of cuda:1", "stream of cuda:1"] and spans.take() == {"layer": 2e-3}
+
+
+def test_a_pipeline_step_times_its_actions_by_events_and_waits_for_nothing_inside(fake_cuda):
+    # The schedule runs three actions (forward, backward, loss) between the step's own marks. Each
+    # is bracketed by events on cuda:1's stream; nothing waits for the device inside the step (a
+    # synchronize per action serialised the pipeline and biased the bubble); the times are read
+    # once the step is over: 3 actions of 2 ms in a schedule span of 14 ms.
+    from recompute_bench.measure.pipeline import PipelineStepper
+
+    stepper = object.__new__(PipelineStepper)
+
+    class Schedule:
+        def step(self, *args, target=None, losses=None, return_outputs=True):
+            for _ in range(3):
+                with stepper._timed():
+                    pass
+            losses.append(torch.tensor(1.0))
+
+    stepper.__dict__.update(
+        layout=types.SimpleNamespace(first=True, last=True, sum_tied_embedding=lambda model: None),
+        schedule=Schedule(), device=torch.device("cuda", 1), batches=torch.zeros(1, 1, 5, dtype=torch.long),
+        optimizer=types.SimpleNamespace(step=lambda: None), model=torch.nn.Linear(1, 1), fault=None,
+        step_index=0, phase="setup", probe=None, spans=[], _actions=[])
+    stepper.step()
+    assert fake_cuda.waits == [] and fake_cuda.streams == ["stream of cuda:1"] * 8
+    fields = stepper.fields([0.020])
+    assert fields["compute_times_s"] == [pytest.approx(0.006)] and fields["schedule_times_s"] == [pytest.approx(0.014)]
+    assert fields["bubble_fraction"] == pytest.approx(1 - 6 / 14)
+    assert "cuda.synchronize" not in fake_cuda.waits
 
 
 # ----- more ranks than GPUs --------------------------------------------------------------------------
