@@ -300,6 +300,38 @@ def test_only_ok_and_oom_records_count_as_done(tmp_path):
     assert ids["none"] not in done and ids["mlp"] in done and ids["core_attn"] in done
 
 
+def test_a_single_rank_sweep_passes_its_memory_limit_to_the_worker_and_records_it(tmp_path, monkeypatch):
+    # "Would this fit a 40 GB card": the sweep's worker is started with the limit and caps its
+    # allocator before it measures; the point's record says so in its launch, as `run`'s does.
+    from recompute_bench.launch import worker
+    from recompute_bench.launch.sweep import Point, run_sweep
+    from recompute_bench.launch.torchrun import Launch
+    from recompute_bench.measure import distributed, point
+
+    commands = []
+
+    def fake_group(command, log_path, env, timeout_s, **kw):  # the worker's command line, then a record
+        commands.append(command)
+        out = Path(command[command.index("--out") + 1])
+        out.write_text(json.dumps({"status": "ok", "failure": None}))
+        return 0
+
+    monkeypatch.setattr(launch, "run_group", fake_group)
+    [record] = run_sweep([Point("Baseline", config())], tmp_path / "capped", timeout_s=60, device="cuda",
+                         launch=Launch(memory_limit_gb=40.0))
+    assert commands[0][commands[0].index("--memory-limit-gb") + 1] == "40"
+    assert record["launch"]["memory_limit_gb"] == 40.0 and record["launch"]["world_size"] == 1
+
+    # The worker, given that command line: the limit is set on its device before the point runs.
+    calls = []
+    monkeypatch.setattr(worker, "die_with_parent", lambda: None)
+    monkeypatch.setattr(sys, "stdin", __import__("io").StringIO(json.dumps(config().to_dict())))
+    monkeypatch.setattr(distributed, "limit_memory", lambda device, gb: calls.append(("limit", device.type, gb)))
+    monkeypatch.setattr(point, "run_point", lambda cfg, **kw: calls.append(("run",)) or {"status": "ok"})
+    assert worker.main(["--out", str(tmp_path / "w.json"), "--device", "cpu", "--memory-limit-gb", "40"]) == 0
+    assert calls == [("limit", "cpu", 40.0), ("run",)]
+
+
 def _sweep_process(args: list[str], sigint) -> subprocess.Popen:
     """`recompute-bench sweep ARGS` in a child process whose SIGINT disposition is `sigint` when it
     starts, whatever this test run inherited (a background job or `nohup` runs pytest with SIGINT

@@ -404,9 +404,11 @@ def run_sweep(points: list[Point], run_dir: Path, *, timeout_s: float, device: s
                                    log_path=run_dir / "logs" / f"{safe}.log", timeout_s=timeout_s,
                                    device=device, peak_tflops=peak_tflops)
             else:
+                one = launch or Launch()
                 record = run_isolated(point.cfg, name=point.name, out_path=run_dir / "work" / f"{safe}.json",
                                       log_path=run_dir / "logs" / f"{safe}.log", timeout_s=timeout_s,
-                                      device=device, peak_tflops=peak_tflops)
+                                      device=device, peak_tflops=peak_tflops, memory_limit_gb=one.memory_limit_gb)
+                record["launch"] = one.record()  # as `run` records it: the memory limit included
             record["point"] = {"name": point.name, "index": index, "run_id": run_dir.name}
             append_record(results_file, record)
             records.append(record)
