@@ -275,3 +275,16 @@ def launch_ranks(tmp_path: Path, data_parallel: str = "ddp", sets=(), watchdog_s
     launch = Launch(nproc_per_node=nproc_per_node, data_parallel=data_parallel, watchdog_s=watchdog_s)
     cfg = check_launch(config(sets=[*RANK_SETS, *sets]), launch, "cpu")
     return run_ranks(cfg, launch, name="t", pieces=tmp_path / "pieces", log_path=tmp_path / "t.log", timeout_s=timeout_s)
+
+
+def processes_naming(path: Path) -> list[int]:
+    """Processes whose command line names `path` (a run's workers, a point's torchrun agent and ranks)."""
+    pids = []
+    for proc in Path("/proc").iterdir():
+        if proc.name.isdigit():
+            try:
+                if str(path) in (proc / "cmdline").read_bytes().decode(errors="replace"):
+                    pids.append(int(proc.name))
+            except OSError:
+                pass
+    return pids

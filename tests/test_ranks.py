@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from helpers import LOSS_RTOL, RANK_SETS, config, invoke, launch_ranks, measure
+from helpers import LOSS_RTOL, RANK_SETS, config, invoke, launch_ranks, measure, processes_naming
 from recompute_bench.launch.process import FAULT_POINTS_ENV, PARENT_PID_ENV, worker_env
 from recompute_bench.launch.torchrun import Launch, check_launch, classify_rank, run_ranks, torchrun_command
 from recompute_bench.measure.point import FAULT_DELAY_S
@@ -171,6 +171,7 @@ def test_a_failed_rank_leaves_through_destroy_process_group(tmp_path, monkeypatc
     left = []
     monkeypatch.setattr(distributed, "measure_rank", lambda cfg, **kw: {"rank_entry": {"status": "oom"}})
     monkeypatch.setattr(distributed, "leave_group", lambda: left.append("destroyed") or True)
+    monkeypatch.setattr(rank_program, "_die_with_agent", lambda: None)  # this process is pytest, not a rank
     assert rank_program.measure(["--pieces", str(tmp_path)]) == 1  # torchrun then stops the peers
     assert left == ["destroyed"]
 
@@ -312,3 +313,76 @@ def test_verify_over_two_fsdp_ranks_is_exact_and_matches_one_rank(tmp_path, monk
     line = next(line for line in result.stderr.splitlines() if "ranks vs one rank" in line)
     loss_diff, grad_diff = (float(line.split(key)[1].split()[0].rstrip(",")) for key in ("|loss diff|", "max |grad diff|"))
     assert loss_diff <= 1e-6 and grad_diff <= 1e-6
+
+
+def _end(pids: list[int]) -> None:
+    """SIGKILL what a failing test left running (each by its id), so the machine is not left with it."""
+    for pid in pids:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
+def _gone_within(path: Path, seconds: float) -> list[int]:
+    """The processes still naming `path` once `seconds` have passed (none: as soon as there are none)."""
+    deadline = time.monotonic() + seconds
+    while (left := processes_naming(path)) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    return left
+
+
+@SLOW
+def test_a_sweep_killed_during_a_two_rank_point_leaves_no_rank_and_resumes_alone(tmp_path):
+    # Both ranks of the first point hang in step 1; the sweep is SIGKILLed then (a crash, `kill -9`).
+    # torchrun starts each rank in a session of its own: they must die with the agent, which dies
+    # with the sweep. Then `--resume RUN` alone (the plan keeps its ranks) completes the sweep.
+    run = tmp_path / "killed"
+    sets = [a for s in RANK_SETS for a in ("--set", s)]
+    command = [sys.executable, "-c", "from recompute_bench.cli import main; main()", "sweep", "--baseline", "--modules",
+               "core_attn", "--nproc-per-node", "2", "--run-id", "killed", "--results-dir", str(tmp_path),
+               "--no-golden", *sets]
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1]), FAULT_POINTS_ENV: "Baseline=hang:forward:1"}
+    sweep = subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    pieces = run / "work" / "Baseline"
+    try:
+        deadline = time.monotonic() + 150
+        while True:  # both ranks finished step 0: they hang in step 1's forward
+            try:
+                if all(json.loads((pieces / f"rank{r}.json").read_text())["rank_entry"]["step"] >= 1 for r in (0, 1)):
+                    break
+            except (OSError, ValueError):
+                pass
+            assert sweep.poll() is None and time.monotonic() < deadline, "the ranks never reached step 1"
+            time.sleep(0.2)
+        assert len(processes_naming(pieces)) >= 3  # the agent and both ranks
+        sweep.kill()
+        sweep.wait()
+        assert _gone_within(pieces, 10) == []
+    finally:
+        sweep.kill()
+        _end(processes_naming(pieces))
+    result = invoke("sweep", "--resume", "killed", "--results-dir", str(tmp_path))
+    assert result.exit_code == 0, result.output
+    records = [json.loads(line) for line in (run / "results.jsonl").read_text().splitlines()]
+    assert [(r["point"]["name"], r["status"], r["launch"]["world_size"]) for r in records] == [
+        ("Baseline", "ok", 2), ("Exp 1", "ok", 2)]
+
+
+@SLOW
+def test_a_point_cut_by_its_time_limit_leaves_no_rank_behind(tmp_path, monkeypatch):
+    # Rank 1 of the first point hangs; its collective limit (--watchdog-s) is longer than the
+    # point's time limit, which kills the agent's process group: both ranks go with it, and the
+    # next point runs on a machine they left.
+    monkeypatch.setenv(FAULT_POINTS_ENV, "Baseline=hang:forward:1@1")
+    pieces = tmp_path / "cut" / "work" / "Baseline"
+    try:
+        result = invoke("sweep", "--baseline", "--modules", "core_attn", "--nproc-per-node", "2", "--timeout", "40",
+                        "--watchdog-s", "300", "--run-id", "cut", "--results-dir", str(tmp_path), "--no-golden",
+                        *[a for s in RANK_SETS for a in ("--set", s)])
+        assert result.exit_code == 1, result.output
+        records = [json.loads(line) for line in (tmp_path / "cut" / "results.jsonl").read_text().splitlines()]
+        assert [(r["point"]["name"], r["status"]) for r in records] == [("Baseline", "timeout"), ("Exp 1", "ok")]
+        assert _gone_within(pieces, 5) == []
+    finally:
+        _end(processes_naming(pieces))

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from helpers import config, invoke
+from helpers import config, invoke, processes_naming
 from recompute_bench.gate.golden import read_golden, write_golden
 from recompute_bench.launch import process as launch
 from recompute_bench.spec.config import BadInput
@@ -229,19 +229,6 @@ def test_the_time_limit_runs_from_the_workers_start_and_the_start_has_its_own(tm
     assert never["status"] == "timeout" and "did not start within 0.5 s" in never["failure"]["message"]
 
 
-def _workers_of(run_dir: Path) -> list[int]:
-    """Processes whose command line names this run's folder (its workers)."""
-    pids = []
-    for proc in Path("/proc").iterdir():
-        if proc.name.isdigit():
-            try:
-                if str(run_dir) in (proc / "cmdline").read_bytes().decode(errors="replace"):
-                    pids.append(int(proc.name))
-            except OSError:
-                pass
-    return pids
-
-
 @pytest.mark.slow
 def test_resume_after_a_killed_sweep_measures_only_what_is_missing(tmp_path):
     run = tmp_path / "killed"
@@ -258,7 +245,7 @@ def test_resume_after_a_killed_sweep_measures_only_what_is_missing(tmp_path):
     first = (run / "results.jsonl").read_bytes()
     assert first.count(b"\n") == 1
     time.sleep(0.5)
-    assert _workers_of(run) == []  # the second point's worker died with the sweep
+    assert processes_naming(run) == []  # the second point's worker died with the sweep
 
     with RunLock(tmp_path / "another-run"):  # other run ids do not get in the way
         result = invoke("sweep", "--resume", "killed", "--results-dir", str(tmp_path), "--no-golden")
@@ -332,6 +319,29 @@ def test_a_single_rank_sweep_passes_its_memory_limit_to_the_worker_and_records_i
     assert calls == [("limit", "cpu", 40.0), ("run",)]
 
 
+def test_a_resumed_sweep_runs_as_its_plan_says_and_refuses_another_launch(tmp_path):
+    # The plan keeps how its points run (ranks, engine, device, time limits), so `--resume RUN` alone
+    # launches them as the sweep did; a resume asking for other ranks is one line, exit 2, before
+    # anything runs. This attempt's time limits and rendezvous may differ from the first's.
+    from recompute_bench.launch.sweep import RunSettings, load_run_settings, plan_to_dict
+    from recompute_bench.launch.torchrun import Launch
+    from recompute_bench.results.store import write_json_atomic
+
+    run = tmp_path / "two"
+    points, _ = plan_from_flags("tiny", overrides={}, sets=[], gpu="cpu", baseline=True)
+    saved = RunSettings(Launch(nproc_per_node=2, data_parallel="fsdp", watchdog_s=60.0), "cpu", 90.0, None)
+    write_json_atomic(run / "plan.json", plan_to_dict(points, saved))
+    assert load_run_settings(run) == saved
+    result = invoke("sweep", "--resume", "two", "--results-dir", str(tmp_path), "--nproc-per-node", "4", "--no-golden")
+    assert result.exit_code == 2 and "Traceback" not in result.output
+    assert " ".join(result.stderr.split()) == ("error: run two was launched with --nproc-per-node 2, and a resumed sweep "
+                                               "measures its remaining points as its first ones; drop --nproc-per-node 4")
+    assert sorted(p.name for p in run.iterdir()) == ["plan.json"]  # nothing ran
+    again = RunSettings(Launch(nproc_per_node=2, watchdog_s=30.0), None, 1200.0, None)
+    assert saved.resumed(again, {"nproc_per_node", "watchdog_s", "timeout_s"}, "two") == RunSettings(
+        Launch(nproc_per_node=2, data_parallel="fsdp", watchdog_s=30.0), "cpu", 1200.0, None)
+
+
 def _sweep_process(args: list[str], sigint) -> subprocess.Popen:
     """`recompute-bench sweep ARGS` in a child process whose SIGINT disposition is `sigint` when it
     starts, whatever this test run inherited (a background job or `nohup` runs pytest with SIGINT
@@ -347,7 +357,7 @@ def _sweep_process(args: list[str], sigint) -> subprocess.Popen:
 def _interrupt_at_first_worker(sweep: subprocess.Popen, run: Path) -> str:
     """Send SIGINT once the first point's worker runs; the sweep's stderr."""
     deadline = time.monotonic() + 60
-    while not _workers_of(run):
+    while not processes_naming(run):
         assert sweep.poll() is None and time.monotonic() < deadline, "no worker started"
         time.sleep(0.05)
     sweep.send_signal(signal.SIGINT)
@@ -377,7 +387,7 @@ def test_ctrl_c_stops_the_worker_and_says_how_to_resume(tmp_path):
                             "--golden", str(golden)], signal.SIG_DFL)
     stderr = _interrupt_at_first_worker(sweep, run)
     assert sweep.returncode == 130, stderr
-    assert _workers_of(run) == [] and not (run / "results.jsonl").exists()
+    assert processes_naming(run) == [] and not (run / "results.jsonl").exists()
     resume = _printed_command(stderr, f"interrupted: finished points are in {run}/results.jsonl; continue with")
     assert resume == ["sweep", "--resume", "interrupted", "--results-dir", str(run.parent), "--golden", str(golden)]
 
@@ -402,7 +412,7 @@ def test_ctrl_c_stops_a_sweep_started_with_sigint_ignored(tmp_path):
                             "--no-golden"], signal.SIG_IGN)
     stderr = _interrupt_at_first_worker(sweep, run)
     assert sweep.returncode == 130, stderr
-    assert _workers_of(run) == [] and not (run / "results.jsonl").exists()
+    assert processes_naming(run) == [] and not (run / "results.jsonl").exists()
     assert _printed_command(stderr, f"interrupted: finished points are in {run}/results.jsonl; continue with") == [
         "sweep", "--resume", "ignored", "--results-dir", str(tmp_path), "--no-golden"]
 
