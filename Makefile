@@ -1,4 +1,4 @@
-# Set-up is part of every target: a fresh machine needs nothing but Python 3.10+.
+# Set-up is part of every target: a fresh machine needs nothing but Python 3.11+.
 PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
