@@ -1,4 +1,4 @@
-# Set-up is part of every target: a fresh machine needs nothing but Python 3.10+.
+# Set-up is part of every target: a fresh machine needs nothing but Python 3.11+.
 PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
@@ -50,12 +50,14 @@ bench: $(STAMP)
 	$(PY) bench/auto_policy.py
 	$(PY) bench/megatron_check.py
 
-# Everything the GPU tests and the GPU-only checks need, in one call of at most 20 minutes on one
-# H100/H200, with the device's own Python and torch (no venv); tables and logs under OUT
-# (docs/gpu-check.md). Without a GPU it prints what it would run.
+# Everything the GPU tests and the GPU-only checks need, in three calls (CALL=1, 2, 3) of at most
+# 8 minutes of steps each on one H100/H200 (a device command runs at most 10 minutes), with the
+# device's own Python and torch (no venv): each leaves OUT/summary-callN.md, .json and one archive of
+# its runs and logs (docs/gpu-check.md). Without a GPU it prints what the call would run.
 OUT ?= results/gpu-check-$(RUN_ID)
+CALL ?= 1
 gpu-check:
-	PYTHONPATH=. $(PYTHON) bench/gpu_check.py --out $(OUT)
+	PYTHONPATH=. $(PYTHON) bench/gpu_check.py --call $(CALL) --out $(OUT)
 
 clean:
 	rm -rf $(VENV) results/runs.jsonl

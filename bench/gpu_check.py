@@ -1,15 +1,21 @@
-"""Everything the GPU tests and the GPU-only fixes need, in one call of at most 20 minutes on one
-H100/H200 (issue 16's checks, issue 20's first numbers), from the working tree:
+"""Everything the GPU tests and the GPU-only fixes need, in three bounded calls on one H100/H200 (one
+device command runs at most 10 minutes, and only 8 files of at most 16 MiB, two folders deep, come
+back from it), from the working tree, with the device's own Python and torch:
 
-    PYTHONPATH=. python bench/gpu_check.py --out gpu-check      # or: make gpu-check OUT=gpu-check
-    python bench/gpu_check.py --out gpu-check --dry-run         # the plan only, on any machine
+    PYTHONPATH=. python bench/gpu_check.py --call 1 --out gpu-check     # then --call 2, --call 3
+    PYTHONPATH=. python bench/gpu_check.py --steps tiny,"real OOM" --out gpu-check
+    python bench/gpu_check.py --dry-run                                   # every call's plan, on any machine
 
-Each step runs the CLI (or pytest) as its own processes, its output in `OUT/logs/<step>.log`, under
-its own time limit and the call's overall budget; a failed, hung or skipped step is recorded and the
-next one runs. Results land under OUT (runs, sweeps, a golden file named after the GPU), tables in
-`OUT/summary.md` and `OUT/summary.json`, and the summary table is printed last. Without a GPU (NVML
-sees none) the script prints what it would run and exits 0. This process never imports torch: a
-CUDA context here would hold device memory while the steps measure.
+Each step runs the CLI (or pytest) as its own processes, its output in `logs/<step>.log`, under its
+own time limit and the call's budget (`--budget-s`, default 480 s: the planned limits of each call's
+steps add up to no more, well inside the 9 minutes a call may take once the machine has started); a
+failed, hung or skipped step is recorded and the next one runs. Results go to a work folder
+(`--work`, default a fresh temporary one): runs, sweeps, a golden file named after the GPU, logs.
+After every step OUT gets `summary-call<N>.md` and `.json` (a call cut short still returns what
+finished) and `gpu-check-call<N>.tar.gz`, the whole work folder: three files. A step that needs two
+GPUs on a machine with one is "not proven (needs 2 GPUs)", never passed. Without a GPU (NVML sees
+none) the script prints what it would run and exits 0. This process never imports torch: a CUDA
+context here would hold device memory while the steps measure.
 """
 
 from __future__ import annotations
@@ -19,6 +25,8 @@ import json
 import os
 import subprocess
 import sys
+import tarfile
+import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -29,8 +37,10 @@ sys.path.insert(0, str(ROOT))
 
 from recompute_bench.launch.devices import visible_gpu_count, visible_gpu_name  # noqa: E402  (no torch)
 
-BUDGET_S = 19 * 60.0
-"""The whole call's time: one device call is at most 20 minutes, start-up included."""
+BUDGET_S = 480.0
+"""One call's time for its steps: a device command runs at most 10 minutes; 8 leave room for the
+machine's start, the packing and the transfer back."""
+NOT_PROVEN = "not proven (needs 2 GPUs)"
 CLI = [sys.executable, "-c", "from recompute_bench.cli import main; main()"]
 LLAMA_SLICE = ["-w", "llama3-8b", "--num-layers", "4", "--seq-length", "8192", "--micro-batch-size", "1",
                "--global-batch-size", "1", "--precision", "bf16"]
@@ -39,7 +49,7 @@ LLAMA_POINTS = [("none", {}), ("selective core_attn", {"recompute_modules": ["co
                 ("full uniform 1", {"recompute_granularity": "full", "recompute_method": "uniform", "recompute_num_layers": 1})]
 MIXTRAL_SLICE = ["-w", "mixtral-8x7b", "--num-layers", "2", "--set", "model.num_moe_experts=4", "--micro-batch-size", "1",
                  "--global-batch-size", "1"]
-TINY_SWEEP = ["-w", "tiny", "--baseline", "--modules", "core_attn", "mlp", "--methods", "uniform",
+TINY_SWEEP = ["-w", "tiny", "--baseline", "--modules", "core_attn", "--methods", "uniform",
               "--num-layers-recompute", "1"]
 
 
@@ -59,12 +69,14 @@ class Command:
 
 @dataclass
 class Step:
-    """A check: what it proves, its commands (built once the GPUs are known), how many GPUs it needs."""
+    """A check: what it proves, its commands (built once the GPUs are known), how many GPUs it
+    needs, and the call it runs in (`CALLS`)."""
 
     name: str
     proves: str
     commands: Callable[["Context"], list[Command]]
     gpus: int = 1
+    call: int = 1
 
 
 @dataclass
@@ -99,7 +111,7 @@ def sweep(ctx: Context, run_id: str, workload_args: list[str], points: list[tupl
     path = ctx.out / "grids" / f"{run_id}.toml"
     return Command(cli("sweep", *workload_args, "--grid", str(path), "--run-id", run_id, "--results-dir", "results",
                        "--device", "cuda", "--timeout", f"{point_limit_s:g}", "--no-golden"),
-                   ok=(0, 1), limit_s=point_limit_s * len(points) + 30, files={path: grid(points)})
+                   ok=(0, 1), limit_s=point_limit_s * len(points) + 15, files={path: grid(points)})
 
 
 def oom_limit_gib(gpu: str) -> float:
@@ -124,60 +136,72 @@ def _oom(ctx: Context) -> list[Command]:
             ("full uniform 1", ["--recompute-granularity", "full", "--recompute-method", "uniform",
                                 "--recompute-num-layers", "1"])]
     return [Command(cli("run", *LLAMA_SLICE, *args, "--device", "cuda", "--memory-limit-gb", limit,
-                        "--results", "oom.jsonl"), ok=(0, 1), limit_s=240) for _, args in runs]
+                        "--results", "oom.jsonl"), ok=(0, 1), limit_s=50) for _, args in runs]
 
 
 def _golden(ctx: Context) -> list[Command]:
     golden = f"results/golden/{ctx.kind}.csv"
     measure = lambda run_id: Command(cli("sweep", *TINY_SWEEP, "--device", "cuda", "--run-id", run_id,  # noqa: E731
-                                         "--results-dir", "results", "--no-golden"), limit_s=240)
+                                         "--results-dir", "results", "--no-golden", "--timeout", "25"), limit_s=90)
+    # tiny's steps take a few milliseconds, launch overhead more than compute: its TFLOP/s is not a
+    # figure to gate on; the bytes, FLOPs and memory are.
     return [measure("golden-source"),
-            Command(cli("golden", "update", "golden-source", "--results-dir", "results", "--golden", golden), limit_s=60),
+            Command(cli("golden", "update", "golden-source", "--results-dir", "results", "--golden", golden), limit_s=20),
             measure("gate"),
-            Command(cli("compare", "gate", "--results-dir", "results", "--golden", golden,
-                        "--junit", "results/gate/junit.xml", "--markdown", "results/gate/compare.md"), limit_s=60)]
+            Command(cli("compare", "gate", "--results-dir", "results", "--golden", golden, "--tolerance",
+                        "tflops_per_gpu:off", "--junit", "results/gate/junit.xml", "--markdown",
+                        "results/gate/compare.md"), limit_s=20)]
 
 
 STEPS = [
+    # call 1: the basics
     Step("preflight", "the device's Python has what the package needs; the GPUs NVML and torch see",
          lambda ctx: [Command([sys.executable, "-c", "import torch, typer, rich, pandas, pynvml, pytest; "
                                "print(torch.__version__, torch.version.cuda, torch.cuda.device_count(), "
-                               "torch.cuda.get_device_name(0))"], limit_s=60),
-                      Command(["nvidia-smi", "-L"], limit_s=30)]),
+                               "torch.cuda.get_device_name(0))"], limit_s=30),
+                      Command(["nvidia-smi", "-L"], limit_s=15)]),
     Step("pytest tests/gpu", "the GPU tests: allocator peaks, real OOMs, no host sync, TF32, offload bytes",
          lambda ctx: [Command([sys.executable, "-m", "pytest", "tests/gpu", "-q", "-p", "no:cacheprovider",
-                               "--junitxml", str(ctx.out / "pytest-gpu.xml")], cwd="root", limit_s=300)]),
+                               "--junitxml", str(ctx.out / "pytest-gpu.xml")], cwd="root", limit_s=200)]),
     Step("tiny", "one point end to end on cuda", lambda ctx: [
-        Command(cli("run", "-w", "tiny", "--device", "cuda", "--results", "runs.jsonl"), limit_s=120)]),
+        Command(cli("run", "-w", "tiny", "--device", "cuda", "--results", "runs.jsonl"), limit_s=30)]),
     Step("ranks > GPUs", "more ranks than GPUs: one line, exit 2, before launch (item 12)", lambda ctx: [
         Command(cli("run", "-w", "tiny", "--nproc-per-node", str(ctx.gpus + 1), "--results", "refused.jsonl"),
-                ok=(2,), limit_s=60)]),
-    Step("llama3-8b slice", "measured vs estimated peak and hardware FLOPs, step time, TFLOP/s, MFU (issue 20)",
-         lambda ctx: [sweep(ctx, "llama", LLAMA_SLICE, LLAMA_POINTS, 150)]),
-    Step("real OOM", "none OOMs under --memory-limit-gb, full fits at the same limit", _oom),
-    Step("moe and mla", "moe_act / moe / mla_up_proj on CUDA, the grouped-matmul path recorded", lambda ctx: [
-        sweep(ctx, "tiny-moe", ["-w", "tiny-moe"], [("none", {}), ("moe_act", {"recompute_modules": ["moe_act"]}),
-                                                     ("moe", {"recompute_modules": ["moe"]})], 90),
-        sweep(ctx, "tiny-mla", ["-w", "tiny-mla"], [("none", {}), ("mla_up_proj", {"recompute_modules": ["mla_up_proj"]})], 90),
-        sweep(ctx, "mixtral", MIXTRAL_SLICE, [("none", {}), ("moe_act", {"recompute_modules": ["moe_act"]}),
-                                              ("moe", {"recompute_modules": ["moe"]})], 150)]),
-    Step("verify on cuda", "every setting bitwise under torch's deterministic algorithms (item 13)", lambda ctx: [
-        Command(cli("verify", "-w", "tiny", "--device", "cuda"), limit_s=240),
-        Command(cli("verify", "-w", "tiny-moe", "--device", "cuda", "--attention-backend", "sdpa"), limit_s=240)]),
+                ok=(2,), limit_s=20)]),
     Step("profile on cuda", "plan --profile times spans and the host link on the device's stream (item 1)", lambda ctx: [
         Command(cli("plan", "-w", "tiny", "--memory-gb", "1", "--auto", "--profile", "--profile-steps", "2",
-                    "--output", "tiny-policy.toml"), limit_s=120)]),
-    Step("sweep and golden", "a real sweep, golden update into OUT/results/golden/<gpu>.csv, a second sweep gated "
-                             "against it", _golden),
+                    "--output", "tiny-policy.toml"), limit_s=45)]),
+    Step("verify on cuda", "every setting bitwise under torch's deterministic algorithms (item 13)", lambda ctx: [
+        Command(cli("verify", "-w", "tiny", "--device", "cuda"), limit_s=60),
+        Command(cli("verify", "-w", "tiny-moe", "--device", "cuda", "--attention-backend", "sdpa"), limit_s=60)]),
+    # call 2: the llama3-8b slice
+    Step("llama3-8b slice", "measured vs estimated peak and hardware FLOPs, step time, TFLOP/s, MFU (issue 20)",
+         lambda ctx: [sweep(ctx, "llama", LLAMA_SLICE, LLAMA_POINTS, 50)], call=2),
+    Step("real OOM", "none OOMs under --memory-limit-gb, full fits at the same limit", _oom, call=2),
+    # call 3: MoE, MLA, the golden gate, and what needs a second GPU
+    Step("moe and mla", "moe_act / moe / mla_up_proj on CUDA, the grouped-matmul path recorded", lambda ctx: [
+        sweep(ctx, "tiny-moe", ["-w", "tiny-moe"], [("none", {}), ("moe_act", {"recompute_modules": ["moe_act"]}),
+                                                     ("moe", {"recompute_modules": ["moe"]})], 25),
+        sweep(ctx, "tiny-mla", ["-w", "tiny-mla"], [("none", {}), ("mla_up_proj", {"recompute_modules": ["mla_up_proj"]})], 25),
+        sweep(ctx, "mixtral", MIXTRAL_SLICE, [("none", {}), ("moe_act", {"recompute_modules": ["moe_act"]})], 45)],
+         call=3),
+    Step("sweep and golden", "a real sweep, golden update into results/golden/<gpu>.csv, a second sweep gated "
+                             "against it (tiny's TFLOP/s not gated)", _golden, call=3),
     Step("cuda:1", "a point on the second GPU is timed on it (item 1)", lambda ctx: [
-        Command(cli("run", "-w", "tiny", "--device", "cuda:1", "--results", "runs.jsonl"), limit_s=120)], gpus=2),
+        Command(cli("run", "-w", "tiny", "--device", "cuda:1", "--results", "runs.jsonl"), limit_s=30)], gpus=2, call=3),
     Step("2 ranks on NCCL", "barrier, slowest rank and spread over NCCL (item 2); rank 1 hung: the watchdog's "
                             "verdict is the record's (item 11)", lambda ctx: [
-        Command(cli("run", "-w", "tiny", "--nproc-per-node", "2", "--results", "ranks.jsonl"), limit_s=180),
-        Command(cli("run", "-w", "tiny", "--nproc-per-node", "2", "--watchdog-s", "20", "--timeout", "240",
-                    "--results", "ranks.jsonl"), ok=(1,), limit_s=260,
-                env={"RECOMPUTE_BENCH_FAULT": "hang:forward:3@1"})], gpus=2),
+        Command(cli("run", "-w", "tiny", "--nproc-per-node", "2", "--results", "ranks.jsonl"), limit_s=60),
+        Command(cli("run", "-w", "tiny", "--nproc-per-node", "2", "--watchdog-s", "20", "--timeout", "120",
+                    "--results", "ranks.jsonl"), ok=(1,), limit_s=130,
+                env={"RECOMPUTE_BENCH_FAULT": "hang:forward:3@1"})], gpus=2, call=3),
 ]
+CALLS = sorted({step.call for step in STEPS})
+
+
+def planned_s(step: Step, ctx: "Context") -> float:
+    """The step's planned time on `ctx`'s GPUs: its commands' limits (nothing where it cannot run)."""
+    return 0.0 if ctx.gpus < step.gpus else sum(c.limit_s for c in step.commands(ctx))
 
 
 def run_step(step: Step, ctx: Context, deadline: float, log: Path) -> dict:
@@ -185,7 +209,7 @@ def run_step(step: Step, ctx: Context, deadline: float, log: Path) -> dict:
     started = time.monotonic()
     result = {"step": step.name, "status": "ok", "seconds": 0.0, "codes": []}
     if ctx.gpus < step.gpus:
-        return {**result, "status": f"skipped (needs {step.gpus} GPUs)"}
+        return {**result, "status": NOT_PROVEN if step.gpus == 2 else f"not proven (needs {step.gpus} GPUs)"}
     try:
         commands = step.commands(ctx)
     except Exception as e:  # a plan that cannot be built is this step's failure, not the call's
@@ -284,50 +308,89 @@ def summary(results: list[dict], out: Path) -> str:
     return text + "\n## steps\n\n" + markdown(steps)
 
 
-def plan_text(ctx: Context) -> str:
-    """What the call would run, step by step."""
-    lines = [f"GPUs: {ctx.gpus} ({ctx.gpu_name}); out: {ctx.out}; budget {BUDGET_S:.0f} s"]
-    for step in STEPS:
-        lines.append(f"- {step.name}: {step.proves}" + (f" [needs {step.gpus} GPUs]" if step.gpus > 1 else ""))
-        try:
-            commands = step.commands(ctx)
-        except Exception as e:
-            lines.append(f"    (cannot plan: {e})")
-            continue
-        for c in commands:
-            argv = ["recompute-bench", *c.argv[len(CLI):]] if c.argv[:len(CLI)] == CLI else c.argv
-            env = "".join(f"{k}={v} " for k, v in c.env.items())
-            lines.append(f"    {env}{' '.join(argv)}  (limit {c.limit_s:g} s)")
+def write_outputs(results: list[dict], ctx: Context, dest: Path, call: str) -> list[Path]:
+    """The call's summary (Markdown and JSON) and the whole work folder packed in one archive, into
+    `dest`: three files at its top, what a device call brings back. Written after every step."""
+    dest.mkdir(parents=True, exist_ok=True)
+    text = summary(results, ctx.out)
+    md, js, archive = (dest / f"summary-{call}.md", dest / f"summary-{call}.json", dest / f"gpu-check-{call}.tar.gz")
+    md.write_text(f"# gpu_check {call} on {ctx.gpu_name}\n" + text)
+    js.write_text(json.dumps({"gpu": ctx.gpu_name, "gpus": ctx.gpus, "call": call, "steps": results}, indent=2))
+    partial = archive.with_name(archive.name + ".part")
+    with tarfile.open(partial, "w:gz") as tar:
+        tar.add(ctx.out, arcname=f"gpu-check-{call}")
+    partial.replace(archive)  # a call cut while packing still leaves the previous whole archive
+    return [md, js, archive]
+
+
+def chosen(call: int | None, names: list[str] | None) -> list[Step]:
+    """The steps of `call`, or the steps named (in plan order); every step for neither."""
+    if names:
+        known = {step.name for step in STEPS}
+        unknown = [n for n in names if n not in known]
+        if unknown:
+            raise SystemExit(f"unknown step(s) {', '.join(unknown)}; the steps: {', '.join(sorted(known))}")
+        return [step for step in STEPS if step.name in names]
+    return [step for step in STEPS if call is None or step.call == call]
+
+
+def plan_text(ctx: Context, steps: list[Step], budget_s: float) -> str:
+    """What the calls would run, step by step, with each call's planned time against its budget."""
+    lines = [f"GPUs: {ctx.gpus} ({ctx.gpu_name}); work: {ctx.out}; budget {budget_s:.0f} s a call"]
+    for call in sorted({step.call for step in steps}):
+        mine = [step for step in steps if step.call == call]
+        lines.append(f"call {call}: {sum(planned_s(step, ctx) for step in mine):.0f} s planned")
+        for step in mine:
+            where = f" [needs {step.gpus} GPUs: {NOT_PROVEN if ctx.gpus < step.gpus else 'runs'}]" if step.gpus > 1 else ""
+            lines.append(f"- {step.name}: {step.proves}{where}")
+            try:
+                commands = step.commands(ctx)
+            except Exception as e:
+                lines.append(f"    (cannot plan: {e})")
+                continue
+            for c in commands:
+                argv = ["recompute-bench", *c.argv[len(CLI):]] if c.argv[:len(CLI)] == CLI else c.argv
+                env = "".join(f"{k}={v} " for k, v in c.env.items())
+                lines.append(f"    {env}{' '.join(argv)}  (limit {c.limit_s:g} s)")
     return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0],
-                                     epilog="Exit code 0 when every step that ran did its job, 1 otherwise.")
-    parser.add_argument("--out", type=Path, required=True, help="folder for the results, logs and tables")
+                                     epilog="Exit code 0 when every step that ran did its job (a step that needs "
+                                            "two GPUs on one is not proven, not failed), 1 otherwise.")
+    parser.add_argument("--out", type=Path, default=Path("gpu-check"),
+                        help="folder that receives the summary and the archive (three files a call)")
+    parser.add_argument("--call", type=int, choices=CALLS, help="run the steps of this call")
+    parser.add_argument("--steps", help="run these steps instead (comma-separated names)")
+    parser.add_argument("--budget-s", type=float, default=BUDGET_S, help="time for the call's steps")
+    parser.add_argument("--work", type=Path, help="folder for the runs, logs and tables (default: a new temporary one)")
     parser.add_argument("--dry-run", action="store_true", help="print the plan and exit")
     args = parser.parse_args(argv)
+    steps = chosen(args.call, [n.strip() for n in args.steps.split(",")] if args.steps else None)
     gpus = visible_gpu_count() or 0
-    ctx = Context(args.out.resolve(), gpus, visible_gpu_name(0) if gpus else "NVIDIA H100 80GB HBM3")
+    work = (args.work or Path(tempfile.gettempdir()) / f"gpu-check-{os.getpid()}").resolve()
+    ctx = Context(work, gpus, visible_gpu_name(0) if gpus else "NVIDIA H100 80GB HBM3")
     if args.dry_run or not gpus:
         if not gpus:
-            print(f"no GPU is visible here (NVML); on one {ctx.gpu_name} this call would run:")
-        print(plan_text(ctx))
+            print(f"no GPU is visible here (NVML); on one {ctx.gpu_name} this would run:")
+        print(plan_text(Context(work, max(gpus, 1), ctx.gpu_name), steps, args.budget_s))
         return 0
+    if args.call is None and not args.steps:
+        parser.error("pass --call N (1 to %d) or --steps: one device command runs one call" % max(CALLS))
+    name = f"call{args.call}" if args.call is not None else "steps"
     ctx.out.mkdir(parents=True, exist_ok=True)
     (ctx.out / "logs").mkdir(exist_ok=True)
-    deadline = time.monotonic() + BUDGET_S
+    deadline = time.monotonic() + args.budget_s
     results = []
-    for step in STEPS:
+    for step in steps:
         print(f"[{time.strftime('%H:%M:%S')}] {step.name} ...", flush=True)
         result = run_step(step, ctx, deadline, ctx.out / "logs" / f"{step.name.replace(' ', '_').replace('/', '_')}.log")
         results.append(result)
         print(f"    {result['status']} in {result['seconds']} s", flush=True)
-    text = summary(results, ctx.out)
-    (ctx.out / "summary.md").write_text(f"# gpu_check on {ctx.gpu_name}\n" + text)
-    (ctx.out / "summary.json").write_text(json.dumps({"gpu": ctx.gpu_name, "gpus": ctx.gpus, "steps": results}, indent=2))
-    print(text)
-    return 0 if all(r["status"] == "ok" or r["status"].startswith("skipped (needs") for r in results) else 1
+        write_outputs(results, ctx, args.out.resolve(), name)  # a call cut after this step keeps it
+    print(summary(results, ctx.out))
+    return 0 if all(r["status"] in ("ok", NOT_PROVEN) or r["status"].startswith("not proven") for r in results) else 1
 
 
 if __name__ == "__main__":

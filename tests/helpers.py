@@ -12,12 +12,14 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 from typer.testing import CliRunner
 
 from recompute_bench.cli.app import app, normalize_argv
 from recompute_bench.gate.golden import golden_row, write_golden
+from recompute_bench.launch.torchrun import Launch, check_launch, run_ranks
 from recompute_bench.measure.point import DTYPES, SCHEMA, SavedTensorProbe, run_point, synthetic_batches
 from recompute_bench.models import spec_for
 from recompute_bench.models.dense.layers import build_model
@@ -240,3 +242,49 @@ def write_golden_of(path: Path, records: list[dict], tolerance: dict[int, str] |
     rows = [golden_row(record_row(r), (tolerance or {}).get(i, "")) for i, r in enumerate(records)]
     write_golden(path, rows)
     return path
+
+
+def meta_step_flops(cfg, kernel=None):
+    """FlopCounterMode over one forward and backward of cfg's model on the meta device: every op
+    runs its real dispatch and flop formula, no data. `kernel` ("flash", "efficient" or "cudnn")
+    makes the model's sdpa call that CUDA kernel; otherwise sdpa runs its math fallback, as it does
+    on meta tensors."""
+    model = apply_recompute(build_model(cfg.model, 0, "meta", DTYPES[cfg.training.precision]), cfg.recompute).train()
+    tokens = torch.zeros(cfg.training.micro_batch_size, cfg.training.seq_length + 1, dtype=torch.long, device="meta")
+    aten = torch.ops.aten
+
+    def fused(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
+        assert attn_mask is None and scale is None
+        if kernel == "flash":
+            return aten._scaled_dot_product_flash_attention(q, k, v, dropout_p, is_causal)[0]
+        if kernel == "efficient":
+            return aten._scaled_dot_product_efficient_attention(q, k, v, None, True, dropout_p, is_causal)[0]
+        return aten._scaled_dot_product_cudnn_attention(q, k, v, None, True, dropout_p, is_causal)[0]
+
+    with pytest.MonkeyPatch.context() as patch:
+        if kernel:
+            patch.setattr(torch.nn.functional, "scaled_dot_product_attention", fused)
+        with FlopCounterMode(display=False) as counter:
+            model(tokens[:, :-1], tokens[:, 1:]).backward()
+    return counter.get_total_flops()
+
+
+def launch_ranks(tmp_path: Path, data_parallel: str = "ddp", sets=(), watchdog_s: float = 60.0,
+                 timeout_s: float = 180.0, nproc_per_node: int = 2) -> dict:
+    """One point of the tiny model (`RANK_SETS`, then `sets`) measured over `nproc_per_node` ranks: its record."""
+    launch = Launch(nproc_per_node=nproc_per_node, data_parallel=data_parallel, watchdog_s=watchdog_s)
+    cfg = check_launch(config(sets=[*RANK_SETS, *sets]), launch, "cpu")
+    return run_ranks(cfg, launch, name="t", pieces=tmp_path / "pieces", log_path=tmp_path / "t.log", timeout_s=timeout_s)
+
+
+def processes_naming(path: Path) -> list[int]:
+    """Processes whose command line names `path` (a run's workers, a point's torchrun agent and ranks)."""
+    pids = []
+    for proc in Path("/proc").iterdir():
+        if proc.name.isdigit():
+            try:
+                if str(path) in (proc / "cmdline").read_bytes().decode(errors="replace"):
+                    pids.append(int(proc.name))
+            except OSError:
+                pass
+    return pids

@@ -11,7 +11,7 @@ import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.flop_counter import FlopCounterMode, flop_registry, shape_wrapper
 
-from helpers import FAST, config
+from helpers import FAST, config, meta_step_flops, shrunk
 from recompute_bench.analysis import flops
 from recompute_bench.analysis.layer import attention_kernel
 from recompute_bench.analysis.stage import activation_bytes
@@ -131,9 +131,7 @@ def test_torchs_own_gqa_aware_formulas_are_kept():
 def test_a_gqa_model_is_counted_by_the_fused_kernels_formulas():
     # llama3's shrunken layer on meta tensors with flash attention: FlopCounterMode's count matches
     # the GQA formula (k and v heads serve 4 query heads each) and the estimate counts the same square.
-    from test_estimate import _meta_step_flops, shrunk
-
     cfg = shrunk("llama3-8b")
     cfg = dataclasses.replace(cfg, training=dataclasses.replace(cfg.training, precision="bf16"))
     assert cfg.model.groups != cfg.model.num_attention_heads
-    assert _meta_step_flops(cfg, "flash") == flops.hardware_flops_per_step(cfg, DeviceKernels("cuda", "flash"))
+    assert meta_step_flops(cfg, "flash") == flops.hardware_flops_per_step(cfg, DeviceKernels("cuda", "flash"))

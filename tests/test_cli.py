@@ -253,3 +253,27 @@ def test_a_boolean_field_and_the_other_spellings_parse_as_before():
     assert on["config"]["parallel"]["sequence_parallel"] is True and off["config"]["parallel"]["sequence_parallel"] is False
     preset = json.loads(invoke("estimate", "--tp", "2", "--json").stdout)
     assert preset["config"]["parallel"]["sequence_parallel"] is False  # neither flag: the preset's value
+
+
+def test_ctrl_c_while_python_imports_is_one_line_exit_130():
+    # SIGINT arrives while the command line imports typer (its first half-second): one line and 130,
+    # as any interrupted command, not a KeyboardInterrupt traceback and a death by SIGINT. SIGINT's
+    # handler is set first: a test run started with SIGINT ignored passes that on to its children.
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    code = ("import os, signal, sys\n"
+            "signal.signal(signal.SIGINT, signal.default_int_handler)\n"
+            "class Interrupt:\n"
+            "    def find_spec(self, name, path=None, target=None):\n"
+            "        if name == 'typer':\n"
+            "            os.kill(os.getpid(), signal.SIGINT)\n"
+            "        return None\n"
+            "sys.meta_path.insert(0, Interrupt())\n"
+            "from recompute_bench.cli import main\n"
+            "main(['workloads'])\n")
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, env=env)
+    assert (done.returncode, done.stderr.strip().splitlines()) == (130, ["interrupted while starting; nothing was run"])

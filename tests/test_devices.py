@@ -25,8 +25,10 @@ SETS = [a for s in FAST for a in ("--set", s)]
 
 @pytest.fixture
 def fake_cuda(monkeypatch):
-    """torch.cuda as a machine with GPUs shows it, for what device selection and timing call."""
-    state = types.SimpleNamespace(current=0, set=[], streams=[])
+    """torch.cuda as a machine with GPUs shows it, for what device selection and timing call: each
+    event recorded is 2 ms after the one before (`clock`); `waits` lists the host's waits for the
+    device (a synchronize, an event's or the whole device's) and reads of an event's time."""
+    state = types.SimpleNamespace(current=0, set=[], streams=[], clock=0.0, waits=[])
 
     def stream(device=None):
         index = torch.device(device).index if device is not None else None
@@ -39,12 +41,14 @@ def fake_cuda(monkeypatch):
         def record(self, stream_=None):
             self.stream = stream_ if stream_ is not None else stream()  # torch: the current device's stream
             state.streams.append(self.stream)
+            self.ms, state.clock = state.clock, state.clock + 2.0
 
         def synchronize(self):
-            pass
+            state.waits.append("event.synchronize")
 
         def elapsed_time(self, other):
-            return 2.0
+            state.waits.append("elapsed_time")
+            return other.ms - self.ms
 
     def set_device(device):
         state.current = torch.device(device).index
@@ -54,7 +58,7 @@ def fake_cuda(monkeypatch):
     monkeypatch.setattr(torch.cuda, "current_device", lambda: state.current)
     monkeypatch.setattr(torch.cuda, "set_device", set_device)
     monkeypatch.setattr(torch.cuda, "current_stream", stream)
-    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: state.waits.append("cuda.synchronize"))
     monkeypatch.setattr(torch.cuda, "Event", Event)
     return state
 
@@ -95,6 +99,35 @@ def test_the_profilers_spans_are_timed_on_the_devices_stream(fake_cuda):
     for h in handles:
         h.remove()
     assert fake_cuda.streams == ["stream of cuda:1", "stream of cuda:1"] and spans.take() == {"layer": 2e-3}
+
+
+def test_a_pipeline_step_times_its_actions_by_events_and_waits_for_nothing_inside(fake_cuda):
+    # The schedule runs three actions (forward, backward, loss) between the step's own marks. Each
+    # is bracketed by events on cuda:1's stream; nothing waits for the device inside the step (a
+    # synchronize per action serialised the pipeline and biased the bubble); the times are read
+    # once the step is over: 3 actions of 2 ms in a schedule span of 14 ms.
+    from recompute_bench.measure.pipeline import PipelineStepper
+
+    stepper = object.__new__(PipelineStepper)
+
+    class Schedule:
+        def step(self, *args, target=None, losses=None, return_outputs=True):
+            for _ in range(3):
+                with stepper._timed():
+                    pass
+            losses.append(torch.tensor(1.0))
+
+    stepper.__dict__.update(
+        layout=types.SimpleNamespace(first=True, last=True, sum_tied_embedding=lambda model: None),
+        schedule=Schedule(), device=torch.device("cuda", 1), batches=torch.zeros(1, 1, 5, dtype=torch.long),
+        optimizer=types.SimpleNamespace(step=lambda: None), model=torch.nn.Linear(1, 1), fault=None,
+        step_index=0, phase="setup", probe=None, spans=[], _actions=[])
+    stepper.step()
+    assert fake_cuda.waits == [] and fake_cuda.streams == ["stream of cuda:1"] * 8
+    fields = stepper.fields([0.020])
+    assert fields["compute_times_s"] == [pytest.approx(0.006)] and fields["schedule_times_s"] == [pytest.approx(0.014)]
+    assert fields["bubble_fraction"] == pytest.approx(1 - 6 / 14)
+    assert "cuda.synchronize" not in fake_cuda.waits
 
 
 # ----- more ranks than GPUs --------------------------------------------------------------------------
@@ -245,20 +278,106 @@ def one_rank_group():
     dist.destroy_process_group()
 
 
-def test_ddp_broadcasts_no_buffer_before_a_forward(one_rank_group, monkeypatch):
+@pytest.fixture
+def nccl_like_group():
+    """A one-rank gloo group mapped, as an NCCL group is, for CUDA tensors only."""
     import torch.distributed as dist
-    from recompute_bench.measure.distributed import DataParallel
-    from recompute_bench.measure.point import synthetic_batches
+    dist.init_process_group("cuda:gloo", store=dist.HashStore(), rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
 
-    sent = []
-    for name in ("broadcast", "_broadcast_coalesced"):
-        monkeypatch.setattr(dist, name, lambda *a, _name=name, **k: sent.append(_name))
-    cfg = config("tiny-moe")  # RoPE: its cos/sin tables are buffers
-    layout = DataParallel("ddp", cfg)
-    layout.dp_size = 2  # as on two ranks: the data-parallel layout, not tensor parallel alone
-    model = layout.build(cfg, CPU)
-    assert list(model.buffers())
-    sent.clear()  # what building sends is not the question
-    tokens = synthetic_batches(cfg, CPU)[0]
-    model(tokens[:, :-1], tokens[:, 1:])
-    assert sent == []
+
+def test_a_pipelines_world_flops_are_summed_on_the_ranks_device(nccl_like_group, monkeypatch):
+    # Every pipeline point on CUDA used to end in "No backend type associated with device type cpu"
+    # right after its probe step: the FLOPs were all-reduced as a CPU tensor. Here CUDA tensors are
+    # torch's fake tensors (shapes and devices, no data), so the sum itself cannot be read.
+    import torch.distributed as dist
+    from torch._subclasses.fake_tensor import DataDependentOutputException, FakeTensorMode
+    from recompute_bench.measure.pipeline import PipelineParallel
+
+    layout = object.__new__(PipelineParallel)  # its mesh needs CUDA; world_flops needs only its device
+    layout.device_type = "cuda"
+    seen = []
+    real = dist.all_reduce
+    monkeypatch.setattr(dist, "all_reduce", lambda t, *a, **k: seen.append(t.device.type) or real(t, *a, **k))
+    with FakeTensorMode(), pytest.raises(DataDependentOutputException):  # the collective went through
+        layout.world_flops(10**12)
+    assert seen == ["cuda"]
+
+
+def test_bucketed_grads_reduce_each_bucket_once_as_its_last_gradient_arrives(one_rank_group, monkeypatch):
+    # Megatron's overlap (measure.distributed.BucketedGrads): a micro-batch under no_sync only
+    # accumulates; on the one that synchronises, each bucket's all-reduce starts as soon as its
+    # parameters' gradients are in, while the backward still runs, once per bucket; the buffer ends
+    # as the sum over the micro-batches times 1/dp (a one-rank group adds nothing to it).
+    import copy
+
+    import torch.distributed as dist
+    from recompute_bench.measure.distributed import BucketedGrads
+
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Tanh(), torch.nn.Linear(4, 4), torch.nn.Tanh(),
+                              torch.nn.Linear(4, 4))
+    alone = copy.deepcopy(net)
+    params = list(net.parameters())  # w0 b0 w1 b1 w2 b2: buckets of 20 parameters in backward order
+    grads = BucketedGrads(params[::-1], [dist.group.WORLD] * len(params), dp_size=2, bucket_parameters=20)
+    assert [b[0] for b in grads.buckets] == [slice(0, 20), slice(20, 40), slice(40, 60)]
+    events = []
+    names = {id(p): n for n, p in net.named_parameters()}
+    for p in params:  # after MainGrads' own hook: the gradient is in the main gradient by then
+        p.register_post_accumulate_grad_hook(lambda p: events.append(f"in {names[id(p)]}"))
+    real = dist.all_reduce
+    monkeypatch.setattr(dist, "all_reduce", lambda t, *a, **k: events.append(f"reduce {t.numel()}") or real(t, *a, **k))
+    batches = torch.randn(2, 3, 4)
+    with grads.no_sync():
+        net(batches[0]).square().sum().backward()
+    assert not any(e.startswith("reduce") for e in events)  # accumulated, not reduced
+    events.clear()
+    net(batches[1]).square().sum().backward()
+    grads.finish()
+    assert [e for e in events if e.startswith("reduce")] == ["reduce 20"] * 3
+    assert events.index("reduce 20") < events.index("in 0.weight")  # the first bucket went while layer 0 ran backward
+    for x in batches:
+        alone(x).square().sum().backward()
+    for (name, p), q in zip(net.named_parameters(), alone.parameters()):
+        assert torch.allclose(p.main_grad, q.grad / 2), name
+
+
+def test_allocator_retries_and_ooms_are_the_measured_windows(fake_cuda, monkeypatch):
+    # The point runs its steps on the CPU while torch.cuda is a fake allocator whose counters grow
+    # from the process's start: each step retries one allocation, the probe step also meets one OOM.
+    # The record's counts are the measured window's, as its peaks are; not the build's, probe's and
+    # warm-up's added in.
+    from recompute_bench.measure.point import SingleRank, Stepper, _measure, synthetic_batches
+
+    counters = {"num_alloc_retries": 0, "num_ooms": 0}
+
+    class CountingStepper(Stepper):
+        def step(self, probe=None):
+            counters["num_alloc_retries"] += 1
+            counters["num_ooms"] += self.step_index == 0
+            return super().step(probe)
+
+    class OnTheCpu(SingleRank):
+        def build(self, cfg, device, dtype=None):
+            return super().build(cfg, CPU, dtype)
+
+        def batches(self, cfg, device):
+            return synthetic_batches(cfg, CPU)
+
+        def stepper(self, cfg, model, optimizer, batches):
+            return CountingStepper(cfg, model, optimizer, batches)
+
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA H100 80GB HBM3")
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
+    monkeypatch.setattr(torch.cuda, "memory_stats", lambda device=None: dict(counters))
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda device=None: 1)
+    monkeypatch.setattr(torch.cuda, "max_memory_reserved", lambda device=None: 2)
+    monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", lambda device=None: None)
+    monkeypatch.setattr(torch.cuda, "reset_accumulated_memory_stats", lambda device=None: counters.update(
+        num_alloc_retries=0, num_ooms=0))
+    cfg = config(sets=["training.warmup_steps=2", "training.measured_steps=3"])
+    _, rank = _measure(cfg, torch.device("cuda", 0), None, OnTheCpu(), lambda *_: None, {})
+    assert rank["status"] == "ok", rank["failure"]
+    assert len(rank["step_times_s"]) == 3
+    assert (rank["alloc_retries"], rank["num_ooms"]) == (3, 0)  # the 3 measured steps' retries, no OOM among them

@@ -7,20 +7,16 @@ import subprocess
 import sys
 
 import pytest
-import torch
-from torch.utils.flop_counter import FlopCounterMode
 
-from helpers import SHRUNK, config, invoke, probe_step, shrunk
+from helpers import SHRUNK, config, invoke, meta_step_flops, probe_step, shrunk
 from recompute_bench.analysis.layer import attention_kernel, checkpoint_input_bytes, layer_activation_bytes
 from recompute_bench.analysis.paper import built_minus_paper_bytes, paper_first_stage_bytes, paper_flops_per_step, paper_layer_bytes, paper_layer_differences
 from recompute_bench.analysis.rank import chunks_in_flight, microbatches_in_flight, optimizer_bytes_per_parameter, rank_memory
 from recompute_bench.analysis.stage import activation_bytes, loss_saved_bytes, loss_workspace_bytes, stage_activations, stage_parameters
 from recompute_bench.analysis import flops
 from recompute_bench.spec.config import RecomputeConfig
-from recompute_bench.measure.point import DTYPES
 from recompute_bench.models import DeviceKernels
 from recompute_bench.models.dense.layers import build_model
-from recompute_bench.recompute.apply import apply_recompute
 from recompute_bench.recompute.settings import all_settings
 
 MiB, GiB = 2**20, 2**30
@@ -92,31 +88,6 @@ def test_every_setting_hardware_flops_match_the_flop_counter(workload, backend, 
             assert measured_flops == hardware, r.label
 
 
-def _meta_step_flops(cfg, kernel=None):
-    """FlopCounterMode over one forward and backward of cfg's model on the meta device: every op
-    runs its real dispatch and flop formula, no data. `kernel` ("flash", "efficient" or "cudnn")
-    makes the model's sdpa call that CUDA kernel; otherwise sdpa runs its math fallback, as it does
-    on meta tensors."""
-    model = apply_recompute(build_model(cfg.model, 0, "meta", DTYPES[cfg.training.precision]), cfg.recompute).train()
-    tokens = torch.zeros(cfg.training.micro_batch_size, cfg.training.seq_length + 1, dtype=torch.long, device="meta")
-    aten = torch.ops.aten
-
-    def fused(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
-        assert attn_mask is None and scale is None
-        if kernel == "flash":
-            return aten._scaled_dot_product_flash_attention(q, k, v, dropout_p, is_causal)[0]
-        if kernel == "efficient":
-            return aten._scaled_dot_product_efficient_attention(q, k, v, None, True, dropout_p, is_causal)[0]
-        return aten._scaled_dot_product_cudnn_attention(q, k, v, None, True, dropout_p, is_causal)[0]
-
-    with pytest.MonkeyPatch.context() as patch:
-        if kernel:
-            patch.setattr(torch.nn.functional, "scaled_dot_product_attention", fused)
-        with FlopCounterMode(display=False) as counter:
-            model(tokens[:, :-1], tokens[:, 1:]).backward()
-    return counter.get_total_flops()
-
-
 @pytest.mark.parametrize("precision", ["bf16", "fp32"])
 @pytest.mark.parametrize("dropout", [0.0, 0.1], ids=["dropout-off", "dropout-on"])
 @pytest.mark.parametrize("workload", list(SHRUNK))
@@ -131,7 +102,7 @@ def test_gpu_hardware_flops_are_what_the_flop_counter_counts_for_the_cuda_kernel
         gqa = cfg.model.groups != cfg.model.num_attention_heads
         kernel = "flash" if precision == "bf16" else None if gqa else "efficient"
         assert attention_kernel(cfg, "cuda") == (kernel or "sdpa_math")
-        assert flops.hardware_flops_per_step(cfg) == _meta_step_flops(cfg, kernel) - _hidden_tile_flops(cfg, kernel), \
+        assert flops.hardware_flops_per_step(cfg) == meta_step_flops(cfg, kernel) - _hidden_tile_flops(cfg, kernel), \
             cfg.recompute.label
 
 
@@ -176,7 +147,7 @@ def test_fused_kernels_skip_the_tiles_the_causal_mask_hides(kernel, seq):
         device = DeviceKernels("cuda", kernel)
         hidden = _hidden_tile_flops(cfg, kernel)
         assert hidden > 0
-        assert flops.hardware_flops_per_step(cfg, device) == _meta_step_flops(cfg, kernel) - hidden, cfg.recompute.label
+        assert flops.hardware_flops_per_step(cfg, device) == meta_step_flops(cfg, kernel) - hidden, cfg.recompute.label
 
 
 def test_causal_kernels_run_about_half_the_square_at_llama3_8b_length():
@@ -200,8 +171,8 @@ def test_every_fused_cuda_kernel_counts_a_backward_of_five_attention_matmuls(ker
     cfg = shrunk("gpt3-175b", **{"model.hidden_dropout": 0.1, "model.attention_dropout": 0.1})
     m, t = cfg.model, cfg.training
     matmul = 2 * t.micro_batch_size * m.num_attention_heads * t.seq_length**2 * m.head_dim
-    assert _meta_step_flops(cfg, kernel) - _meta_step_flops(cfg) == m.num_layers * matmul
-    assert flops.hardware_flops_per_step(cfg, DeviceKernels("cuda", kernel)) == _meta_step_flops(cfg, kernel)
+    assert meta_step_flops(cfg, kernel) - meta_step_flops(cfg) == m.num_layers * matmul
+    assert flops.hardware_flops_per_step(cfg, DeviceKernels("cuda", kernel)) == meta_step_flops(cfg, kernel)
 
 
 @pytest.mark.parametrize("precision", ["bf16", "fp32"])

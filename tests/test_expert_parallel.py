@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import pytest
 
-from helpers import config, invoke, measure
+import torch
+
+from helpers import CPU, config, invoke, measure
 from recompute_bench.analysis.rank import record_estimate
 from recompute_bench.launch.torchrun import Launch, check_launch, run_ranks, verify_over_ranks
 from recompute_bench.models import spec_for
@@ -16,9 +18,10 @@ from recompute_bench.results.rows import key_fields
 from recompute_bench.spec.config import RecomputeConfig
 from helpers import LOSS_RTOL, RANK_SETS
 
-pytestmark = pytest.mark.slow  # launches ranks: `make test-all`
+SLOW = pytest.mark.slow  # launches ranks: `make test-all`; the pure logic here runs in the fast lane
 
 
+@SLOW
 def test_expert_parallel_over_two_ranks_matches_one_rank(tmp_path):
     launch = Launch(nproc_per_node=2)
     cfg = check_launch(config("tiny-moe", sets=RANK_SETS, parallel__expert_model_parallel_size=2), launch, "cpu")
@@ -60,6 +63,7 @@ def test_expert_parallel_over_two_ranks_matches_one_rank(tmp_path):
         assert a == pytest.approx(estimate, rel=0.02)
 
 
+@SLOW
 def test_verify_over_two_ranks_with_expert_parallel_is_exact(tmp_path):
     launch = Launch(nproc_per_node=2)
     cfg = check_launch(config("tiny-moe", sets=["training.seq_length=32"], parallel__expert_model_parallel_size=2),
@@ -99,3 +103,69 @@ def test_estimate_divides_the_routed_experts_by_ep():
     assert spec.layer_parameters(one)["sharded"] - spec.layer_parameters(two)["sharded"] == expert_weights / 2
     result = invoke("estimate", "-w", "tiny-moe", "--ep", "2")
     assert result.exit_code == 2 and "must divide the data-parallel size 1" in result.output
+
+
+class _LiveBytes:
+    """The bytes of the CPU storages that ops create while it is on, and their most at once (a
+    storage counts until it is freed): what a build allocates, measured in this process."""
+
+    def __init__(self):
+        from torch.utils._python_dispatch import TorchDispatchMode
+
+        live, self.peak, self.now = {}, 0, 0
+
+        def note(t):
+            import weakref
+            if not isinstance(t, torch.Tensor) or t.device.type != "cpu":
+                return
+            storage = t.untyped_storage()
+            if storage._cdata in live:
+                return
+            live[storage._cdata] = storage.nbytes()
+            self.now += storage.nbytes()
+            self.peak = max(self.peak, self.now)
+
+            def freed(key=storage._cdata):
+                self.now -= live.pop(key, 0)
+            weakref.finalize(storage, freed)
+
+        class Mode(TorchDispatchMode):
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                out = func(*args, **(kwargs or {}))
+                for t in out if isinstance(out, (tuple, list)) else [out]:
+                    note(t)
+                return out
+
+        self.mode = Mode()
+
+
+def test_the_expert_parallel_build_allocates_only_this_ranks_experts(monkeypatch):
+    # Rank 0 of ep 2 (torch's fake process group for its peer: the build needs no collective). The
+    # build slices the experts on the meta device, so the rank allocates its 4 experts of 8 and one
+    # whole parameter at a time while initialising it (mixtral-8x7b's experts are 93 GB in bf16;
+    # built whole and sliced after, they were allocated on every rank first). The values are the
+    # single-rank build's rows.
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+    from recompute_bench.measure.distributed import DataParallel
+    from recompute_bench.measure.point import SingleRank
+
+    sets = ["training.precision=fp32", "model.hidden_size=256", "model.moe_ffn_hidden_size=512", "model.ffn_hidden_size=512"]
+    cfg = config("tiny-moe", sets=sets, parallel__expert_model_parallel_size=2, parallel__data_parallel_size=2)
+    whole = {n: p for n, p in SingleRank().build(cfg, CPU).named_parameters()}
+    dist.init_process_group("fake", rank=0, world_size=2, store=FakeStore())
+    try:
+        layout = DataParallel("ddp", cfg, "cpu")
+        live = _LiveBytes()
+        with live.mode:
+            model = layout.build(cfg, CPU)
+        mine = dict(model.named_parameters())
+        experts = {n for n, p in mine.items() if any(p is e for e in layout.experts)}
+        assert experts and all(mine[n].shape[0] == 4 == whole[n].shape[0] // 2 for n in experts)
+        assert all(torch.equal(p, whole[n][:4] if n in experts else whole[n]) for n, p in mine.items())
+        local = sum(p.nbytes for p in mine.values())
+        largest = max(p.nbytes for p in whole.values())
+        assert local < 0.6 * sum(p.nbytes for p in whole.values())
+        assert live.peak <= local + largest + 2**20, (live.peak, local, largest)  # plus buffers (RoPE tables)
+    finally:
+        dist.destroy_process_group()

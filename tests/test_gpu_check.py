@@ -1,6 +1,8 @@
-"""bench/gpu_check.py without a GPU: it prints its plan and exits 0, every sweep it plans is a valid
-plan, a failing, hanging or refused step is recorded and the next one runs, and the summary tables
-are built from records."""
+"""bench/gpu_check.py without a GPU: it prints each call's plan and exits 0, each call's planned time
+fits one device command, every sweep it plans is a valid plan, a failing, hanging or refused step is
+recorded and the next one runs, a call writes its summary after every step and packs the rest into
+one archive (three files in OUT), a step that needs two GPUs is not proven on one, and the summary
+tables are built from records."""
 
 from __future__ import annotations
 
@@ -26,14 +28,30 @@ def _ctx(tmp_path, gpus=1):
 
 
 def test_without_a_gpu_it_prints_the_plan_and_exits_0(tmp_path):
-    done = subprocess.run([sys.executable, str(ROOT / "bench" / "gpu_check.py"), "--out", str(tmp_path / "out")],
+    done = subprocess.run([sys.executable, str(ROOT / "bench" / "gpu_check.py"), "--call", "3", "--out",
+                           str(tmp_path / "out"), "--work", str(tmp_path / "work")],
                           capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     assert "no GPU is visible here" in done.stdout
     for step in gpu_check.STEPS:
-        assert f"- {step.name}: " in done.stdout
-    assert "pytest tests/gpu" in done.stdout and "--memory-limit-gb" in done.stdout and "golden update" in done.stdout
-    assert not (tmp_path / "out").exists()  # planning writes nothing
+        assert (f"- {step.name}: " in done.stdout) == (step.call == 3)
+    assert "golden update" in done.stdout and "--tolerance tflops_per_gpu:off" in done.stdout
+    assert not (tmp_path / "out").exists() and not (tmp_path / "work").exists()  # planning writes nothing
+
+
+@pytest.mark.parametrize("call", gpu_check.CALLS)
+def test_each_call_fits_one_device_command(call, tmp_path, capsys):
+    # One device command runs at most 10 minutes, the machine's start included: a call's steps
+    # plan at most --budget-s (8 minutes) on one GPU, and its dry run lists them with that sum.
+    ctx = _ctx(tmp_path)
+    steps = [s for s in gpu_check.STEPS if s.call == call]
+    planned = sum(gpu_check.planned_s(s, ctx) for s in steps)
+    assert 0 < planned <= gpu_check.BUDGET_S <= 9 * 60 - 60
+    assert gpu_check.main(["--call", str(call), "--dry-run"]) == 0
+    out = capsys.readouterr().out
+    assert f"call {call}: {planned:.0f} s planned" in out
+    assert [line[2:].split(": ")[0] for line in out.splitlines() if line.startswith("- ")] == [s.name for s in steps]
+    assert gpu_check.CALLS == [1, 2, 3] and {s.call for s in gpu_check.STEPS} == {1, 2, 3}
 
 
 def test_every_planned_sweep_is_a_plan_the_cli_accepts(tmp_path):
@@ -79,7 +97,7 @@ def test_a_failed_hung_or_skipped_step_is_recorded_and_the_next_runs(tmp_path, m
     monkeypatch.setattr(gpu_check, "STEPS", steps)
     results = [gpu_check.run_step(s, ctx, deadline=gpu_check.time.monotonic() + 60, log=ctx.out / f"{i}.log")
                for i, s in enumerate(steps)]
-    assert [r["status"] for r in results] == ["failed (exit 3)", "timeout (1 s)", "ok", "skipped (needs 2 GPUs)", "ok"]
+    assert [r["status"] for r in results] == ["failed (exit 3)", "timeout (1 s)", "ok", "not proven (needs 2 GPUs)", "ok"]
     assert results[0]["codes"] == [3] and not (ctx.out / "never").exists()  # a step stops at its first failure
     spent = gpu_check.run_step(steps[4], ctx, deadline=gpu_check.time.monotonic() + 5, log=ctx.out / "late.log")
     assert spent["status"] == "skipped (the call's budget is spent)"
@@ -106,12 +124,41 @@ def test_the_summary_tables_from_hand_made_records(tmp_path):
     (out / "results" / "llama").mkdir(parents=True)
     (out / "results" / "llama" / "results.jsonl").write_text(json.dumps(_record("none")) + "\n")
     text = gpu_check.summary([{"step": "tiny", "status": "ok", "seconds": 3.5, "codes": [0]},
-                              {"step": "cuda:1", "status": "skipped (needs 2 GPUs)", "seconds": 0.0, "codes": []}], out)
+                              {"step": "cuda:1", "status": "not proven (needs 2 GPUs)", "seconds": 0.0, "codes": []}], out)
     assert text.index("## llama3-8b slice") < text.index("## steps")  # the steps' table comes last
-    assert text.rstrip().splitlines()[-2:] == ["| tiny | ok | 3.5 | 0 |", "| cuda:1 | skipped (needs 2 GPUs) | 0.0 | - |"]
+    assert text.rstrip().splitlines()[-2:] == ["| tiny | ok | 3.5 | 0 |", "| cuda:1 | not proven (needs 2 GPUs) | 0.0 | - |"]
 
 
-@pytest.mark.parametrize("argv", [["--out", "x", "--dry-run"]])
+@pytest.mark.parametrize("argv", [["--out", "x", "--dry-run"], ["--steps", "tiny,real OOM", "--dry-run"]])
 def test_dry_run_prints_the_plan_on_any_machine(argv, capsys):
     assert gpu_check.main(argv) == 0
-    assert "pytest tests/gpu" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert ("pytest tests/gpu" in out) == ("--steps" not in argv) and "- tiny: " in out
+
+
+def test_a_call_writes_its_summary_after_every_step_and_packs_the_rest(tmp_path, monkeypatch):
+    # On one GPU (NVML faked): a step that passes, one that fails, one that needs two GPUs. After
+    # each step OUT holds the call's summary so far and the archive of the work folder: three files
+    # at its top, what one device command brings back (at most 8, two folders deep).
+    import tarfile
+
+    py = lambda code, **kw: gpu_check.Command([sys.executable, "-c", code], **kw)  # noqa: E731
+    steps = [gpu_check.Step("writes", "", lambda c: [py("open('made.txt', 'w').write('x')")]),
+             gpu_check.Step("fails", "", lambda c: [py("raise SystemExit(3)")]),
+             gpu_check.Step("two GPUs", "", lambda c: [py("pass")], gpus=2)]
+    monkeypatch.setattr(gpu_check, "STEPS", steps)
+    monkeypatch.setattr(gpu_check, "visible_gpu_count", lambda: 1)
+    monkeypatch.setattr(gpu_check, "visible_gpu_name", lambda index=0: "NVIDIA H100 80GB HBM3")
+    seen = []
+    write = gpu_check.write_outputs
+    monkeypatch.setattr(gpu_check, "write_outputs", lambda results, ctx, dest, call: seen.append(
+        [r["step"] for r in json.loads(write(results, ctx, dest, call)[1].read_text())["steps"]]))
+    out, work = tmp_path / "out", tmp_path / "work"
+    assert gpu_check.main(["--call", "1", "--out", str(out), "--work", str(work)]) == 1  # a step failed
+    assert seen == [["writes"], ["writes", "fails"], ["writes", "fails", "two GPUs"]]
+    assert sorted(p.name for p in out.iterdir()) == ["gpu-check-call1.tar.gz", "summary-call1.json", "summary-call1.md"]
+    statuses = [r["status"] for r in json.loads((out / "summary-call1.json").read_text())["steps"]]
+    assert statuses == ["ok", "failed (exit 3)", "not proven (needs 2 GPUs)"]
+    with tarfile.open(out / "gpu-check-call1.tar.gz") as tar:
+        names = tar.getnames()
+    assert "gpu-check-call1/made.txt" in names and "gpu-check-call1/logs/fails.log" in names

@@ -12,9 +12,8 @@ import time
 
 import pytest
 
-from helpers import LOSS_RTOL, RANK_SETS, config, invoke, measure, rank_script
+from helpers import LOSS_RTOL, RANK_SETS, config, invoke, launch_ranks, measure, rank_script
 from recompute_bench.measure.record import FAULT_ENV
-from test_ranks import _ranks
 
 # A global batch of 8: 4 micro-batches of 2, the step's on every pipeline (1F1B needs at least p).
 BATCH = ["training.global_batch_size=8"]
@@ -103,15 +102,41 @@ def test_pp2_1f1b_through_the_cli_records_and_shows_each_stage(tmp_path, single_
     assert [s["microbatches_in_flight"] for s in pipe["stages"]] == [2, 1]
     assert pipe["bounding_stage"] == 0 and pipe["summary"] == "stage 0 holds 2 micro-batches"
     assert pipe["estimated_bubble_fraction"] == pytest.approx(1 / 5)  # (p - 1)/(m + p - 1)
-    assert 0 <= pipe["bubble_fraction"] < 1
+    assert all(s["bubble_fraction"] is not None for s in pipe["stages"])  # its value: the test below
     text = " ".join(result.output.split())
     assert "bounds memory │ stage 0 holds 2 micro-batches" in text and "1F1B / 4" in text
     assert re.search(r"stage 1 \(ranks 1; chunks 1\) │ holds 1 \(est 1\) micro-batches", text), text
 
 
+BUBBLE_TOLERANCE = 0.1
+"""How far the measured bubble may lie from the schedule's on 2 gloo ranks sharing the machine's 2
+cores: a rank's micro-batch takes 10-20% more or less from one to the next, the last stage's
+output layer and loss make it heavier than the first, and gloo's sends and receives cost time the
+formula leaves out. Seen: 0.157 to 0.204 for 0.2. A pipeline whose stages took turns (each
+waiting for the other to finish a micro-batch, as one that synchronised at every action) idles
+(p - 1)/p = 0.5."""
+
+
+@pytest.mark.slow  # launches ranks: `make test-all`
+def test_the_measured_bubble_is_the_schedules(tmp_path):
+    # 1F1B, p = 2, m = 4 micro-batches of layers wide enough that compute, not Python, fills the
+    # step (hidden 256, seq 128): each rank's idle share of the schedule's span, averaged over the
+    # stages, is (p - 1)/(m vp + p - 1) = 0.2.
+    sets = [*BATCH, *PP2, "training.warmup_steps=1", "training.measured_steps=3", "model.hidden_size=256",
+            "model.ffn_hidden_size=1024", "model.num_attention_heads=8", "training.seq_length=128"]
+    record = launch_ranks(tmp_path, sets=sets)
+    assert record["status"] == "ok", record["failure"]
+    pipe = record["pipeline"]
+    assert pipe["estimated_bubble_fraction"] == pytest.approx((2 - 1) / (4 * 1 + 2 - 1))
+    assert abs(pipe["bubble_fraction"] - pipe["estimated_bubble_fraction"]) <= BUBBLE_TOLERANCE, pipe["stages"]
+    for rank in record["ranks"]:  # the bubble is a share of the schedule, which the optimizer's step follows
+        assert len(rank["schedule_times_s"]) == len(rank["step_times_s"]) == 3
+        assert all(c < s < t for c, s, t in zip(rank["compute_times_s"], rank["schedule_times_s"], rank["step_times_s"]))
+
+
 @pytest.mark.slow  # launches ranks: `make test-all`
 def test_pp4_1f1b_holds_p_minus_r_micro_batches_on_stage_r(tmp_path, single_rank_losses):
-    record = _ranks(tmp_path, sets=[*BATCH, *PP4], nproc_per_node=4)
+    record = launch_ranks(tmp_path, sets=[*BATCH, *PP4], nproc_per_node=4)
     assert record["status"] == "ok", record["failure"]
     for rank in record["ranks"]:
         assert rank["losses"] == pytest.approx(single_rank_losses, rel=LOSS_RTOL)
@@ -122,8 +147,8 @@ def test_pp4_1f1b_holds_p_minus_r_micro_batches_on_stage_r(tmp_path, single_rank
 
 
 @pytest.mark.slow  # launches ranks: `make test-all`
-def test_tp2_by_pp2_on_four_ranks(tmp_path, single_rank_losses):
-    record = _ranks(tmp_path, sets=[*BATCH, *PP2, "parallel.tensor_model_parallel_size=2"], nproc_per_node=4)
+def test_tp2_by_pp2_on_fourlaunch_ranks(tmp_path, single_rank_losses):
+    record = launch_ranks(tmp_path, sets=[*BATCH, *PP2, "parallel.tensor_model_parallel_size=2"], nproc_per_node=4)
     assert record["status"] == "ok", record["failure"]
     # The vocabulary-parallel cross-entropy and the row-parallel all-reduce add in another order too.
     for rank in record["ranks"]:
@@ -137,7 +162,7 @@ def test_tp2_by_pp2_on_four_ranks(tmp_path, single_rank_losses):
 @pytest.mark.slow  # launches ranks: `make test-all`
 def test_an_oom_on_one_stage_names_the_stage_and_the_rank(tmp_path, monkeypatch):
     monkeypatch.setenv(FAULT_ENV, "oom:backward:1@1")
-    record = _ranks(tmp_path, sets=[*PP2, "training.measured_steps=2"])
+    record = launch_ranks(tmp_path, sets=[*PP2, "training.measured_steps=2"])
     assert record["status"] == "oom"
     assert {k: record["failure"][k] for k in ("rank", "step", "phase")} == {"rank": 1, "step": 1, "phase": "backward"}
     failed = record["ranks"][1]
@@ -153,7 +178,7 @@ def test_a_hang_in_a_stage_is_cut_by_the_watchdog_in_its_peers_receive(tmp_path,
     monkeypatch.setenv(FAULT_ENV, "hang:forward:1@1")
     watchdog = 5.0
     started = time.monotonic()
-    record = _ranks(tmp_path, sets=[*PP2, "training.measured_steps=2"], watchdog_s=watchdog)
+    record = launch_ranks(tmp_path, sets=[*PP2, "training.measured_steps=2"], watchdog_s=watchdog)
     assert time.monotonic() - started < watchdog + 60  # start-up, the watchdog, torchrun's teardown
     assert record["status"] == "timeout" and record["failure"]["rank"] == 0
     assert [r["status"] for r in record["ranks"]] == ["timeout", "waiting"]

@@ -17,21 +17,13 @@ from pathlib import Path
 
 import pytest
 
-from helpers import LOSS_RTOL, RANK_SETS, config, invoke, measure
+from helpers import LOSS_RTOL, RANK_SETS, config, invoke, launch_ranks, measure, processes_naming
 from recompute_bench.launch.process import FAULT_POINTS_ENV, PARENT_PID_ENV, worker_env
 from recompute_bench.launch.torchrun import Launch, check_launch, classify_rank, run_ranks, torchrun_command
 from recompute_bench.measure.point import FAULT_DELAY_S
 from recompute_bench.measure.record import FAULT_ENV, rank_summary
 
-pytestmark = pytest.mark.slow  # launches ranks: `make test-all`
-
-
-def _ranks(tmp_path: Path, data_parallel: str = "ddp", sets=(), watchdog_s: float = 60.0,
-           timeout_s: float = 180.0, nproc_per_node: int = 2) -> dict:
-    """One point of the tiny model (`RANK_SETS`, then `sets`) measured over `nproc_per_node` ranks: its record."""
-    launch = Launch(nproc_per_node=nproc_per_node, data_parallel=data_parallel, watchdog_s=watchdog_s)
-    cfg = check_launch(config(sets=[*RANK_SETS, *sets]), launch, "cpu")
-    return run_ranks(cfg, launch, name="t", pieces=tmp_path / "pieces", log_path=tmp_path / "t.log", timeout_s=timeout_s)
+SLOW = pytest.mark.slow  # launches ranks: `make test-all`; the pure logic below runs in the fast lane
 
 
 # A global batch of 8: two micro-batches per rank under dp = 2, the first accumulated without being
@@ -44,9 +36,10 @@ def single_rank_losses() -> list[float]:
     return measure(config(sets=[*RANK_SETS, *ACCUMULATE]))["ranks"][0]["losses"]
 
 
+@SLOW
 @pytest.mark.parametrize("data_parallel", ["ddp", "fsdp"])
 def test_data_parallel_over_two_ranks_gives_the_single_rank_losses(tmp_path, data_parallel, single_rank_losses):
-    record = _ranks(tmp_path, data_parallel, sets=ACCUMULATE)
+    record = launch_ranks(tmp_path, data_parallel, sets=ACCUMULATE)
     assert record["status"] == "ok", record["failure"]
     assert record["config"]["parallel"]["data_parallel_size"] == 2
     assert record["launch"]["world_size"] == 2 and record["launch"]["data_parallel"] == data_parallel
@@ -63,9 +56,10 @@ def test_data_parallel_over_two_ranks_gives_the_single_rank_losses(tmp_path, dat
     assert record["metrics"]["estimated_activation_bytes"] == pytest.approx(single, rel=0.02)
 
 
+@SLOW
 def test_an_oom_on_one_rank_names_it_and_keeps_the_other_ranks_figures(tmp_path, monkeypatch):
     monkeypatch.setenv(FAULT_ENV, "oom:backward:1@1")
-    record = _ranks(tmp_path, sets=["training.measured_steps=2"])
+    record = launch_ranks(tmp_path, sets=["training.measured_steps=2"])
     assert record["status"] == "oom"
     assert {k: record["failure"][k] for k in ("rank", "step", "phase")} == {"rank": 1, "step": 1, "phase": "backward"}
     assert rank_summary(record) == record["failure"]["summary"] == "OOM rank1; waiting rank0"
@@ -73,11 +67,12 @@ def test_an_oom_on_one_rank_names_it_and_keeps_the_other_ranks_figures(tmp_path,
     assert rank0["status"] == "waiting" and rank0["losses"] and rank0["activation_bytes"] > 0  # what it measured stays
 
 
+@SLOW
 def test_a_hang_on_one_rank_is_cut_by_the_collective_watchdog(tmp_path, monkeypatch):
     monkeypatch.setenv(FAULT_ENV, "hang:forward:1@1")
     watchdog = 5.0
     started = time.monotonic()
-    record = _ranks(tmp_path, sets=["training.measured_steps=2"], watchdog_s=watchdog)
+    record = launch_ranks(tmp_path, sets=["training.measured_steps=2"], watchdog_s=watchdog)
     assert time.monotonic() - started < watchdog + 60  # start-up, the watchdog, torchrun's teardown
     assert record["status"] == "timeout"
     assert [r["status"] for r in record["ranks"]] == ["timeout", "waiting"]
@@ -85,11 +80,12 @@ def test_a_hang_on_one_rank_is_cut_by_the_collective_watchdog(tmp_path, monkeypa
     assert "Timed out" in record["failure"]["message"] and record["failure"]["rank"] == 0
 
 
+@SLOW
 def test_a_step_takes_as_long_as_its_slowest_rank(tmp_path, monkeypatch):
     # Rank 1's optimizer takes FAULT_DELAY_S longer in the measured step; rank 0 does not wait for
     # it inside the step (no collective follows the optimizer), so rank 0's own time is short.
     monkeypatch.setenv(FAULT_ENV, "delay:optimizer:1@1")
-    record = _ranks(tmp_path)
+    record = launch_ranks(tmp_path)
     assert record["status"] == "ok", record["failure"]
     [fast], [slow] = (r["step_times_s"] for r in record["ranks"])
     assert slow > FAULT_DELAY_S > fast
@@ -98,11 +94,12 @@ def test_a_step_takes_as_long_as_its_slowest_rank(tmp_path, monkeypatch):
     assert record["metrics"]["tflops_per_gpu"] == pytest.approx(record["metrics"]["model_flops_per_step"] / slow / 2 / 1e12)
 
 
+@SLOW
 def test_a_rank_late_to_a_step_does_not_start_its_peers_clocks(tmp_path, monkeypatch):
     # Rank 1 takes FAULT_DELAY_S to write its piece before the measured step, as a slow disk would.
     # Without the barrier rank 0 would time that as its own step (waiting in the gradient all-reduce).
     monkeypatch.setenv(FAULT_ENV, "delay:write:1@1")
-    record = _ranks(tmp_path)
+    record = launch_ranks(tmp_path)
     assert record["status"] == "ok", record["failure"]
     assert max(r["step_times_s"][0] for r in record["ranks"]) == record["metrics"]["step_time_s"] < FAULT_DELAY_S / 2
 
@@ -120,6 +117,7 @@ def _rank_pid(pieces: Path, rank: int) -> int | None:
     return None
 
 
+@SLOW
 def test_a_rank_killed_by_a_signal_is_killed_and_its_peer_waiting(tmp_path):
     # What the host's OOM killer does: SIGKILL to one rank in the middle of the run.
     launch = Launch(nproc_per_node=2)
@@ -145,18 +143,20 @@ def test_a_rank_killed_by_a_signal_is_killed_and_its_peer_waiting(tmp_path):
     assert result["ranks"][1]["losses"]  # what the killed rank measured before stays
 
 
+@SLOW
 def test_the_nccl_watchdogs_verdict_reaches_the_record(tmp_path, monkeypatch):
     # Rank 1 ends as ProcessGroupNCCL's watchdog ends a rank: its verdict on stderr, then SIGABRT.
     monkeypatch.setenv(FAULT_ENV, "watchdog:backward:1@1")
-    record = _ranks(tmp_path, sets=["training.measured_steps=2"])
+    record = launch_ranks(tmp_path, sets=["training.measured_steps=2"])
     assert [r["status"] for r in record["ranks"]] == ["waiting", "timeout"]
     assert record["status"] == "timeout" and record["failure"]["rank"] == 1
     assert record["failure"]["collective"] == "ALLREDUCE" and "300.042 s" in record["failure"]["message"]
 
 
+@SLOW
 def test_a_gloo_timeout_names_the_collective_and_the_rank(tmp_path, monkeypatch):
     monkeypatch.setenv(FAULT_ENV, "hang:write:1@1")  # rank 1 never reaches the next step's barrier
-    record = _ranks(tmp_path, sets=["training.measured_steps=2"], watchdog_s=5.0)
+    record = launch_ranks(tmp_path, sets=["training.measured_steps=2"], watchdog_s=5.0)
     assert record["status"] == "timeout" and record["failure"]["rank"] == 0
     assert record["failure"]["collective"] == "barrier"
     assert [r["status"] for r in record["ranks"]] == ["timeout", "waiting"]
@@ -171,6 +171,7 @@ def test_a_failed_rank_leaves_through_destroy_process_group(tmp_path, monkeypatc
     left = []
     monkeypatch.setattr(distributed, "measure_rank", lambda cfg, **kw: {"rank_entry": {"status": "oom"}})
     monkeypatch.setattr(distributed, "leave_group", lambda: left.append("destroyed") or True)
+    monkeypatch.setattr(rank_program, "_die_with_agent", lambda: None)  # this process is pytest, not a rank
     assert rank_program.measure(["--pieces", str(tmp_path)]) == 1  # torchrun then stops the peers
     assert left == ["destroyed"]
 
@@ -226,6 +227,7 @@ def test_classifying_ranks_from_torchruns_exits_and_the_watchdog(line, collectiv
     assert classify_rank(1, running, exits={})["status"] == "waiting"
 
 
+@SLOW
 def test_two_launchers_on_localhost_rendezvous_into_one_point(tmp_path):
     with socket.socket() as s:
         s.bind(("localhost", 0))
@@ -285,6 +287,7 @@ def test_bad_launches_are_one_line_exit_2(tmp_path, args, words):
     assert not (tmp_path / "r.jsonl").exists()
 
 
+@SLOW
 def test_a_sweep_over_two_ranks_records_one_ranks_oom_and_goes_on(tmp_path, monkeypatch):
     monkeypatch.setenv(FAULT_POINTS_ENV, "Baseline=oom:forward:0@1")
     result = invoke("sweep", "--baseline", "--modules", "core_attn", "--nproc-per-node", "2", "--run-id", "two",
@@ -296,6 +299,7 @@ def test_a_sweep_over_two_ranks_records_one_ranks_oom_and_goes_on(tmp_path, monk
     assert [len(r["ranks"]) for r in records] == [2, 2] and "OOM rank1" in " ".join(result.stderr.split())
 
 
+@SLOW
 def test_verify_over_two_fsdp_ranks_is_exact_and_matches_one_rank(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     result = invoke("verify", "--nproc-per-node", "2", "--data-parallel", "fsdp", "--attention-backend", "sdpa",
@@ -309,3 +313,76 @@ def test_verify_over_two_fsdp_ranks_is_exact_and_matches_one_rank(tmp_path, monk
     line = next(line for line in result.stderr.splitlines() if "ranks vs one rank" in line)
     loss_diff, grad_diff = (float(line.split(key)[1].split()[0].rstrip(",")) for key in ("|loss diff|", "max |grad diff|"))
     assert loss_diff <= 1e-6 and grad_diff <= 1e-6
+
+
+def _end(pids: list[int]) -> None:
+    """SIGKILL what a failing test left running (each by its id), so the machine is not left with it."""
+    for pid in pids:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
+def _gone_within(path: Path, seconds: float) -> list[int]:
+    """The processes still naming `path` once `seconds` have passed (none: as soon as there are none)."""
+    deadline = time.monotonic() + seconds
+    while (left := processes_naming(path)) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    return left
+
+
+@SLOW
+def test_a_sweep_killed_during_a_two_rank_point_leaves_no_rank_and_resumes_alone(tmp_path):
+    # Both ranks of the first point hang in step 1; the sweep is SIGKILLed then (a crash, `kill -9`).
+    # torchrun starts each rank in a session of its own: they must die with the agent, which dies
+    # with the sweep. Then `--resume RUN` alone (the plan keeps its ranks) completes the sweep.
+    run = tmp_path / "killed"
+    sets = [a for s in RANK_SETS for a in ("--set", s)]
+    command = [sys.executable, "-c", "from recompute_bench.cli import main; main()", "sweep", "--baseline", "--modules",
+               "core_attn", "--nproc-per-node", "2", "--run-id", "killed", "--results-dir", str(tmp_path),
+               "--no-golden", *sets]
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1]), FAULT_POINTS_ENV: "Baseline=hang:forward:1"}
+    sweep = subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    pieces = run / "work" / "Baseline"
+    try:
+        deadline = time.monotonic() + 150
+        while True:  # both ranks finished step 0: they hang in step 1's forward
+            try:
+                if all(json.loads((pieces / f"rank{r}.json").read_text())["rank_entry"]["step"] >= 1 for r in (0, 1)):
+                    break
+            except (OSError, ValueError):
+                pass
+            assert sweep.poll() is None and time.monotonic() < deadline, "the ranks never reached step 1"
+            time.sleep(0.2)
+        assert len(processes_naming(pieces)) >= 3  # the agent and both ranks
+        sweep.kill()
+        sweep.wait()
+        assert _gone_within(pieces, 10) == []
+    finally:
+        sweep.kill()
+        _end(processes_naming(pieces))
+    result = invoke("sweep", "--resume", "killed", "--results-dir", str(tmp_path))
+    assert result.exit_code == 0, result.output
+    records = [json.loads(line) for line in (run / "results.jsonl").read_text().splitlines()]
+    assert [(r["point"]["name"], r["status"], r["launch"]["world_size"]) for r in records] == [
+        ("Baseline", "ok", 2), ("Exp 1", "ok", 2)]
+
+
+@SLOW
+def test_a_point_cut_by_its_time_limit_leaves_no_rank_behind(tmp_path, monkeypatch):
+    # Rank 1 of the first point hangs; its collective limit (--watchdog-s) is longer than the
+    # point's time limit, which kills the agent's process group: both ranks go with it, and the
+    # next point runs on a machine they left.
+    monkeypatch.setenv(FAULT_POINTS_ENV, "Baseline=hang:forward:1@1")
+    pieces = tmp_path / "cut" / "work" / "Baseline"
+    try:
+        result = invoke("sweep", "--baseline", "--modules", "core_attn", "--nproc-per-node", "2", "--timeout", "40",
+                        "--watchdog-s", "300", "--run-id", "cut", "--results-dir", str(tmp_path), "--no-golden",
+                        *[a for s in RANK_SETS for a in ("--set", s)])
+        assert result.exit_code == 1, result.output
+        records = [json.loads(line) for line in (tmp_path / "cut" / "results.jsonl").read_text().splitlines()]
+        assert [(r["point"]["name"], r["status"]) for r in records] == [("Baseline", "timeout"), ("Exp 1", "ok")]
+        assert _gone_within(pieces, 5) == []
+    finally:
+        _end(processes_naming(pieces))

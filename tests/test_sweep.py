@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from helpers import config, invoke
+from helpers import config, invoke, processes_naming
 from recompute_bench.gate.golden import read_golden, write_golden
 from recompute_bench.launch import process as launch
 from recompute_bench.spec.config import BadInput
@@ -230,19 +230,6 @@ def test_the_time_limit_runs_from_the_workers_start_and_the_start_has_its_own(tm
     assert never["status"] == "timeout" and "did not start within 0.5 s" in never["failure"]["message"]
 
 
-def _workers_of(run_dir: Path) -> list[int]:
-    """Processes whose command line names this run's folder (its workers)."""
-    pids = []
-    for proc in Path("/proc").iterdir():
-        if proc.name.isdigit():
-            try:
-                if str(run_dir) in (proc / "cmdline").read_bytes().decode(errors="replace"):
-                    pids.append(int(proc.name))
-            except OSError:
-                pass
-    return pids
-
-
 @pytest.mark.slow
 def test_resume_after_a_killed_sweep_measures_only_what_is_missing(tmp_path):
     run = tmp_path / "killed"
@@ -259,7 +246,7 @@ def test_resume_after_a_killed_sweep_measures_only_what_is_missing(tmp_path):
     first = (run / "results.jsonl").read_bytes()
     assert first.count(b"\n") == 1
     time.sleep(0.5)
-    assert _workers_of(run) == []  # the second point's worker died with the sweep
+    assert processes_naming(run) == []  # the second point's worker died with the sweep
 
     with RunLock(tmp_path / "another-run"):  # other run ids do not get in the way
         result = invoke("sweep", "--resume", "killed", "--results-dir", str(tmp_path), "--no-golden")
@@ -301,6 +288,61 @@ def test_only_ok_and_oom_records_count_as_done(tmp_path):
     assert ids["none"] not in done and ids["mlp"] in done and ids["core_attn"] in done
 
 
+def test_a_single_rank_sweep_passes_its_memory_limit_to_the_worker_and_records_it(tmp_path, monkeypatch):
+    # "Would this fit a 40 GB card": the sweep's worker is started with the limit and caps its
+    # allocator before it measures; the point's record says so in its launch, as `run`'s does.
+    from recompute_bench.launch import worker
+    from recompute_bench.launch.sweep import Point, run_sweep
+    from recompute_bench.launch.torchrun import Launch
+    from recompute_bench.measure import distributed, point
+
+    commands = []
+
+    def fake_group(command, log_path, env, timeout_s, **kw):  # the worker's command line, then a record
+        commands.append(command)
+        out = Path(command[command.index("--out") + 1])
+        out.write_text(json.dumps({"status": "ok", "failure": None}))
+        return 0
+
+    monkeypatch.setattr(launch, "run_group", fake_group)
+    [record] = run_sweep([Point("Baseline", config())], tmp_path / "capped", timeout_s=60, device="cuda",
+                         launch=Launch(memory_limit_gb=40.0))
+    assert commands[0][commands[0].index("--memory-limit-gb") + 1] == "40"
+    assert record["launch"]["memory_limit_gb"] == 40.0 and record["launch"]["world_size"] == 1
+
+    # The worker, given that command line: the limit is set on its device before the point runs.
+    calls = []
+    monkeypatch.setattr(worker, "die_with_parent", lambda: None)
+    monkeypatch.setattr(sys, "stdin", __import__("io").StringIO(json.dumps(config().to_dict())))
+    monkeypatch.setattr(distributed, "limit_memory", lambda device, gb: calls.append(("limit", device.type, gb)))
+    monkeypatch.setattr(point, "run_point", lambda cfg, **kw: calls.append(("run",)) or {"status": "ok"})
+    assert worker.main(["--out", str(tmp_path / "w.json"), "--device", "cpu", "--memory-limit-gb", "40"]) == 0
+    assert calls == [("limit", "cpu", 40.0), ("run",)]
+
+
+def test_a_resumed_sweep_runs_as_its_plan_says_and_refuses_another_launch(tmp_path):
+    # The plan keeps how its points run (ranks, engine, device, time limits), so `--resume RUN` alone
+    # launches them as the sweep did; a resume asking for other ranks is one line, exit 2, before
+    # anything runs. This attempt's time limits and rendezvous may differ from the first's.
+    from recompute_bench.launch.sweep import RunSettings, load_run_settings, plan_to_dict
+    from recompute_bench.launch.torchrun import Launch
+    from recompute_bench.results.store import write_json_atomic
+
+    run = tmp_path / "two"
+    points, _ = plan_from_flags("tiny", overrides={}, sets=[], gpu="cpu", baseline=True)
+    saved = RunSettings(Launch(nproc_per_node=2, data_parallel="fsdp", watchdog_s=60.0), "cpu", 90.0, None)
+    write_json_atomic(run / "plan.json", plan_to_dict(points, saved))
+    assert load_run_settings(run) == saved
+    result = invoke("sweep", "--resume", "two", "--results-dir", str(tmp_path), "--nproc-per-node", "4", "--no-golden")
+    assert result.exit_code == 2 and "Traceback" not in result.output
+    assert " ".join(result.stderr.split()) == ("error: run two was launched with --nproc-per-node 2, and a resumed sweep "
+                                               "measures its remaining points as its first ones; drop --nproc-per-node 4")
+    assert sorted(p.name for p in run.iterdir()) == ["plan.json"]  # nothing ran
+    again = RunSettings(Launch(nproc_per_node=2, watchdog_s=30.0), None, 1200.0, None)
+    assert saved.resumed(again, {"nproc_per_node", "watchdog_s", "timeout_s"}, "two") == RunSettings(
+        Launch(nproc_per_node=2, data_parallel="fsdp", watchdog_s=30.0), "cpu", 1200.0, None)
+
+
 def _sweep_process(args: list[str], sigint) -> subprocess.Popen:
     """`recompute-bench sweep ARGS` in a child process whose SIGINT disposition is `sigint` when it
     starts, whatever this test run inherited (a background job or `nohup` runs pytest with SIGINT
@@ -316,7 +358,7 @@ def _sweep_process(args: list[str], sigint) -> subprocess.Popen:
 def _interrupt_at_first_worker(sweep: subprocess.Popen, run: Path) -> str:
     """Send SIGINT once the first point's worker runs; the sweep's stderr."""
     deadline = time.monotonic() + 60
-    while not _workers_of(run):
+    while not processes_naming(run):
         assert sweep.poll() is None and time.monotonic() < deadline, "no worker started"
         time.sleep(0.05)
     sweep.send_signal(signal.SIGINT)
@@ -346,7 +388,7 @@ def test_ctrl_c_stops_the_worker_and_says_how_to_resume(tmp_path):
                             "--golden", str(golden)], signal.SIG_DFL)
     stderr = _interrupt_at_first_worker(sweep, run)
     assert sweep.returncode == 130, stderr
-    assert _workers_of(run) == [] and not (run / "results.jsonl").exists()
+    assert processes_naming(run) == [] and not (run / "results.jsonl").exists()
     resume = _printed_command(stderr, f"interrupted: finished points are in {run}/results.jsonl; continue with")
     assert resume == ["sweep", "--resume", "interrupted", "--results-dir", str(run.parent), "--golden", str(golden)]
 
@@ -371,7 +413,7 @@ def test_ctrl_c_stops_a_sweep_started_with_sigint_ignored(tmp_path):
                             "--no-golden"], signal.SIG_IGN)
     stderr = _interrupt_at_first_worker(sweep, run)
     assert sweep.returncode == 130, stderr
-    assert _workers_of(run) == [] and not (run / "results.jsonl").exists()
+    assert processes_naming(run) == [] and not (run / "results.jsonl").exists()
     assert _printed_command(stderr, f"interrupted: finished points are in {run}/results.jsonl; continue with") == [
         "sweep", "--resume", "ignored", "--results-dir", str(tmp_path), "--no-golden"]
 

@@ -15,7 +15,7 @@ from recompute_bench.analysis.stage import activation_bytes as estimated_activat
 from recompute_bench.measure.record import layout_label
 from helpers import LOSS_RTOL, RANK_SETS, rank_script
 
-pytestmark = pytest.mark.slow  # launches ranks: `make test-all`
+SLOW = pytest.mark.slow  # launches ranks: `make test-all`; the pure logic here runs in the fast lane
 
 TP2 = ["parallel.tensor_model_parallel_size=2"]
 MATH = ["model.attention_backend=math"]  # its matmuls have FLOP formulas on a CPU (the flash kernel's have none)
@@ -47,6 +47,7 @@ def two_ranks(tmp_path_factory) -> list[dict]:
     return rank_script("tensor_parallel_ranks.py", tmp_path_factory.mktemp("tp"), json.dumps(POINTS), json.dumps(GATHERED))
 
 
+@SLOW
 def test_tp2_with_sequence_parallel_matches_one_rank_and_the_estimate(two_ranks):
     ranks = [r["sp"] for r in two_ranks]
     assert [r["status"] for r in ranks] == ["ok", "ok"], ranks[0]["failure"]
@@ -65,6 +66,7 @@ def test_tp2_with_sequence_parallel_matches_one_rank_and_the_estimate(two_ranks)
     assert m["num_parameters"] == alone["metrics"]["num_parameters"]
 
 
+@SLOW
 def test_tp2_with_sequence_parallel_on_a_llama_layer(two_ranks):
     """Whole query groups per rank, SwiGLU's gate and up columns paired per rank, RMSNorm on shards."""
     ranks = [r["llama"] for r in two_ranks]
@@ -76,6 +78,7 @@ def test_tp2_with_sequence_parallel_on_a_llama_layer(two_ranks):
     assert m["measured_flops_per_step"] == alone["metrics"]["measured_flops_per_step"]
 
 
+@SLOW
 @pytest.mark.parametrize("point", GATHERED)
 def test_tp2_gathered_gradients_equal_one_ranks(two_ranks, point):
     got = two_ranks[0][point]
@@ -86,6 +89,7 @@ def test_tp2_gathered_gradients_equal_one_ranks(two_ranks, point):
     assert got["max_grad_diff"] <= 1e-6 * got["max_grad"], got["worst_parameter"]
 
 
+@SLOW
 def test_tp2_distribute_saved_activations_halves_the_checkpointed_inputs(two_ranks):
     ranks = [r["distributed"] for r in two_ranks]
     assert [r["status"] for r in ranks] == ["ok", "ok"], ranks[0]["failure"]
@@ -100,6 +104,7 @@ def test_tp2_distribute_saved_activations_halves_the_checkpointed_inputs(two_ran
         "activation_bytes_per_layer"]
 
 
+@SLOW
 def test_verify_over_two_tensor_parallel_ranks_gathers_every_gradient(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     result = invoke("verify", "--nproc-per-node", "2", "--tp", "2", "--sequence-parallel", "--attention-backend", "math",

@@ -52,10 +52,3 @@ def launch_options(command: Callable) -> Callable:
     wrapper.__signature__ = inspect.Signature(params)  # type: ignore[attr-defined]
     wrapper.__annotations__ = {p.name: p.annotation for p in params}
     return wrapper
-
-
-def launch_flags(launch: Launch) -> list[str]:
-    """The options that give `launch` again (a resume command line)."""
-    default = Launch()
-    return [word for name in OPTIONS if getattr(launch, name) != getattr(default, name)
-            for word in (f"--{name.replace('_', '-')}", f"{getattr(launch, name)}")]

@@ -14,7 +14,7 @@ from recompute_bench.cli.common import (GoldenFile, ResultsDir, Strict, err, fai
                                         workload_flag)
 from recompute_bench.cli.hints import command_line, print_command, run_locator, update_command
 from recompute_bench.cli.options import PointOptions, point_options, split_list
-from recompute_bench.cli.ranks import launch_flags, launch_options
+from recompute_bench.cli.ranks import OPTIONS as LAUNCH_OPTIONS, launch_options
 from recompute_bench.cli.run import check_runnable
 from recompute_bench.launch.torchrun import Launch
 from recompute_bench.spec.config import BadInput
@@ -26,6 +26,7 @@ SweepJson = json_flag("the plan (with --dry-run) or the comparison")
 @point_options(panels=("Workload", "Parallelism"))
 @launch_options
 def sweep(
+    ctx: typer.Context,
     *,
     launch: Launch,
     workload: SweepWorkload = None,
@@ -67,12 +68,17 @@ def sweep(
     from recompute_bench.gate import golden as gold, verdicts
     from recompute_bench.results.rows import record_row
     from recompute_bench.render.comparison import details_table, experiment_table, headline, to_json
-    from recompute_bench.launch.sweep import SweepRequest, plan_points, plan_to_dict, resume_command, run_sweep
+    from recompute_bench.launch.sweep import (RunSettings, SweepRequest, load_run_settings, plan_points, plan_to_dict,
+                                              resume_command, run_sweep)
     from recompute_bench.results.store import check_run_id, new_run_id
 
     try:
         if timeout <= 0:
             raise BadInput(f"--timeout must be a positive number of seconds, got {timeout:g}")
+        saved = load_run_settings(results_dir / check_run_id(resume)) if resume else None
+        if saved is not None:  # the resumed sweep's ranks, device, limits: as saved, unless retried otherwise
+            ran = saved.resumed(RunSettings(launch, device, timeout, peak_tflops), _given_on_the_command_line(ctx), resume)
+            launch, device, timeout, peak_tflops = ran.launch, ran.device, ran.timeout_s, ran.peak_tflops
         kind = hardware_kind(device, point.gpu)
         request = SweepRequest(workload, point.overrides, point.sets, point.gpu or kind, split_list(modules),
                                split_list(methods), split_list(num_layers_recompute), baseline, grid,
@@ -104,9 +110,8 @@ def sweep(
     except BadInput as e:
         raise fail(str(e)) from None
     except KeyboardInterrupt:
-        same = [*(["--gpu", point.gpu] if point.gpu else []), *(["--device", device] if device else []),
-                *(["--timeout", f"{timeout:g}"] if timeout != 600.0 else []),
-                *(["--peak-tflops", f"{peak_tflops:g}"] if peak_tflops else []), *launch_flags(launch),
+        # the ranks, device, time limits and peak are in the plan (`RunSettings`); what compares is not
+        same = [*(["--gpu", point.gpu] if point.gpu else []),
                 *(["--no-golden"] if no_golden else ["--golden", golden] if golden else []), *(["--strict"] if strict else [])]
         print_command(f"interrupted: finished points are in {run_dir}/results.jsonl; continue with",
                       resume_command(run_dir, *map(str, same)))
@@ -137,6 +142,14 @@ def sweep(
                                       golden=str(golden_file) if golden_rows is not None else None), indent=2))
     if not comparison.passed:
         raise typer.Exit(1)
+
+
+def _given_on_the_command_line(ctx: typer.Context) -> set[str]:
+    """The run settings (`launch.sweep.RunSettings` field names) this command line gave itself."""
+    fields = {"device": "device", "timeout": "timeout_s", "peak_tflops": "peak_tflops", **{n: n for n in LAUNCH_OPTIONS}}
+    given = {param: ctx.get_parameter_source(param) for param in fields}
+    return {fields[param] for param, source in given.items() if source is not None
+            and source.name in ("COMMANDLINE", "ENVIRONMENT")}
 
 
 def plan_table(points, title: str) -> Table:

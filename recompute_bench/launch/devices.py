@@ -17,6 +17,28 @@ from recompute_bench.measure.telemetry import torch_build
 
 CPU = "cpu"
 
+TORCH_FLOOR = (2, 9)
+"""The oldest torch the harness measures with, as pyproject.toml declares it: torch 2.9 is the first
+release with `torch.distributed.pipelining.ScheduleDualPipeV` (pytorch/pytorch PR #159591, August
+2025; torchtitan issue #1679: not in 2.8), and with the other APIs the measurement calls:
+`fully_shard` in `torch.distributed.fsdp` (public from 2.6), `distribute_tensor(src_data_rank=)`,
+the schedules' `scale_grads` and `step(return_outputs=)`. Tested on 2.13 (CPU) and meant for the
+lent GPU machines' 2.11."""
+
+
+def check_torch() -> None:
+    """BadInput (one line, the fix) when the installed torch is older than TORCH_FLOOR; read from
+    torch's files, so this process does not import it. Nothing to say where torch is absent (the
+    import that needs it says so) or its version cannot be read."""
+    from recompute_bench.spec.config import BadInput
+
+    version, _ = torch_build()
+    numbers = [int(x) for x in version.split("+")[0].split(".")[:2] if x.isdigit()] if version else []
+    if len(numbers) == 2 and tuple(numbers) < TORCH_FLOOR:
+        floor = ".".join(map(str, TORCH_FLOOR))
+        raise BadInput(f"torch {version} is older than {floor}, the oldest this harness measures with (its pipeline "
+                       f"schedules and FSDP2); pip install 'torch>={floor},<3'")
+
 
 def _visible(index: int) -> str | None:
     """The NVML name (an index or a GPU-/MIG- UUID) of what CUDA calls device `index`; None when

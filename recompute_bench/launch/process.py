@@ -161,9 +161,11 @@ def run_group(command: list[str], log_path: Path, env: dict[str, str], timeout_s
 
 
 def run_isolated(cfg: Config, *, name: str, out_path: Path, log_path: Path, timeout_s: float,
-                 device: str | None = None, peak_tflops: float | None = None) -> dict:
+                 device: str | None = None, peak_tflops: float | None = None,
+                 memory_limit_gb: float | None = None) -> dict:
     """Measure `cfg` in a fresh worker process and return its result record (never raises for a
-    failed, crashed or hung point; KeyboardInterrupt kills the worker and propagates)."""
+    failed, crashed or hung point; KeyboardInterrupt kills the worker and propagates). The worker
+    caps its CUDA allocator at `memory_limit_gb` GiB before it measures."""
     out_path.parent.mkdir(parents=True, exist_ok=True)
     log_path.parent.mkdir(parents=True, exist_ok=True)
     out_path.unlink(missing_ok=True)
@@ -174,6 +176,8 @@ def run_isolated(cfg: Config, *, name: str, out_path: Path, log_path: Path, time
         command += ["--device", device]
     if peak_tflops:
         command += ["--peak-tflops", str(peak_tflops)]
+    if memory_limit_gb:
+        command += ["--memory-limit-gb", f"{memory_limit_gb:g}"]
 
     code = run_group(command, log_path, worker_env(name), timeout_s,
                      header=f"{name} {cfg.recompute.label}", stdin=json.dumps(cfg.to_dict()).encode(),

@@ -10,6 +10,13 @@ bounded in time), so torchrun tears the group down instead of leaving its peers 
 collective; the traceback of an uncaught error goes to torchrun's per-rank error file
 (`elastic.multiprocessing.errors.record`). SIGUSR1 dumps every thread's stack to the log, as the
 single-rank worker does.
+
+Every process here dies with the one that started it (`launch.worker.die_with_parent`): the agent
+with the recompute-bench process, and each rank with the agent. torchrun starts each rank in a
+session of its own (torch/distributed/elastic/multiprocessing/subprocess_handler, `start_new_session`),
+so killing the agent's process group (a point's time limit, Ctrl-C) or the agent dying with a killed
+sweep does not reach the ranks: without their own guard they measured on, holding their GPU memory
+and NCCL communicators, and every later point ran out of memory or hung.
 """
 
 from __future__ import annotations
@@ -27,8 +34,9 @@ def agent(argv: list[str]) -> int:
     """torchrun, tied to the process that started it (a killed sweep leaves no ranks behind).
     `agent --exits FILE TORCHRUN-ARGS...`: when a rank fails, FILE gets torchrun's verdict on each
     failed rank (`exits_of`), which the launcher reads to tell a killed rank from its peers."""
-    from recompute_bench.launch.worker import die_with_parent
+    from recompute_bench.launch.worker import PARENT_PID_ENV, die_with_parent
     die_with_parent()
+    os.environ[PARENT_PID_ENV] = str(os.getpid())  # the ranks torchrun starts watch this process
     exits = None
     if argv[:1] == ["--exits"]:
         exits, argv = Path(argv[1]), argv[2:]
@@ -63,6 +71,7 @@ def verify(argv: list[str]) -> int:
     parser.add_argument("--device", default=None)
     parser.add_argument("--watchdog-s", type=float, default=300.0)
     args, _ = parser.parse_known_args(argv)
+    _die_with_agent()
     from torch.distributed.elastic.multiprocessing.errors import record
 
     @record
@@ -98,6 +107,7 @@ def measure(argv: list[str]) -> int:
     parser.add_argument("--memory-limit-gb", type=float, default=None)
     parser.add_argument("--watchdog-s", type=float, default=300.0)
     args = parser.parse_args(argv)
+    _die_with_agent()
     if hasattr(signal, "SIGUSR1"):
         faulthandler.register(signal.SIGUSR1, file=sys.stderr, all_threads=True)
 
@@ -123,6 +133,13 @@ def measure(argv: list[str]) -> int:
         return code
 
     return run()
+
+
+def _die_with_agent() -> None:
+    """A rank ends with torchrun's agent, before it imports torch (see the module docstring): the
+    agent's pid comes in the environment (`agent` sets it), else the rank's parent is taken."""
+    from recompute_bench.launch.worker import die_with_parent
+    die_with_parent()
 
 
 def main(argv: list[str] | None = None) -> int:

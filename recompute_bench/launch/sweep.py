@@ -7,9 +7,11 @@ tabled once, in docs/sweeps.md, and `sweep --dry-run` prints the result).
 "Exp 1", "Exp 2", ... in plan order, as the experiment tables of the field do.
 
 Running: every point runs in its own worker process (`launch.run_isolated`) under a time limit;
-each finished record is appended to `results.jsonl` at once; the plan is saved as `plan.json`, so
-`--resume <run-id>` re-runs the saved plan and skips points with an ok or oom record (error and
-timeout points are tried again). A lock refuses a second sweep on the same run id.
+each finished record is appended to `results.jsonl` at once; the plan is saved as `plan.json` with
+how its points run (`RunSettings`: ranks, nodes, data-parallel engine, memory limit, device, time
+limits, peak), so `--resume <run-id>` alone re-runs the saved plan the same way and skips points
+with an ok or oom record (error and timeout points are tried again). A lock refuses a second sweep
+on the same run id.
 """
 
 from __future__ import annotations
@@ -309,9 +311,70 @@ def auto_point(points: list[Point], req: SweepRequest) -> Point:
     return Point("Auto", dataclasses.replace(base, recompute=RecomputeConfig(layer_policy=result["policy"])))
 
 
-def plan_to_dict(points: list[Point]) -> dict:
-    """The plan as saved in `plan.json`."""
-    return {"schema": PLAN_SCHEMA, "points": [{"name": p.name, "config": p.cfg.to_dict()} for p in points]}
+@dataclass
+class RunSettings:
+    """How a sweep's points run, saved with its plan (`plan.json`'s "run") so that `--resume RUN`
+    alone, the command a crash or Ctrl-C leaves a user with, launches them as the sweep did."""
+
+    launch: Launch = dataclasses.field(default_factory=Launch)
+    device: str | None = None
+    timeout_s: float = 600.0
+    peak_tflops: float | None = None
+
+    FLAGS = {"device": "--device", "timeout_s": "--timeout", "peak_tflops": "--peak-tflops"}
+    RETRY = ("timeout_s", "watchdog_s", "rdzv_endpoint", "rdzv_id")
+    """What a resume may change: how long to wait, and where the nodes meet this time; everything
+    else decides what is measured, and a resumed sweep measures its remaining points as its first
+    ones were."""
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"launch": dataclasses.asdict(self.launch), "device": self.device, "timeout_s": self.timeout_s,
+                "peak_tflops": self.peak_tflops}
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> "RunSettings":
+        return cls(Launch(**data["launch"]), data["device"], float(data["timeout_s"]), data["peak_tflops"])
+
+    def values(self) -> dict[str, Any]:
+        """Every setting by its field name (the launch's own included)."""
+        return {**dataclasses.asdict(self.launch), "device": self.device, "timeout_s": self.timeout_s,
+                "peak_tflops": self.peak_tflops}
+
+    def resumed(self, given: "RunSettings", named: set[str], run: str) -> "RunSettings":
+        """These saved settings with what a `--resume` command line `named` (field names) from
+        `given`: the time limits and rendezvous replace the saved ones; anything else must agree
+        with them (BadInput naming the flag to drop)."""
+        saved, asked = self.values(), given.values()
+        for name in sorted(named):
+            if name not in self.RETRY and asked[name] != saved[name]:
+                flag = self.FLAGS.get(name, f"--{name.replace('_', '-')}")
+                was = f"{flag} {saved[name]}" if saved[name] is not None else f"no {flag}"
+                raise BadInput(f"run {run} was launched with {was}, and a resumed sweep measures its remaining "
+                               f"points as its first ones; drop {flag} {asked[name]}")
+        merged = {k: asked[k] if k in named and k in self.RETRY else v for k, v in saved.items()}
+        launch = Launch(**{f.name: merged[f.name] for f in dataclasses.fields(Launch)})
+        return RunSettings(launch, merged["device"], merged["timeout_s"], merged["peak_tflops"])
+
+
+def plan_to_dict(points: list[Point], settings: RunSettings | None = None) -> dict:
+    """The plan as saved in `plan.json`, with how its points run where known."""
+    plan = {"schema": PLAN_SCHEMA, "points": [{"name": p.name, "config": p.cfg.to_dict()} for p in points]}
+    if settings is not None:
+        plan["run"] = settings.to_dict()
+    return plan
+
+
+def load_run_settings(run_dir: Path) -> RunSettings | None:
+    """How the sweep saved in `run_dir` ran its points; None for a plan saved before plans kept
+    it (its resume takes the command line's). BadInput for a plan that cannot be read."""
+    path = Path(run_dir) / PLAN_FILE
+    try:
+        data = json.loads(path.read_text()).get("run")
+        return None if data is None else RunSettings.from_dict(data)
+    except OSError:
+        return None  # no plan: load_plan says so
+    except (ValueError, KeyError, TypeError, AttributeError) as e:
+        raise BadInput(f"{path} is not a sweep plan ({e}); start a new sweep instead of resuming") from None
 
 
 def load_plan(run_dir: Path) -> list[Point]:
@@ -384,8 +447,10 @@ def run_sweep(points: list[Point], run_dir: Path, *, timeout_s: float, device: s
         if not resume and (results_file.exists() or (run_dir / PLAN_FILE).exists()):
             raise BadInput(f"run {run_dir.name} already exists in {run_dir.parent}; continue it with "
                               f"`{resume_command(run_dir)}` or pass another --run-id")
-        if not (run_dir / PLAN_FILE).exists():
-            write_json_atomic(run_dir / PLAN_FILE, plan_to_dict(points))
+        if not (run_dir / PLAN_FILE).exists() or load_run_settings(run_dir) is None:
+            # a new plan, or one saved before plans kept their launch: from now on it does
+            write_json_atomic(run_dir / PLAN_FILE, plan_to_dict(points, RunSettings(launch or Launch(), device,
+                                                                                    timeout_s, peak_tflops)))
         done = done_points(results_file) if resume else {}
         records = []
         for index, point in enumerate(points):
@@ -404,9 +469,11 @@ def run_sweep(points: list[Point], run_dir: Path, *, timeout_s: float, device: s
                                    log_path=run_dir / "logs" / f"{safe}.log", timeout_s=timeout_s,
                                    device=device, peak_tflops=peak_tflops)
             else:
+                one = launch or Launch()
                 record = run_isolated(point.cfg, name=point.name, out_path=run_dir / "work" / f"{safe}.json",
                                       log_path=run_dir / "logs" / f"{safe}.log", timeout_s=timeout_s,
-                                      device=device, peak_tflops=peak_tflops)
+                                      device=device, peak_tflops=peak_tflops, memory_limit_gb=one.memory_limit_gb)
+                record["launch"] = one.record()  # as `run` records it: the memory limit included
             record["point"] = {"name": point.name, "index": index, "run_id": run_dir.name}
             append_record(results_file, record)
             records.append(record)

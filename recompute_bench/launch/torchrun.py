@@ -83,6 +83,8 @@ class Launch:
 def check_launch(cfg: Config, launch: Launch, device_type: str) -> Config:
     """The config a launch measures, its data-parallel size taken from the world when not given;
     BadInput (one line, the fix) for what cannot be launched."""
+    from recompute_bench.launch.devices import check_torch
+    check_torch()
     p = cfg.parallel
     if launch.nproc_per_node < 1 or launch.nnodes < 1:
         raise BadInput("--nproc-per-node and --nnodes must be 1 or more")

@@ -90,17 +90,21 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, required=True, help="file the result record is written to")
     parser.add_argument("--device", default=None, help="torch device; default CUDA when present")
     parser.add_argument("--peak-tflops", type=float, default=None, help="device peak for MFU")
+    parser.add_argument("--memory-limit-gb", type=float, default=None, help="cap of the CUDA allocator in GiB")
     args = parser.parse_args(argv)
     die_with_parent()
     if hasattr(signal, "SIGUSR1"):
         faulthandler.register(signal.SIGUSR1, file=sys.stderr, all_threads=True)
 
     cfg = config_from_dict(json.load(sys.stdin))
+    from recompute_bench.measure.distributed import limit_memory
     from recompute_bench.measure.point import pick_device, run_point
     from recompute_bench.results.store import write_json_atomic
 
     ready_path(args.out).touch()
-    record = run_point(cfg, device=pick_device(args.device), peak_tflops=args.peak_tflops)
+    device = pick_device(args.device)
+    limit_memory(device, args.memory_limit_gb)  # before anything is allocated on it
+    record = run_point(cfg, device=device, peak_tflops=args.peak_tflops)
     write_json_atomic(args.out, record)
     return 0
 

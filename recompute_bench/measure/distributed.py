@@ -55,6 +55,10 @@ class DataParallel(SingleRank):
         if kind not in DATA_PARALLEL:
             raise ValueError(f"data parallel kind {kind!r} is not one of {DATA_PARALLEL}")
         self.kind = kind
+        self.device_type = device_type
+        """Where this rank's tensors live, and so every tensor it hands a collective: an NCCL group
+        maps only "cuda" (torch/distributed/distributed_c10d.py, `BackendConfig`), so a CPU tensor
+        there fails with "No backend type associated with device type cpu"."""
         self.world_size = dist.get_world_size()
         self.rank = dist.get_rank()
         tp = cfg.parallel.tensor_model_parallel_size if cfg is not None else 1
@@ -77,18 +81,24 @@ class DataParallel(SingleRank):
         return self.tensor.group if self.tensor else None
 
     def split(self, model: torch.nn.Module) -> torch.nn.Module:
-        return self.tensor.parallelize(model) if self.tensor else model
+        """This rank's part of the model, on the meta device: its tensor-parallel shards, and under
+        expert parallel its experts (`moe.dispatch.shard_experts`)."""
+        model = self.tensor.parallelize(model) if self.tensor else model
+        if self.ep > 1:
+            from recompute_bench.models.moe.dispatch import shard_experts
+            shard_experts(model, self.ep_group)
+        return model
 
     @property
     def splits(self) -> bool:
-        return self.tensor is not None or (self.kind == "fsdp" and self.dp_size > 1)
+        return self.tensor is not None or (self.kind == "fsdp" and self.dp_size > 1) or self.ep > 1
 
     def build(self, cfg: Config, device: torch.device, dtype: torch.dtype | None = None) -> torch.nn.Module:
-        if self.dp_size > 1 and self.kind == "ddp":  # the whole model on every rank
-            model = super().build(cfg, device, dtype)
+        if self.dp_size > 1 and self.kind == "ddp":  # the whole model on every rank, but its experts under ep
+            model = super().build(cfg, device, dtype)  # cut on the meta device, then materialised (`splits`)
             if self.ep > 1:
-                from recompute_bench.models.moe.dispatch import shard_experts
-                self.experts = shard_experts(model, self.ep_group)
+                from recompute_bench.models.moe.dispatch import expert_weights
+                self.experts = expert_weights(model)
             return model
         if self.dp_size > 1:  # FSDP: fp32 sharded weights, cast for compute (`shard`)
             dtype = torch.float32

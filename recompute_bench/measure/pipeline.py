@@ -35,7 +35,7 @@ from torch import nn
 from recompute_bench.analysis.schedules import rank_stages
 from recompute_bench.measure.distributed import BUCKET_PARAMETERS, BucketedGrads, DataParallel, fsdp_shard
 from recompute_bench.backends.pytorch import local
-from recompute_bench.measure.point import DTYPES, MainGradAdam, MainGrads, Stepper, make_adam
+from recompute_bench.measure.point import DTYPES, MainGradAdam, MainGrads, Stepper, cuda_event, make_adam
 from recompute_bench.models import spec_for
 from recompute_bench.models.dense.layers import GPT, TransformerLayers
 from recompute_bench.recompute.apply import apply_recompute
@@ -197,8 +197,10 @@ class PipelineParallel(DataParallel):
         return value / (self.world_size // self.pp)
 
     def world_flops(self, local_flops: int) -> int:
-        """The step's FLOPs over every rank (stages differ: the first embeds, the last has the output layer)."""
-        total = torch.tensor(float(local_flops), dtype=torch.float64)
+        """The step's FLOPs over every rank (stages differ: the first embeds, the last has the output
+        layer), summed on this rank's device (`DataParallel.device_type`; "cuda" is the current GPU,
+        which `rank_device` set)."""
+        total = torch.tensor(float(local_flops), dtype=torch.float64, device=self.device_type)
         dist.all_reduce(total)
         return int(total.item())
 
@@ -262,7 +264,16 @@ class PipelineStepper(Stepper):
     """Training steps through torch's pipeline schedule: every micro-batch of the step in one
     `schedule.step`, then the tied embedding's gradient summed over its two ranks, then the optimizer.
     The stage methods the schedule calls are wrapped to keep the phase (for a failure's record), to
-    inject faults, to time the compute (for the measured bubble) and to feed the probe."""
+    inject faults, to time the compute (for the measured bubble) and to feed the probe.
+
+    Timing never waits for the device inside the step: a `torch.cuda.synchronize` per action would
+    wait for NCCL's P2P streams at every forward and backward and stop the host from launching
+    ahead (the measured bubble would be a serialised pipeline's), and under the runtime schedules
+    (Interleaved1F1B, the zero-bubble ones, DualPipeV) a rank blocked there while its peer waits for
+    its send could wait in a cycle. On CUDA each action and the schedule's whole span are bracketed
+    by events on the device's current stream (`point.cuda_event`), read in `fields` once the steps
+    are over (each step ends with the device synchronised: `point._timed`, or the loss read after a
+    step); on a CPU the ops run as they are called, so the host's clock times them."""
 
     def __init__(self, cfg: Config, model: PipelineChunks, optimizer, batches: torch.Tensor, layout: PipelineParallel):
         super().__init__(cfg, model, optimizer, batches)
@@ -270,9 +281,10 @@ class PipelineStepper(Stepper):
         self.device = batches.device
         self.schedule, stages = layout.schedule(model, cfg, batches.device)
         self.probe: ScheduleProbe | None = None
-        self.compute_times_s: list[float] = []
-        """Per step: the seconds this rank spent in forward and backward (the rest of the step it waited)."""
-        self._compute = 0.0
+        self.spans: list[tuple[Any, list[Any]]] = []
+        """Per step: (the schedule's span, this rank's actions: forward, backward, weight pass, loss),
+        each a (start, end) pair of CUDA events, or seconds on a CPU; the rest of the span it waited."""
+        self._actions: list[Any] = []
         for stage in stages:
             self._wrap(stage)
         self.loss_fn = self.schedule._loss_fn
@@ -317,17 +329,26 @@ class PipelineStepper(Stepper):
             self.probe.sample()  # the last stage's saved tensors include the loss's
         return loss
 
+    def _mark(self) -> Any:
+        """Now: an event on the device's current stream (CUDA), the host's clock (CPU)."""
+        return cuda_event(self.device) if self.device.type == "cuda" else time.perf_counter()
+
     @contextmanager
     def _timed(self) -> Iterator[None]:
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)  # the compute of this action only (a measured bubble, not a fast one)
-        start = time.perf_counter()
+        """Around one action of the schedule: its span joins this step's actions (nothing waits)."""
+        start = self._mark()
         try:
             yield
         finally:
-            if self.device.type == "cuda":
-                torch.cuda.synchronize(self.device)
-            self._compute += time.perf_counter() - start
+            self._actions.append((start, self._mark()))
+
+    @staticmethod
+    def _seconds(span: tuple[Any, Any]) -> float:
+        start, end = span
+        if isinstance(start, float):
+            return end - start
+        end.synchronize()  # recorded by a step that has ended: returns at once
+        return start.elapsed_time(end) / 1e3
 
     def step(self, probe: "ScheduleProbe | None" = None) -> torch.Tensor:
         """One optimizer step over every micro-batch through the schedule; returns the step's mean loss
@@ -337,15 +358,16 @@ class PipelineStepper(Stepper):
         args = (rows[:, :-1],) if layout.first else ()
         target = rows[:, 1:] if layout.last else None
         losses: list[torch.Tensor] = []
-        self._compute, self.probe = 0.0, probe
+        self._actions, self.probe = [], probe
         grads = getattr(self.optimizer, "grads", None)
         # Main gradients only accumulate in the schedule; the optimizer's step reduces them over the
         # data-parallel ranks (`finish`): a rank may hold one parameter in two chunks (a tied
         # embedding under a V schedule), so no chunk's last backward is the parameter's last.
         with probe.watch() if probe else nullcontext(), grads.no_sync() if grads else nullcontext():
+            begin = self._mark()
             self.schedule.step(*args, target=target, losses=losses if layout.last else None, return_outputs=False)
+            self.spans.append(((begin, self._mark()), self._actions))
         self.probe = None
-        self.compute_times_s.append(self._compute)
         layout.sum_tied_embedding(self.model)
         self.phase = "optimizer"
         self.check_fault("optimizer")
@@ -356,12 +378,17 @@ class PipelineStepper(Stepper):
         return total
 
     def fields(self, step_times_s: list[float]) -> dict[str, Any]:
-        """The rank's pipeline figures over the measured steps: its compute seconds and the share of
-        the step it waited (its bubble)."""
-        compute = self.compute_times_s[-len(step_times_s):] if step_times_s else []
-        share = [c / t for c, t in zip(compute, step_times_s) if t > 0]
-        return {"compute_times_s": compute,
-                "bubble_fraction": 1 - sorted(share)[len(share) // 2] if share else None}
+        """The rank's pipeline figures over the measured steps, read now that they are over: the
+        seconds of each step's schedule (`schedule_times_s`, the optimizer's step after it left out),
+        the seconds this rank computed in it (`compute_times_s`), and the median share of the
+        schedule it waited (`bubble_fraction`, its bubble: Megatron's (p - 1)/(m·vp + p - 1) is a
+        share of the forward-backward pass)."""
+        measured = self.spans[-len(step_times_s):] if step_times_s else []
+        schedule = [self._seconds(span) for span, _ in measured]
+        compute = [sum(self._seconds(a) for a in actions) for _, actions in measured]
+        share = sorted(c / t for c, t in zip(compute, schedule) if t > 0)
+        return {"schedule_times_s": schedule, "compute_times_s": compute,
+                "bubble_fraction": 1 - share[len(share) // 2] if share else None}
 
 
 class _Held:

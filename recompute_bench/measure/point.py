@@ -583,7 +583,10 @@ def _measure(cfg: Config, device: torch.device, peak_tflops: float | None, layou
             done(stepper.step())
         run_peak = cuda_memory(device)
         if device.type == "cuda":
+            # The window's figures from here: the peaks, and the allocator's retry and OOM counts,
+            # which accumulate from the process's start (the build, probe and warm-up) until reset.
             torch.cuda.reset_peak_memory_stats(device)
+            torch.cuda.reset_accumulated_memory_stats(device)
         with NvmlSampler(device) as nvml:
             for _ in range(t.measured_steps):
                 losses: list[torch.Tensor] = []

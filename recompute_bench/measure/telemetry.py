@@ -109,7 +109,9 @@ def environment(device: "torch.device", tf32: bool | None = None) -> dict:
 
 
 def cuda_memory(device: "torch.device") -> dict:
-    """Allocator peaks since the last reset, retries and OOMs; all None on CPU."""
+    """Allocator peaks, retries and OOMs since the last reset of each (`reset_peak_memory_stats`,
+    `reset_accumulated_memory_stats`: `measure.run_point` resets both when the measured window
+    starts); all None on CPU."""
     if device.type != "cuda":
         return {"peak_allocated_bytes": None, "peak_reserved_bytes": None, "alloc_retries": None, "num_ooms": None}
     import torch

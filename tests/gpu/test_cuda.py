@@ -46,7 +46,12 @@ def test_a_real_oom_is_a_recorded_result():
 
 
 def test_a_memory_limit_produces_a_real_oom(tmp_path):
-    result = invoke("run", "--results", str(tmp_path / "r.jsonl"), "--memory-limit-gb", "0.001", "--json", "--no-save",
-                    "--set", "model.hidden_dropout=0", "--set", "model.attention_dropout=0")
+    # `run` caps the allocator of the process it measures in: here pytest's, so the cap is lifted
+    # again before the next test (conftest.py checks that every GPU test does so).
+    try:
+        result = invoke("run", "--results", str(tmp_path / "r.jsonl"), "--memory-limit-gb", "0.001", "--json",
+                        "--no-save", "--set", "model.hidden_dropout=0", "--set", "model.attention_dropout=0")
+    finally:
+        torch.cuda.set_per_process_memory_fraction(1.0, torch.cuda.current_device())
     record = json.loads(result.stdout)
     assert result.exit_code == 1 and record["status"] == "oom" and record["launch"]["memory_limit_gb"] == 0.001

@@ -185,13 +185,17 @@ class GPT(nn.Module):
         beside its shards. A pipeline rank holds some layers only: a parameter left on the meta
         device (another stage's) is drawn and dropped, so the generator advances as on one rank, and
         an output layer holding its own copy of the tied embedding (the last stage's) takes the
-        embedding's draw."""
+        embedding's draw; an expert weight holding some of the experts (expert parallel) keeps its
+        rows of the whole draw."""
         device = next(local(p).device for p in self.parameters() if not local(p).is_meta)
         g = torch.Generator(device=device).manual_seed(seed)
         std = self.cfg.init_method_std
         residual_std = std / math.sqrt(2 * self.cfg.num_layers)
         row_orders = {f"{prefix}.{name}": module.init_row_order for prefix, module in self.named_modules()
                       if getattr(module, "init_row_order", None) is not None for name in ("weight", "bias")}
+        # an expert weight holding some experts of the whole one (expert parallel: moe.dispatch.ExpertRows)
+        parts = {f"{prefix}.weight": module.init_rows for prefix, module in self.named_modules()
+                 if getattr(module, "init_rows", None) is not None}
         copy = (self.output_layer.weight if self.cfg.share_embeddings_and_output_weights
                 and self.output_layer.weight is not self.word_embeddings.weight else None)
         for name, p in self.named_parameters():
@@ -207,15 +211,20 @@ class GPT(nn.Module):
                 value = torch.zeros(p.shape, dtype=torch.float32, device=device)  # a reordered bias: zeros
             else:
                 scaled = name.endswith(("linear_proj.weight", "linear_fc2.weight"))
-                if len(targets) == 1 and targets[0] is p and local(p) is p and p.dtype == torch.float32 and name not in row_orders:
+                part = parts.get(name)
+                if (len(targets) == 1 and targets[0] is p and local(p) is p and p.dtype == torch.float32
+                        and name not in row_orders and part is None):
                     p.normal_(0.0, residual_std if scaled else std, generator=g)  # the whole parameter, in place
                     continue
-                value = torch.empty(p.shape, dtype=torch.float32, device=device)
+                value = torch.empty(part.whole_shape if part else p.shape, dtype=torch.float32, device=device)
                 value.normal_(0.0, residual_std if scaled else std, generator=g)
+                if part:
+                    value = value[part.rows]
             if name in row_orders:
                 value = value[row_orders[name].to(device)]
             for t in targets:
                 _assign(t, value)
+            del value  # before the next parameter's draw: one whole parameter at a time, not two
         for module in self.modules():  # buffers a module fills itself (RoPE tables, a router's expert bias)
             if hasattr(module, "reset_buffers"):
                 module.reset_buffers()

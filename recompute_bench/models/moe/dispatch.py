@@ -108,12 +108,22 @@ def expert_parallel_groups(ep: int) -> tuple[object, object | None]:
     return mine, replicas
 
 
-def shard_experts(model: nn.Module, group) -> list[nn.Parameter]:
-    """Keep this rank's `num_moe_experts / ep` experts of every MoE layer (the slice of the whole
-    model's experts, so weights equal a single-rank build's) and dispatch to them by all-to-all.
-    Returns the expert parameters kept (not replicated over the data-parallel ranks)."""
+class ExpertRows:
+    """What a rank's expert weight holds of the whole model's: experts `rows` (a slice of dim 0) of a
+    weight of `whole_shape`. `GPT.init_weights` draws the whole weight, as one rank does, and keeps
+    these rows, so the weights equal a single-rank build's."""
+
+    def __init__(self, rows: slice, whole_shape: torch.Size):
+        self.rows, self.whole_shape = rows, torch.Size(whole_shape)
+
+
+def shard_experts(model: nn.Module, group) -> None:
+    """Keep this rank's `num_moe_experts / ep` experts of every MoE layer and dispatch to them by
+    all-to-all. On the meta device, before the model is materialised (as the tensor-parallel and
+    FSDP builds split it), so a rank allocates its own experts only: mixtral-8x7b's are 93 GB in
+    bf16 on one rank. Each expert weight is marked with the rows it holds (`ExpertRows`, its
+    `init_rows`), which `GPT.init_weights` draws; `expert_weights` lists them once materialised."""
     ep, rank = dist.get_world_size(group), dist.get_rank(group)
-    kept = []
     for layer in model.layers:
         moe = layer.mlp
         if not hasattr(moe, "dispatch"):
@@ -121,6 +131,14 @@ def shard_experts(model: nn.Module, group) -> list[nn.Parameter]:
         moe.dispatch = AllToAllDispatch(group, moe.num_experts)
         local = moe.num_experts // ep
         for linear in (moe.experts.linear_fc1, moe.experts.linear_fc2):
-            linear.weight = nn.Parameter(linear.weight.detach()[rank * local:(rank + 1) * local].clone())
-            kept.append(linear.weight)
-    return kept
+            whole = linear.weight
+            if not whole.is_meta:
+                raise ValueError("shard_experts slices the experts of a model on the meta device (build it there)")
+            linear.init_rows = ExpertRows(slice(rank * local, (rank + 1) * local), whole.shape)
+            linear.weight = nn.Parameter(torch.empty((local, *whole.shape[1:]), dtype=whole.dtype, device="meta"))
+
+
+def expert_weights(model: nn.Module) -> list[nn.Parameter]:
+    """The routed-expert weights `shard_experts` left this rank (not replicated over the data-parallel ranks)."""
+    return [linear.weight for layer in model.layers if isinstance(getattr(layer.mlp, "dispatch", None), AllToAllDispatch)
+            for linear in (layer.mlp.experts.linear_fc1, layer.mlp.experts.linear_fc2)]
