@@ -160,7 +160,11 @@ def test_estimate_framework_megatron_json_carries_every_stage():
 @pytest.mark.parametrize("argv,words", [
     (["--framework", "megatron", "--device", "cpu"], "Megatron runs on CUDA"),
     (["--framework", "megatron", "--gpu", "tpu"], "unknown GPU kind"),
-    (["-w", "tiny-moe", "--framework", "megatron"], "dense GPT layers"),
+    (["-w", "tiny-moe", "--framework", "megatron", "--set", "model.moe_token_dispatcher_type=ring"],
+     "moe_token_dispatcher_type 'ring' is not one of allgather, alltoall, flex"),
+    (["-w", "tiny-moe", "--framework", "megatron", "--tp", "2"], "pass --sequence-parallel"),
+    (["-w", "tiny-moe", "--framework", "megatron", "--ep", "2", "--dp", "1"], "must divide the 1 ranks"),
+    (["-w", "tiny-moe", "--framework", "megatron", "--set", "model.moe_router_topk=1"], "--moe-router-pre-softmax"),
 ])
 def test_framework_megatron_bad_input(argv, words):
     result = invoke("estimate", *argv)

@@ -36,7 +36,12 @@ LATER_KEYS = ("num_moe_experts", "moe_router_topk", "moe_ffn_hidden_size", "moe_
               "moe_expert_capacity_factor", "moe_token_drop_policy", "framework", "transformer_impl",
               "masked_softmax_fusion", "attention_softmax_in_fp32", "cross_entropy_loss_fusion",
               "pipeline_parallel_schedule", "context_parallel_size", "cp_comm_type",
-              "fp8_recipe", "fp8_format", "fp8_param_gather")
+              "fp8_recipe", "fp8_format", "fp8_param_gather",
+              # Megatron's MoE settings (framework megatron)
+              "moe_router_load_balancing_type", "moe_z_loss_coeff", "moe_router_pre_softmax", "moe_router_dtype",
+              "moe_token_dispatcher_type", "moe_pad_expert_input_to_capacity", "moe_permute_fusion",
+              "moe_shared_expert_gate", "moe_shared_expert_overlap", "expert_tensor_parallel_size",
+              "overlap_moe_expert_parallel_comm")
 # The default of a field that has none (the model's shape): a record must hold it.
 REQUIRED = object()
 # Recompute fields whose attribute is not already Megatron's argument name.

@@ -9,18 +9,22 @@ from __future__ import annotations
 from typing import Iterable
 
 from recompute_bench.analysis.megatron.attention import attention_saved
+from recompute_bench.analysis.megatron.moe import moe_backward_bytes, moe_saved_bytes
 from recompute_bench.analysis.megatron.run import MegatronRun
 from recompute_bench.models import ELEMENT_BYTES, FP32_BYTES, MASK_BYTES, SavedBytes
 from recompute_bench.spec.config import Config
 
-def layer_saved_bytes(cfg: Config, run: MegatronRun, modules: Iterable[str] = ()) -> dict[str, float]:
+def layer_saved_bytes(cfg: Config, run: MegatronRun, modules: Iterable[str] = (), moe: bool = False,
+                      routing: str = "balanced") -> dict[str, float]:
     """Bytes one Megatron GPT layer keeps for backward, one micro-batch on one tensor-parallel rank,
     storage by storage (names after the module that keeps each), when `modules` are recomputed
     selectively: core_attn (attention.py `_checkpointed_attention_forward`), mlp
-    (transformer_layer.py checkpoints `self.mlp`, which with TE includes fc1's fused norm), layernorm
-    (transformer_layer.py `CheckpointWithoutOutput` around the local spec's norms, whose output is
-    dropped once the next linear saved it; TE's norms are fused into the linear, its IdentityOp
-    norms leave nothing to recompute)."""
+    (transformer_layer.py checkpoints `self.mlp`, which with TE includes fc1's fused norm; a MoE
+    layer's MLP is not recomputed by it), layernorm (transformer_layer.py `CheckpointWithoutOutput`
+    around the local spec's norms, whose output is dropped once the next linear saved it; TE's norms are
+    fused into the linear, its IdentityOp norms leave nothing to recompute). A MoE layer (`moe`) keeps
+    the attention's terms and, in the MLP's place, its norm and MoE block (`moe.moe_saved_bytes`, under
+    the `routing` assumption)."""
     m, tr = cfg.model, cfg.training
     e, tokens, h, f = ELEMENT_BYTES[tr.precision], tr.seq_length * tr.micro_batch_size, m.hidden_size, m.ffn_hidden_size
     mods = set(modules)
@@ -30,7 +34,7 @@ def layer_saved_bytes(cfg: Config, run: MegatronRun, modules: Iterable[str] = ()
     stats = (2 if m.normalization == "LayerNorm" else 1) * FP32_BYTES * tokens  # mu and rsigma, fp32
     # TE's _LayerNormLinear.forward saves `inputmat` and `ln_out` (and mu, rsigma); the local spec's
     # norm saves its input and statistics and ColumnParallelLinear saves the norm's output.
-    for block in ("linear_qkv", "linear_fc1"):
+    for block in ("linear_qkv",) if moe else ("linear_qkv", "linear_fc1"):
         name = block if te else {"linear_qkv": "input_layernorm", "linear_fc1": "pre_mlp_layernorm"}[block]
         saved.add(f"{name}.input", e * tokens * h, "sp")  # the mlp checkpoint's input too
         if block == "linear_fc1" and "mlp" in mods and te:
@@ -42,7 +46,10 @@ def layer_saved_bytes(cfg: Config, run: MegatronRun, modules: Iterable[str] = ()
             attention_saved(saved, cfg, run, mods)
             if m.hidden_dropout > 0:  # fused_bias_dropout.py: the dropout mask of bias-dropout-add
                 saved.add("self_attn_bda.dropout_mask", MASK_BYTES * tokens * h, "sp")
-    if "mlp" not in mods:
+    if moe:
+        for name, nbytes in moe_saved_bytes(cfg, mods, routing).items():
+            saved.add(name, nbytes, "none")  # already one rank's
+    elif "mlp" not in mods:
         # fused bias_swiglu (SwiGLUFunction) saves fc1's output only; bias_gelu (GeLUFunction) saves
         # fc1's output, and the activation's output is fc2's input
         saved.add("linear_fc1.output", e * tokens * (2 * f if m.activation == "swiglu" else f), "tp")
@@ -53,15 +60,18 @@ def layer_saved_bytes(cfg: Config, run: MegatronRun, modules: Iterable[str] = ()
     return saved.per_rank(par.tensor_model_parallel_size, par.sequence_parallel)
 
 
-def layer_bytes(cfg: Config, run: MegatronRun, modules: Iterable[str] = ()) -> float:
+def layer_bytes(cfg: Config, run: MegatronRun, modules: Iterable[str] = (), moe: bool = False,
+                routing: str = "balanced") -> float:
     """Sum of `layer_saved_bytes`."""
-    return sum(layer_saved_bytes(cfg, run, modules).values())
+    return sum(layer_saved_bytes(cfg, run, modules, moe, routing).values())
 
 
-def layer_backward_bytes(cfg: Config, run: MegatronRun) -> float:
+def layer_backward_bytes(cfg: Config, run: MegatronRun, moe: bool = False, routing: str = "balanced") -> float:
     """What one layer's backward holds beyond the saved tensors: the MLP's, where the largest
     gradients meet: linear_fc2's data gradient [s, b, f] and the activation's backward output
-    (the gradient of fc1's output), both in 16 bits."""
+    (the gradient of fc1's output), both in 16 bits; a MoE layer's experts' (`moe.moe_backward_bytes`)."""
+    if moe:
+        return moe_backward_bytes(cfg, routing)
     tr, m = cfg.training, cfg.model
     e, tokens, t = ELEMENT_BYTES[tr.precision], tr.seq_length * tr.micro_batch_size, cfg.parallel.tensor_model_parallel_size
     fc1 = 2 * m.ffn_hidden_size if m.activation == "swiglu" else m.ffn_hidden_size

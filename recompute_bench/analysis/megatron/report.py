@@ -8,14 +8,16 @@ from typing import Any
 from recompute_bench.analysis.layer import checkpoint_input_bytes
 from recompute_bench.analysis.megatron.attention import attention_path
 from recompute_bench.analysis.megatron.layer import layer_backward_bytes, layer_bytes, layer_saved_bytes
+from recompute_bench.analysis.megatron.moe import ROUTINGS, routed_rows
 from recompute_bench.analysis.megatron.outside import embedding_saved_bytes, loss_saved_bytes, output_saved_bytes
 from recompute_bench.analysis.megatron.run import MegatronRun
-from recompute_bench.analysis.megatron.stage import StagePeak, chunk_bytes, stage_peaks
+from recompute_bench.analysis.megatron.stage import StagePeak, chunk_bytes, chunk_layers, stage_peaks
 from recompute_bench.analysis.paper import (built_minus_paper_bytes, paper_flops_per_step, paper_layer_bytes,
                                             paper_layer_differences)
 from recompute_bench.analysis.planner import ESTIMATE_SCHEMA, compute, with_setting
 from recompute_bench.analysis.rank import ALLOWANCE_BYTES, ALLOWANCE_FRACTION, device_bytes_needed
 from recompute_bench.analysis.schedule import chunk_forwards_in_flight
+from recompute_bench.models import spec_for
 from recompute_bench.recompute.settings import selective_settings
 from recompute_bench.spec.config import Config, RecomputeConfig
 from recompute_bench.spec.rules import layers_per_model_chunk
@@ -24,26 +26,36 @@ def _settings(cfg: Config) -> list[RecomputeConfig]:
     """The settings tabulated: none, every selective subset, full uniform 1 and full block at a few
     layer counts of a model chunk, and cfg's own."""
     n = layers_per_model_chunk(cfg)
-    out = [RecomputeConfig(), *selective_settings(("core_attn", "mlp", "layernorm")), RecomputeConfig("full", [], "uniform", 1)]
+    offered = [m for m in spec_for(cfg.model).recompute_targets if m != "mla_up_proj"]
+    if len(offered) <= 3:
+        selective = selective_settings(offered)
+    else:  # a MoE model offers up to six modules: each alone and all of them
+        selective = [*selective_settings(offered)[:len(offered)], RecomputeConfig("selective", list(offered))]
+    out = [RecomputeConfig(), *selective, RecomputeConfig("full", [], "uniform", 1)]
     out += [RecomputeConfig("full", [], "block", k) for k in sorted({1, n // 4, n // 2, 3 * n // 4, n} - {0})]
     if cfg.recompute.label not in {r.label for r in out}:
         out.insert(0, cfg.recompute)
     return out
 
 
-def setting_estimate(cfg: Config, run: MegatronRun) -> dict[str, Any]:
-    """One recompute setting: Megatron's bytes per layer and per stage, the peak rank, FLOPs."""
+def setting_estimate(cfg: Config, run: MegatronRun, routing: str = "balanced") -> dict[str, Any]:
+    """One recompute setting: Megatron's bytes per layer and per stage (the peak stage's model
+    chunks; MoE layers under the `routing` assumption), the peak rank, FLOPs."""
     par = cfg.parallel
     vp = par.virtual_pipeline_model_parallel_size or 1
     layers = layers_per_model_chunk(cfg)
-    chunk = chunk_bytes(cfg, run, layers)
-    peak = max(stage_peaks(cfg, run), key=lambda r: r.peak_allocated_bytes)
+    peak = max(stage_peaks(cfg, run, routing), key=lambda r: r.peak_allocated_bytes)
+    chunks = [chunk_bytes(cfg, run, chunk_layers(cfg, peak.stage, c), routing) for c in range(vp)]
+    pattern = cfg.model.moe_layer_pattern
+    last = {bool(pattern[i]) for i in chunk_layers(cfg, peak.stage, vp - 1)}
+    transient = max(layer_backward_bytes(cfg, run, kind, routing) for kind in last)
+    stored = sum(c.stored for c in chunks)
     return {
         "label": cfg.recompute.label,
         "recompute": cfg.record_fields()["recompute"],
-        "activation_bytes_per_layer": chunk.stored / layers,
-        "stage_activation_bytes": vp * chunk.stored,
-        "stage_activation_peak_bytes": (vp - 1) * chunk.stored + chunk.backward - layer_backward_bytes(cfg, run),
+        "activation_bytes_per_layer": stored / (layers * vp),
+        "stage_activation_bytes": stored,
+        "stage_activation_peak_bytes": stored - chunks[-1].stored + chunks[-1].backward - transient,
         "peak_allocated_bytes": peak.peak_allocated_bytes,
         "peak_stage": peak.stage,
         "peak_phase": peak.phase,
@@ -77,7 +89,7 @@ def estimate_report(cfg: Config, run: MegatronRun, allowance_fraction: float = A
                            "built_bytes": checkpoint_input_bytes(cfg) if modules is None else layer_bytes(cfg, run, modules),
                            "paper_flops": paper_flops_per_step(cfg, kind)})
     path = attention_path(cfg, run)
-    differences = [d for d in paper_layer_differences(cfg, "cuda") if not d.startswith("attention runs")]
+    differences = [d for d in paper_layer_differences(cfg, "cuda") if not d.startswith(("attention runs", "routing is"))]
     if path in ("flash", "fused"):
         differences.insert(0, f"attention runs Transformer Engine's {path} kernel, not the paper's explicit softmax path")
     if m.transformer_impl == "transformer_engine" or m.activation == "swiglu":
@@ -103,11 +115,24 @@ def estimate_report(cfg: Config, run: MegatronRun, allowance_fraction: float = A
         "stages": [_stage_row(r, allowance_fraction, allowance_bytes) for r in stages],
         "settings": settings,
         "paper": {"differences": differences, "norm_stats_bytes": built_minus_paper_bytes(cfg, "cuda"), "rows": paper_rows},
+        "routing": _routing(cfg, run, peak),
         "other_optimizer": None if par.data_parallel_size == 1 else {
             "use_distributed_optimizer": not par.use_distributed_optimizer,
             "peak_allocated_bytes": max(r.peak_allocated_bytes for r in stage_peaks(
                 with_setting(cfg, use_distributed_optimizer=not par.use_distributed_optimizer), run))},
     }
+
+
+def _routing(cfg: Config, run: MegatronRun, peak: StagePeak) -> dict[str, Any] | None:
+    """The routing assumption of a MoE model's estimate and the spread it implies (moe.py): the rows
+    a MoE layer's experts run on a rank per micro-batch and the whole-rank peak, balanced (the
+    estimate) and at the bound (every token of the dispatch group routed to this rank's experts)."""
+    if not cfg.model.num_moe_experts:
+        return None
+    bound = max(stage_peaks(cfg, run, "bound"), key=lambda r: r.peak_allocated_bytes)
+    return {"assumption": "balanced", "routed_rows": {r: routed_rows(cfg, r) for r in ROUTINGS},
+            "peak_allocated_bytes": {"balanced": peak.peak_allocated_bytes, "bound": bound.peak_allocated_bytes},
+            "dispatcher": cfg.model.moe_token_dispatcher_type}
 
 
 def record_estimate(cfg: Config, run: MegatronRun) -> dict[str, float]:

@@ -11,12 +11,13 @@ from dataclasses import dataclass
 from recompute_bench.analysis.layer import checkpoint_input_bytes
 from recompute_bench.analysis.megatron.buffers import buffer_bytes
 from recompute_bench.analysis.megatron.layer import layer_backward_bytes, layer_bytes
-from recompute_bench.analysis.megatron.optimizer import bytes_per_parameter
-from recompute_bench.analysis.megatron.outside import (batch_bytes, embedding_saved_bytes, loss_peak_bytes,
+from recompute_bench.analysis.megatron.optimizer import bytes_per_parameter, stage_parameter_groups
+from recompute_bench.analysis.megatron.outside import (batch_bytes, embedding_saved_bytes, logits, loss_peak_bytes,
                                                        loss_saved_bytes, output_saved_bytes)
 from recompute_bench.analysis.megatron.run import MegatronRun
 from recompute_bench.analysis.schedule import schedule_peak
-from recompute_bench.analysis.stage import stage_parameters
+from recompute_bench.analysis.schedules import rank_stages
+from recompute_bench.models import ELEMENT_BYTES
 from recompute_bench.recompute.policy import chunks, layer_policies
 from recompute_bench.spec.config import BadInput, Config
 
@@ -30,26 +31,42 @@ class ChunkBytes:
     """The most held while its backward runs (full recompute rebuilds a checkpoint's layers)."""
 
 
-def chunk_bytes(cfg: Config, run: MegatronRun, layers: int) -> ChunkBytes:
-    """A model chunk of `layers` layers under cfg.recompute, unit by unit (recompute/policy.py
-    `chunks`): a full-recompute checkpoint keeps its input and, rebuilt in backward, its layers'
-    activations over what the earlier units keep; a layer keeps `layer_saved_bytes`. Backward adds
-    `layer_backward_bytes` to the most of that."""
-    policies = layer_policies(cfg.recompute, layers)
+def chunk_layers(cfg: Config, stage: int, chunk: int = 0) -> range:
+    """Megatron's layer numbers (from 0) of model chunk `chunk` on pipeline stage `stage`: virtual
+    stage v holds layers v x L / (p x vp) onwards, and rank r holds virtual stages r, r + p, ...
+    (transformer_block.py `get_transformer_layer_offset`)."""
+    par = cfg.parallel
+    p, vp = par.pipeline_model_parallel_size, par.virtual_pipeline_model_parallel_size or 1
+    per_chunk = cfg.model.num_layers // p // vp
+    v = rank_stages(par.schedule, p, vp, stage)[chunk] if p > 1 else chunk
+    return range(v * per_chunk, (v + 1) * per_chunk)
+
+
+def chunk_bytes(cfg: Config, run: MegatronRun, layers: int | range, routing: str = "balanced") -> ChunkBytes:
+    """A model chunk (its layer numbers, or a count of layers from layer 0) under cfg.recompute, unit
+    by unit (recompute/policy.py `chunks`): a full-recompute checkpoint keeps its input and, rebuilt in
+    backward, its layers' activations over what the earlier units keep; a layer keeps
+    `layer_saved_bytes`, a MoE layer (moe_layer_freq) its MoE block's under the `routing` assumption.
+    Backward adds the largest `layer_backward_bytes` of the chunk's layer kinds to the most of that."""
+    numbers = range(layers) if isinstance(layers, int) else layers
+    pattern = cfg.model.moe_layer_pattern
+    kinds = [bool(pattern[i]) for i in numbers]
+    policies = layer_policies(cfg.recompute, len(numbers))
     # A full-recompute checkpoint keeps its [s, b, h] input, as this harness's does (Megatron's
     # tensor_parallel/random.py CheckpointFunction, or TE's checkpoint).
-    ckpt, full = checkpoint_input_bytes(cfg), layer_bytes(cfg, run)
+    ckpt = checkpoint_input_bytes(cfg)
     stored = rebuilt = 0.0
     for start, stop in chunks(policies):
         p = policies[start]
         if p.offload:
             raise BadInput("activation offload is not modelled for framework megatron; drop --activation-offload-layers")
         if p.chunk is not None:
-            rebuilt = max(rebuilt, stored + (stop - start) * full)
+            rebuilt = max(rebuilt, stored + sum(layer_bytes(cfg, run, (), kinds[i], routing) for i in range(start, stop)))
             stored += ckpt
         else:
-            stored += layer_bytes(cfg, run, p.modules)
-    return ChunkBytes(stored, max(stored, rebuilt) + layer_backward_bytes(cfg, run))
+            stored += sum(layer_bytes(cfg, run, p.modules, kinds[i], routing) for i in range(start, stop))
+    backward = max(layer_backward_bytes(cfg, run, kind, routing) for kind in set(kinds))
+    return ChunkBytes(stored, max(stored, rebuilt) + backward)
 
 
 @dataclass
@@ -79,21 +96,28 @@ ACTIVATION_ITEMS = ("activations of the other micro-batches in flight", "activat
                     "transient of the pass at the peak")
 
 
-def stage_peak(cfg: Config, stage: int, run: MegatronRun) -> StagePeak:
+def stage_peak(cfg: Config, stage: int, run: MegatronRun, routing: str = "balanced") -> StagePeak:
     """Megatron's peak allocated bytes on a rank of pipeline stage `stage`: parameters, gradients
-    and optimizer state (`bytes_per_parameter`), the buffers (`buffer_bytes`), and the most the
-    step's passes hold at once (analysis/schedule.py): the chunk forwards waiting for their
-    backward, plus the pass in flight (the loss on the last stage's last chunk, whose forward also
-    holds the micro-batch's inputs; a layer's backward)."""
+    and optimizer state (`bytes_per_parameter` of each parameter group: the dense parameters over
+    dp, the routed experts' over the expert-data-parallel group), the buffers (`buffer_bytes`), and
+    the most the step's passes hold at once (analysis/schedule.py): the chunk forwards waiting for
+    their backward, plus the pass in flight (the loss on the last stage's last chunk, whose forward
+    also holds the micro-batch's inputs; a layer's backward). MoE layers' routed rows follow the
+    `routing` assumption (moe.py)."""
     par = cfg.parallel
     p, vp = par.pipeline_model_parallel_size, par.virtual_pipeline_model_parallel_size or 1
-    chunk = chunk_bytes(cfg, run, cfg.model.num_layers // p // vp)
+    chunk_of = [chunk_bytes(cfg, run, chunk_layers(cfg, stage, c), routing) for c in range(vp)]
     first, last = stage == 0, stage == p - 1
-    params = stage_parameters(cfg, stage)
-    per = bytes_per_parameter(cfg)
+    groups = stage_parameter_groups(cfg, stage)
+    params = sum(groups.values())
+    per = {group: bytes_per_parameter(cfg, expert=group == "expert") for group in groups}
     # The fp32 gradient copies live from the optimizer step to the next step's zero_grad, which
     # runs before the forward: they never meet the activations.
-    static = {name: b * params for name, b in per.items() if b and name != "fp32 gradient copies"}
+    static: dict[str, float] = {}
+    for group, count in groups.items():
+        for name, b in per[group].items():
+            if b and count and name != "fp32 gradient copies":
+                static[name] = static.get(name, 0.0) + b * count
     static.update(buffer_bytes(cfg, run))
 
     def embeds(c: int) -> bool:
@@ -105,14 +129,14 @@ def stage_peak(cfg: Config, stage: int, run: MegatronRun) -> StagePeak:
     output, kept = output_saved_bytes(cfg), loss_saved_bytes(cfg)
 
     def stored(c: int) -> float:
-        return chunk.stored + (embedding_saved_bytes(cfg) if embeds(c) else 0.0) + ((output + kept) if loses(c) else 0.0)
+        return chunk_of[c].stored + (embedding_saved_bytes(cfg) if embeds(c) else 0.0) + ((output + kept) if loses(c) else 0.0)
 
     def forward(c: int) -> float:
         extra = batch_bytes(cfg) if embeds(c) or loses(c) else 0.0
         return extra + (loss_peak_bytes(cfg) - kept if loses(c) else 0.0)
 
     def backward(c: int) -> float:
-        layers = chunk.backward - chunk.stored
+        layers = chunk_of[c].backward - chunk_of[c].stored
         if loses(c):  # the loss's backward first, then the layers' with the loss and output freed
             return max(loss_peak_bytes(cfg) - kept, layers - output - kept)
         return layers
@@ -122,12 +146,35 @@ def stage_peak(cfg: Config, stage: int, run: MegatronRun) -> StagePeak:
              "activations of the pass at the peak": peak.own, "transient of the pass at the peak": peak.transient}
     phase = ("the loss's " if loses(peak.chunk) else "") + ("forward" if peak.kind == "F" else "backward") + \
         (f" of model chunk {peak.chunk}" if vp > 1 else "")
-    copies = per["fp32 gradient copies"] * params
+    if par.overlap_moe_expert_parallel_comm:
+        pair = combined_pair_bytes(cfg, run, chunk_of[0], routing)
+        if sum(pair) > peak.total:
+            items = {**static, "activations of the other micro-batches in flight": pair[0],
+                     "activations of the pass at the peak": pair[1], "transient of the pass at the peak": pair[2]}
+            phase = "a combined forward-backward layer pair"
+    copies = sum(per[group]["fp32 gradient copies"] * count for group, count in groups.items())
     if copies > peak.total:  # the optimizer step holds the copies instead of activations
         items, phase = {**static, "fp32 gradient copies": copies}, "the optimizer step"
     return StagePeak(stage, params, items, phase, copies)
 
 
-def stage_peaks(cfg: Config, run: MegatronRun) -> list[StagePeak]:
+def combined_pair_bytes(cfg: Config, run: MegatronRun, chunk: ChunkBytes,
+                        routing: str = "balanced") -> tuple[float, float, float]:
+    """The most a layer pair of the combined 1F1B schedule holds (overlap_moe_expert_parallel_comm,
+    no pipelining; combined_1f1b.py, model_chunk_schedule_plan.py `TransformerModelChunkSchedulePlan.run`):
+    micro-batch i's loss and output layer ran their backward first, micro-batch i + 1's layer j runs
+    beside micro-batch i's layer L - 1 - j, so L + 1 layers are stored at most, beside micro-batch i's
+    16-bit logits (the loss node's inputs, released after the layers) and its inputs; then the loss
+    of micro-batch i + 1 runs as in 1F1B. Returns (micro-batch i's part, the forward micro-batch's and
+    the extra layer, the pair's transient)."""
+    pattern = cfg.model.moe_layer_pattern
+    kinds = set(map(bool, pattern))
+    layer = max(layer_bytes(cfg, run, (), kind, routing) for kind in kinds)
+    e = ELEMENT_BYTES[cfg.training.precision]
+    transient = max(layer_backward_bytes(cfg, run, kind, routing) for kind in kinds)
+    return (chunk.stored + e * logits(cfg) + batch_bytes(cfg), layer + batch_bytes(cfg), transient)
+
+
+def stage_peaks(cfg: Config, run: MegatronRun, routing: str = "balanced") -> list[StagePeak]:
     """`stage_peak` of every pipeline stage."""
-    return [stage_peak(cfg, r, run) for r in range(cfg.parallel.pipeline_model_parallel_size)]
+    return [stage_peak(cfg, r, run, routing) for r in range(cfg.parallel.pipeline_model_parallel_size)]
