@@ -183,10 +183,15 @@ def _dispatcher_saved(cfg: Config, routing: str) -> dict[str, float]:
         # MoEFlexTokenDispatcher with DeepEP: the fused dispatch keeps its handle; the received tokens
         # (one row per token and destination rank, at most the n x G of the group, the count taken
         # here) are permuted by local expert with fp32 probabilities and unpermuted without them
+        # (`_DeepepManager.setup_metadata`: the top-k of the probabilities keeps its indices)
         received = n * g
+        out = {"dispatcher.topk_indices": INDEX_BYTES * n * m.moe_router_topk}
         if fused:
-            return {"dispatcher.row_id_map": INT32_BYTES * received * (2 * e_local + 1)}
-        return {"dispatcher.argsort": INDEX_BYTES * received * e_local, "dispatcher.sorted_indices": INDEX_BYTES * rows}
+            out["dispatcher.row_id_map"] = INT32_BYTES * received * (2 * e_local + 1)
+        else:
+            out["dispatcher.argsort"] = INDEX_BYTES * received * e_local
+            out["dispatcher.sorted_indices"] = INDEX_BYTES * rows
+        return out
     sent = sent_rows(cfg)
     # the combine all-to-all's output, which unpermute weights by the probabilities and keeps
     out = {"dispatcher.combined_tokens": e * sent * m.hidden_size}
