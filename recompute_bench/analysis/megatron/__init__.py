@@ -15,14 +15,16 @@ Sources (Megatron-LM d98e8a6, TransformerEngine d0067d0, torch 2.13):
 - megatron/core/pipeline_parallel/schedules.py (micro-batches in flight per stage)
 - megatron/core/tensor_parallel/cross_entropy.py, megatron/core/fusions/fused_cross_entropy.py (the loss)
 - megatron/core/transformer/dot_product_attention.py, attention.py, mlp.py, megatron/core/fusions/* (layers)
+- megatron/core/transformer/moe/*.py (MoE layers: router, token dispatchers, experts, shared experts)
 - transformer_engine/pytorch/module/layernorm_linear.py, linear.py, attention/dot_product_attention/*.py
 - transformer_engine/pytorch/cpp_extensions/gemm.py (TE's cuBLAS workspace)
 - aten/src/ATen/cuda/CublasHandlePool.cpp (torch's cuBLAS workspaces)
 
 One module per concern: `run` (the GPU kind), `buffers` (workspaces and buffers outside the
-parameters), `optimizer` (bytes per parameter), `attention` (the attention paths), `layer` (one
-dense layer), `outside` (embedding, output layer, loss, inputs), `stage` (a chunk and a stage's
-peak through the schedule), `report` (what `estimate` prints and records carry).
+parameters), `optimizer` (bytes per parameter, parameters per group), `attention` (the attention
+paths), `layer` (one layer), `moe` (a mixture-of-experts layer's MLP part: router, dispatcher,
+experts, shared experts, expert sharding), `outside` (embedding, output layer, loss, inputs), `stage`
+(a chunk and a stage's peak through the schedule), `report` (what `estimate` prints and records carry).
 """
 
 from recompute_bench.analysis.megatron.run import COMPUTE_CAPABILITY, DEFAULT_GPU, MegatronRun

@@ -139,11 +139,15 @@ def record_estimate(cfg: Config, run: MegatronRun) -> dict[str, float]:
     """What a result record carries beside a Megatron run's measured figures (the keys of
     `rank.record_estimate`): one micro-batch's activations over the whole model and per layer, as
     Megatron's layers keep them, the hardware FLOPs, and the peak of the most loaded stage."""
-    layers = layers_per_model_chunk(cfg)
-    per_layer = chunk_bytes(cfg, run, layers).stored / layers
+    par = cfg.parallel
+    vp = par.virtual_pipeline_model_parallel_size or 1
+    # every model chunk of every stage (their layer kinds differ with moe_layer_freq)
+    total = sum(chunk_bytes(cfg, run, chunk_layers(cfg, stage, c)).stored
+                for stage in range(par.pipeline_model_parallel_size) for c in range(vp))
+    per_layer = total / cfg.model.num_layers
     outside = embedding_saved_bytes(cfg) + output_saved_bytes(cfg) + loss_saved_bytes(cfg)
     return {
-        "estimated_activation_bytes": per_layer * cfg.model.num_layers + outside,
+        "estimated_activation_bytes": total + outside,
         "estimated_activation_bytes_per_layer": per_layer,
         "estimated_hardware_flops_per_step": compute(cfg, "cuda")["hardware_flops_per_step"],
         "estimated_peak_allocated_bytes": max(r.peak_allocated_bytes for r in stage_peaks(cfg, run)),
