@@ -217,11 +217,11 @@ def _validate_expert_parallel(cfg: Config) -> None:
     ep = p.expert_model_parallel_size
     if not isinstance(ep, int) or ep < 1:
         raise BadInput(f"expert_model_parallel_size must be a positive integer, got {ep!r}; pass --ep N")
-    if ep == 1:
-        return
-    if m.num_moe_experts is None:
+    if ep > 1 and m.num_moe_experts is None:
         raise BadInput(f"expert_model_parallel_size {ep} needs a mixture-of-experts model (num_moe_experts); "
                           "pass --ep 1 or a MoE workload such as -w tiny-moe")
+    if m.num_moe_experts is None:
+        return
     if m.num_moe_experts % ep:
         raise BadInput(f"num_moe_experts {m.num_moe_experts} is not divisible by expert_model_parallel_size {ep}; "
                           f"pass --ep N with N dividing {m.num_moe_experts}")
@@ -234,8 +234,8 @@ def _validate_expert_parallel(cfg: Config) -> None:
             raise BadInput(f"expert_tensor_parallel_size {p.expert_tensor_parallel} x expert_model_parallel_size {ep} "
                            f"must divide the {shared} ranks of a pipeline stage (tp x cp x dp); pass --dp as a "
                            f"multiple of {experts // math.gcd(experts, p.tensor_model_parallel_size * p.context_parallel_size)}, "
-                           f"or a smaller --ep")
-    elif p.data_parallel_size > 1:
+                           f"or a smaller --ep or --set parallel.expert_tensor_parallel_size")
+    elif ep > 1 and p.data_parallel_size > 1:
         check_expert_parallel_world(cfg)
 
 
