@@ -86,7 +86,8 @@ def estimate_report(cfg: Config, run: MegatronRun, allowance_fraction: float = A
                            "paper_bytes": paper_layer_bytes(tr.seq_length, tr.micro_batch_size, m.hidden_size,
                                                             m.num_attention_heads, par.tensor_model_parallel_size,
                                                             par.sequence_parallel, kind),
-                           "built_bytes": checkpoint_input_bytes(cfg) if modules is None else layer_bytes(cfg, run, modules),
+                           "built_bytes": checkpoint_input_bytes(cfg) if modules is None else
+                           layer_bytes(cfg, run, modules, bool(m.num_moe_experts and m.moe_layers)),
                            "paper_flops": paper_flops_per_step(cfg, kind)})
     path = attention_path(cfg, run)
     differences = [d for d in paper_layer_differences(cfg, "cuda") if not d.startswith(("attention runs", "routing is"))]
@@ -110,7 +111,7 @@ def estimate_report(cfg: Config, run: MegatronRun, allowance_fraction: float = A
         "allowance": {"fraction": allowance_fraction, "bytes": allowance_bytes},
         "setting": {**setting_estimate(cfg, run),
                     "device_bytes_needed": device_bytes_needed(peak.peak_allocated_bytes, allowance_fraction, allowance_bytes),
-                    "layer_saved_bytes": layer_saved_bytes(cfg, run, modules),
+                    "layer_saved_bytes": layer_saved_bytes(cfg, run, modules, bool(m.num_moe_experts and m.moe_layers)),
                     "breakdown": dict(peak.items), "parameters_on_rank": peak.parameters},
         "stages": [_stage_row(r, allowance_fraction, allowance_bytes) for r in stages],
         "settings": settings,
