@@ -116,7 +116,7 @@ def test_the_mapped_flags_give_estimate_the_same_config():
     ("--experimental-attention-variant", "gated_delta_net", "attention variants"),
     ("--qk-l2-norm", True, "L2 query/key norms"),
     ("--mla-down-proj-fusion", True, "fused down-projection"),
-    ("--num-experts", 8, "mixture-of-experts"),
+    ("--use-transformer-engine-op-fuser", True, "op fuser"),
     ("--export-kd-teacher-load", "/ckpt/teacher", "distillation"),
     ("--exp-avg-dtype", "fp4", "fp32, bf16, fp16 or fp8"),
     ("--optimizer", "sgd", "Adam"),
@@ -195,3 +195,58 @@ def test_context_parallels_flags_give_estimate_the_same_config():
     assert result.exit_code == 0, result.output
     assert json.loads(result.stdout)["config"] == {**config_from_megatron(args, world_size=16).to_dict(),
                                                    "workload": "tiny"}
+
+
+# tests/functional_tests/test_cases/moe/gpt3_moe_mcore_te_tp4_ep2_etp2_pp2_resume_torch_dist_dist_optimizer
+# (Megatron-LM d98e8a6): the arguments that shape its MoE layers.
+MOE = {"--num-layers": 12, "--hidden-size": 512, "--num-attention-heads": 8, "--seq-length": 1024,
+       "--max-position-embeddings": 1024, "--micro-batch-size": 4, "--global-batch-size": 32, "--bf16": True,
+       "--disable-bias-linear": True, "--tensor-model-parallel-size": 4, "--pipeline-model-parallel-size": 2,
+       "--expert-model-parallel-size": 2, "--expert-tensor-parallel-size": 2, "--sequence-parallel": True,
+       "--num-experts": 8, "--use-distributed-optimizer": True, "--moe-token-dispatcher-type": "alltoall",
+       "--moe-router-load-balancing-type": "aux_loss", "--moe-router-topk": 2, "--moe-router-dtype": "fp32",
+       "--moe-ffn-hidden-size": 1024, "--moe-shared-expert-intermediate-size": 512, "--moe-grouped-gemm": True}
+
+
+def test_moe_arguments_map_onto_the_fields():
+    cfg = config_from_megatron(MOE, world_size=8)
+    m, p = cfg.model, cfg.parallel
+    assert (m.num_moe_experts, m.moe_router_topk, m.moe_ffn, m.moe_shared_expert_intermediate_size) == (8, 2, 1024, 512)
+    assert (m.moe_token_dispatcher_type, m.moe_router_dtype, m.moe_router_load_balancing_type) == ("alltoall", "fp32", "aux_loss")
+    assert m.moe_grouped_gemm and m.moe_aux_loss_coeff == 0.0 and m.moe_layer_freq == 1
+    assert (p.expert_model_parallel_size, p.expert_tensor_parallel, p.data_parallel_size) == (2, 2, 1)
+    assert p.expert_data_parallel_size == 1  # 8 GPUs / (pp 2 x etp 2 x ep 2)
+
+
+def test_megatron_moe_defaults_fill_what_the_arguments_leave_out():
+    args = {k: v for k, v in MOE.items() if k not in ("--moe-token-dispatcher-type", "--expert-tensor-parallel-size",
+                                                      "--moe-ffn-hidden-size")}
+    cfg = config_from_megatron({**args, "--moe-layer-freq": "([0]*2+[1]*10)", "--moe-layer-recompute": True}, world_size=16)
+    m = cfg.model
+    # arguments.py: allgather is the default dispatcher, etp the tensor-parallel size, moe ffn the ffn
+    assert m.moe_token_dispatcher_type == "allgather" and cfg.parallel.expert_tensor_parallel == 4
+    assert m.moe_ffn == m.ffn_hidden_size == 2048
+    assert m.moe_layer_pattern == [0, 0] + [1] * 10
+    # transformer_config.py: the deprecated --moe-layer-recompute adds moe to selective recompute
+    assert (cfg.recompute.granularity, cfg.recompute.modules) == ("selective", ["core_attn", "moe"])
+
+
+@pytest.mark.parametrize("argument,value,words", [
+    ("--moe-latent-size", 256, "latent projections"),
+    ("--moe-router-padding-for-quantization", True, "padding the routing map"),
+    ("--moe-flex-dispatcher-backend", "hybridep", "DeepEP"),
+])
+def test_what_moe_cannot_express_is_refused_naming_the_argument(argument, value, words):
+    args = {**MOE, argument: value}
+    if argument == "--moe-flex-dispatcher-backend":
+        args["--moe-token-dispatcher-type"] = "flex"
+    with pytest.raises(CannotExpress) as e:
+        config_from_megatron(args, world_size=8)
+    assert e.value.argument == argument and words in str(e.value) and "\n" not in str(e.value)
+
+
+def test_megatrons_moe_rules_are_bad_input():
+    with pytest.raises(BadInput, match="--sequence-parallel"):  # moe_layer.py: MoE with tp trains under SP only
+        config_from_megatron({k: v for k, v in MOE.items() if k != "--sequence-parallel"}, world_size=8)
+    with pytest.raises(BadInput, match="must divide the 4 ranks"):  # 8 GPUs, pp 2: tp 4 x dp 1 over etp 2 x ep 4
+        config_from_megatron({**MOE, "--expert-model-parallel-size": 4}, world_size=8)

@@ -9,7 +9,7 @@ import pytest
 
 from helpers import invoke
 from recompute_bench.analysis import megatron as mg
-from recompute_bench.analysis.megatron import attention, buffers, layer, optimizer, outside
+from recompute_bench.analysis.megatron import attention, buffers, layer, moe, optimizer, outside
 from recompute_bench.analysis.schedule import chunk_forwards_in_flight
 from recompute_bench.ingest.megatron_args import config_from_megatron
 from recompute_bench.ingest.megatron_check import GOAL, check, load_cases, meets_goal, skipped_in, summary
@@ -59,14 +59,12 @@ def test_dense_stays_where_it_was(checked):
 def test_context_parallel_meets_the_goal_on_megatrons_own_data(checked):
     rows, skipped = checked
     figures = summary(rows, "context parallel")
-    # Every golden of a dense GPT with context parallel: tp2 pp1 cp2 and tp2 pp2 cp2 (p2p, sequence
-    # parallel, flash), tp1 pp2 cp4 (a2a+p2p over [2, 2]) on A100, H100 and GB200. The 16 CP goldens
-    # that also need MoE (14) or FP8 (2) stay skipped for those.
-    assert (figures["cases"], figures["rows"]) == (24, 55)
+    # Every golden of a GPT with context parallel: tp2 pp1 cp2 and tp2 pp2 cp2 (p2p, sequence
+    # parallel, flash), tp1 pp2 cp4 (a2a+p2p over [2, 2]) on A100, H100 and GB200, and the MoE cases
+    # with cp 2. The 2 CP goldens that also need FP8 are checked with FP8 (test_megatron_fp8.py).
+    assert figures["cases"] >= 28 and figures["rows"] >= 69
     assert meets_goal(figures) and figures["peak_within_5_percent"] == 1.0
-    assert skipped_in(skipped, "context parallel") == 16
-    reasons = [r for r, which in skipped.items() if any("context parallel" in w for w in which)]
-    assert reasons and all("mixture-of-experts" in r or "FP8" in r for r in reasons)
+    assert skipped_in(skipped, "context parallel") <= 2
 
 
 def test_cp_attention_lets_the_qkv_output_go(data):
@@ -93,12 +91,82 @@ def test_the_loss_runs_over_the_split_sequence(data):
     assert peak.phase == "the loss's forward" and abs(estimated / measured - 1) < 0.01
 
 
+def test_moe_meets_the_median_goals_and_every_miss_is_explained(data, checked):
+    rows, _ = checked
+    figures = summary(rows, "MoE")
+    # Every MoE golden whose arguments the estimate can express: allgather and alltoall dispatchers,
+    # grouped and sequential experts, shared experts, etp != tp, local and TE layers, pp 1 and 2.
+    assert figures["rows"] >= 59 and figures["cases"] >= 25
+    assert figures["median_peak_error"] <= GOAL["median_peak_error"]
+    assert figures["median_static_error"] <= GOAL["median_static_error"]
+    assert figures["peak_within_5_percent"] >= 0.88
+    misses = [r for r in rows if "MoE" in r.categories and abs(r.peak_error) > 0.05]
+    for r in misses:
+        cfg, run, balanced, g = _estimate(data, r.case, r.golden)
+        twins = [o for o in rows if o.case != r.case and abs(o.static_error) < 0.01
+                 and (o.measured_peak_bytes, o.measured_static_bytes) == (r.measured_peak_bytes, r.measured_static_bytes)]
+        if abs(r.static_error) > 0.05:
+            # off after the step too: the golden holds, byte for byte, the figures of another case whose
+            # estimate they match (the multi-instance case's lts A100 golden is its single-instance
+            # sibling's): it measured other arguments
+            assert twins, r.case
+        if abs(r.static_error) > 0.05:
+            continue
+        elif r.golden == "lts_a100":
+            # the LTS container ran TE's UnfusedDotProductAttention under `auto` (see the dense misses)
+            args = {**_case(data, r.case)["args"], "--attention-backend": "unfused"}
+            unfused = config_from_megatron(args, world_size=g["gpus"])
+            peak = mg.stage_peak(unfused, unfused.parallel.pipeline_model_parallel_size - 1, run).peak_allocated_bytes
+            assert abs(peak / g["max_allocated_bytes"] - 1) < 0.025, r.case
+        else:
+            # routing: this rank's experts received more than their balanced share, within the bound
+            bound = mg.stage_peak(cfg, cfg.parallel.pipeline_model_parallel_size - 1, run, "bound")
+            assert balanced.peak_allocated_bytes < g["max_allocated_bytes"] < bound.peak_allocated_bytes, r.case
+    assert len(misses) <= 8
+
+
+def test_te_grouped_gemm_keeps_a_workspace_per_stream(data):
+    # TEGroupedMLP's GroupedLinear runs general_grouped_gemm with 4 workspaces (one per compute
+    # stream) beside the single GEMMs' one: after the step H100 holds 5 x (32 MiB + 1 KiB - 4 MiB)
+    # more than A100; without grouped GEMM, 1 x that; with local layers, the router's TE GEMM alone.
+    for name, workspaces in (("gpt3_mcore_te_tp2_pp1_frozen_resume_torch_dist_te_8experts2parallel_groupedGEMM", 5),
+                             ("gpt3_moe_mcore_te_ep8_resume_torch_dist_dist_optimizer", 5),
+                             ("gpt3_mcore_te_tp2_pp1_frozen_resume_torch_dist_te_8experts2parallel_dist_optimizer", 1),
+                             ("gpt3_mcore_tp2_pp2_ep2_etp2_te_4experts2parallel", 1)):
+        _, _, a100, g_a = _estimate(data, name, "dev_a100")
+        _, _, h100, g_h = _estimate(data, name, "dev_h100")
+        assert h100.static_bytes - a100.static_bytes == workspaces * (28 * MiB + 1024)
+        assert g_h["allocated_bytes"] - g_a["allocated_bytes"] == pytest.approx(workspaces * 28 * MiB, abs=1 * MiB)
+
+
+def test_routed_experts_are_sharded_over_the_expert_data_parallel_group(data):
+    # The same case on 8 and on 4 GB200s: dense parameters' optimizer state over dp 4 and 2, the
+    # experts' over expert-data-parallel 2 and 1 (8 / (tp 2 x ep 2), 4 / 4): the after-step growth
+    # from 8 to 4 GPUs is the master weights and Adam moments of those shards.
+    name = "gpt3_mcore_te_tp2_pp1_resume_torch_dist_te_8experts2parallel_dist_optimizer"
+    cfg8, _, eight, g8 = _estimate(data, name, "dev_gb200")
+    cfg4, _, four, g4 = _estimate(data, name + "_1node", "dev_gb200")
+    assert (cfg8.parallel.expert_data_parallel_size, cfg4.parallel.expert_data_parallel_size) == (2, 1)
+    assert optimizer.bytes_per_parameter(cfg8, expert=True)["Adam moments"] == 8 / 2
+    measured = g4["allocated_bytes"] - g8["allocated_bytes"]
+    assert four.static_bytes - eight.static_bytes == pytest.approx(measured, rel=0.002)
+
+
+def test_the_allgather_dispatcher_keeps_its_gathered_tokens_all_run(data):
+    # gather_from_sequence_parallel_region(..., use_global_buffer=True): [n x etp x ep, h] in bf16
+    # from the global memory buffer, held after the step (ep 8: 4096 x 8 tokens x 512 x 2 B).
+    cfg, _, peak, g = _estimate(data, "gpt3_moe_mcore_te_ep8_resume_torch_dist_dist_optimizer", "dev_a100")
+    assert peak.items["MoE allgather dispatcher's gathered tokens"] == moe.allgather_buffer_bytes(cfg) == 32 * MiB
+    assert abs(peak.static_bytes / g["allocated_bytes"] - 1) < 0.005
+
+
 def test_what_is_skipped_says_why(checked):
     _, skipped = checked
     reasons = " ".join(skipped)
-    for words in ("mixture-of-experts", "FP8", "FSDP", "not a training run (rl)"):
+    for words in ("FP8", "FSDP", "not a training run (rl)"):
         assert words in reasons
-    assert all(r.startswith(("Megatron argument --", "not a training run", "GPU count unknown")) for r in skipped)
+    assert all(r.startswith(("Megatron argument", "not a training run", "GPU count unknown", "unknown recompute"))
+               for r in skipped)
 
 
 def test_the_data_is_megatrons(data):
@@ -202,7 +270,11 @@ def test_estimate_framework_megatron_json_carries_every_stage():
 @pytest.mark.parametrize("argv,words", [
     (["--framework", "megatron", "--device", "cpu"], "Megatron runs on CUDA"),
     (["--framework", "megatron", "--gpu", "tpu"], "unknown GPU kind"),
-    (["-w", "tiny-moe", "--framework", "megatron"], "dense GPT layers"),
+    (["-w", "tiny-moe", "--framework", "megatron", "--set", "model.moe_token_dispatcher_type=ring"],
+     "moe_token_dispatcher_type 'ring' is not one of allgather, alltoall, flex"),
+    (["-w", "tiny-moe", "--framework", "megatron", "--tp", "2"], "pass --sequence-parallel"),
+    (["-w", "tiny-moe", "--framework", "megatron", "--ep", "2", "--dp", "1"], "must divide the 1 ranks"),
+    (["-w", "tiny-moe", "--framework", "megatron", "--set", "model.moe_router_topk=1"], "--moe-router-pre-softmax"),
 ])
 def test_framework_megatron_bad_input(argv, words):
     result = invoke("estimate", *argv)

@@ -80,17 +80,24 @@ NEUTRAL: dict[str, tuple[tuple[Any, ...], str]] = {
     "use_legacy_models": ((False,), "Megatron's legacy models are not modelled (use_mcore_models is)"),
     "heterogeneous_layers_config_path": ((None,), "heterogeneous layers are not modelled"),
     "perform_rl_step": ((False,), "reinforcement-learning steps (generation and training) are not modelled"),
-    "num_experts": ((None, 0), "mixture-of-experts layers are not modelled for framework megatron yet"),
     "export_kd_teacher_load": ((None,), "knowledge distillation (a teacher model beside the student) is not modelled"),
-    "moe_shared_expert_gate": ((False,), "the shared experts' gate is not modelled"),
-    "moe_router_dtype": ((None,), "a router in another dtype is not modelled"),
-    "moe_router_load_balancing_type": (("aux_loss", "none"), "load balancing other than aux_loss is not modelled"),
-    "moe_z_loss_coeff": ((None, 0, 0.0), "the router z-loss is not modelled"),
-    "moe_token_dispatcher_type": (("allgather", "alltoall"), "the flex token dispatcher is not modelled"),
     # Dense world and multi-latent attention: what stays refused beside the arguments DENSE_WORLD maps
     "qk_l2_norm": ((False,), "L2 query/key norms are not modelled (--qk-layernorm is)"),
     "mla_down_proj_fusion": ((False,), "MLA's fused down-projection (FusedMLASelfAttention) is not modelled"),
     "mtp_num_layers": ((None, 0), "multi-token prediction is not modelled (no golden outside MoE checks it)"),
+    # Mixture-of-experts: what the MoE model (analysis/megatron/moe.py) does not express.
+    "moe_latent_size": ((None,), "MoE latent projections are not modelled"),
+    "moe_use_grouped_tensor": ((False,), "Transformer Engine's grouped-tensor experts are not modelled"),
+    "use_transformer_engine_op_fuser": ((False,), "Transformer Engine's op fuser (fused MLP operations) is not modelled"),
+    "moe_router_padding_for_quantization": ((False,), "padding the routing map for quantized experts is not modelled"),
+    "moe_router_padding_for_fp8": ((False,), "padding the routing map for quantized experts is not modelled"),
+    "moe_apply_probs_on_input": ((False,), "weighting the experts' input by the probabilities is not modelled"),
+    "moe_expert_rank_capacity_factor": ((None,), "an expert-rank capacity (HybridEP / NCCL-EP budget) is not modelled"),
+    "moe_paged_stash": ((False,), "the paged MoE activation stash is not modelled"),
+    "moe_use_upcycling": ((False,), "upcycling a dense checkpoint into experts is not modelled"),
+    "moe_input_jitter_eps": ((None,), "router input jitter is not modelled"),
+    "overlap_dispatch_backward_with_experts_wgrad": ((False,), "delaying the experts' weight gradients is not modelled"),
+    "delay_wgrad_compute": ((False,), "delaying weight gradients is not modelled"),
 }
 # --tp-comm-overlap is read by nobody here: TE's userbuffers (initialize_ub -> comm_gemm_overlap.cpp,
 # userbuffers-host.cpp `register_user_buffer_collective`: cuMemCreate / cudaMalloc) lie outside
@@ -253,15 +260,21 @@ def megatron_overrides(args: Mapping[str, Any], world_size: int | None = None) -
     tr.setdefault("micro_batch_size", 1)
     tr.setdefault("global_batch_size", tr["micro_batch_size"] * par.get("data_parallel_size", 1))
 
+    _moe_overrides(a, m, par)
+
     # Recompute: --recompute-activations means selective (validate_args); selective defaults to core_attn.
-    granularity = a.get("recompute_granularity") or ("selective" if a.get("recompute_activations") else None)
+    # The deprecated --moe-layer-recompute adds moe to selective recompute (transformer_config.py).
+    moe_layer_recompute = bool(a.get("moe_layer_recompute")) and bool(a.get("num_experts"))
+    granularity = a.get("recompute_granularity") or ("selective" if a.get("recompute_activations") or
+                                                      moe_layer_recompute else None)
     if granularity:
         r["granularity"] = granularity
         if granularity == "full":
             r["method"], r["num_layers"] = a.get("recompute_method"), a.get("recompute_num_layers")
         else:
             modules = a.get("recompute_modules") or ["core_attn"]
-            r["modules"] = canonical_modules([modules] if isinstance(modules, str) else list(modules))
+            modules = [modules] if isinstance(modules, str) else list(modules)
+            r["modules"] = canonical_modules(modules + (["moe"] if moe_layer_recompute else []))
     if a.get("distribute_saved_activations"):
         r["distribute_saved_activations"] = True
     if a.get("cpu_offloading"):
@@ -342,6 +355,47 @@ def _dense_world(a: Mapping[str, Any], tables: dict[str, dict[str, Any]]) -> Non
             m[name] = a.get(name, default)
         m.pop("kv_channels", None)
         m.pop("num_query_groups", None)
+
+
+# Mixture-of-experts arguments whose value is a model field of the same name (Megatron's args name the
+# experts `num_experts`, TransformerConfig and this product `num_moe_experts`).
+MOE_SAME_NAME = ("moe_router_topk", "moe_ffn_hidden_size", "moe_shared_expert_intermediate_size", "moe_layer_freq",
+                 "moe_router_score_function", "moe_aux_loss_coeff", "moe_router_topk_scaling_factor",
+                 "moe_router_enable_expert_bias", "moe_router_num_groups", "moe_router_group_topk",
+                 "moe_expert_capacity_factor", "moe_token_drop_policy", "moe_grouped_gemm",
+                 "moe_router_load_balancing_type", "moe_z_loss_coeff", "moe_router_pre_softmax", "moe_router_dtype",
+                 "moe_token_dispatcher_type", "moe_pad_expert_input_to_capacity", "moe_permute_fusion",
+                 "moe_shared_expert_gate", "moe_shared_expert_overlap")
+# Megatron's defaults of those (arguments.py `_add_moe_args`) where this product's differ.
+MOE_DEFAULTS = {"moe_token_dispatcher_type": "allgather"}
+
+
+def _moe_overrides(a: Mapping[str, Any], m: dict[str, Any], par: dict[str, Any]) -> None:
+    """The mixture-of-experts arguments -> model and parallel fields (arguments.py validate_args:
+    num_experts 0 is none, moe_ffn_hidden_size defaults to ffn_hidden_size, expert_tensor_parallel_size
+    to the tensor-parallel size); nothing for a dense model."""
+    if not a.get("num_experts"):
+        return
+    m["num_moe_experts"] = a["num_experts"]
+    for name in MOE_SAME_NAME:
+        value = a.get(name, MOE_DEFAULTS.get(name))
+        if value is not None:
+            m[name] = value
+    if a.get("moe_ffn_hidden_size") is None:
+        m.pop("moe_ffn_hidden_size", None)
+    if isinstance(m.get("moe_layer_freq"), str) and m["moe_layer_freq"].strip().isdigit():
+        m["moe_layer_freq"] = int(m["moe_layer_freq"])
+    if m.get("moe_aux_loss_coeff") is not None:
+        m["moe_aux_loss_coeff"] = float(m["moe_aux_loss_coeff"])
+    if a.get("moe_flex_dispatcher_backend") not in (None, "deepep") and m.get("moe_token_dispatcher_type") == "flex":
+        raise _cannot("moe_flex_dispatcher_backend", a["moe_flex_dispatcher_backend"],
+                      "the flex dispatcher is modelled with DeepEP, its default backend")
+    if a.get("moe_enable_deepep"):  # deprecated spelling of the flex dispatcher with DeepEP
+        m["moe_token_dispatcher_type"] = "flex"
+    if a.get("expert_tensor_parallel_size") is not None:
+        par["expert_tensor_parallel_size"] = a["expert_tensor_parallel_size"]
+    if a.get("overlap_moe_expert_parallel_comm"):
+        par["overlap_moe_expert_parallel_comm"] = True
 
 
 def _vocabulary(a: Mapping[str, Any]) -> int:

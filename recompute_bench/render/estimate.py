@@ -86,6 +86,13 @@ def paper_notes(report: dict[str, Any]) -> list[str]:
     if report["config"]["parallel"]["sequence_parallel"]:
         notes.append("full recompute with sequence parallelism keeps the sequence-sharded layer input, 2sbh/t; "
                      "Table 2's 2sbh is the paper's baseline without it")
+    routing = report.get("routing")
+    if routing:
+        rows, peaks = routing["routed_rows"], routing["peak_allocated_bytes"]
+        notes.append(f"MoE routing: the estimate assumes balanced routing, {rows['balanced']:,.0f} rows per MoE layer's "
+                     f"experts on a rank per micro-batch; Megatron's {routing['dispatcher']} dispatcher lets a rank "
+                     f"receive up to {rows['bound']:,.0f} (every token of its dispatch group), which would peak at "
+                     f"{_gib(peaks['bound'])} against {_gib(peaks['balanced'])}")
     other = report.get("other_optimizer")
     if other:
         notes.append(f"{'with FSDP (a distributed optimizer)' if other['use_distributed_optimizer'] else 'with DDP'} over "

@@ -60,6 +60,16 @@ ACTIVATIONS = ("gelu", "swiglu")
 POSITION_EMBEDDINGS = ("learned_absolute", "rope")
 ROUTER_SCORE_FUNCTIONS = ("softmax", "sigmoid")
 TOKEN_DROP_POLICIES = ("probs", "position")
+LOAD_BALANCING_TYPES = ("aux_loss", "seq_aux_loss", "global_aux_loss", "sinkhorn", "none")
+"""Megatron's --moe-router-load-balancing-type values (router.py TopKRouter.routing)."""
+TOKEN_DISPATCHER_TYPES = ("allgather", "alltoall", "flex")
+"""Megatron's --moe-token-dispatcher-type values (moe_layer.py MoELayer.__init__)."""
+ROUTER_DTYPES = ("fp32", "fp64")
+"""Megatron's --moe-router-dtype values (router.py Router.gating); None: the input's dtype."""
+MEGATRON_MOE_DEFAULTS = {"moe_token_dispatcher_type": "allgather"}
+"""Framework megatron: Megatron's defaults of the MoE fields whose default here is what this harness
+runs (transformer_config.py: moe_token_dispatcher_type "allgather"; the harness dispatches by
+all-to-all)."""
 CP_COMM_TYPES = ("p2p", "all_gather", "a2a", "a2a+p2p")
 """Megatron's --cp-comm-type values (TransformerConfig.cp_comm_type)."""
 PIPELINE_SCHEDULES = ("1F1B", "Interleaved1F1B", "GPipe", "InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV")
@@ -212,6 +222,36 @@ class ModelConfig:
     """Which rows an expert over capacity keeps: probs (its highest routing probabilities) or position (the first tokens)."""
     moe_grouped_gemm: bool = False
     """Run all experts as grouped matmuls (torch._grouped_mm); false: one matmul per expert."""
+    moe_router_load_balancing_type: str = "aux_loss"
+    """How the router balances the experts' load (Megatron's --moe-router-load-balancing-type): aux_loss
+    (the Switch loss over the micro-batch, weighted by moe_aux_loss_coeff), seq_aux_loss (the same per
+    sequence), global_aux_loss (over the global batch), sinkhorn (Sinkhorn-normalised scores pick the
+    experts, no loss) or none. This harness runs aux_loss."""
+    moe_z_loss_coeff: Optional[float] = None
+    """Weight of the router's z-loss (ST-MoE: the mean squared log-sum-exp of the logits); None: none.
+    Framework megatron only."""
+    moe_router_pre_softmax: bool = False
+    """Softmax over all experts before the top-k (Megatron's --moe-router-pre-softmax; needed with
+    top-1 softmax routing); false: softmax over the top-k logits. Framework megatron only."""
+    moe_router_dtype: Optional[str] = None
+    """The router's logits and probabilities in fp32 or fp64 (Megatron's --moe-router-dtype); None: the
+    activations' dtype. Framework megatron only."""
+    moe_token_dispatcher_type: str = "alltoall"
+    """How tokens reach their experts' ranks (Megatron's --moe-token-dispatcher-type): alltoall (this
+    harness's), allgather (every rank gathers all tokens of its tensor x expert group; Megatron's
+    default, taken under --framework megatron) or flex (DeepEP / HybridEP fused all-to-all)."""
+    moe_pad_expert_input_to_capacity: bool = False
+    """With a capacity factor, pad every expert's input to its capacity (Megatron's
+    --moe-pad-expert-input-to-capacity). Framework megatron only."""
+    moe_permute_fusion: bool = False
+    """Transformer Engine's fused permute / unpermute kernels (Megatron's --moe-permute-fusion).
+    Framework megatron only."""
+    moe_shared_expert_gate: bool = False
+    """A sigmoid gate on the shared experts' output (Megatron's --moe-shared-expert-gate). Framework
+    megatron only."""
+    moe_shared_expert_overlap: bool = False
+    """Run the shared experts inside the token dispatcher, overlapped with its communication (Megatron's
+    --moe-shared-expert-overlap). Framework megatron only."""
     multi_latent_attention: bool = False
     """Multi-latent attention (DeepSeek-V2/V3) in place of MHA/GQA: q and kv go through low-rank latents."""
     q_lora_rank: Optional[int] = None
@@ -367,6 +407,14 @@ class ParallelConfig:
     expert_model_parallel_size: int = 1
     """Expert parallel size (ep): the routed experts of every MoE layer are spread over ep
     data-parallel ranks, num_moe_experts / ep on each, tokens sent to them by all-to-all."""
+    expert_tensor_parallel_size: Optional[int] = None
+    """Tensor parallel size of the routed experts (Megatron's --expert-tensor-parallel-size, etp): each
+    expert's fc1 columns and fc2 rows split over etp ranks; None: tensor_model_parallel_size, as Megatron
+    fills it. Experts are laid out over etp x ep x expert-data-parallel ranks of the same world."""
+    overlap_moe_expert_parallel_comm: bool = False
+    """Hide the MoE dispatch and combine all-to-alls behind another micro-batch's computation
+    (Megatron's --overlap-moe-expert-parallel-comm): the combined 1F1B schedule runs micro-batch i + 1's
+    layer forwards beside micro-batch i's layer backwards. Framework megatron only."""
     context_parallel_size: int = 1
     """Context parallel size (cp): each sequence is split over cp ranks in 2 x cp chunks, rank r
     holding chunks r and 2cp - 1 - r so that causal attention's work is even (Megatron's load
@@ -408,6 +456,19 @@ class ParallelConfig:
         if self.pipeline_parallel_schedule:
             return self.pipeline_parallel_schedule
         return "Interleaved1F1B" if self.virtual_pipeline_model_parallel_size else "1F1B"
+
+    @property
+    def expert_tensor_parallel(self) -> int:
+        """The routed experts' tensor parallel size: expert_tensor_parallel_size, or the tensor
+        parallel size (Megatron's arguments.py fills it so)."""
+        return self.expert_tensor_parallel_size or self.tensor_model_parallel_size
+
+    @property
+    def expert_data_parallel_size(self) -> int:
+        """Ranks holding the same experts (Megatron's expert-data-parallel group): the ranks of a
+        pipeline stage, tp x cp x dp, over etp x ep; at least 1."""
+        shared = self.tensor_model_parallel_size * self.context_parallel_size * self.data_parallel_size
+        return max(1, shared // (self.expert_tensor_parallel * self.expert_model_parallel_size))
 
     @property
     def world_size(self) -> int:

@@ -18,7 +18,7 @@ import tomllib
 from pathlib import Path
 from typing import Any
 
-from recompute_bench.spec.config import SECTIONS, Config, BadInput, canonical_modules
+from recompute_bench.spec.config import MEGATRON_MOE_DEFAULTS, SECTIONS, Config, BadInput, canonical_modules
 from recompute_bench.spec.rules import validate
 
 # A checkout keeps the presets at the top level (workloads/); a wheel carries them inside the
@@ -121,6 +121,9 @@ def resolve(workload: str = DEFAULT_WORKLOAD, *, overrides: dict[str, Any] | Non
         # What the preset and the flags leave unset takes Megatron's defaults, not this harness's.
         for key, value in MEGATRON_DEFAULTS.items():
             tables["model"].setdefault(key, value)
+        if tables["model"].get("num_moe_experts"):
+            for key, value in MEGATRON_MOE_DEFAULTS.items():
+                tables["model"].setdefault(key, value)
     name = Path(workload).stem if workload.endswith(".toml") else workload
     cfg = Config(workload=name, **{s: _build(s, tables[s]) for s in SECTIONS})
     cfg.recompute.modules = canonical_modules(list(cfg.recompute.modules))

@@ -7,6 +7,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Any
 
 from recompute_bench.models import spec_for
@@ -17,7 +18,8 @@ from recompute_bench.spec.config import (ACTIVATIONS, ATTENTION_BACKENDS, CP_COM
                                          MEGATRON_ACTIVATIONS, MEGATRON_ATTENTION_BACKENDS, MEGATRON_ONLY,
                                          MEGATRON_ONLY_SETTINGS, METHODS, NORMALIZATIONS,
                                          PIPELINE_SCHEDULES, POSITION_EMBEDDINGS, TRANSFORMER_IMPLS, PRECISIONS,
-                                         RECOMPUTE_MODULES, ROUTER_SCORE_FUNCTIONS, SECTIONS, TOKEN_DROP_POLICIES, V_SCHEDULES,
+                                         RECOMPUTE_MODULES, ROUTER_DTYPES, ROUTER_SCORE_FUNCTIONS,
+                                         LOAD_BALANCING_TYPES, TOKEN_DISPATCHER_TYPES, SECTIONS, TOKEN_DROP_POLICIES, V_SCHEDULES,
                                          _MODULE_NEEDS, Config, BadInput)
 
 VPP_FLAG = "--set parallel.virtual_pipeline_model_parallel_size"
@@ -252,9 +254,6 @@ def _validate_framework(cfg: Config) -> None:
         if m.attention_backend == "local" and m.transformer_impl != "local":
             raise BadInput("Megatron runs --attention-backend local only with its local layers; pass "
                               "--transformer-impl local or another --attention-backend")
-        if m.num_moe_experts:
-            raise BadInput("framework megatron models dense GPT layers; mixture-of-experts "
-                              "is not modelled for it yet: drop --framework megatron for this workload")
         return
     _choice("attention_backend", m.attention_backend, ATTENTION_BACKENDS,
             "pass --attention-backend sdpa or math (Megatron's names go with --framework megatron)")
@@ -281,15 +280,25 @@ def _validate_expert_parallel(cfg: Config) -> None:
     ep = p.expert_model_parallel_size
     if not isinstance(ep, int) or ep < 1:
         raise BadInput(f"expert_model_parallel_size must be a positive integer, got {ep!r}; pass --ep N")
-    if ep == 1:
-        return
-    if m.num_moe_experts is None:
+    if ep > 1 and m.num_moe_experts is None:
         raise BadInput(f"expert_model_parallel_size {ep} needs a mixture-of-experts model (num_moe_experts); "
                           "pass --ep 1 or a MoE workload such as -w tiny-moe")
+    if m.num_moe_experts is None:
+        return
     if m.num_moe_experts % ep:
         raise BadInput(f"num_moe_experts {m.num_moe_experts} is not divisible by expert_model_parallel_size {ep}; "
                           f"pass --ep N with N dividing {m.num_moe_experts}")
-    if p.data_parallel_size > 1:
+    if cfg.training.framework == "megatron":
+        # parallel_state.py initialize_model_parallel: the world divides into etp x ep x pp
+        # (x expert data parallel), the same ranks as tp x cp x dp x pp.
+        shared, experts = p.tensor_model_parallel_size * p.context_parallel_size * p.data_parallel_size, \
+            p.expert_tensor_parallel * ep
+        if shared % experts:
+            raise BadInput(f"expert_tensor_parallel_size {p.expert_tensor_parallel} x expert_model_parallel_size {ep} "
+                           f"must divide the {shared} ranks of a pipeline stage (tp x cp x dp); pass --dp as a "
+                           f"multiple of {experts // math.gcd(experts, p.tensor_model_parallel_size * p.context_parallel_size)}, "
+                           f"or a smaller --ep or --set parallel.expert_tensor_parallel_size")
+    elif ep > 1 and p.data_parallel_size > 1:
         check_expert_parallel_world(cfg)
 
 
@@ -297,6 +306,8 @@ def check_expert_parallel_world(cfg: Config) -> None:
     """Megatron: expert parallel spreads the experts over data-parallel ranks, so ep must divide
     data_parallel_size (tensor parallel is 1 with MoE here); BadInput otherwise."""
     p = cfg.parallel
+    if cfg.training.framework == "megatron":
+        return  # validate checks Megatron's expert layout over tp x cp x dp with the size given
     ep, dp = p.expert_model_parallel_size, p.data_parallel_size
     if dp % ep:
         raise BadInput(f"expert_model_parallel_size {ep} must divide the data-parallel size {dp} (the experts are "
@@ -322,8 +333,24 @@ def _validate_moe(cfg: Config) -> None:
                           f"pass --set model.moe_router_topk=K with K at most {m.num_moe_experts}")
     _choice("moe_router_score_function", m.moe_router_score_function, ROUTER_SCORE_FUNCTIONS,
             "set model.moe_router_score_function")
+    _choice("moe_router_load_balancing_type", m.moe_router_load_balancing_type, LOAD_BALANCING_TYPES,
+            "set model.moe_router_load_balancing_type")
+    _choice("moe_token_dispatcher_type", m.moe_token_dispatcher_type, TOKEN_DISPATCHER_TYPES,
+            "set model.moe_token_dispatcher_type")
+    if m.moe_router_dtype is not None:
+        _choice("moe_router_dtype", m.moe_router_dtype, ROUTER_DTYPES, "set model.moe_router_dtype=fp32 or leave it unset")
     if m.add_bias_linear:
         raise BadInput("the experts of a mixture-of-experts layer have no biases here; pass --set model.add_bias_linear=false")
+    if cfg.training.framework == "megatron":
+        _validate_megatron_moe(cfg)
+        return
+    _validate_harness_moe(cfg)
+
+
+def _validate_harness_moe(cfg: Config) -> None:
+    """What this harness's MoE layers (models/moe) run: aux_loss routing, all-to-all dispatch, experts
+    on one tensor-parallel rank; Megatron's other MoE settings go with --framework megatron."""
+    m = cfg.model
     if m.moe_grouped_gemm and (m.hidden_size % 8 or m.moe_ffn % 8):
         raise BadInput(f"moe_grouped_gemm needs hidden_size {m.hidden_size} and moe_ffn_hidden_size {m.moe_ffn} to be "
                           f"multiples of 8 (torch._grouped_mm wants 16-byte rows); change them or pass "
@@ -331,6 +358,70 @@ def _validate_moe(cfg: Config) -> None:
     if cfg.parallel.tensor_model_parallel_size > 1:
         raise BadInput("tensor parallelism of mixture-of-experts layers (expert tensor parallel) is not modelled yet; "
                           "pass --tensor-model-parallel-size 1")
+    if cfg.parallel.expert_tensor_parallel_size not in (None, 1):
+        raise BadInput("this harness runs each expert on one rank; estimate Megatron's expert tensor parallel with "
+                       "--framework megatron, or drop --set parallel.expert_tensor_parallel_size")
+    if m.moe_token_dispatcher_type != "alltoall":
+        raise BadInput(f"this harness dispatches tokens by all-to-all, not {m.moe_token_dispatcher_type}; estimate "
+                       "Megatron's with --framework megatron, or drop --set model.moe_token_dispatcher_type")
+    if m.moe_router_load_balancing_type != "aux_loss":
+        raise BadInput(f"this harness balances the load with aux_loss only, not {m.moe_router_load_balancing_type}; "
+                       "estimate Megatron's with --framework megatron, or drop --set model.moe_router_load_balancing_type")
+    defaults = {f.name: f.default for f in dataclasses.fields(type(m))}
+    for name in ("moe_z_loss_coeff", "moe_router_pre_softmax", "moe_router_dtype", "moe_pad_expert_input_to_capacity",
+                 "moe_permute_fusion", "moe_shared_expert_gate", "moe_shared_expert_overlap"):
+        if getattr(m, name) != defaults[name]:
+            raise BadInput(f"model.{name} is a setting of Megatron's MoE layers, which this harness does not run; "
+                           "drop it, or estimate Megatron with --framework megatron")
+    if cfg.parallel.overlap_moe_expert_parallel_comm:
+        raise BadInput("parallel.overlap_moe_expert_parallel_comm is Megatron's combined 1F1B schedule, which this "
+                       "harness does not run; drop it, or estimate Megatron with --framework megatron")
+
+
+def _validate_megatron_moe(cfg: Config) -> None:
+    """Megatron's own MoE rules (transformer_config.py __post_init__, moe_layer.py, router.py)."""
+    m, p = cfg.model, cfg.parallel
+    etp = p.expert_tensor_parallel_size
+    if etp is not None and (not isinstance(etp, int) or etp < 1):
+        raise BadInput(f"expert_tensor_parallel_size must be a positive integer, got {etp!r}; "
+                       "pass --set parallel.expert_tensor_parallel_size=N or leave it unset (the tensor parallel size)")
+    if m.moe_ffn % p.expert_tensor_parallel:
+        raise BadInput(f"expert_tensor_parallel_size {p.expert_tensor_parallel} must divide moe_ffn_hidden_size "
+                       f"{m.moe_ffn} (each expert's columns split over its ranks); change one of them")
+    if p.tensor_model_parallel_size > 1 and not p.sequence_parallel:
+        # moe_layer.py MoELayer.forward raises in training with tensor parallel and no sequence parallel
+        raise BadInput("Megatron's MoE layers train with tensor parallelism only under sequence parallelism; "
+                       "pass --sequence-parallel")
+    balancing = m.moe_router_load_balancing_type
+    if m.moe_router_topk == 1 and m.moe_router_score_function == "softmax" and not m.moe_router_pre_softmax \
+            and balancing != "sinkhorn":
+        raise BadInput("Megatron needs --moe-router-pre-softmax for top-1 softmax routing (a softmax over one "
+                       "logit has no gradient); pass --set model.moe_router_pre_softmax=true")
+    if balancing == "sinkhorn" and m.moe_aux_loss_coeff:
+        raise BadInput("Megatron's sinkhorn routing takes no auxiliary loss; pass --set model.moe_aux_loss_coeff=0")
+    if m.moe_expert_capacity_factor is not None and balancing == "sinkhorn":
+        raise BadInput("moe_expert_capacity_factor works with aux_loss, seq_aux_loss, global_aux_loss or none load "
+                       "balancing (Megatron's rule); change --set model.moe_router_load_balancing_type")
+    if m.moe_pad_expert_input_to_capacity and m.moe_expert_capacity_factor is None:
+        raise BadInput("moe_pad_expert_input_to_capacity needs moe_expert_capacity_factor; pass "
+                       "--set model.moe_expert_capacity_factor=1.0")
+    if m.moe_shared_expert_overlap and not m.moe_shared_expert_intermediate_size:
+        raise BadInput("moe_shared_expert_overlap needs shared experts; pass "
+                       "--set model.moe_shared_expert_intermediate_size=N or drop it")
+    if p.overlap_moe_expert_parallel_comm:
+        # transformer_config.py __post_init__: expert parallel, alltoall or flex, no full or moe recompute
+        if p.expert_model_parallel_size == 1 or m.moe_token_dispatcher_type == "allgather":
+            raise BadInput("overlap_moe_expert_parallel_comm needs expert parallelism and the alltoall or flex token "
+                           "dispatcher; pass --ep 2 or more and --set model.moe_token_dispatcher_type=alltoall")
+        if cfg.recompute.granularity == "full" or "moe" in cfg.recompute.modules:
+            raise BadInput("overlap_moe_expert_parallel_comm does not work with full recompute or moe recompute "
+                           "(Megatron's rule); drop one of them")
+        if p.pipeline_model_parallel_size > 1:
+            raise BadInput("the combined 1F1B schedule of overlap_moe_expert_parallel_comm is modelled without "
+                           "pipelining only; pass --pp 1 or drop it")
+    if m.moe_shared_expert_overlap and m.moe_token_dispatcher_type == "allgather":
+        raise BadInput("moe_shared_expert_overlap only works with the alltoall or flex token dispatcher; pass "
+                       "--set model.moe_token_dispatcher_type=alltoall")
 
 
 def _validate_router(cfg: Config) -> None:
@@ -355,7 +446,7 @@ def _validate_router(cfg: Config) -> None:
         raise BadInput(f"moe_expert_capacity_factor must be positive, got {capacity}; "
                           "pass --set model.moe_expert_capacity_factor=1.0 or leave it unset (dropless)")
     _choice("moe_token_drop_policy", m.moe_token_drop_policy, TOKEN_DROP_POLICIES, "set model.moe_token_drop_policy")
-    if capacity is not None and cfg.parallel.expert_model_parallel_size > 1:
+    if capacity is not None and cfg.parallel.expert_model_parallel_size > 1 and cfg.training.framework != "megatron":
         raise BadInput("token dropping (moe_expert_capacity_factor) under expert parallel is not modelled yet; "
                           "pass --ep 1 or leave moe_expert_capacity_factor unset")
 

@@ -17,6 +17,7 @@ Sources (Megatron-LM d98e8a6, TransformerEngine d0067d0, torch 2.13):
 - megatron/core/transformer/dot_product_attention.py, attention.py, mlp.py, megatron/core/fusions/* (layers)
 - megatron/core/transformer/multi_latent_attention.py, mla_qk_norm_config.py (multi-latent attention)
 - megatron/core/transformer/transformer_block.py, pipeline_parallel_layer_layout.py (the pipeline split)
+- megatron/core/transformer/moe/*.py (MoE layers: router, token dispatchers, experts, shared experts)
 - transformer_engine/pytorch/module/layernorm_linear.py, linear.py, attention/dot_product_attention/*.py
   (context_parallel.py: the CP attention functions)
 - megatron/core/utils.py get_batch_on_this_cp_rank (the sequence split)
@@ -26,7 +27,8 @@ Sources (Megatron-LM d98e8a6, TransformerEngine d0067d0, torch 2.13):
 One module per concern: `run` (the GPU kind), `buffers` (workspaces and buffers outside the
 parameters), `optimizer` (bytes per parameter), `parameters` (parameters per layer and per stage,
 over Megatron's pipeline split), `attention` (the attention paths), `mla` (multi-latent attention),
-`layer` (one layer), `outside` (embedding, output layer, loss, inputs, deferred output-layer
+`layer` (one layer), `moe` (a mixture-of-experts layer's MLP part: router,
+dispatcher, experts, shared experts, expert sharding), `outside` (embedding, output layer, loss, inputs, deferred output-layer
 gradients), `context_parallel` (the sequence split over cp ranks and Transformer Engine's CP
 attention), `stage` (a chunk and a stage's peak through the schedule), `report` (what `estimate`
 prints and records carry).

@@ -10,6 +10,7 @@ from __future__ import annotations
 import re
 
 from recompute_bench.analysis.megatron.attention import softmax_fused
+from recompute_bench.analysis.megatron.moe import allgather_buffer_bytes
 from recompute_bench.analysis.megatron.run import MiB, MegatronRun
 from recompute_bench.models import ELEMENT_BYTES, MASK_BYTES
 from recompute_bench.spec.config import Config
@@ -33,6 +34,12 @@ def torch_cublas_workspace_bytes(run: MegatronRun) -> float:
     return 4096 * 8 * 1024 if 90 <= run.compute_capability < 130 else 4096 * 1024 * 2 + 16 * 1024 * 8
 
 
+TE_GROUPED_GEMM_STREAMS = 4
+"""Transformer Engine's grouped GEMM takes one workspace per compute stream
+(cpp_extensions/gemm.py `get_cublas_workspace(..., grouped_gemm=True)`, `tex.get_num_cublas_streams()`:
+common/util/multi_stream.cpp `num_compute_streams = 4`), beside the single GEMMs' one."""
+
+
 TORCH_CUBLAS_HANDLES = 2
 """torch keeps one workspace per (cuBLAS handle, stream): the main thread's handle runs the forward,
 and the autograd engine's device thread takes a second handle from the pool for the backward
@@ -52,11 +59,29 @@ def local_attention_buffer_bytes(cfg: Config) -> float:
 
 def buffer_bytes(cfg: Config, run: MegatronRun) -> dict[str, float]:
     """The buffers a Megatron rank holds for the whole run besides parameters and optimizer state."""
+    m = cfg.model
     out = {"torch cuBLAS workspaces": TORCH_CUBLAS_HANDLES * torch_cublas_workspace_bytes(run)}
-    if cfg.model.transformer_impl == "transformer_engine":
+    gathered = allgather_buffer_bytes(cfg)
+    # A MoE router's gating GEMM is TE's general_gemm wherever TE is importable (moe_utils.py
+    # RouterGatingLinearFunction), as in every Megatron container, local layers or not.
+    if m.transformer_impl == "transformer_engine" or m.num_moe_experts:
         out["Transformer Engine cuBLAS workspace"] = te_cublas_workspace_bytes(run)
+    if m.num_moe_experts and m.moe_grouped_gemm and m.transformer_impl == "transformer_engine":
+        out["Transformer Engine grouped-GEMM workspaces"] = TE_GROUPED_GEMM_STREAMS * te_cublas_workspace_bytes(run)
+    if m.transformer_impl == "transformer_engine":
+        if gathered:
+            out["MoE allgather dispatcher's gathered tokens"] = gathered
     else:
-        out["attention score buffer (local)"] = local_attention_buffer_bytes(cfg)
+        # GlobalMemoryBuffer keeps one tensor per (name, dtype), grown to the largest request: the
+        # local attention's scores, the local linears' sequence-parallel gather of their [s, b, h]
+        # input (tensor_parallel/layers.py) and the allgather dispatcher's tokens share "mpu"
+        tr, m = cfg.training, cfg.model
+        sp = ELEMENT_BYTES[tr.precision] * tr.seq_length * tr.micro_batch_size * m.hidden_size \
+            if cfg.parallel.sequence_parallel else 0.0
+        users = {"attention score buffer (local)": local_attention_buffer_bytes(cfg),
+                 "sequence-parallel gather buffer (local)": sp, "MoE allgather dispatcher's gathered tokens": gathered}
+        name = max(users, key=users.get)
+        out[name] = users[name]
         if not softmax_fused(cfg, run):  # fused_softmax.py get_default_causal_mask is lru-cached
             out["causal mask (local softmax)"] = MASK_BYTES * cfg.training.seq_length ** 2
     return out

@@ -12,19 +12,31 @@ from recompute_bench.analysis.megatron.attention import attention_path, attentio
 from recompute_bench.analysis.megatron.context_parallel import (attention_backward_bytes, attention_forward_bytes,
                                                                 layer_attention, rank_tokens)
 from recompute_bench.analysis.megatron.mla import mla_attention_saved
+from recompute_bench.analysis.megatron.moe import moe_backward_bytes, moe_saved_bytes
 from recompute_bench.analysis.megatron.run import MegatronRun
 from recompute_bench.models import ELEMENT_BYTES, FP32_BYTES, MASK_BYTES, SavedBytes
 from recompute_bench.spec.config import Config
 
-def layer_saved_bytes(cfg: Config, run: MegatronRun, modules: Iterable[str] = (), layer: int = 0) -> dict[str, float]:
-    """Bytes Megatron GPT layer `layer` (0-based; layers differ only in their cp_comm_type) keeps
-    for backward, one micro-batch on one tensor-parallel rank, storage by storage (names after the
-    module that keeps each), when `modules` are recomputed selectively: core_attn (attention.py
-    `_checkpointed_attention_forward`), mlp (transformer_layer.py checkpoints `self.mlp`, which with
-    TE includes fc1's fused norm), layernorm (transformer_layer.py `CheckpointWithoutOutput` around
-    the local spec's norms, whose output is dropped once the next linear saved it; TE's norms are
-    fused into the linear, its IdentityOp norms leave nothing to recompute). Under context parallel
-    every tensor holds the rank's s/cp tokens (`context_parallel.rank_tokens`)."""
+def is_moe_layer(cfg: Config, layer: int, moe: bool | None = None) -> bool:
+    """Whether layer `layer` (0-based) is a mixture-of-experts layer (moe_layer_freq), unless `moe`
+    says which kind to count."""
+    return bool(cfg.model.moe_layer_pattern[layer]) if moe is None else moe
+
+
+def layer_saved_bytes(cfg: Config, run: MegatronRun, modules: Iterable[str] = (), layer: int = 0,
+                      routing: str = "balanced", moe: bool | None = None) -> dict[str, float]:
+    """Bytes Megatron GPT layer `layer` (0-based; layers differ in their kind, dense or MoE, and
+    their cp_comm_type) keeps for backward, one micro-batch on one tensor-parallel rank, storage by
+    storage (names after the module that keeps each), when `modules` are recomputed selectively:
+    core_attn (attention.py `_checkpointed_attention_forward`), mlp (transformer_layer.py
+    checkpoints `self.mlp`, which with TE includes fc1's fused norm; a MoE layer's MLP is not
+    recomputed by it), layernorm (transformer_layer.py `CheckpointWithoutOutput` around the local
+    spec's norms, whose output is dropped once the next linear saved it; TE's norms are fused into the
+    linear, its IdentityOp norms leave nothing to recompute). A MoE layer keeps the attention's terms
+    and, in the MLP's place, its norm and MoE block (`moe.moe_saved_bytes`, under the `routing`
+    assumption); `moe` overrides the layer's kind. Under context parallel every tensor holds the
+    rank's s/cp tokens (`context_parallel.rank_tokens`)."""
+    moe = is_moe_layer(cfg, layer, moe)
     m, tr = cfg.model, cfg.training
     e, tokens, h, f = ELEMENT_BYTES[tr.precision], rank_tokens(cfg), m.hidden_size, m.ffn_hidden_size
     mods = set(modules)
@@ -35,7 +47,7 @@ def layer_saved_bytes(cfg: Config, run: MegatronRun, modules: Iterable[str] = ()
     # TE's _LayerNormLinear.forward saves `inputmat` and `ln_out` (and mu, rsigma); the local spec's
     # norm saves its input and statistics and ColumnParallelLinear saves the norm's output.
     mla = m.multi_latent_attention
-    for block in ("linear_qkv", "linear_fc1"):
+    for block in ("linear_qkv",) if moe else ("linear_qkv", "linear_fc1"):
         name = block if te else {"linear_qkv": "input_layernorm", "linear_fc1": "pre_mlp_layernorm"}[block]
         # MLA's spec keeps input_layernorm a TENorm of its own (layernorm recompute applies to it):
         # TE's norm op saves its input and statistics, the down projections its output
@@ -54,7 +66,10 @@ def layer_saved_bytes(cfg: Config, run: MegatronRun, modules: Iterable[str] = ()
                 attention_saved(saved, cfg, run, mods, layer)
             if m.hidden_dropout > 0:  # fused_bias_dropout.py: the dropout mask of bias-dropout-add
                 saved.add("self_attn_bda.dropout_mask", MASK_BYTES * tokens * h, "sp")
-    if "mlp" not in mods:
+    if moe:
+        for name, nbytes in moe_saved_bytes(cfg, mods, routing).items():
+            saved.add(name, nbytes, "none")  # already one rank's
+    elif "mlp" not in mods:
         # fused bias_swiglu (SwiGLUFunction) saves fc1's output only; bias_gelu (GeLUFunction) saves
         # fc1's output, and the activation's output is fc2's input
         saved.add("linear_fc1.output", e * tokens * (2 * f if m.activation == "swiglu" else f), "tp")
@@ -65,20 +80,23 @@ def layer_saved_bytes(cfg: Config, run: MegatronRun, modules: Iterable[str] = ()
     return saved.per_rank(par.tensor_model_parallel_size, par.sequence_parallel)
 
 
-def layer_bytes(cfg: Config, run: MegatronRun, modules: Iterable[str] = (), layer: int = 0) -> float:
+def layer_bytes(cfg: Config, run: MegatronRun, modules: Iterable[str] = (), layer: int = 0,
+                routing: str = "balanced", moe: bool | None = None) -> float:
     """Sum of `layer_saved_bytes`."""
-    return sum(layer_saved_bytes(cfg, run, modules, layer).values())
+    return sum(layer_saved_bytes(cfg, run, modules, layer, routing, moe).values())
 
 
-def layer_backward_bytes(cfg: Config, run: MegatronRun, layer: int = 0) -> float:
+def layer_backward_bytes(cfg: Config, run: MegatronRun, layer: int = 0, routing: str = "balanced",
+                         moe: bool | None = None) -> float:
     """What one layer's backward holds beyond the saved tensors, at its most: the MLP's, where the
     largest gradients meet (linear_fc2's data gradient [s, b, f] and the activation's backward
-    output, the gradient of fc1's output, both in 16 bits), or under context parallel the
-    attention's, whichever is more (`context_parallel.attention_backward_bytes`)."""
+    output, the gradient of fc1's output, both in 16 bits; a MoE layer's experts',
+    `moe.moe_backward_bytes`), or under context parallel the attention's, whichever is more
+    (`context_parallel.attention_backward_bytes`)."""
     tr, m = cfg.training, cfg.model
     e, tokens, t = ELEMENT_BYTES[tr.precision], rank_tokens(cfg), cfg.parallel.tensor_model_parallel_size
     fc1 = 2 * m.ffn_hidden_size if m.activation == "swiglu" else m.ffn_hidden_size
-    mlp = e * tokens * (m.ffn_hidden_size + fc1) / t
+    mlp = moe_backward_bytes(cfg, routing) if is_moe_layer(cfg, layer, moe) else e * tokens * (m.ffn_hidden_size + fc1) / t
     cp_attention = layer_attention(cfg, layer)
     if cp_attention is None:
         return mlp

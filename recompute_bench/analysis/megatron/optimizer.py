@@ -9,7 +9,7 @@ from recompute_bench.analysis.megatron.context_parallel import optimizer_shards
 from recompute_bench.models import ELEMENT_BYTES, FP32_BYTES
 from recompute_bench.spec.config import Config
 
-def bytes_per_parameter(cfg: Config) -> dict[str, float]:
+def bytes_per_parameter(cfg: Config, expert: bool = False) -> dict[str, float]:
     """Megatron's bytes per parameter on a rank, item by item.
 
     - weights: params_dtype (arguments.py: bf16, fp16 or fp32). With the distributed optimizer they
@@ -28,9 +28,11 @@ def bytes_per_parameter(cfg: Config) -> dict[str, float]:
     - the precision-aware optimizer (--use-precision-aware-optimizer) keeps master weights and
       moments in their own dtypes and reads the gradients in place.
     DDP's padding (64-element parameter starts, bucket ends to lcm(dp, 128) with the distributed
-    optimizer) adds under 0.01% here and is left out."""
+    optimizer) adds under 0.01% here and is left out. The routed experts' parameters (`expert`) are
+    sharded over the expert-data-parallel group instead (optimizer/__init__.py builds their optimizer
+    over `expt_dp`)."""
     precision, tr = cfg.training.precision, cfg.training
-    shards = distributed_optimizer_shards(cfg)
+    shards = distributed_optimizer_shards(cfg, expert)
     weights = ELEMENT_BYTES[precision]
     if precision == "fp32":
         return {"weights": 4, "main gradients": 4, "master weights": 0, "Adam moments": 8 / shards,
@@ -76,14 +78,16 @@ def precision_aware_holds_master(cfg: Config) -> bool:
     return tr.main_params_dtype != "fp32" or tr.precision != "fp8" or tr.fp8_recipe == "delayed"
 
 
-def distributed_optimizer_shards(cfg: Config) -> int:
+def distributed_optimizer_shards(cfg: Config, expert: bool = False) -> int:
     """Ranks the optimizer state is sharded over: 1 without the distributed optimizer; with it, the
     data-parallel group, or with several instances (--num-distributed-optimizer-instances) the group
     within one instance, dp x cp / instances: optimizer/__init__.py `get_megatron_optimizer` builds the
     DistributedOptimizer on `intra_dp_cp_group` (parallel_state.py: dp x cp / instances ranks;
     `context_parallel.optimizer_shards` is dp x cp), and distributed_data_parallel.py
-    reduce-scatters the gradients within it and all-reduces them across the instances."""
+    reduce-scatters the gradients within it and all-reduces them across the instances. The routed
+    experts' state is sharded over the expert-data-parallel group (tp x cp x dp / (etp x ep))."""
     par = cfg.parallel
     if not par.use_distributed_optimizer:
         return 1
-    return optimizer_shards(cfg) // par.num_distributed_optimizer_instances
+    group = par.expert_data_parallel_size if expert else optimizer_shards(cfg)
+    return max(1, group // par.num_distributed_optimizer_instances)

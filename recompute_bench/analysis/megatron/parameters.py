@@ -11,7 +11,9 @@ last stage's copy of a tied embedding)."""
 from __future__ import annotations
 
 from recompute_bench.analysis.megatron.mla import mla_attention_parameters
-from recompute_bench.models import spec_for, vocab_rows
+from recompute_bench.analysis.megatron.moe import moe_layer_parameters
+from recompute_bench.models import vocab_rows
+from recompute_bench.models.dense.spec import DENSE
 from recompute_bench.spec.config import Config
 from recompute_bench.spec.pipeline_split import ModelChunk, model_chunks
 
@@ -39,7 +41,7 @@ def layer_parameters(cfg: Config) -> float:
         sharded += h * fc1 + bias * fc1 + m.ffn_hidden_size * h
         replicated += norm_parameters(cfg, h) + bias * h
         return sharded / t + replicated
-    dense = spec_for(m).layer_parameters(cfg)
+    dense = DENSE.layer_parameters(cfg)  # a dense layer's, also in a MoE model (its MLP is swapped below)
     sharded, replicated = dense["sharded"] * t, dense["replicated"]
     qkv_width = (a + 2 * g) * d + (a * d if m.attention_output_gate else 0)
     if m.attention_output_gate:  # the gate's columns, with their bias where linear_qkv has one
@@ -51,24 +53,58 @@ def layer_parameters(cfg: Config) -> float:
     return sharded / t + replicated
 
 
-def chunk_parameters(cfg: Config, chunk: ModelChunk, holds_embedding: bool) -> float:
-    """A model chunk's parameters on one rank: its layers, and the embedding (the padded
-    vocabulary's rows over tp, learned absolute positions whole), or the final norm and the output
-    layer (tied to the embedding: a copy of it unless this rank `holds_embedding` too)."""
+def layer_parameter_groups(cfg: Config, layer: int) -> dict[str, float]:
+    """Layer `layer`'s parameters on one rank by the group their gradients are reduced and sharded
+    over: "dense" (attention, norms, a dense MLP, the router and shared experts: the data-parallel
+    group) and "expert" (the routed experts: the expert-data-parallel group;
+    distributed_data_parallel.py keeps them in their own `expert_parallel_buffers`). A MoE layer
+    (moe_layer_freq) is a dense layer whose MLP is replaced by `moe.moe_layer_parameters`."""
+    dense = layer_parameters(cfg)
+    if not cfg.model.moe_layer_pattern[layer]:
+        return {"dense": dense, "expert": 0.0}
+    m, t = cfg.model, cfg.parallel.tensor_model_parallel_size
+    fc1 = 2 * m.ffn_hidden_size if m.activation == "swiglu" else m.ffn_hidden_size
+    bias = 1 if m.add_bias_linear else 0
+    # the dense MLP's weights and fc1 bias over tp, fc2's bias whole, and the fused norm in fc1
+    dense_mlp = (m.hidden_size * fc1 + bias * fc1 + m.ffn_hidden_size * m.hidden_size) / t + bias * m.hidden_size \
+        + norm_parameters(cfg, m.hidden_size)
+    moe = moe_layer_parameters(cfg)
+    return {"dense": dense - dense_mlp + moe["dense"], "expert": moe["expert"]}
+
+
+def chunk_parameter_groups(cfg: Config, chunk: ModelChunk, holds_embedding: bool) -> dict[str, float]:
+    """A model chunk's parameters on one rank, by group (`layer_parameter_groups`): its layers, and
+    the embedding (the padded vocabulary's rows over tp, learned absolute positions whole), or the
+    final norm and the output layer (tied to the embedding: a copy of it unless this rank
+    `holds_embedding` too)."""
     m, t = cfg.model, cfg.parallel.tensor_model_parallel_size
     vocab = vocab_rows(cfg) * m.hidden_size / t
-    n = chunk.layers * layer_parameters(cfg)
+    groups = {"dense": 0.0, "expert": 0.0}
+    for i in range(chunk.first_layer, chunk.first_layer + chunk.layers):
+        for group, count in layer_parameter_groups(cfg, i).items():
+            groups[group] += count
+    n = 0.0
     if chunk.embedding:
         n += vocab + (m.max_position_embeddings * m.hidden_size if m.position_embedding_type == "learned_absolute" else 0)
     if chunk.loss:
         n += norm_parameters(cfg, m.hidden_size)
         if not m.share_embeddings_and_output_weights or not holds_embedding:
             n += vocab
-    return n
+    groups["dense"] += n
+    return groups
+
+
+def stage_parameter_groups(cfg: Config, stage: int) -> dict[str, float]:
+    """Parameters on one rank of pipeline stage `stage`, by group: its model chunks'."""
+    chunks = model_chunks(cfg, stage)
+    holds_embedding = any(c.embedding for c in chunks)
+    groups = {"dense": 0.0, "expert": 0.0}
+    for c in chunks:
+        for group, count in chunk_parameter_groups(cfg, c, holds_embedding).items():
+            groups[group] += count
+    return groups
 
 
 def stage_parameters(cfg: Config, stage: int) -> float:
     """Parameters on one rank of pipeline stage `stage`: its model chunks'."""
-    chunks = model_chunks(cfg, stage)
-    holds_embedding = any(c.embedding for c in chunks)
-    return sum(chunk_parameters(cfg, c, holds_embedding) for c in chunks)
+    return sum(stage_parameter_groups(cfg, stage).values())

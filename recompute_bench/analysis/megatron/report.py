@@ -9,6 +9,7 @@ from recompute_bench.analysis.layer import checkpoint_input_bytes
 from recompute_bench.analysis.megatron.attention import attention_path
 from recompute_bench.analysis.megatron.context_parallel import context_parallel_report, optimizer_shards, rank_tokens
 from recompute_bench.analysis.megatron.layer import layer_backward_bytes, layer_bytes, layer_saved_bytes
+from recompute_bench.analysis.megatron.moe import ROUTINGS, routed_rows
 from recompute_bench.analysis.megatron.outside import embedding_saved_bytes, loss_saved_bytes, output_saved_bytes
 from recompute_bench.analysis.megatron.run import MegatronRun
 from recompute_bench.analysis.megatron.stage import StagePeak, chunk_bytes, stage_peaks
@@ -17,36 +18,45 @@ from recompute_bench.analysis.paper import (built_minus_paper_bytes, paper_flops
 from recompute_bench.analysis.planner import ESTIMATE_SCHEMA, compute, with_setting
 from recompute_bench.analysis.rank import ALLOWANCE_BYTES, ALLOWANCE_FRACTION, device_bytes_needed
 from recompute_bench.analysis.schedule import chunk_forwards_in_flight
+from recompute_bench.models import spec_for
 from recompute_bench.models.context_parallel import layer_comm_types
 from recompute_bench.recompute.settings import selective_settings
 from recompute_bench.spec.config import Config, RecomputeConfig
+from recompute_bench.spec.pipeline_split import model_chunks
 from recompute_bench.spec.rules import layers_per_model_chunk
 
 def _settings(cfg: Config) -> list[RecomputeConfig]:
     """The settings tabulated: none, every selective subset, full uniform 1 and full block at a few
     layer counts of a model chunk, and cfg's own."""
     n = layers_per_model_chunk(cfg)
-    targets = ("core_attn", "mlp", "layernorm") + (("mla_up_proj",) if cfg.model.multi_latent_attention else ())
-    out = [RecomputeConfig(), *selective_settings(targets), RecomputeConfig("full", [], "uniform", 1)]
+    offered = list(spec_for(cfg.model).recompute_targets)
+    if len(offered) <= 4:
+        selective = selective_settings(offered)
+    else:  # a MoE model offers up to seven modules: each alone and all of them
+        selective = [*selective_settings(offered)[:len(offered)], RecomputeConfig("selective", list(offered))]
+    out = [RecomputeConfig(), *selective, RecomputeConfig("full", [], "uniform", 1)]
     out += [RecomputeConfig("full", [], "block", k) for k in sorted({1, n // 4, n // 2, 3 * n // 4, n} - {0})]
     if cfg.recompute.label not in {r.label for r in out}:
         out.insert(0, cfg.recompute)
     return out
 
 
-def setting_estimate(cfg: Config, run: MegatronRun) -> dict[str, Any]:
-    """One recompute setting: Megatron's bytes per layer and per stage, the peak rank, FLOPs."""
-    par = cfg.parallel
-    vp = par.virtual_pipeline_model_parallel_size or 1
-    layers = layers_per_model_chunk(cfg)
-    chunk = chunk_bytes(cfg, run, layers)
-    peak = max(stage_peaks(cfg, run), key=lambda r: r.peak_allocated_bytes)
+def setting_estimate(cfg: Config, run: MegatronRun, routing: str = "balanced") -> dict[str, Any]:
+    """One recompute setting: Megatron's bytes per layer and per stage (the peak stage's model
+    chunks; MoE layers under the `routing` assumption), the peak rank, FLOPs."""
+    peak = max(stage_peaks(cfg, run, routing), key=lambda r: r.peak_allocated_bytes)
+    built = model_chunks(cfg, peak.stage)
+    chunks = [chunk_bytes(cfg, run, c.layers, c.first_layer, routing) for c in built]
+    last = built[-1]
+    transient = max((layer_backward_bytes(cfg, run, i, routing) for i in range(last.first_layer, last.first_layer + last.layers)),
+                    default=0.0)
+    stored = sum(c.stored for c in chunks)
     return {
         "label": cfg.recompute.label,
         "recompute": cfg.record_fields()["recompute"],
-        "activation_bytes_per_layer": chunk.stored / layers,
-        "stage_activation_bytes": vp * chunk.stored,
-        "stage_activation_peak_bytes": (vp - 1) * chunk.stored + chunk.backward - layer_backward_bytes(cfg, run),
+        "activation_bytes_per_layer": stored / max(1, sum(c.layers for c in built)),
+        "stage_activation_bytes": stored,
+        "stage_activation_peak_bytes": stored - chunks[-1].stored + chunks[-1].backward - transient,
         "peak_allocated_bytes": peak.peak_allocated_bytes,
         "peak_stage": peak.stage,
         "peak_phase": peak.phase,
@@ -79,10 +89,11 @@ def estimate_report(cfg: Config, run: MegatronRun, allowance_fraction: float = A
                            "paper_bytes": paper_layer_bytes(local, tr.micro_batch_size, m.hidden_size,
                                                             m.num_attention_heads, par.tensor_model_parallel_size,
                                                             par.sequence_parallel, kind),
-                           "built_bytes": checkpoint_input_bytes(cfg) if modules is None else layer_bytes(cfg, run, modules),
+                           "built_bytes": checkpoint_input_bytes(cfg) if modules is None else
+                           layer_bytes(cfg, run, modules, moe=bool(m.num_moe_experts and m.moe_layers)),
                            "paper_flops": paper_flops_per_step(cfg, kind)})
     path = attention_path(cfg, run)
-    differences = [d for d in paper_layer_differences(cfg, "cuda") if not d.startswith("attention runs")
+    differences = [d for d in paper_layer_differences(cfg, "cuda") if not d.startswith(("attention runs", "routing is"))
                    and not (cp > 1 and d.startswith("RoPE"))]
     if path in ("flash", "fused"):
         differences.insert(0, f"attention runs Transformer Engine's {path} kernel, not the paper's explicit softmax path")
@@ -111,12 +122,13 @@ def estimate_report(cfg: Config, run: MegatronRun, allowance_fraction: float = A
         "allowance": {"fraction": allowance_fraction, "bytes": allowance_bytes},
         "setting": {**setting_estimate(cfg, run),
                     "device_bytes_needed": device_bytes_needed(peak.peak_allocated_bytes, allowance_fraction, allowance_bytes),
-                    "layer_saved_bytes": layer_saved_bytes(cfg, run, modules),
+                    "layer_saved_bytes": layer_saved_bytes(cfg, run, modules, moe=bool(m.num_moe_experts and m.moe_layers)),
                     "breakdown": dict(peak.items), "parameters_on_rank": peak.parameters},
         "stages": [_stage_row(r, allowance_fraction, allowance_bytes) for r in stages],
         "settings": settings,
         "paper": {"differences": differences, "norm_stats_bytes": built_minus_paper_bytes(cfg, "cuda") / cp,
                   "rows": paper_rows},
+        "routing": _routing(cfg, run, peak),
         "other_optimizer": None if optimizer_shards(cfg) == 1 else {
             "use_distributed_optimizer": not par.use_distributed_optimizer,
             "peak_allocated_bytes": max(r.peak_allocated_bytes for r in stage_peaks(
@@ -124,15 +136,29 @@ def estimate_report(cfg: Config, run: MegatronRun, allowance_fraction: float = A
     }
 
 
+def _routing(cfg: Config, run: MegatronRun, peak: StagePeak) -> dict[str, Any] | None:
+    """The routing assumption of a MoE model's estimate and the spread it implies (moe.py): the rows
+    a MoE layer's experts run on a rank per micro-batch and the whole-rank peak, balanced (the
+    estimate) and at the bound (every token of the dispatch group routed to this rank's experts)."""
+    if not cfg.model.num_moe_experts:
+        return None
+    bound = max(stage_peaks(cfg, run, "bound"), key=lambda r: r.peak_allocated_bytes)
+    return {"assumption": "balanced", "routed_rows": {r: routed_rows(cfg, r) for r in ROUTINGS},
+            "peak_allocated_bytes": {"balanced": peak.peak_allocated_bytes, "bound": bound.peak_allocated_bytes},
+            "dispatcher": cfg.model.moe_token_dispatcher_type}
+
+
 def record_estimate(cfg: Config, run: MegatronRun) -> dict[str, float]:
     """What a result record carries beside a Megatron run's measured figures (the keys of
     `rank.record_estimate`): one micro-batch's activations over the whole model and per layer, as
     Megatron's layers keep them, the hardware FLOPs, and the peak of the most loaded stage."""
-    layers = layers_per_model_chunk(cfg)
-    per_layer = chunk_bytes(cfg, run, layers).stored / layers
+    # every model chunk of every stage (their layer kinds differ with moe_layer_freq)
+    total = sum(chunk_bytes(cfg, run, c.layers, c.first_layer).stored
+                for stage in range(cfg.parallel.pipeline_model_parallel_size) for c in model_chunks(cfg, stage))
+    per_layer = total / cfg.model.num_layers
     outside = embedding_saved_bytes(cfg) + output_saved_bytes(cfg) + loss_saved_bytes(cfg)
     return {
-        "estimated_activation_bytes": per_layer * cfg.model.num_layers + outside,
+        "estimated_activation_bytes": total + outside,
         "estimated_activation_bytes_per_layer": per_layer,
         "estimated_hardware_flops_per_step": compute(cfg, "cuda")["hardware_flops_per_step"],
         "estimated_peak_allocated_bytes": max(r.peak_allocated_bytes for r in stage_peaks(cfg, run)),
