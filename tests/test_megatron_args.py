@@ -111,7 +111,7 @@ def test_the_mapped_flags_give_estimate_the_same_config():
 
 @pytest.mark.parametrize("argument,value,words", [
     ("--context-parallel-size", 2, "context parallelism"),
-    ("--fp8-format", "hybrid", "FP8"),
+    ("--fp8-dot-product-attention", True, "FP8 attention"),
     ("--use-torch-fsdp2", True, "FSDP"),
     ("--decoder-first-pipeline-num-layers", 2, "uneven pipeline"),
     ("--experimental-attention-variant", "gated_delta_net", "attention variants"),

@@ -36,7 +36,11 @@ LATER_KEYS = ("num_moe_experts", "moe_router_topk", "moe_ffn_hidden_size", "moe_
               "moe_expert_capacity_factor", "moe_token_drop_policy", "framework", "transformer_impl",
               "masked_softmax_fusion", "attention_softmax_in_fp32", "cross_entropy_loss_fusion",
               "pipeline_parallel_schedule", "context_parallel_size", "cp_comm_type",
-              "fp8_recipe", "fp8_format", "fp8_param_gather")
+              "fp8_recipe", "fp8_format", "fp8_param_gather",
+              # FP8, CUDA graphs and offload (framework megatron)
+              "fp8_amax_history_len", "first_last_layers_bf16", "num_layers_at_start_in_bf16",
+              "num_layers_at_end_in_bf16", "cuda_graph_impl", "cuda_graph_modules", "cuda_graph_warmup_steps",
+              "fine_grained_activation_offloading", "offload_modules")
 # The default of a field that has none (the model's shape): a record must hold it.
 REQUIRED = object()
 # Recompute fields whose attribute is not already Megatron's argument name.

@@ -1,10 +1,14 @@
 """The attention path a Megatron layer runs and what each path keeps for backward.
 
+Attention itself stays 16-bit under FP8 (fp8_dot_product_attention off); only linear_proj's saved
+input changes (fp8.py).
+
 Sources: megatron/core/transformer/attention.py, dot_product_attention.py, fusions/fused_softmax.py;
 transformer_engine/pytorch/attention/dot_product_attention/{backends,utils,softmax}.py."""
 
 from __future__ import annotations
 
+from recompute_bench.analysis.megatron.fp8 import linear_input_bytes, proj_saves_original_input, runs_fp8
 from recompute_bench.analysis.megatron.run import MegatronRun
 from recompute_bench.models import ELEMENT_BYTES, FP32_BYTES, MASK_BYTES, SavedBytes
 from recompute_bench.spec.config import Config
@@ -38,20 +42,24 @@ def attention_saved(saved: SavedBytes, cfg: Config, run: MegatronRun, mods: set[
     q = ("rotary.query", e * tokens * a * d) if rope else ("query.reshape", e * tokens * a * d) if g != a else qkv
     k = ("rotary.key", e * tokens * g * d) if rope else qkv
     out = ("core_attention.output", e * tokens * a * d)  # [s, b, h/t]: linear_proj's input
+    # linear_proj keeps that output, or under FP8 delayed scaling its own FP8 copy (fp8.py
+    # `proj_saves_original_input`), and the 16-bit output stays only where the kernel saves it.
+    proj_copy = runs_fp8(cfg) and not proj_saves_original_input(cfg)
+    proj = ("linear_proj.input", linear_input_bytes(cfg, tokens * a * d, a * d)) if proj_copy else out
     path = attention_path(cfg, run)
-    if "core_attn" in mods:  # tensor_parallel.checkpoint saves q, k, v and the output
-        for name, nbytes in (q, k, qkv, out):
+    if "core_attn" in mods:  # tensor_parallel.checkpoint saves q, k, v; linear_proj the output
+        for name, nbytes in (q, k, qkv, proj):
             saved.add(name, nbytes, "tp")
         return
     if path == "fused":  # FusedAttnFunc saves q, k, v as given, the output, the softmax statistics
-        for name, nbytes in (q, k, qkv, out):
+        for name, nbytes in (q, k, qkv, out, proj):
             saved.add(name, nbytes, "tp")
         saved.add("core_attention.softmax_stats", FP32_BYTES * b * a * s, "tp")
     elif path == "flash":  # FlashAttention.forward: contiguous [b, s, heads, d] copies of q, k, v;
         # flash-attn saves its own output; `output.contiguous()` is the [s, b, h] copy linear_proj keeps
         saved.add("core_attention.qkv_bshd", e * tokens * (a + 2 * g) * d, "tp")
         saved.add("core_attention.flash_output", e * tokens * a * d, "tp")
-        saved.add(*out, "tp")
+        saved.add(*proj, "tp")
         saved.add("core_attention.softmax_lse", FP32_BYTES * b * a * s, "tp")
     else:  # unfused (TE) and local (Megatron): QK^T, softmax, dropout, times V, in 16 bits
         scores = b * a * s * s
@@ -65,7 +73,7 @@ def attention_saved(saved: SavedBytes, cfg: Config, run: MegatronRun, mods: set[
         if m.attention_dropout > 0:
             saved.add("core_attention.dropout_mask", MASK_BYTES * scores, "tp")
             saved.add("core_attention.dropout_output", e * scores, "tp")
-        saved.add(*out, "tp")  # context.permute(...).contiguous()
+        saved.add(*proj, "tp")  # context.permute(...).contiguous(), or linear_proj's FP8 copy of it
 
 
 def _batch_per_block(seq_length: int) -> int:
