@@ -16,6 +16,11 @@ MOE_OFFLOAD_MODULES = ("expert_fc1", "moe_act", "fused_group_mlp")
 MOE_GRAPH_MODULES = ("moe", "moe_router", "moe_preprocess")
 
 
+def _list(path: str, value: object, example: str) -> None:
+    if not isinstance(value, (list, tuple)):
+        raise BadInput(f"{path} must be a list, got {value!r}; pass it as a TOML list: --set '{path}=[\"{example}\"]'")
+
+
 def validate_fp8(cfg: Config) -> None:
     """FP8 under framework megatron: TE's linears (transformer_impl transformer_engine), FP8 primary
     weights only with the distributed optimizer, no bf16 first/last layers under delayed scaling,
@@ -61,6 +66,7 @@ def validate_cuda_graphs(cfg: Config) -> None:
     modules listed; full_iteration takes none; full recompute needs full_iteration; layer-level CPU
     offloading only with full_iteration; MoE modules need MoE layers; TE's graphs need TE."""
     t, m, r = cfg.training, cfg.model, cfg.recompute
+    _list("training.cuda_graph_modules", t.cuda_graph_modules, "mlp")
     impl, modules = t.cuda_graph_impl, list(t.cuda_graph_modules)
     if impl not in CUDA_GRAPH_IMPLS:
         raise BadInput(f"cuda_graph_impl {impl!r} is not one of {', '.join(CUDA_GRAPH_IMPLS)}; pass "
@@ -114,6 +120,7 @@ def validate_offload(cfg: Config) -> None:
     core_attn, MoE modules only with MoE layers, TE's modules (Megatron Bridge
     `_validate_fine_grained_activation_offloading`)."""
     t, m, r = cfg.training, cfg.model, cfg.recompute
+    _list("recompute.offload_modules", r.offload_modules, "core_attn")
     modules = list(r.offload_modules)
     if not r.fine_grained_activation_offloading:
         if modules:

@@ -6,7 +6,7 @@ Sources: megatron/core/pipeline_parallel/schedules.py, megatron/core/tensor_para
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from recompute_bench.analysis.layer import checkpoint_input_bytes
 from recompute_bench.analysis.megatron.buffers import buffer_bytes, fp8_scaling_bytes
@@ -101,9 +101,13 @@ class StagePeak:
     phase: str
     gradient_copies_bytes: float = 0.0
     """fp16 runs' fp32 gradient copies: held from the optimizer step until the next step begins."""
-    adam_bytes: float = 0.0
-    """The Adam moments, held after every step (missing from `items` where the peak falls in a
-    phase before the first step: an early CUDA graph capture or warm-up step)."""
+    held_bytes: float | None = None
+    """What the rank holds all run once a step is done (`static_items`), where `items` leave part of
+    it out: a peak before the first step (no Adam moments yet) or before the CUDA graph capture
+    (no static buffers yet)."""
+    phase_peaks: dict[str, float] = field(default_factory=dict)
+    """With CUDA graphs: the peak of each phase (eager warm-up step, CUDA graph capture, CUDA graph
+    replay); `items` are the highest's."""
 
     @property
     def peak_allocated_bytes(self) -> float:
@@ -114,7 +118,7 @@ class StagePeak:
         """What a rank holds after the optimizer step (Megatron logs it as mem-allocated-bytes):
         parameters, gradients, optimizer state, buffers, fp16's fp32 gradient copies."""
         held = sum(v for k, v in self.items.items() if k not in ACTIVATION_ITEMS and k != "fp32 gradient copies")
-        return held + self.gradient_copies_bytes + (0.0 if "Adam moments" in self.items else self.adam_bytes)
+        return (held if self.held_bytes is None else self.held_bytes) + self.gradient_copies_bytes
 
 
 ACTIVATION_ITEMS = ("activations of the other micro-batches in flight", "activations of the pass at the peak",
@@ -188,13 +192,18 @@ def stage_peak(cfg: Config, stage: int, run: MegatronRun) -> StagePeak:
             return max(loss_peak_bytes(cfg) - kept, layers - output - kept)
         return layers
 
-    adam = static.get("Adam moments", 0.0)
     phases: list[tuple[str, dict[str, float], SchedulePeak]] = []
+
+    def without(*names: str) -> dict[str, float]:
+        return {k: v for k, v in static.items() if k not in names}
+
     if impl == "none" or steps >= 1:  # the eager steps (all of them without graphs)
-        own = static if impl == "none" or steps >= 2 else {k: v for k, v in static.items() if k != "Adam moments"}
-        phases.append(("" if impl == "none" else " (eager warm-up step)", own, schedule_peak(cfg, stage, stored, backward, forward)))
+        # TE's per-layer static buffers come with the capture (TECudaGraphHelper.create_cudagraphs)
+        absent = (*static_buffer_bytes(cfg, stage, per), *(() if impl == "none" or steps >= 2 else ("Adam moments",)))
+        phases.append(("" if impl == "none" else " (eager warm-up step)", without(*absent),
+                       schedule_peak(cfg, stage, stored, backward, forward)))
     if impl != "none":
-        at_capture = static if steps >= 1 else {k: v for k, v in static.items() if k != "Adam moments"}
+        at_capture = static if steps >= 1 else without("Adam moments")
         if full_iteration:  # the captured step allocates as an eager one does, into the pool
             phases.append((" (CUDA graph capture)", at_capture, schedule_peak(cfg, stage, stored, backward, forward)))
         else:
@@ -205,6 +214,7 @@ def stage_peak(cfg: Config, stage: int, run: MegatronRun) -> StagePeak:
             phases.append((" (CUDA graph replay)", static, schedule_peak(
                 cfg, stage, lambda c: stored(c) - chunk[c].pool,
                 lambda c: backward(c) - (transient if mlp_graphed and not loses(c) else 0.0), forward)))
+    totals = {(label.strip(" ()") or "eager"): sum(held.values()) + peak.total for label, held, peak in phases}
     label, held, peak = max(phases, key=lambda ph: sum(ph[1].values()) + ph[2].total)
     items = {**held, "activations of the other micro-batches in flight": peak.others,
              "activations of the pass at the peak": peak.own, "transient of the pass at the peak": peak.transient}
@@ -213,7 +223,7 @@ def stage_peak(cfg: Config, stage: int, run: MegatronRun) -> StagePeak:
     copies = bytes_per_parameter(cfg)["fp32 gradient copies"] * params
     if copies > peak.total:  # the optimizer step holds the copies instead of activations
         items, phase = {**static, "fp32 gradient copies": copies}, "the optimizer step"
-    return StagePeak(stage, params, items, phase, copies, adam)
+    return StagePeak(stage, params, items, phase, copies, sum(static.values()), totals if len(totals) > 1 else {})
 
 
 def stage_peaks(cfg: Config, run: MegatronRun) -> list[StagePeak]:
