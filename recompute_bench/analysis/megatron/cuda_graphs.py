@@ -46,10 +46,11 @@ from recompute_bench.spec.config import Config
 
 PER_LAYER = ("transformer_engine", "local")
 
-# Storages of a dense layer (layer.py / attention.py names) by the part of
-# TransformerLayer.forward that saves them: `_forward_attention` or `_forward_mlp`.
-_ATTENTION_PREFIXES = ("linear_qkv.", "input_layernorm.", "core_attention.", "rotary.", "query.", "linear_proj.",
-                       "self_attn_bda.")
+# Storages by the part of TransformerLayer.forward that saves them: `_forward_mlp` from the MLP's
+# norm on (a dense MLP's layer.py names; a MoE layer's router, dispatcher, experts), else
+# `_forward_attention` (the norm, MHA or MLA, the residual add).
+_MLP_PREFIXES = ("pre_mlp_layernorm.", "linear_fc1.", "linear_fc2.", "mlp_bda.", "mlp.", "moe", "router",
+                 "token_dispatcher", "experts", "shared_experts")
 
 
 def graphs(cfg: Config) -> str:
@@ -67,7 +68,7 @@ def captured_parts(cfg: Config) -> frozenset[str]:
 
 def layer_part(name: str) -> str:
     """Which part of a layer saves storage `name`: "attn" or "mlp"."""
-    return "attn" if name.startswith(_ATTENTION_PREFIXES) else "mlp"
+    return "mlp" if name.startswith(_MLP_PREFIXES) else "attn"
 
 
 def in_graph(cfg: Config, saved: dict[str, float]) -> dict[str, float]:
