@@ -21,8 +21,10 @@ Sources (Megatron-LM d98e8a6, TransformerEngine d0067d0, torch 2.13):
 
 One module per concern: `run` (the GPU kind), `buffers` (workspaces and buffers outside the
 parameters), `optimizer` (bytes per parameter), `attention` (the attention paths), `layer` (one
-dense layer), `outside` (embedding, output layer, loss, inputs), `stage` (a chunk and a stage's
-peak through the schedule), `report` (what `estimate` prints and records carry).
+dense layer), `outside` (embedding, output layer, loss, inputs), `fp8` (what Transformer Engine's
+FP8 recipes change), `cuda_graphs` (graph buffers and the eager / capture / replay phases),
+`offload` (what activation offloading takes off the device), `stage` (a chunk and a stage's peak
+through the schedule), `report` (what `estimate` prints and records carry).
 """
 
 from recompute_bench.analysis.megatron.run import COMPUTE_CAPABILITY, DEFAULT_GPU, MegatronRun
