@@ -174,13 +174,13 @@ def test_a_truncated_last_line_is_named(tmp_path):
 
 
 def test_an_argument_the_estimate_cannot_express_names_its_line(tmp_path):
-    text = MEGATRON_LOG.read_text().replace("  fp8 " + "." * 45 + " None", "  fp8 " + "." * 45 + " hybrid")
-    assert "hybrid" in text
-    log = tmp_path / "fp8.log"
+    text = MEGATRON_LOG.read_text().replace("  optimizer " + "." * 39 + " adam", "  optimizer " + "." * 39 + " sgd")
+    assert " sgd" in text
+    log = tmp_path / "sgd.log"
     log.write_text(text)
-    n = next(i for i, line in enumerate(text.splitlines(), 1) if line.startswith("  fp8 "))
+    n = next(i for i, line in enumerate(text.splitlines(), 1) if line.startswith("  optimizer "))
     line = _one_error_line(_import(tmp_path, log)[0])
-    assert f"fp8.log:{n}:" in line and "--fp8 hybrid cannot be expressed" in line
+    assert f"sgd.log:{n}:" in line and "--optimizer sgd cannot be expressed" in line
 
 
 def test_a_bridge_log_without_a_preset_says_what_to_pass(tmp_path):

@@ -111,7 +111,7 @@ def test_the_mapped_flags_give_estimate_the_same_config():
 
 @pytest.mark.parametrize("argument,value,words", [
     ("--hybrid-context-parallel", True, "hybrid context parallel"),
-    ("--fp8-format", "hybrid", "FP8"),
+    ("--fp8-dot-product-attention", True, "FP8 attention"),
     ("--use-torch-fsdp2", True, "FSDP"),
     ("--experimental-attention-variant", "gated_delta_net", "attention variants"),
     ("--qk-l2-norm", True, "L2 query/key norms"),

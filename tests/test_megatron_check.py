@@ -163,7 +163,7 @@ def test_the_allgather_dispatcher_keeps_its_gathered_tokens_all_run(data):
 def test_what_is_skipped_says_why(checked):
     _, skipped = checked
     reasons = " ".join(skipped)
-    for words in ("FP8", "FSDP", "not a training run (rl)"):
+    for words in ("FSDP", "not a training run (rl)"):
         assert words in reasons
     assert all(r.startswith(("Megatron argument", "not a training run", "GPU count unknown", "unknown recompute"))
                for r in skipped)
@@ -317,3 +317,38 @@ def test_an_imported_megatron_golden_carries_megatrons_estimate(tmp_path):
 def _yaml_args(path):
     from recompute_bench.ingest.megatron_golden import read_model_config
     return read_model_config(path)[0]
+
+
+@pytest.mark.parametrize("category,words,goldens", [
+    ("FP8", ("fp8", "first-last-layers"), 11), ("CUDA graphs", ("cuda-graph", "cuda_graph"), 10),
+    ("offload", ("offload",), 4),
+])
+def test_fp8_graph_and_offload_goldens_wait_only_on_other_categories(checked, category, words, goldens):
+    # Every golden of these categories is checked to the goal, or skipped for another category's
+    # argument (MoE, MLA, context parallel, FSDP, userbuffers, ...) or mode: none for its own.
+    rows, skipped = checked
+    figures = summary(rows, category)
+    assert figures["rows"] + skipped_in(skipped, category) == goldens
+    for reason, entries in skipped.items():
+        if any(category in entry.rsplit("[", 1)[1] for entry in entries):
+            assert not any(word in reason.split(" cannot be expressed")[0] for word in words), reason
+
+
+def test_the_fp8_goldens_activations_follow_the_fp8_terms(data):
+    # gpt3_weekly_mcore_tp2_pp2_current_scaling_native_fp8 (tensorwise, FP8 weights): its last rank
+    # peaks at the loss's forward; what it holds beyond the after-step bytes is the FP8 layers'
+    # activations and the loss: the estimate is 1.2% (H100) and 2.0% (GB200) under it, and with
+    # bf16 layers would be 3.4% and 2.6% over. The case also sets --tp-comm-overlap (userbuffers, another
+    # category's term), left out here: its after-step bytes are 101 MiB over what the estimate holds.
+    case = _case(data, "gpt3_weekly_mcore_tp2_pp2_current_scaling_native_fp8_tp_pp_sp_tp_overlap")
+    args = {k: v for k, v in case["args"].items() if k not in ("--tp-comm-overlap", "--tp-comm-overlap-cfg")}
+    cfg = config_from_megatron(args, world_size=8)
+    bf16 = config_from_megatron({k: v for k, v in args.items() if not k.startswith("--fp8")}, world_size=8)
+    for golden, fp8_error, bf16_error in (("dev_h100", -0.012, 0.034), ("dev_gb200", -0.020, 0.026)):
+        g = case["goldens"][golden]
+        measured = g["max_allocated_bytes"] - g["allocated_bytes"]
+        run = mg.MegatronRun(golden.split("_")[1], case["env"].get("CUBLAS_WORKSPACE_CONFIG"))
+        for c, error in ((cfg, fp8_error), (bf16, bf16_error)):
+            peak = mg.stage_peak(c, 1, run)
+            assert peak.phase == "the loss's forward"
+            assert (peak.peak_allocated_bytes - peak.static_bytes) / measured - 1 == pytest.approx(error, abs=0.002)

@@ -60,18 +60,12 @@ ALIASES = {"microbatch_group_size_per_virtual_pipeline_stage": "microbatch_group
 # Arguments the estimate cannot express, each with Megatron's neutral values (what leaves the rank's
 # bytes as the estimate counts them) and why. A value outside them raises CannotExpress.
 NEUTRAL: dict[str, tuple[tuple[Any, ...], str]] = {
-    "fp8": ((None,), "FP8 training is not modelled"),
-    "fp8_format": ((None,), "FP8 training is not modelled"),
-    "fp8_param_gather": ((False,), "FP8 training is not modelled"),
     "fp4": ((None,), "FP4 training is not modelled"),
     "use_torch_fsdp2": ((False,), "FSDP is not modelled for framework megatron"),
     "use_megatron_fsdp": ((False,), "FSDP is not modelled for framework megatron"),
     "use_custom_fsdp": ((False,), "FSDP is not modelled for framework megatron"),
     "experimental_attention_variant": ((None,), "attention variants (gated delta net, DSA) are not modelled"),
     "apply_residual_connection_post_layernorm": ((False,), "post-norm residuals are not modelled"),
-    "cuda_graph_impl": (("none", None), "CUDA graphs are not modelled"),
-    "enable_cuda_graph": ((False,), "CUDA graphs are not modelled"),
-    "external_cuda_graph": ((False,), "CUDA graphs are not modelled"),
     "cpu_offloading_weights": ((False,), "offloading weights is not modelled"),
     "optimizer": (("adam",), "optimizers other than Adam are not modelled"),
     "optimizer_cpu_offload": ((False,), "offloading the optimizer is not modelled"),
@@ -112,6 +106,23 @@ NEUTRAL.update({
                                           "not modelled"),
 })
 
+
+# FP8, CUDA graphs and activation offload: what the estimate models is read in `_fp8_graphs_offload`;
+# these variants of them it cannot express.
+NEUTRAL.update({
+    "fp8_dot_product_attention": ((False, None), "FP8 attention (fp8_dot_product_attention) is not modelled"),
+    "fp8_multi_head_attention": ((False, None), "FP8 multi-head attention is not modelled"),
+    "fp8_output_proj": ((False, None), "an FP8 output layer is not modelled"),
+    "fp8_wgrad": ((True, None), "FP8 with 16-bit weight gradients (--no-fp8-wgrad) is not modelled"),
+    "fp8_quantizer_factory": ((None,), "a custom FP8 recipe is not modelled"),
+    "te_precision_config_file": ((None,), "per-module Transformer Engine precision configs are not modelled"),
+    "activation_func_fp8_input_store": ((False, None), "storing the activation's input in FP8 is not modelled"),
+    "cuda_graph_retain_backward_graph": ((False, None), "CUDA graphs that retain their backward graph are not modelled"),
+    "min_offloaded_tensor_size": ((1024 * 1024, None), "a minimum offloaded tensor size other than Megatron's "
+                                  "1048576 elements is not modelled"),
+    "activation_offload_fraction": ((1.0, 1, None), "offloading a fraction of the offload groups is not modelled"),
+    "delta_offload_bytes_across_pp_ranks": ((0, None), "balancing offload bytes across pipeline ranks is not modelled"),
+})
 
 # Megatron's neutral values (TransformerConfig and arguments.py defaults) of the arguments read
 # below, where they differ from this product's defaults; a yaml or a command line gives only the
@@ -280,6 +291,7 @@ def megatron_overrides(args: Mapping[str, Any], world_size: int | None = None) -
     if a.get("cpu_offloading"):
         r["activation_offload_layers"] = a.get("cpu_offloading_num_layers") or 0
     _dense_world(a, tables)
+    _fp8_graphs_offload(a, tables)
     return tables
 
 
@@ -396,6 +408,58 @@ def _moe_overrides(a: Mapping[str, Any], m: dict[str, Any], par: dict[str, Any])
         par["expert_tensor_parallel_size"] = a["expert_tensor_parallel_size"]
     if a.get("overlap_moe_expert_parallel_comm"):
         par["overlap_moe_expert_parallel_comm"] = True
+
+
+def module_list(value: Any) -> list[str]:
+    """A Megatron list argument as recipes write it: a list, "a,b", or the yaml's "[a b]" (a
+    command line's `--flag a b` spelled inside one string)."""
+    if value is None:
+        return []
+    if isinstance(value, (list, tuple)):
+        return [str(v).strip() for v in value if str(v).strip()]
+    return [word for word in str(value).strip().strip("[]").replace(",", " ").replace("'", " ").split() if word]
+
+
+def _fp8_graphs_offload(a: Mapping[str, Any], tables: dict[str, dict[str, Any]]) -> None:
+    """FP8, CUDA graphs and fine-grained offloading, by Megatron's names: --fp8-format (a log's
+    `fp8`) makes precision fp8 (bf16 with FP8 linears), --fp8-recipe (Megatron's default delayed),
+    --fp8-param-gather, --fp8-amax-history-len, --first-last-layers-bf16 and its layer counts;
+    --cuda-graph-impl (--enable-cuda-graph is local, --external-cuda-graph transformer_engine, as
+    validate_args rewrites them), --cuda-graph-modules or the older --cuda-graph-scope ("full" is
+    the whole layer, "full_iteration" the full_iteration impl: cuda_graph_config.py),
+    --cuda-graph-warmup-steps; --fine-grained-activation-offloading and --offload-modules."""
+    tr, r = tables["training"], tables["recompute"]
+    fp8 = a.get("fp8_format") or a.get("fp8")
+    if fp8:
+        if not a.get("bf16"):
+            raise _cannot("fp8_format", fp8, "FP8 is modelled on bf16 runs (--bf16), not on fp16 or fp32 ones")
+        recipe = a.get("fp8_recipe") or "delayed"
+        if recipe not in ("delayed", "tensorwise", "blockwise", "mxfp8"):
+            raise _cannot("fp8_recipe", recipe, "only the delayed, tensorwise, blockwise and mxfp8 recipes are modelled")
+        tr.update(precision="fp8", fp8_format=str(fp8), fp8_recipe=recipe,
+                  fp8_param_gather=bool(a.get("fp8_param_gather") or a.get("fp8_param")))
+        for name in ("fp8_amax_history_len", "num_layers_at_start_in_bf16", "num_layers_at_end_in_bf16"):
+            if a.get(name) is not None:
+                tr[name] = a[name]
+        tr["first_last_layers_bf16"] = bool(a.get("first_last_layers_bf16"))
+    impl = a.get("cuda_graph_impl") or "none"
+    if impl == "none" and a.get("enable_cuda_graph"):
+        impl = "local"
+    if impl == "none" and a.get("external_cuda_graph"):
+        impl = "transformer_engine"
+    modules = module_list(a.get("cuda_graph_modules") or a.get("cuda_graph_scope"))
+    if "full_iteration" in modules:  # the deprecated scope value names the impl
+        impl, modules = "full_iteration", [x for x in modules if x != "full_iteration"]
+    if modules == ["full"]:
+        modules = []
+    if impl != "none":
+        tr["cuda_graph_impl"] = str(impl).split(".")[-1]
+        tr["cuda_graph_modules"] = [str(x).split(".")[-1] for x in modules]
+        if a.get("cuda_graph_warmup_steps") is not None:
+            tr["cuda_graph_warmup_steps"] = a["cuda_graph_warmup_steps"]
+    if a.get("fine_grained_activation_offloading"):
+        r["fine_grained_activation_offloading"] = True
+        r["offload_modules"] = module_list(a.get("offload_modules"))
 
 
 def _vocabulary(a: Mapping[str, Any]) -> int:

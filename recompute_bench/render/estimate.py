@@ -116,6 +116,8 @@ def breakdown_table(report: dict[str, Any]) -> Table:
         table.add_row(escape(name), fmt_bytes(value))
     a = report["allowance"]
     table.add_row("[bold]peak allocated[/]", f"[bold]{_gib(s['peak_allocated_bytes'])}[/]")
+    for phase, value in (s.get("phase_peaks") or {}).items():  # CUDA graphs: the peak is the most of these
+        table.add_row(escape(f"  peak of the {phase}"), _gib(value))
     table.add_row(f"allowance: {100 * a['fraction']:.0f}% allocator + {fmt_bytes(a['bytes'])} context/workspaces",
                   fmt_bytes(s["device_bytes_needed"] - s["peak_allocated_bytes"]))
     table.add_row("[bold]device memory needed[/]", f"[bold]{_gib(s['device_bytes_needed'])}[/]")

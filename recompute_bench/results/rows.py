@@ -71,7 +71,7 @@ def config_hash(record: dict) -> str:
     for name in PROTOCOL_KEYS:
         config["training"].pop(name, None)
     for f in fields():
-        if f.key in LATER_KEYS and config[f.section].get(f.attribute, f.default) == f.default:
+        if f.section in config and f.key in LATER_KEYS and config[f.section].get(f.attribute, f.default) == f.default:
             config[f.section].pop(f.attribute, None)
     blob = json.dumps({"workload": record["workload"], **config}, sort_keys=True, default=str)
     return hashlib.sha256(blob.encode()).hexdigest()[:12]

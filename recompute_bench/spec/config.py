@@ -23,6 +23,15 @@ FP8_RECIPES = ("delayed", "tensorwise", "blockwise", "mxfp8")
 Float8BlockScaling, MXFP8BlockScaling); delayed is Megatron's default."""
 FP8_FORMATS = ("hybrid", "e4m3")
 """Megatron's --fp8-format: hybrid (E4M3 forward, E5M2 gradients) or e4m3 throughout."""
+CUDA_GRAPH_IMPLS = ("none", "local", "transformer_engine", "full_iteration")
+"""Megatron's --cuda-graph-impl (TransformerConfig.cuda_graph_impl)."""
+CUDA_GRAPH_MODULES = ("attn", "mlp", "moe", "moe_router", "moe_preprocess")
+"""Megatron's --cuda-graph-modules (the older --cuda-graph-scope) of a per-layer graph; none: the
+whole layer (megatron/core/transformer/enums.py CudaGraphModule, less mamba)."""
+OFFLOAD_MODULES = ("attn_norm", "qkv_linear", "core_attn", "attn_proj", "mlp_norm", "expert_fc1", "moe_act",
+                   "fused_group_mlp")
+"""Megatron's --offload-modules (TransformerConfig.offload_modules) of fine-grained activation
+offloading, in Megatron's order."""
 ATTENTION_BACKENDS = ("sdpa", "math")
 # Megatron's `--attention-backend` (megatron/core/transformer/enums.py AttnBackend), which the estimate
 # of `framework megatron` takes; this harness runs its own two above.
@@ -353,6 +362,26 @@ class TrainingConfig:
     fp8_param_gather: bool = False
     """With precision fp8: keep the weights themselves in FP8 (Megatron's --fp8-param-gather, TE's
     fp8_model_init) instead of bf16 weights with FP8 copies."""
+    fp8_amax_history_len: int = 1
+    """With fp8_recipe delayed: the amax history each FP8 module keeps (Megatron's
+    --fp8-amax-history-len)."""
+    first_last_layers_bf16: bool = False
+    """With precision fp8: run the first num_layers_at_start_in_bf16 and the last
+    num_layers_at_end_in_bf16 layers in bf16 (Megatron's --first-last-layers-bf16)."""
+    num_layers_at_start_in_bf16: int = 1
+    """Layers at the start kept in bf16 under first_last_layers_bf16."""
+    num_layers_at_end_in_bf16: int = 1
+    """Layers at the end kept in bf16 under first_last_layers_bf16."""
+    cuda_graph_impl: str = "none"
+    """CUDA graphs (framework megatron): none, transformer_engine (TE make_graphed_callables, a
+    graph per layer and micro-batch), local (Megatron's own per-layer graphs) or full_iteration
+    (the whole forward-backward of a step); Megatron's --cuda-graph-impl."""
+    cuda_graph_modules: list[str] = field(default_factory=list)
+    """With per-layer CUDA graphs: what each layer's graph captures, any of attn, mlp, moe,
+    moe_router, moe_preprocess; empty: the whole layer (Megatron's --cuda-graph-modules, formerly
+    --cuda-graph-scope)."""
+    cuda_graph_warmup_steps: int = 3
+    """Steps Megatron runs eagerly before capturing the graphs (--cuda-graph-warmup-steps)."""
     warmup_steps: int = 2
     """Steps run before measuring."""
     measured_steps: int = 5
@@ -489,7 +518,15 @@ class RecomputeConfig:
     num_layers: Optional[int] = None
     """Full only: N, the chunk size (uniform) or the number of checkpointed layers (block)."""
     activation_offload_layers: int = 0
-    """Keep the saved activations of the first N layers in host memory (CUDA only)."""
+    """Keep the saved activations of the first N layers in host memory (CUDA only; Megatron's
+    --cpu-offloading --cpu-offloading-num-layers N)."""
+    fine_grained_activation_offloading: bool = False
+    """Offload what the offload_modules of every layer save to host memory (framework megatron;
+    Megatron's --fine-grained-activation-offloading)."""
+    offload_modules: list[str] = field(default_factory=list)
+    """With fine_grained_activation_offloading: the modules whose saved tensors leave the device,
+    any of attn_norm, qkv_linear, core_attn, attn_proj, mlp_norm, expert_fc1, moe_act,
+    fused_group_mlp (Megatron's --offload-modules)."""
     distribute_saved_activations: bool = False
     """Shard checkpointed layer inputs across the tensor-parallel group (full only, TP > 1, no SP)."""
     layer_policy: list[str] = field(default_factory=list)
@@ -500,7 +537,8 @@ class RecomputeConfig:
     def label(self) -> str:
         """The setting in a few words, as tables show it."""
         return recompute_label(self.granularity, self.modules, self.method, self.num_layers,
-                               self.activation_offload_layers, layer_policy=self.layer_policy)
+                               self.activation_offload_layers, layer_policy=self.layer_policy,
+                               offload_modules=self.offload_modules)
 
     @property
     def recomputes(self) -> bool:
@@ -540,11 +578,13 @@ class Config:
 
     def record_fields(self) -> dict[str, Any]:
         """The config as a result record holds it: `workload`, `config` (model, training and
-        parallel) and, beside them, `recompute` (with `layer_policy` only where a policy ran, so
-        records of uniform settings stay as they were)."""
+        parallel) and, beside them, `recompute` (with `layer_policy` only where a policy ran and the
+        fine-grained offload fields only where set, so records of uniform settings stay as they were)."""
         data = self.to_dict()
-        if not data["recompute"]["layer_policy"]:
-            del data["recompute"]["layer_policy"]
+        # fields only some runs set stay out of the others' records, so those keep their shape
+        for name in ("layer_policy", "fine_grained_activation_offloading", "offload_modules"):
+            if not data["recompute"][name]:
+                del data["recompute"][name]
         return {"workload": data.pop("workload"), "config": {s: data[s] for s in ("model", "training", "parallel")},
                 "recompute": data["recompute"]}
 
@@ -553,9 +593,10 @@ SECTIONS = {"model": ModelConfig, "training": TrainingConfig, "parallel": Parall
 
 
 def recompute_label(granularity: str, modules=(), method: str | None = None, num_layers: int | None = None,
-                    activation_offload_layers: int = 0, layer_policy=(), **_: Any) -> str:
+                    activation_offload_layers: int = 0, layer_policy=(), offload_modules=(), **_: Any) -> str:
     """A recompute setting in a few words: "none", "selective[core_attn,mlp]", "full uniform 1",
-    "policy 2 full, 3 selective[mlp]" (a per-layer policy, counted by choice in layer order).
+    "policy 2 full, 3 selective[mlp]" (a per-layer policy, counted by choice in layer order),
+    "offload 4" (layer offloading), "selective[mlp] offload[core_attn,attn_proj]" (fine-grained).
     Takes a record's `recompute` object as keywords (the fields that do not change the words too)."""
     if layer_policy:
         runs: list[list] = []
@@ -566,13 +607,14 @@ def recompute_label(granularity: str, modules=(), method: str | None = None, num
             else:
                 runs.append([1, choice])
         return "policy " + ", ".join(f"{n} {choice}" for n, choice in runs)
+    offload = " offload[" + ",".join(offload_modules) + "]" if offload_modules else ""
     if granularity == "selective":
-        return "selective[" + ",".join(modules) + "]"
+        return "selective[" + ",".join(modules) + "]" + offload
     if granularity == "full":
-        return f"full {method} {num_layers}"
+        return f"full {method} {num_layers}" + offload
     if activation_offload_layers:
         return f"offload {activation_offload_layers}"
-    return "none"
+    return offload.strip() or "none"
 
 
 def canonical_modules(modules: list[str]) -> list[str]:

@@ -50,7 +50,11 @@ LATER_KEYS = ("num_moe_experts", "moe_router_topk", "moe_ffn_hidden_size", "moe_
               "moe_router_load_balancing_type", "moe_z_loss_coeff", "moe_router_pre_softmax", "moe_router_dtype",
               "moe_token_dispatcher_type", "moe_pad_expert_input_to_capacity", "moe_permute_fusion",
               "moe_shared_expert_gate", "moe_shared_expert_overlap", "expert_tensor_parallel_size",
-              "overlap_moe_expert_parallel_comm")
+              "overlap_moe_expert_parallel_comm",
+              # FP8, CUDA graphs and offload (framework megatron)
+              "fp8_amax_history_len", "first_last_layers_bf16", "num_layers_at_start_in_bf16",
+              "num_layers_at_end_in_bf16", "cuda_graph_impl", "cuda_graph_modules", "cuda_graph_warmup_steps",
+              "fine_grained_activation_offloading", "offload_modules")
 # The default of a field that has none (the model's shape): a record must hold it.
 REQUIRED = object()
 # Recompute fields whose attribute is not already Megatron's argument name.

@@ -14,6 +14,7 @@ from recompute_bench.models import spec_for
 from recompute_bench.models.context_parallel import comm_levels, layer_comm_types
 from recompute_bench.spec.pipeline_split import model_chunks, uneven, validate_split
 from recompute_bench.spec.megatron_rules import validate_megatron_settings
+from recompute_bench.spec.performance_rules import validate_cuda_graphs, validate_fp8, validate_offload
 from recompute_bench.spec.config import (ACTIVATIONS, ATTENTION_BACKENDS, CP_COMM_TYPES, FP8_FORMATS, FP8_RECIPES, FRAMEWORKS, GRANULARITIES, INTERLEAVED_SCHEDULES,
                                          MEGATRON_ACTIVATIONS, MEGATRON_ATTENTION_BACKENDS, MEGATRON_ONLY,
                                          MEGATRON_ONLY_SETTINGS, METHODS, NORMALIZATIONS,
@@ -79,11 +80,8 @@ def validate(cfg: Config) -> None:
     _choice("precision", t.precision, PRECISIONS, "pass --precision bf16, fp16, fp32 or fp8")
     _choice("fp8_recipe", t.fp8_recipe, FP8_RECIPES, "pass --set training.fp8_recipe=tensorwise")
     _choice("fp8_format", t.fp8_format, FP8_FORMATS, "pass --set training.fp8_format=hybrid")
-    if t.precision == "fp8" and t.framework != "megatron":
-        raise BadInput("this harness does not run FP8 yet; estimate Megatron's FP8 with --framework megatron, or pass "
-                       "--precision bf16")
-    if t.precision == "fp8":
-        raise BadInput("FP8 is not modelled for framework megatron yet; pass --precision bf16")
+    validate_fp8(cfg)
+    validate_cuda_graphs(cfg)
     if m.position_embedding_type == "rope" and m.head_dim % 2:
         raise BadInput(f"RoPE needs an even head dimension, got {m.head_dim}; change hidden_size or num_attention_heads")
     if m.position_embedding_type == "learned_absolute" and t.seq_length > m.max_position_embeddings:
@@ -156,6 +154,7 @@ def validate(cfg: Config) -> None:
         _validate_moe(cfg)
     _validate_expert_parallel(cfg)
     _validate_recompute(cfg)
+    validate_offload(cfg)
 
 
 def _validate_pipeline(cfg: Config) -> None:

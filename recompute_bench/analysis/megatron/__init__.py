@@ -27,10 +27,12 @@ Sources (Megatron-LM d98e8a6, TransformerEngine d0067d0, torch 2.13):
 One module per concern: `run` (the GPU kind), `buffers` (workspaces and buffers outside the
 parameters), `optimizer` (bytes per parameter), `parameters` (parameters per layer and per stage,
 over Megatron's pipeline split), `attention` (the attention paths), `mla` (multi-latent attention),
-`layer` (one layer), `moe` (a mixture-of-experts layer's MLP part: router,
-dispatcher, experts, shared experts, expert sharding), `outside` (embedding, output layer, loss, inputs, deferred output-layer
-gradients), `context_parallel` (the sequence split over cp ranks and Transformer Engine's CP
-attention), `stage` (a chunk and a stage's peak through the schedule), `report` (what `estimate`
+`layer` (one layer), `moe` (a mixture-of-experts layer's MLP part: router, dispatcher, experts,
+shared experts, expert sharding), `outside` (embedding, output layer, loss, inputs, deferred
+output-layer gradients), `context_parallel` (the sequence split over cp ranks and Transformer
+Engine's CP attention), `fp8` (what Transformer Engine's FP8 recipes change), `cuda_graphs` (graph
+buffers and the eager / capture / replay phases), `offload` (what activation offloading takes off
+the device), `stage` (a chunk and a stage's peak through the schedule), `report` (what `estimate`
 prints and records carry).
 """
 

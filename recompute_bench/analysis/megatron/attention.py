@@ -1,5 +1,8 @@
 """The attention path a Megatron layer runs and what each path keeps for backward.
 
+Attention itself stays 16-bit under FP8 (fp8_dot_product_attention off); only linear_proj's saved
+input changes (fp8.py).
+
 Sources: megatron/core/transformer/attention.py, dot_product_attention.py, fusions/fused_softmax.py;
 transformer_engine/pytorch/attention/dot_product_attention/{backends,utils,softmax}.py."""
 
@@ -9,6 +12,7 @@ from dataclasses import dataclass
 
 from recompute_bench.analysis.megatron import context_parallel
 from recompute_bench.analysis.megatron.context_parallel import layer_attention, rank_tokens
+from recompute_bench.analysis.megatron.fp8 import linear_input_bytes, proj_saves_original_input, runs_fp8
 from recompute_bench.analysis.megatron.run import MegatronRun
 from recompute_bench.models import ELEMENT_BYTES, FP32_BYTES, MASK_BYTES, SavedBytes
 from recompute_bench.spec.config import Config
@@ -92,24 +96,30 @@ def core_attention_saved(saved: SavedBytes, cfg: Config, run: MegatronRun, mods:
     tokens, a, g, dqk, dv = rank_tokens(cfg), inputs.heads, inputs.kv_heads, inputs.qk_dim, inputs.v_dim
     q, k, v = inputs.q, inputs.k, inputs.v
     out = ("core_attention.output", e * tokens * a * dv)  # [s, b, h/t]: linear_proj's input
+    # linear_proj keeps that output, or under FP8 delayed scaling its own FP8 copy (fp8.py
+    # `proj_saves_original_input`), and the 16-bit output stays only where the kernel saves it.
+    proj_copy = runs_fp8(cfg) and not proj_saves_original_input(cfg)
+    proj = ("linear_proj.input", linear_input_bytes(cfg, tokens * a * dv, a * dv)) if proj_copy else out
     path = attention_path(cfg, run)
-    if "core_attn" in mods:  # tensor_parallel.checkpoint saves q, k, v and the output
-        for name, nbytes in (q, k, v, out):
+    if "core_attn" in mods:  # tensor_parallel.checkpoint saves q, k, v; linear_proj the output
+        for name, nbytes in (q, k, v, proj):
             saved.add(name, nbytes, "tp")
         return
     cp_attention = layer_attention(cfg, layer)
     if cp_attention is not None:  # validate: flash or fused under context parallel
         context_parallel.attention_saved(saved, cfg, path, cp_attention)
+        if proj_copy:
+            saved.add(*proj, "tp")
         return
     if path == "fused":  # FusedAttnFunc saves q, k, v as given, the output, the softmax statistics
-        for name, nbytes in (q, k, v, out):
+        for name, nbytes in (q, k, v, out, proj):
             saved.add(name, nbytes, "tp")
         saved.add("core_attention.softmax_stats", FP32_BYTES * b * a * s, "tp")
     elif path == "flash":  # FlashAttention.forward: contiguous [b, s, heads, d] copies of q, k, v;
         # flash-attn saves its own output; `output.contiguous()` is the [s, b, h] copy linear_proj keeps
         saved.add("core_attention.qkv_bshd", e * tokens * (a * dqk + g * dqk + g * dv), "tp")
         saved.add("core_attention.flash_output", e * tokens * a * dv, "tp")
-        saved.add(*out, "tp")
+        saved.add(*proj, "tp")
         saved.add("core_attention.softmax_lse", FP32_BYTES * b * a * s, "tp")
     else:  # unfused (TE) and local (Megatron): QK^T, softmax, dropout, times V, in 16 bits
         scores = b * a * s * s
@@ -123,7 +133,7 @@ def core_attention_saved(saved: SavedBytes, cfg: Config, run: MegatronRun, mods:
         if m.attention_dropout > 0:
             saved.add("core_attention.dropout_mask", MASK_BYTES * scores, "tp")
             saved.add("core_attention.dropout_output", e * scores, "tp")
-        saved.add(*out, "tp")  # context.permute(...).contiguous()
+        saved.add(*proj, "tp")  # context.permute(...).contiguous(), or linear_proj's FP8 copy of it
 
 
 def _batch_per_block(seq_length: int) -> int:

@@ -8,8 +8,10 @@ megatron/core/fusions/fused_softmax.py."""
 from __future__ import annotations
 
 import re
+from typing import Iterable
 
 from recompute_bench.analysis.megatron.attention import softmax_fused
+from recompute_bench.analysis.megatron.fp8 import layer_runs_fp8, scaling_state_bytes
 from recompute_bench.analysis.megatron.moe import allgather_buffer_bytes
 from recompute_bench.analysis.megatron.run import MiB, MegatronRun
 from recompute_bench.models import ELEMENT_BYTES, MASK_BYTES
@@ -85,3 +87,13 @@ def buffer_bytes(cfg: Config, run: MegatronRun) -> dict[str, float]:
         if not softmax_fused(cfg, run):  # fused_softmax.py get_default_causal_mask is lru-cached
             out["causal mask (local softmax)"] = MASK_BYTES * cfg.training.seq_length ** 2
     return out
+
+
+FP8_MODULES_PER_LAYER = 4
+"""A dense layer's Transformer Engine modules that quantize: linear_qkv, linear_proj, linear_fc1,
+linear_fc2 (each one GEMM)."""
+
+
+def fp8_scaling_bytes(cfg: Config, layers: Iterable[int]) -> float:
+    """The FP8 scaling state (`fp8.scaling_state_bytes`) of the FP8 layers among `layers`."""
+    return sum(FP8_MODULES_PER_LAYER * scaling_state_bytes(cfg) for layer in layers if layer_runs_fp8(cfg, layer))

@@ -1,6 +1,9 @@
 """One Megatron GPT layer, one micro-batch on one tensor-parallel rank: what it keeps for backward
 under a selective-recompute setting, and what its backward holds beyond that.
 
+Under FP8 the linears' saved inputs come from `fp8.linear_input_bytes`; a layer Megatron keeps in bf16
+(first_last_layers_bf16) is estimated with `fp8.layer_config`.
+
 Sources: megatron/core/transformer/transformer_layer.py, mlp.py, fusions/fused_bias_dropout.py,
 fused_bias_gelu.py, fused_bias_swiglu.py; transformer_engine/pytorch/module/layernorm_linear.py."""
 
@@ -11,6 +14,7 @@ from typing import Iterable
 from recompute_bench.analysis.megatron.attention import attention_path, attention_saved
 from recompute_bench.analysis.megatron.context_parallel import (attention_backward_bytes, attention_forward_bytes,
                                                                 layer_attention, rank_tokens)
+from recompute_bench.analysis.megatron.fp8 import linear_input_bytes
 from recompute_bench.analysis.megatron.mla import mla_attention_saved
 from recompute_bench.analysis.megatron.moe import moe_backward_bytes, moe_saved_bytes
 from recompute_bench.analysis.megatron.run import MegatronRun
@@ -58,7 +62,13 @@ def layer_saved_bytes(cfg: Config, run: MegatronRun, modules: Iterable[str] = ()
             continue  # recomputed inside the checkpoint with the rest of the MLP
         if norms_kept and not (separate and "layernorm" in mods):
             saved.add(f"{name}.norm_stats", stats, "sp")
-            saved.add(f"{name}.output" if separate else f"{name}.ln_out" if te else f"{block}.input", e * tokens * h, "sp")
+            if separate:  # MLA's own norm: its 16-bit output, which the down projections keep
+                saved.add(f"{name}.output", e * tokens * h, "sp")
+            else:
+                # TE's ln_out is the linear's saved input: FP8 under fp8 (quantized by the norm kernel,
+                # layernorm_linear.py with_quantized_norm), gathered over tp under sequence parallel
+                saved.add(f"{name}.ln_out" if te else f"{block}.input",
+                          linear_input_bytes(cfg, tokens * h, h, gathered=cfg.parallel.sequence_parallel), "sp")
         if block == "linear_qkv":
             if mla:
                 mla_attention_saved(saved, cfg, run, mods, layer)
@@ -73,7 +83,7 @@ def layer_saved_bytes(cfg: Config, run: MegatronRun, modules: Iterable[str] = ()
         # fused bias_swiglu (SwiGLUFunction) saves fc1's output only; bias_gelu (GeLUFunction) saves
         # fc1's output, and the activation's output is fc2's input
         saved.add("linear_fc1.output", e * tokens * (2 * f if m.activation == "swiglu" else f), "tp")
-        saved.add("linear_fc2.input", e * tokens * f, "tp")
+        saved.add("linear_fc2.input", linear_input_bytes(cfg, tokens * f, f), "tp")  # row-parallel: not gathered
     if m.hidden_dropout > 0:
         saved.add("mlp_bda.dropout_mask", MASK_BYTES * tokens * h, "sp")
     par = cfg.parallel
@@ -111,3 +121,15 @@ def layer_forward_bytes(cfg: Config, run: MegatronRun, layer: int = 0) -> float:
     if cp_attention is None:
         return 0.0
     return sum(attention_forward_bytes(cfg, attention_path(cfg, run), cp_attention).values())
+
+
+def layer_linear_weights(cfg: Config) -> dict[str, tuple[int, int]]:
+    """The weights of one dense layer's Transformer Engine linears on one tensor-parallel rank, as
+    [out, in] (what FP8 quantizes: fp8.weight_bytes): linear_qkv and linear_fc1 column-parallel
+    (TELayerNormColumnParallelLinear), linear_proj and linear_fc2 row-parallel (TERowParallelLinear)."""
+    m, t = cfg.model, cfg.parallel.tensor_model_parallel_size
+    h, f, d = m.hidden_size, m.ffn_hidden_size, m.head_dim
+    fc1 = 2 * f if m.activation == "swiglu" else f
+    return {"linear_qkv": ((m.num_attention_heads + 2 * m.groups) * d // t, h),
+            "linear_proj": (h, m.num_attention_heads * d // t),
+            "linear_fc1": (fc1 // t, h), "linear_fc2": (h, f // t)}

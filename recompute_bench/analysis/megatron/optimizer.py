@@ -1,11 +1,16 @@
 """Parameters, gradients and optimizer state: Megatron's bytes per parameter on a rank.
 
 Sources: megatron/core/distributed/param_and_grad_buffer.py, distributed_data_parallel.py,
-megatron/core/optimizer/optimizer.py, distrib_optimizer.py."""
+megatron/core/optimizer/optimizer.py, distrib_optimizer.py; FP8 weights: fp8.py."""
 
 from __future__ import annotations
 
+from typing import Iterable
+
 from recompute_bench.analysis.megatron.context_parallel import optimizer_shards
+from recompute_bench.analysis.megatron.fp8 import layer_runs_fp8, weight_bytes
+from recompute_bench.analysis.megatron.layer import layer_linear_weights
+from recompute_bench.analysis.megatron.run import MegatronRun
 from recompute_bench.models import ELEMENT_BYTES, FP32_BYTES
 from recompute_bench.spec.config import Config
 
@@ -91,3 +96,21 @@ def distributed_optimizer_shards(cfg: Config, expert: bool = False) -> int:
         return 1
     group = par.expert_data_parallel_size if expert else optimizer_shards(cfg)
     return max(1, group // par.num_distributed_optimizer_instances)
+
+
+def fp8_weight_bytes(cfg: Config, run: MegatronRun, layers: Iterable[int]) -> dict[str, float]:
+    """What FP8 changes in the weights of the layers `layers` (global indices) a rank holds, by
+    item, beyond `bytes_per_parameter`: each FP8 layer's Transformer Engine linear weights
+    (`layer.layer_linear_weights`) through `fp8.weight_bytes` (FP8 weight copies; or FP8 primary
+    weights, one byte in DDP's uint8 param buffer, with their transposes). Norms, biases,
+    embeddings and the output layer stay 16-bit, as do the bf16 layers of first_last_layers_bf16
+    (built outside fp8_model_init)."""
+    out: dict[str, float] = {}
+    shapes = layer_linear_weights(cfg).values()
+    for layer in layers:
+        if not layer_runs_fp8(cfg, layer):
+            continue
+        for rows, cols in shapes:
+            for item, nbytes in weight_bytes(cfg, run, rows, cols).items():
+                out[item] = out.get(item, 0.0) + nbytes
+    return out

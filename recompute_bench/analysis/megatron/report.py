@@ -67,7 +67,8 @@ def setting_estimate(cfg: Config, run: MegatronRun, routing: str = "balanced") -
 def _stage_row(r: StagePeak, fraction: float, fixed: float) -> dict[str, Any]:
     return {"stage": r.stage, "peak_allocated_bytes": r.peak_allocated_bytes, "phase": r.phase,
             "device_bytes_needed": device_bytes_needed(r.peak_allocated_bytes, fraction, fixed),
-            "bytes_after_step": r.static_bytes, "parameters_on_rank": r.parameters, "breakdown": dict(r.items)}
+            "bytes_after_step": r.static_bytes, "parameters_on_rank": r.parameters, "breakdown": dict(r.items),
+            "phase_peaks": dict(r.phase_peaks)}
 
 
 def estimate_report(cfg: Config, run: MegatronRun, allowance_fraction: float = ALLOWANCE_FRACTION,
@@ -123,7 +124,8 @@ def estimate_report(cfg: Config, run: MegatronRun, allowance_fraction: float = A
         "setting": {**setting_estimate(cfg, run),
                     "device_bytes_needed": device_bytes_needed(peak.peak_allocated_bytes, allowance_fraction, allowance_bytes),
                     "layer_saved_bytes": layer_saved_bytes(cfg, run, modules, moe=bool(m.num_moe_experts and m.moe_layers)),
-                    "breakdown": dict(peak.items), "parameters_on_rank": peak.parameters},
+                    "breakdown": dict(peak.items), "phase_peaks": dict(peak.phase_peaks),
+                    "parameters_on_rank": peak.parameters},
         "stages": [_stage_row(r, allowance_fraction, allowance_bytes) for r in stages],
         "settings": settings,
         "paper": {"differences": differences, "norm_stats_bytes": built_minus_paper_bytes(cfg, "cuda") / cp,

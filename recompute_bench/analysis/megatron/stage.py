@@ -6,20 +6,26 @@ Sources: megatron/core/pipeline_parallel/schedules.py, megatron/core/tensor_para
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from recompute_bench.analysis.layer import checkpoint_input_bytes
-from recompute_bench.analysis.megatron.buffers import buffer_bytes
-from recompute_bench.analysis.megatron.layer import layer_backward_bytes, layer_bytes, layer_forward_bytes
-from recompute_bench.analysis.megatron.optimizer import bytes_per_parameter
+from recompute_bench.analysis.megatron.buffers import buffer_bytes, fp8_scaling_bytes
+from recompute_bench.analysis.megatron.cuda_graphs import (captured_parts, full_iteration_data_bytes, graphs,
+                                                           pool_resident, static_buffer_bytes)
+from recompute_bench.analysis.megatron.cuda_graphs import in_graph as graph_part
+from recompute_bench.analysis.megatron.fp8 import check_supported, layer_config
+from recompute_bench.analysis.megatron.layer import (layer_backward_bytes, layer_bytes, layer_forward_bytes,
+                                                     layer_saved_bytes)
+from recompute_bench.analysis.megatron.offload import fine_grained_offloaded, layer_offloaded
+from recompute_bench.analysis.megatron.optimizer import bytes_per_parameter, fp8_weight_bytes
 from recompute_bench.analysis.megatron.outside import (batch_bytes, deferred_wgrad_bytes, embedding_saved_bytes,
                                                        logits, loss_peak_bytes, loss_saved_bytes, output_saved_bytes)
-from recompute_bench.analysis.megatron.run import MegatronRun
-from recompute_bench.analysis.schedule import schedule_peak
 from recompute_bench.analysis.megatron.parameters import stage_parameter_groups
+from recompute_bench.analysis.megatron.run import MegatronRun
+from recompute_bench.analysis.schedule import SchedulePeak, schedule_peak
 from recompute_bench.models import ELEMENT_BYTES
 from recompute_bench.recompute.policy import chunks, layer_policies
-from recompute_bench.spec.config import BadInput, Config
+from recompute_bench.spec.config import Config
 from recompute_bench.spec.pipeline_split import model_chunks
 
 @dataclass(frozen=True)
@@ -27,46 +33,69 @@ class ChunkBytes:
     """One model chunk's activations for one micro-batch."""
 
     stored: float
-    """Kept from its forward to its backward."""
+    """Kept on the device from its forward to its backward."""
     backward: float
-    """The most held while its backward runs (full recompute rebuilds a checkpoint's layers)."""
+    """The most held while its backward runs (full recompute rebuilds a checkpoint's layers;
+    offloaded layers come back)."""
     forward: float = 0.0
     """The most its forward holds beyond what it keeps by then (the context-parallel attention's
     working set), taken at the chunk's end: an upper bound by the layers after that attention."""
+    in_graph: float = 0.0
+    """Of `stored`, what per-layer CUDA graphs' captures allocate (cuda_graphs.in_graph)."""
+    pool: float = 0.0
+    """Of `stored`, what lives in the CUDA graph pool during replay (cuda_graphs.pool_resident)."""
+    last_layer_offloaded: float = 0.0
+    """Fine-grained offloading: the chunk's last layer's offloaded bytes, which a chunk whose
+    backward comes next keeps on the device."""
 
 
 def chunk_bytes(cfg: Config, run: MegatronRun, layers: int, first_layer: int = 0,
                 routing: str = "balanced") -> ChunkBytes:
-    """A model chunk of `layers` layers from layer `first_layer` under cfg.recompute, unit by unit
-    (recompute/policy.py `chunks`): a full-recompute checkpoint keeps its input and, rebuilt in
-    backward, its layers' activations over what the earlier units keep; a layer keeps
-    `layer_saved_bytes` (a MoE layer its MoE block's under the `routing` assumption). Backward adds the most a layer's backward holds beyond that
-    (`layer_backward_bytes`), or, where it re-runs the attention (full recompute, selective
-    core_attn), the attention forward's working set if that is more (`layer_forward_bytes`)."""
+    """A model chunk of `layers` layers from global layer `first_layer` on, under cfg.recompute,
+    unit by unit (recompute/policy.py `chunks`): a full-recompute checkpoint keeps its input and,
+    rebuilt in backward, its layers' activations over what the earlier units keep; a layer keeps
+    `layer_saved_bytes` (a MoE layer its MoE block's under the `routing` assumption; a layer FP8
+    keeps in bf16 as one: fp8.layer_config), less what offloading moves to the host (offload.py).
+    Backward adds the most a layer's backward holds beyond that (`layer_backward_bytes`), or, where
+    it re-runs the attention (full recompute, selective core_attn), the attention forward's working
+    set if that is more (`layer_forward_bytes`), and under fine-grained offloading the reloaded
+    groups of one layer."""
     if layers == 0:  # a chunk that holds only the embedding or the loss (uneven splits)
         return ChunkBytes(0.0, 0.0)
     policies = layer_policies(cfg.recompute, layers)
-    # A full-recompute checkpoint keeps its [s, b, h] input, as this harness's does (Megatron's
-    # tensor_parallel/random.py CheckpointFunction, or TE's checkpoint).
-    ckpt = checkpoint_input_bytes(cfg)
-    stored = rebuilt = 0.0
+    fine = cfg.recompute.fine_grained_activation_offloading
+    stored = rebuilt = in_graph = pool = last = reload = 0.0
     reruns_attention = False
     for start, stop in chunks(policies):
         p = policies[start]
-        if p.offload:
-            raise BadInput("activation offload is not modelled for framework megatron; drop --activation-offload-layers")
         if p.chunk is not None:
-            rebuilt = max(rebuilt, stored + sum(layer_bytes(cfg, run, (), first_layer + i, routing) for i in range(start, stop)))
-            stored += ckpt
+            # A full-recompute checkpoint keeps its [s, b, h] input, as this harness's does
+            # (Megatron's tensor_parallel/random.py CheckpointFunction, or TE's checkpoint).
+            rebuilt = max(rebuilt, stored + sum(layer_bytes(layer_config(cfg, first_layer + i), run, (), first_layer + i,
+                                                            routing) for i in range(start, stop)))
+            stored += checkpoint_input_bytes(cfg)
             reruns_attention = True
-        else:
-            stored += sum(layer_bytes(cfg, run, p.modules, first_layer + i, routing) for i in range(start, stop))
-            reruns_attention = reruns_attention or "core_attn" in p.modules
+            continue
+        index = first_layer + start  # a unit of anything but full recompute is one layer
+        lcfg = layer_config(cfg, index)
+        saved = layer_saved_bytes(lcfg, run, p.modules, index, routing)
+        reruns_attention = reruns_attention or "core_attn" in p.modules
+        away = 0.0
+        if p.offload:
+            away = sum(layer_offloaded(lcfg, saved).values())
+        elif fine:
+            away = sum(fine_grained_offloaded(lcfg, saved).values())
+            reload = max(reload, away)
+            if start == layers - 1:
+                last = away
+        stored += sum(saved.values()) - away
+        in_graph += sum(graph_part(lcfg, saved).values())
+        pool += sum(pool_resident(lcfg, saved, first_in_chunk=start == 0).values())
     forward = max(layer_forward_bytes(cfg, run, first_layer + i) for i in range(layers))
     backward = max(layer_backward_bytes(cfg, run, first_layer + i, routing) for i in range(layers))
     if reruns_attention:
         backward = max(backward, forward)
-    return ChunkBytes(stored, max(stored, rebuilt) + backward, forward)
+    return ChunkBytes(stored, max(stored, rebuilt) + backward + reload, forward, in_graph, pool, last)
 
 
 @dataclass
@@ -79,6 +108,13 @@ class StagePeak:
     phase: str
     gradient_copies_bytes: float = 0.0
     """fp16 runs' fp32 gradient copies: held from the optimizer step until the next step begins."""
+    held_bytes: float | None = None
+    """What the rank holds all run once a step is done (`static_items`), where `items` leave part of
+    it out: a peak before the first step (no Adam moments yet) or before the CUDA graph capture
+    (no static buffers yet)."""
+    phase_peaks: dict[str, float] = field(default_factory=dict)
+    """With CUDA graphs: the peak of each phase (eager warm-up step, CUDA graph capture, CUDA graph
+    replay); `items` are the highest's."""
 
     @property
     def peak_allocated_bytes(self) -> float:
@@ -89,7 +125,7 @@ class StagePeak:
         """What a rank holds after the optimizer step (Megatron logs it as mem-allocated-bytes):
         parameters, gradients, optimizer state, buffers, fp16's fp32 gradient copies."""
         held = sum(v for k, v in self.items.items() if k not in ACTIVATION_ITEMS and k != "fp32 gradient copies")
-        return held + self.gradient_copies_bytes
+        return (held if self.held_bytes is None else self.held_bytes) + self.gradient_copies_bytes
 
 
 DEFERRED_WGRAD_ITEM = "deferred output-layer weight-gradient buffers"
@@ -97,31 +133,54 @@ ACTIVATION_ITEMS = ("activations of the other micro-batches in flight", "activat
                     "transient of the pass at the peak", DEFERRED_WGRAD_ITEM)
 
 
-def stage_peak(cfg: Config, stage: int, run: MegatronRun, routing: str = "balanced") -> StagePeak:
-    """Megatron's peak allocated bytes on a rank of pipeline stage `stage`: parameters, gradients
-    and optimizer state (`bytes_per_parameter` of each parameter group: the dense parameters over
-    dp, the routed experts' over the expert-data-parallel group), the buffers (`buffer_bytes`), and
-    the most the step's passes hold at once (analysis/schedule.py): the chunk forwards waiting for
-    their backward, plus the pass in flight (the loss on the last stage's last chunk, whose forward
-    also holds the micro-batch's inputs; a layer's backward). MoE layers' routed rows follow the
-    `routing` assumption (moe.py)."""
-    par = cfg.parallel
-    vp = par.virtual_pipeline_model_parallel_size or 1
-    # the model chunks this rank builds (spec/pipeline_split.py: even, uneven or by layout), each
-    # from its own first layer (layers differ in their kind, dense or MoE, and their cp_comm_type)
-    built = model_chunks(cfg, stage)
-    chunk = [chunk_bytes(cfg, run, c.layers, c.first_layer, routing) for c in built]
+def static_items(cfg: Config, stage: int, run: MegatronRun) -> dict[str, float]:
+    """What a rank of pipeline stage `stage` holds all run besides activations (the fp32 gradient
+    copies of fp16 runs aside): parameters, gradients and optimizer state (`bytes_per_parameter` of
+    each parameter group: the dense parameters over dp x cp, the routed experts' over the
+    expert-data-parallel group), FP8's weight copies or FP8 weights (`fp8_weight_bytes`), the
+    buffers (`buffer_bytes`), FP8's scaling state, CUDA graphs' static buffers."""
     groups = stage_parameter_groups(cfg, stage)
-    params = sum(groups.values())
-    per = {group: bytes_per_parameter(cfg, expert=group == "expert") for group in groups}
     # The fp32 gradient copies live from the optimizer step to the next step's zero_grad, which
     # runs before the forward: they never meet the activations.
     static: dict[str, float] = {}
     for group, count in groups.items():
-        for name, b in per[group].items():
+        for name, b in bytes_per_parameter(cfg, expert=group == "expert").items():
             if b and count and name != "fp32 gradient copies":
                 static[name] = static.get(name, 0.0) + b * count
+    built = model_chunks(cfg, stage)
+    layers = [c.first_layer + i for c in built for i in range(c.layers)]
+    for item, nbytes in fp8_weight_bytes(cfg, run, layers).items():
+        static[item] = static.get(item, 0.0) + nbytes
     static.update(buffer_bytes(cfg, run))
+    scaling = fp8_scaling_bytes(cfg, layers)
+    if scaling:
+        static["FP8 scaling state"] = scaling
+    static.update(static_buffer_bytes(cfg, stage, max(c.layers for c in built)))
+    if any(c.embedding or c.loss for c in built) and graphs(cfg) == "full_iteration":
+        static["CUDA graph static inputs (every micro-batch's data)"] = full_iteration_data_bytes(cfg, batch_bytes(cfg))
+    return static
+
+
+def stage_peak(cfg: Config, stage: int, run: MegatronRun, routing: str = "balanced") -> StagePeak:
+    """Megatron's peak allocated bytes on a rank of pipeline stage `stage`: what it holds all run
+    (`static_items`), and the most the step's passes hold at once (analysis/schedule.py): the chunk
+    forwards waiting for their backward, plus the pass in flight (the loss on the last stage's last
+    chunk, whose forward also holds the micro-batch's inputs; a layer's backward). With CUDA graphs
+    the most of the eager warm-up steps, the capture and the replays (cuda_graphs.py). MoE layers'
+    routed rows follow the `routing` assumption (moe.py)."""
+    check_supported(cfg, run)
+    par = cfg.parallel
+    vp = par.virtual_pipeline_model_parallel_size or 1
+    # the model chunks this rank builds (spec/pipeline_split.py: even, uneven or by layout), each
+    # from its own first layer (layers differ in their kind, dense or MoE, their cp_comm_type, and
+    # whether FP8 keeps them in bf16)
+    built = model_chunks(cfg, stage)
+    chunk = [chunk_bytes(cfg, run, c.layers, c.first_layer, routing) for c in built]
+    groups = stage_parameter_groups(cfg, stage)
+    params = sum(groups.values())
+    static = static_items(cfg, stage, run)
+    impl, steps = graphs(cfg), cfg.training.cuda_graph_warmup_steps
+    full_iteration = impl == "full_iteration"
 
     def embeds(c: int) -> bool:
         return built[c].embedding
@@ -131,11 +190,16 @@ def stage_peak(cfg: Config, stage: int, run: MegatronRun, routing: str = "balanc
 
     output, kept = output_saved_bytes(cfg), loss_saved_bytes(cfg)
 
+    def outside(c: int) -> float:
+        return (embedding_saved_bytes(cfg) if embeds(c) else 0.0) + ((output + kept) if loses(c) else 0.0)
+
     def stored(c: int) -> float:
-        return chunk[c].stored + (embedding_saved_bytes(cfg) if embeds(c) else 0.0) + ((output + kept) if loses(c) else 0.0)
+        # fine-grained offloading keeps the last layer's groups of the chunk whose backward is next
+        return chunk[c].stored + outside(c) + (chunk[c].last_layer_offloaded if loses(c) else 0.0)
 
     def forward(c: int) -> float:
-        extra = batch_bytes(cfg) if embeds(c) or loses(c) else 0.0
+        # full_iteration's inputs sit in static buffers: counted in `static`
+        extra = batch_bytes(cfg) if (embeds(c) or loses(c)) and not full_iteration else 0.0
         # the layers' attention runs before the output layer and the loss, whose bytes stored(c) holds
         layers = chunk[c].forward - ((output + kept) if loses(c) else 0.0)
         return extra + max(loss_peak_bytes(cfg) - kept if loses(c) else 0.0, layers)
@@ -149,13 +213,39 @@ def stage_peak(cfg: Config, stage: int, run: MegatronRun, routing: str = "balanc
     def retained(mb: int, c: int) -> float:
         return deferred_wgrad_bytes(cfg, mb) if loses(c) else 0.0
 
-    peak = schedule_peak(cfg, stage, stored, backward, forward, retained)
-    items = {**static, "activations of the other micro-batches in flight": peak.others,
+    phases: list[tuple[str, dict[str, float], SchedulePeak]] = []
+
+    def without(*names: str) -> dict[str, float]:
+        return {k: v for k, v in static.items() if k not in names}
+
+    graph_buffers = static_buffer_bytes(cfg, stage, max(c.layers for c in built))
+    if impl == "none" or steps >= 1:  # the eager steps (all of them without graphs)
+        # TE's per-layer static buffers come with the capture (TECudaGraphHelper.create_cudagraphs)
+        absent = (*graph_buffers, *(() if impl == "none" or steps >= 2 else ("Adam moments",)))
+        phases.append(("" if impl == "none" else " (eager warm-up step)", without(*absent),
+                       schedule_peak(cfg, stage, stored, backward, forward, retained)))
+    if impl != "none":
+        at_capture = static if steps >= 1 else without("Adam moments")
+        if full_iteration:  # the captured step allocates as an eager one does, into the pool
+            phases.append((" (CUDA graph capture)", at_capture,
+                           schedule_peak(cfg, stage, stored, backward, forward, retained)))
+        else:
+            mlp_graphed = "mlp" in captured_parts(cfg)
+            transient = max((layer_backward_bytes(cfg, run, c.first_layer + i, routing)
+                             for c in built for i in range(c.layers)), default=0.0)
+            phases.append((" (CUDA graph capture)", at_capture, schedule_peak(
+                cfg, stage, lambda c: chunk[c].in_graph, lambda c: transient if mlp_graphed else 0.0)))
+            phases.append((" (CUDA graph replay)", static, schedule_peak(
+                cfg, stage, lambda c: stored(c) - chunk[c].pool,
+                lambda c: backward(c) - (transient if mlp_graphed and not loses(c) else 0.0), forward, retained)))
+    totals = {(label.strip(" ()") or "eager"): sum(held.values()) + peak.total for label, held, peak in phases}
+    label, held, peak = max(phases, key=lambda ph: sum(ph[1].values()) + ph[2].total)
+    items = {**held, "activations of the other micro-batches in flight": peak.others,
              "activations of the pass at the peak": peak.own, "transient of the pass at the peak": peak.transient}
     if peak.retained:
         items[DEFERRED_WGRAD_ITEM] = peak.retained
-    phase = ("the loss's " if loses(peak.chunk) else "") + ("forward" if peak.kind == "F" else "backward") + \
-        (f" of model chunk {peak.chunk}" if vp > 1 else "")
+    phase = ("the loss's " if loses(peak.chunk) and peak.total else "") + ("forward" if peak.kind == "F" else "backward") + \
+        (f" of model chunk {peak.chunk}" if vp > 1 else "") + label
     if par.overlap_moe_expert_parallel_comm:
         first = built[0]
         pair = combined_pair_bytes(cfg, run, chunk[0], first.first_layer, first.layers, routing)
@@ -163,10 +253,11 @@ def stage_peak(cfg: Config, stage: int, run: MegatronRun, routing: str = "balanc
             items = {**static, "activations of the other micro-batches in flight": pair[0],
                      "activations of the pass at the peak": pair[1], "transient of the pass at the peak": pair[2]}
             phase = "a combined forward-backward layer pair"
-    copies = sum(per[group]["fp32 gradient copies"] * count for group, count in groups.items())
+    copies = sum(bytes_per_parameter(cfg, expert=group == "expert")["fp32 gradient copies"] * count
+                 for group, count in groups.items())
     if copies > peak.total:  # the optimizer step holds the copies instead of activations
         items, phase = {**static, "fp32 gradient copies": copies}, "the optimizer step"
-    return StagePeak(stage, params, items, phase, copies)
+    return StagePeak(stage, params, items, phase, copies, sum(static.values()), totals if len(totals) > 1 else {})
 
 
 def combined_pair_bytes(cfg: Config, run: MegatronRun, chunk: ChunkBytes, first_layer: int, layers: int,
