@@ -6,7 +6,7 @@ Sources: megatron/core/pipeline_parallel/schedules.py, megatron/core/tensor_para
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from recompute_bench.analysis.layer import checkpoint_input_bytes
 from recompute_bench.analysis.megatron.buffers import buffer_bytes
@@ -62,10 +62,20 @@ class StagePeak:
     phase: str
     gradient_copies_bytes: float = 0.0
     """fp16 runs' fp32 gradient copies: held from the optimizer step until the next step begins."""
+    first_iteration_items: dict[str, float] = field(default_factory=dict)
+    """The first iteration's peak, item by item: its passes run before the optimizer's first step
+    creates the Adam moments (`first_iteration_peak`)."""
+    first_iteration_phase: str = ""
 
     @property
     def peak_allocated_bytes(self) -> float:
+        """The steady-state peak: every iteration from the second on (the optimizer state exists)."""
         return sum(self.items.values())
+
+    @property
+    def first_iteration_peak_allocated_bytes(self) -> float:
+        """The peak of the first iteration (what a memory line after iteration 1 reports)."""
+        return sum(self.first_iteration_items.values()) if self.first_iteration_items else self.peak_allocated_bytes
 
     @property
     def static_bytes(self) -> float:
@@ -123,9 +133,31 @@ def stage_peak(cfg: Config, stage: int, run: MegatronRun) -> StagePeak:
     phase = ("the loss's " if loses(peak.chunk) else "") + ("forward" if peak.kind == "F" else "backward") + \
         (f" of model chunk {peak.chunk}" if vp > 1 else "")
     copies = per["fp32 gradient copies"] * params
+    step = {**static, "fp32 gradient copies": copies}
     if copies > peak.total:  # the optimizer step holds the copies instead of activations
-        items, phase = {**static, "fp32 gradient copies": copies}, "the optimizer step"
-    return StagePeak(stage, params, items, phase, copies)
+        items, phase = step, "the optimizer step"
+    first, first_phase = first_iteration_peak(static, items, phase, step)
+    return StagePeak(stage, params, items, phase, copies, first, first_phase)
+
+
+def first_iteration_peak(static: dict[str, float], items: dict[str, float], phase: str,
+                         step: dict[str, float]) -> tuple[dict[str, float], str]:
+    """The first iteration's peak, item by item, and where it is. Megatron's optimizer holds its fp32
+    master weights from construction (distrib_optimizer.py `_build_model_and_main_param_groups`:
+    `shard_model_param.clone().float()`; optimizer.py Float16OptimizerWithFloat16Params.__init__), but
+    Adam's moments only from its first step: Transformer Engine's FusedAdam.step (optimizers/fused_adam.py,
+    `if len(state) == 0: self.initialize_state(...)`) and torch's Adam (`_init_group`) create exp_avg and
+    exp_avg_sq when they first step a parameter; Megatron's `init_state_fn` runs only when a checkpoint
+    with optimizer state is loaded (optimizer.py `state_dict(is_loading=True)`), where iteration 1 is
+    steady already. So iteration 1's forward and backward passes hold everything but the moments,
+    and its optimizer step holds the moments (and fp16's gradient copies) without activations."""
+    if phase == "the optimizer step":
+        return dict(items), phase  # the step holds the same in iteration 1: it creates the moments
+    passes = {k: v for k, v in items.items() if k != "Adam moments"}
+    at_step = {k: v for k, v in step.items() if v}
+    if sum(at_step.values()) >= sum(passes.values()):
+        return at_step, "the optimizer step (it creates the Adam moments)"
+    return passes, phase + " (before the optimizer's first step creates the Adam moments)"
 
 
 def stage_peaks(cfg: Config, run: MegatronRun) -> list[StagePeak]:
