@@ -71,6 +71,9 @@ class SchedulePeak:
     """The model chunk of the pass at the peak."""
     kind: str = "B"
     """Whether the peak is in that chunk's forward ("F") or backward ("B")."""
+    held: tuple[int, ...] = ()
+    """The model chunk of every forward whose activations are held at the peak, the pass at the
+    peak's own included (what `others + own` stores)."""
 
 
 def schedule_peak(cfg: Config, stage: int, stored: Callable[[int], float],
@@ -78,15 +81,19 @@ def schedule_peak(cfg: Config, stage: int, stored: Callable[[int], float],
     """The peak over a stage's schedule: a chunk's forward adds `stored(chunk)` until its backward,
     which holds `backward(chunk)` more than that at its most; a forward may hold `forward(chunk)`
     more than it stores while it runs (the loss's fp32 logits)."""
-    held, best = 0.0, SchedulePeak(0.0, 0.0, 0.0, 0.0, 0)
+    held, best, chunks = 0.0, SchedulePeak(0.0, 0.0, 0.0, 0.0, 0), []
     for kind, _, c in schedule(cfg, stage):
         own = stored(c)
         if kind == "F":
             extra, others = forward(c), held
             held += own
+            chunks.append(c)
+            now = tuple(chunks)
         else:
             extra, others = backward(c), held - own
+            now = tuple(chunks)
             held -= own
+            chunks.remove(c)
         if others + own + extra > best.total:
-            best = SchedulePeak(others + own + extra, others, own, extra, c, kind)
+            best = SchedulePeak(others + own + extra, others, own, extra, c, kind, now)
     return best

@@ -22,8 +22,6 @@ line of bad input. Pure Python (PyYAML).
 
 from __future__ import annotations
 
-import dataclasses
-import json
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping
@@ -69,6 +67,8 @@ class RunSource:
     refused_arguments: list[str] = field(default_factory=list)
     """The Megatron-LM flags among `refusals` (`--fp8-format`), whatever the file's spelling."""
     parsed: ParsedRun | None = None
+    invalid: str | None = None
+    """Why the Config breaks Megatron's rules (`spec.rules.validate`), when it does."""
 
     def overrides_line(self) -> str | None:
         """The one line echoing the flags that override the file (None when none did)."""
@@ -233,17 +233,19 @@ def read_run(path: Path | str, *, overrides: Mapping[str, Any] | None = None, se
     except BadInput as e:
         raise bad(source_path, None, f"{e}") from None
     refusals = [_refusal(parsed, e, lines) for e in refused]
-    if not refusals:
+    invalid = None
+    if not refusals:  # what is refused is missing from the Config: its rules would judge the rest
         try:
             validate(cfg)
         except BadInput as e:
-            refusals.append(str(e))
+            invalid = f"{source_path}: {e}"
     run, run_origins = _megatron_run(parsed, gpu, here_gpu, cublas_workspace_config, overridden, notes)
     origins = {**_origins(parsed, tables, args, lines, overrides, sets, world, gpus, source_path), **run_origins}
     source = RunSource(path, parsed.format, cfg, run, origins, overridden, notes, refusals,
                        [e.argument for e in refused], parsed)
-    if strict and refusals:
-        raise BadInput(source.refusal())
+    source.invalid = invalid
+    if strict and (refusals or invalid):
+        raise BadInput(source.refusal() or invalid)
     return source
 
 

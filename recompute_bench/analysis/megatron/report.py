@@ -11,6 +11,7 @@ from recompute_bench.analysis.megatron.layer import layer_backward_bytes, layer_
 from recompute_bench.analysis.megatron.outside import embedding_saved_bytes, loss_saved_bytes, output_saved_bytes
 from recompute_bench.analysis.megatron.run import MegatronRun
 from recompute_bench.analysis.megatron.stage import StagePeak, chunk_bytes, stage_peaks
+from recompute_bench.analysis.megatron.terms import stage_terms
 from recompute_bench.analysis.paper import (built_minus_paper_bytes, paper_flops_per_step, paper_layer_bytes,
                                             paper_layer_differences)
 from recompute_bench.analysis.planner import ESTIMATE_SCHEMA, compute, with_setting
@@ -51,10 +52,16 @@ def setting_estimate(cfg: Config, run: MegatronRun) -> dict[str, Any]:
     }
 
 
-def _stage_row(r: StagePeak, fraction: float, fixed: float) -> dict[str, Any]:
+def _stage_row(cfg: Config, run: MegatronRun, r: StagePeak, fraction: float, fixed: float) -> dict[str, Any]:
+    """One stage: its steady-state peak (iteration 2 on) item by item and as Megatron's terms, and
+    its first iteration's peak (before the optimizer's first step creates the Adam moments)."""
     return {"stage": r.stage, "peak_allocated_bytes": r.peak_allocated_bytes, "phase": r.phase,
             "device_bytes_needed": device_bytes_needed(r.peak_allocated_bytes, fraction, fixed),
-            "bytes_after_step": r.static_bytes, "parameters_on_rank": r.parameters, "breakdown": dict(r.items)}
+            "first_iteration_peak_allocated_bytes": r.first_iteration_peak_allocated_bytes,
+            "first_iteration_phase": r.first_iteration_phase,
+            "first_iteration_breakdown": dict(r.first_iteration_items),
+            "bytes_after_step": r.static_bytes, "parameters_on_rank": r.parameters, "breakdown": dict(r.items),
+            "terms": stage_terms(cfg, run, r)}
 
 
 def estimate_report(cfg: Config, run: MegatronRun, allowance_fraction: float = ALLOWANCE_FRACTION,
@@ -98,9 +105,10 @@ def estimate_report(cfg: Config, run: MegatronRun, allowance_fraction: float = A
         "allowance": {"fraction": allowance_fraction, "bytes": allowance_bytes},
         "setting": {**setting_estimate(cfg, run),
                     "device_bytes_needed": device_bytes_needed(peak.peak_allocated_bytes, allowance_fraction, allowance_bytes),
+                    "first_iteration_peak_allocated_bytes": max(r.first_iteration_peak_allocated_bytes for r in stages),
                     "layer_saved_bytes": layer_saved_bytes(cfg, run, modules),
                     "breakdown": dict(peak.items), "parameters_on_rank": peak.parameters},
-        "stages": [_stage_row(r, allowance_fraction, allowance_bytes) for r in stages],
+        "stages": [_stage_row(cfg, run, r, allowance_fraction, allowance_bytes) for r in stages],
         "settings": settings,
         "paper": {"differences": differences, "norm_stats_bytes": built_minus_paper_bytes(cfg, "cuda"), "rows": paper_rows},
         "other_optimizer": None if par.data_parallel_size == 1 else {
@@ -113,13 +121,15 @@ def estimate_report(cfg: Config, run: MegatronRun, allowance_fraction: float = A
 def record_estimate(cfg: Config, run: MegatronRun) -> dict[str, float]:
     """What a result record carries beside a Megatron run's measured figures (the keys of
     `rank.record_estimate`): one micro-batch's activations over the whole model and per layer, as
-    Megatron's layers keep them, the hardware FLOPs, and the peak of the most loaded stage."""
+    Megatron's layers keep them, the hardware FLOPs, and the steady-state peak of the most loaded
+    stage (iteration 2 on)."""
     layers = layers_per_model_chunk(cfg)
     per_layer = chunk_bytes(cfg, run, layers).stored / layers
     outside = embedding_saved_bytes(cfg) + output_saved_bytes(cfg) + loss_saved_bytes(cfg)
+    stages = stage_peaks(cfg, run)
     return {
         "estimated_activation_bytes": per_layer * cfg.model.num_layers + outside,
         "estimated_activation_bytes_per_layer": per_layer,
         "estimated_hardware_flops_per_step": compute(cfg, "cuda")["hardware_flops_per_step"],
-        "estimated_peak_allocated_bytes": max(r.peak_allocated_bytes for r in stage_peaks(cfg, run)),
+        "estimated_peak_allocated_bytes": max(r.peak_allocated_bytes for r in stages),
     }

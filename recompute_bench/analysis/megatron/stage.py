@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 
 from recompute_bench.analysis.layer import checkpoint_input_bytes
 from recompute_bench.analysis.megatron.buffers import buffer_bytes
-from recompute_bench.analysis.megatron.layer import layer_backward_bytes, layer_bytes
+from recompute_bench.analysis.megatron.layer import layer_backward_bytes, layer_bytes, layer_saved_bytes
 from recompute_bench.analysis.megatron.optimizer import bytes_per_parameter
 from recompute_bench.analysis.megatron.outside import (batch_bytes, embedding_saved_bytes, loss_peak_bytes,
                                                        loss_saved_bytes, output_saved_bytes)
@@ -28,6 +28,13 @@ class ChunkBytes:
     """Kept from its forward to its backward."""
     backward: float
     """The most held while its backward runs (full recompute rebuilds a checkpoint's layers)."""
+    terms: dict[str, float] = field(default_factory=dict)
+    """`stored`, tensor by tensor over the chunk's layers (layer_saved_bytes' names, and a
+    full-recompute checkpoint's input)."""
+
+
+CHECKPOINT_INPUT = "checkpoint input"
+"""A full-recompute checkpoint's saved input (tensor_parallel/random.py CheckpointFunction)."""
 
 
 def chunk_bytes(cfg: Config, run: MegatronRun, layers: int) -> ChunkBytes:
@@ -40,6 +47,7 @@ def chunk_bytes(cfg: Config, run: MegatronRun, layers: int) -> ChunkBytes:
     # tensor_parallel/random.py CheckpointFunction, or TE's checkpoint).
     ckpt, full = checkpoint_input_bytes(cfg), layer_bytes(cfg, run)
     stored = rebuilt = 0.0
+    terms: dict[str, float] = {}
     for start, stop in chunks(policies):
         p = policies[start]
         if p.offload:
@@ -47,9 +55,13 @@ def chunk_bytes(cfg: Config, run: MegatronRun, layers: int) -> ChunkBytes:
         if p.chunk is not None:
             rebuilt = max(rebuilt, stored + (stop - start) * full)
             stored += ckpt
+            terms[CHECKPOINT_INPUT] = terms.get(CHECKPOINT_INPUT, 0.0) + ckpt
         else:
-            stored += layer_bytes(cfg, run, p.modules)
-    return ChunkBytes(stored, max(stored, rebuilt) + layer_backward_bytes(cfg, run))
+            saved = layer_saved_bytes(cfg, run, p.modules)
+            stored += sum(saved.values())
+            for name, nbytes in saved.items():
+                terms[name] = terms.get(name, 0.0) + nbytes
+    return ChunkBytes(stored, max(stored, rebuilt) + layer_backward_bytes(cfg, run), terms)
 
 
 @dataclass
@@ -66,6 +78,11 @@ class StagePeak:
     """The first iteration's peak, item by item: its passes run before the optimizer's first step
     creates the Adam moments (`first_iteration_peak`)."""
     first_iteration_phase: str = ""
+    held_chunks: tuple[int, ...] = ()
+    """The model chunk of every forward whose activations are held at the peak (SchedulePeak.held)."""
+    peak_kind: str = ""
+    """"F" or "B": whether the peak is in a forward or a backward ("" at the optimizer step)."""
+    peak_chunk: int = 0
 
     @property
     def peak_allocated_bytes(self) -> float:
@@ -137,7 +154,9 @@ def stage_peak(cfg: Config, stage: int, run: MegatronRun) -> StagePeak:
     if copies > peak.total:  # the optimizer step holds the copies instead of activations
         items, phase = step, "the optimizer step"
     first, first_phase = first_iteration_peak(static, items, phase, step)
-    return StagePeak(stage, params, items, phase, copies, first, first_phase)
+    at_step = phase == "the optimizer step"
+    return StagePeak(stage, params, items, phase, copies, first, first_phase, () if at_step else peak.held,
+                     "" if at_step else peak.kind, peak.chunk)
 
 
 def first_iteration_peak(static: dict[str, float], items: dict[str, float], phase: str,
