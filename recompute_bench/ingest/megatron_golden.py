@@ -99,7 +99,7 @@ def read(path: Path, data: dict) -> ParsedRun:
                     device_name=(m.group("platform") if m else None),
                     memory_rule="the last step's mem-max-allocated-bytes (the last rank, peak since the process "
                                 "started; TensorBoard is written by rank world_size - 1)")
-    run.arguments, run.argument_lines = read_model_config(config)
+    run.arguments, run.argument_lines, run.env = read_model_config_file(config)
     series = {name: {int(step): _number(v, path, name, step) for step, v in (metric.get("values") or {}).items()}
               for name, metric in data.items()}
     steps = sorted(set().union(*(s.keys() for s in series.values())))

@@ -29,25 +29,27 @@ def rank_stage(cfg: Config, rank: int) -> int:
     return rank // (par.world_size // par.pipeline_model_parallel_size)
 
 
-def megatron_run(device_name: str | None) -> MegatronRun:
+def megatron_run(device_name: str | None, cublas_workspace_config: str | None = None) -> MegatronRun:
     """Where an imported Megatron run ran, for its estimate: the GPU kind its device names (h100 where
-    it names none) and torch's default cuBLAS workspace (a log does not show CUBLAS_WORKSPACE_CONFIG)."""
+    it names none) and CUBLAS_WORKSPACE_CONFIG where the file's environment sets it (a model_config.yaml's
+    ENV_VARS; a log does not show it: torch's default)."""
     kind = gpu_type(device_name or "")
-    return MegatronRun(kind if kind in COMPUTE_CAPABILITY else DEFAULT_GPU)
+    return MegatronRun(kind if kind in COMPUTE_CAPABILITY else DEFAULT_GPU, cublas_workspace_config)
 
 
 FIRST_ITERATION = "the first iteration (before the optimizer's first step creates the Adam moments)"
 STEADY = "the steady state (iteration 2 on)"
 
 
-def stage_estimate(cfg: Config, device_name: str | None) -> Callable[[int, int | None], tuple[float, str]]:
+def stage_estimate(cfg: Config, device_name: str | None,
+                   cublas_workspace_config: str | None = None) -> Callable[[int, int | None], tuple[float, str]]:
     """The estimated peak allocated bytes of a pipeline stage for the framework that ran (Megatron's
     own terms, `analysis.megatron`, else this harness's), as of the iteration a memory line was
     printed after: a Megatron line after iteration 1 reports the first iteration's peak, which the
     Adam moments do not yet weigh on (`stage.first_iteration_peak`); later lines the steady state.
     Returns (bytes, which of the two)."""
     if cfg.training.framework == "megatron":
-        run = megatron_run(device_name)
+        run = megatron_run(device_name, cublas_workspace_config)
 
         def megatron(stage: int, after_step: int | None) -> tuple[float, str]:
             peak = stage_peak(cfg, stage, run)
@@ -58,11 +60,16 @@ def stage_estimate(cfg: Config, device_name: str | None) -> Callable[[int, int |
     return lambda stage, after_step: (rank_memory(cfg, stage, "cuda").peak_allocated_bytes, STEADY)
 
 
+def _workspace(run: ParsedRun) -> str | None:
+    value = run.env.get("CUBLAS_WORKSPACE_CONFIG")
+    return None if value is None else str(value)
+
+
 def _rank_entries(run: ParsedRun, cfg: Config, device_name: str, failure: dict | None) -> list[dict]:
     world = cfg.parallel.world_size
     memory = {(world - 1 if r == -1 else r): m for r, m in run.ranks.items()}  # -1: the last rank (Megatron golden)
     ranks = sorted(set(memory) | ({failure["rank"]} if failure and failure.get("rank") is not None else set()))
-    estimate, estimates = stage_estimate(cfg, device_name), {}
+    estimate, estimates = stage_estimate(cfg, device_name, _workspace(run)), {}
     entries = []
     for r in ranks:
         stage = rank_stage(cfg, r)
@@ -93,7 +100,7 @@ def import_record(run: ParsedRun, cfg: Config, *, device_name: str | None = None
     tr, world = cfg.training, cfg.parallel.world_size
     metrics = unmeasured_metrics(cfg, "cuda")
     if cfg.training.framework == "megatron":  # the estimate of the framework that ran
-        metrics.update(megatron_record_estimate(cfg, megatron_run(device)))
+        metrics.update(megatron_record_estimate(cfg, megatron_run(device, _workspace(run))))
     chosen = window(run.timing, run.steps) if run.steps else None
     step_time = chosen.value("step_time_s") if chosen else None
     tflops = chosen.value("tflops_per_gpu") if chosen else None
