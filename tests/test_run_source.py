@@ -224,6 +224,17 @@ def test_flags_beside_from_override_it_and_are_echoed():
     assert "--recompute-granularity selective (the file: full)" in result.stderr
 
 
+def test_a_flag_for_the_field_a_refused_argument_sets_replaces_it(tmp_path):
+    path = tmp_path / "model_config.yaml"
+    path.write_text(MODEL_CONFIG.read_text().replace("  --bf16: true\n", "  --bf16: true\n  --fp8-format: hybrid\n"))
+    assert "--fp8-format hybrid (line 54): FP8 training is not modelled" in \
+        _one_error_line(invoke("estimate", "--from", str(path), "--gpus", "8"))
+    result = invoke("estimate", "--from", str(path), "--gpus", "8", "--precision", "bf16", "--json")
+    assert result.exit_code == 0, result.output
+    assert "override: beside --from model_config.yaml: --precision bf16 (the file: hybrid)" in result.stderr
+    assert json.loads(result.stdout)["config"]["training"]["precision"] == "bf16"
+
+
 def test_a_stated_gpu_count_is_overridden_and_echoed():
     result = invoke("estimate", "--from", str(MEGATRON_LOG), "--gpus", "16", "--json")
     assert result.exit_code == 0, result.output
@@ -249,8 +260,8 @@ def test_an_argument_it_cannot_express(tmp_path):
     path.write_text(MODEL_CONFIG.read_text().replace("  --bf16: true\n", "  --bf16: true\n  --optimizer: sgd\n"))
     line = _one_error_line(invoke("estimate", "--from", str(path), "--gpus", "8"))
     assert line == (f"error: {path}: the estimate cannot express setting of this run: --optimizer sgd (line 54): "
-                    "optimizers other than Adam are not modelled; remove them from the run (or override them beside "
-                    "--from) to estimate the rest")
+                    "optimizers other than Adam are not modelled; remove them from the run, or give a flag for the "
+                    "field one sets beside --from, to estimate the rest")
 
 
 def test_a_missing_file(tmp_path):
@@ -263,6 +274,15 @@ def test_a_yaml_that_is_not_a_config_container(tmp_path):
     path.write_text("trainer:\n  devices: 8\nmodel:\n  num_layers: 4\n")
     line = _one_error_line(invoke("estimate", "--from", str(path), "--gpus", "8"))
     assert f"{path}: is YAML but neither Megatron Bridge's ConfigContainer" in line
+
+
+def test_a_shell_variable_in_an_argument_the_estimate_reads(tmp_path):
+    path = tmp_path / "train.sh"
+    path.write_text("torchrun --nproc-per-node 2 pretrain_gpt.py --num-layers 4 --hidden-size 256 \\\n"
+                    "  --num-attention-heads 4 --seq-length 128 --tensor-model-parallel-size ${TP} --bf16\n")
+    assert _one_error_line(invoke("estimate", "--from", str(path))) == \
+        (f"error: {path}:2: --tensor-model-parallel-size is ${{TP}}, a shell variable the file does not set; "
+         "write its value there")
 
 
 @pytest.mark.parametrize("args,words", [

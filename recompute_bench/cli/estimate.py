@@ -122,7 +122,8 @@ def _read_from(path: Path, workload: Optional[str], gpus: Optional[int], point: 
 def _source_line(source) -> str:
     """One line saying what was read and where the GPU count and kind came from."""
     o = source.origins
-    stated = sum(1 for v in o.values() if v.startswith(source.path.name))
+    other = ("--", "Megatron's default", "a Megatron run", "the preset")
+    stated = sum(1 for k, v in o.items() if k not in ("gpu", "cublas_workspace_config") and not v.startswith(other))
     return (f"from {source.path.name} ({source.format}): {stated} values from the file, Megatron's defaults for what "
             f"it leaves out; data-parallel size from {o.get('parallel.data_parallel_size')}; GPU {source.run.gpu} "
             f"from {o['gpu']}; CUBLAS_WORKSPACE_CONFIG from {o['cublas_workspace_config']} (--json: every value's origin)")

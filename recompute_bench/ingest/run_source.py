@@ -27,7 +27,8 @@ from pathlib import Path
 from typing import Any, Mapping
 
 from recompute_bench.analysis.megatron.run import COMPUTE_CAPABILITY, DEFAULT_GPU, MegatronRun
-from recompute_bench.ingest import argument_list, bridge_config, bridge_log, formats, megatron_golden, megatron_log
+from recompute_bench.ingest import (argument_list, bridge_config, bridge_log, formats, megatron_golden, megatron_log,
+                                    torchtitan_log)
 from recompute_bench.ingest.config import GPT_MODEL_FIELDS, bridge_arguments, bridge_tables
 from recompute_bench.ingest.megatron_args import (ALIASES, SAME_NAME, CannotExpress, field_arguments,
                                                   megatron_overrides, normalize)
@@ -83,7 +84,8 @@ class RunSource:
             return None
         what = "setting" if len(self.refusals) == 1 else f"{len(self.refusals)} settings"
         return (f"{self.path}: the estimate cannot express {what} of this run: " + "; ".join(self.refusals)
-                + "; remove them from the run (or override them beside --from) to estimate the rest")
+                + "; remove them from the run, or give a flag for the field one sets beside --from, to estimate "
+                "the rest")
 
     def to_dict(self) -> dict[str, Any]:
         """Where the run came from, as `--json` carries it."""
@@ -128,21 +130,20 @@ def read_file(path: Path) -> ParsedRun:
             mark = getattr(e, "problem_mark", None)
             raise bad(path, mark.line + 1 if mark else None,
                       f"is not valid YAML ({getattr(e, 'problem', e)}); repair that line") from None
-    if isinstance(data, dict):
-        if "MODEL_ARGS" in data:
-            arguments, lines, env = megatron_golden.read_model_config_file(path)
-            return ParsedRun(MODEL_CONFIG, path, timing="megatron", complete=True, arguments=arguments,
-                             argument_lines=lines, env=env)
-        if bridge_config.detect_yaml(data):
-            return bridge_config.read(path, data, node)
+    if isinstance(data, dict) and "MODEL_ARGS" in data:
+        arguments, lines, env = megatron_golden.read_model_config_file(path)
+        return ParsedRun(MODEL_CONFIG, path, timing="megatron", complete=True, arguments=arguments,
+                         argument_lines=lines, env=env)
+    if bridge_config.detect_yaml(data):
+        return bridge_config.read(path, data, node)
+    if path.suffix in (".yaml", ".yml") and data is not None:
         raise bad(path, None, "is YAML but neither Megatron Bridge's ConfigContainer (`_target_: "
                               "megatron.bridge.training.config.ConfigContainer`) nor a Megatron-LM model_config.yaml "
                               f"(MODEL_ARGS); {WHAT}")
-    if path.suffix in (".yaml", ".yml") and data is not None:
-        raise bad(path, None, "is YAML but not a mapping, so neither Bridge's ConfigContainer nor a model_config.yaml; "
-                              f"{WHAT}")
     if argument_list.detect(text):
         return argument_list.read(path)
+    if torchtitan_log.detect(head):
+        raise bad(path, None, "is a torchtitan log, which is no Megatron run; estimate it with -w PRESET and flags")
     raise bad(path, None, f"is in no known format (none of {', '.join(FORMATS)}); {WHAT}")
 
 
@@ -165,9 +166,14 @@ def _spelling(parsed: ParsedRun, name: str) -> str:
     return "--" + flag.replace("_", "-")
 
 
-def _refusal(parsed: ParsedRun, e: CannotExpress, lines: dict[str, int]) -> str:
+def _name(e: CannotExpress) -> str:
+    """The normalized name of a refused argument (`--fp8-format` -> fp8)."""
     name = e.argument.lstrip("-").replace("-", "_")
-    name = ALIASES.get(name, name)
+    return ALIASES.get(name, name)
+
+
+def _refusal(parsed: ParsedRun, e: CannotExpress, lines: dict[str, int]) -> str:
+    name = _name(e)
     line = lines.get(name)
     where = f" (line {line})" if line else ""
     if e.why is None:
@@ -221,7 +227,15 @@ def read_run(path: Path | str, *, overrides: Mapping[str, Any] | None = None, se
         apply_overrides(tables, overrides, sets, notes)
     except BadInput as e:
         raise bad(source_path, None, f"{e}") from None
-    overridden = _overridden(before, tables, overrides, sets)
+    # A flag for the field a refused argument sets replaces it: what runs is the flag's value.
+    given = command_line_values(overrides, sets)
+    replaced = {a: key for key in given for a in field_arguments(key)}
+    overridden = _overridden(before, tables, overrides, sets, args)
+    for e in refused:
+        key = replaced.get(_name(e))
+        if key is not None and not any(flag == _flag(key, overrides) for flag, _, _ in overridden):
+            overridden.append((_flag(key, overrides), given[key], e.value))
+    refused = [e for e in refused if _name(e) not in replaced]
     world = gpus if gpus is not None else stated_world
     if gpus is not None and stated_world is not None and gpus != stated_world:
         overridden.append(("--gpus", gpus, stated_world))
@@ -266,11 +280,11 @@ def _bridge_log_tables(parsed: ParsedRun, workload: str | None, refused: list, n
     return args, tables
 
 
-# Every argument whose value the estimate reads: a shell variable left in one is not a value.
 def _read_names() -> set[str]:
-    from recompute_bench.ingest.megatron_args import FIELD_ARGUMENTS, NEUTRAL
+    """Every argument whose value becomes a Config field: a shell variable left in one is no value."""
+    from recompute_bench.ingest.megatron_args import FIELD_ARGUMENTS
 
-    names = {n for section in SAME_NAME.values() for n in section} | set(NEUTRAL)
+    names = {n for section in SAME_NAME.values() for n in section}
     return names | {n for args in FIELD_ARGUMENTS.values() for n in args}
 
 
@@ -288,11 +302,20 @@ def _stated_world(parsed: ParsedRun, args: Mapping[str, Any]) -> int | None:
     return world if isinstance(world, int) and not isinstance(world, bool) and world > 0 else None
 
 
-def _overridden(before: dict, after: dict, overrides: Mapping[str, Any], sets) -> list[tuple[str, Any, Any]]:
-    """(flag, value, the file's value) for every value a flag changed."""
+def _flag(path: str, overrides: Mapping[str, Any]) -> str:
+    """How the command line gave the field at `path`: its flag, or --set."""
     from recompute_bench.spec.fields import fields
 
-    by_path = {f.path: f for f in fields()}
+    f = next((f for f in fields() if f.path == path), None)
+    # recompute flags replace the whole setting: the fields they imply are theirs too
+    flagged = path in overrides or (path.startswith("recompute.") and any(k.startswith("recompute.") for k in overrides))
+    return f.option if flagged and f is not None and f.flag is not None else f"--set {path}"
+
+
+def _overridden(before: dict, after: dict, overrides: Mapping[str, Any], sets,
+                args: Mapping[str, Any]) -> list[tuple[str, Any, Any]]:
+    """(flag, value, the file's value) for every value a flag changed (the file's argument where the
+    Config held none: one it could not express)."""
     given = command_line_values(dict(overrides), sets)
     set_paths = {key for key in command_line_values({}, sets)}
     out = []
@@ -300,13 +323,13 @@ def _overridden(before: dict, after: dict, overrides: Mapping[str, Any], sets) -
         for name in sorted(set(before[section]) | set(after[section])):
             old, new = before[section].get(name), after[section].get(name)
             path = f"{section}.{name}"
+            if old is None:
+                old = next((args[a] for a in field_arguments(path) if args.get(a) is not None), None)
             if old == new or (path not in given and section != "recompute"):
                 continue
             if section == "recompute" and not any(k.startswith("recompute.") for k in given):
                 continue
-            f = by_path.get(path)
-            flag = f"--set {path}" if path in set_paths or f is None or f.flag is None else f.option
-            out.append((flag, new, old))
+            out.append((_flag(path, {} if path in set_paths else overrides), new, old))
     return out
 
 
@@ -351,7 +374,7 @@ def _megatron_run(parsed: ParsedRun, gpu: str | None, here_gpu: str | None, cubl
         raise BadInput(f"unknown GPU kind {kind!r} for framework megatron; pass --gpu with one of "
                        f"{', '.join(COMPUTE_CAPABILITY)}")
     env = parsed.env.get("CUBLAS_WORKSPACE_CONFIG")
-    workspace, where = (str(env), f"{parsed.path.name}'s environment") if env is not None else \
+    workspace, where = (str(env), f"{(parsed.config_file or parsed.path).name}'s environment") if env is not None else \
         (cublas, "this environment") if cublas is not None else (None, "torch's default")
     return MegatronRun(kind, workspace), {"gpu": origin, "cublas_workspace_config": where}
 

@@ -136,11 +136,11 @@ def terms_table(report: dict[str, Any]) -> Table:
     stages = report["stages"]
     table = Table(title=f"each stage's peak, term by term: {report['setting']['label']}", header_style="bold",
                   caption="every activation term also scales with --micro-batch-size and --seq-length")
-    table.add_column("term")
-    table.add_column("allocated by (Megatron)")
+    table.add_column("term", overflow="fold")
+    table.add_column("allocated by (Megatron)", overflow="fold")
     for r in stages:
         table.add_column(f"stage {r['stage']}", justify="right", no_wrap=True)
-    table.add_column("moved by")
+    table.add_column("moved by", overflow="fold")
     rows: dict[str, dict[str, Any]] = {}
     for r in stages:
         for term in r["terms"]:

@@ -65,18 +65,22 @@ def _activation_knobs(name: str) -> str:
     return "--sequence-parallel, --tensor-model-parallel-size"
 
 
-def _transient(cfg: Config, peak: StagePeak) -> tuple[str, str]:
-    """What the pass at the peak holds beyond what it stores, by the pass."""
+def _transient(cfg: Config, peak: StagePeak) -> tuple[str, str, str]:
+    """What the pass at the peak holds beyond what it stores: (term, Megatron's name, knobs), by the pass."""
     last_chunk = (cfg.parallel.virtual_pipeline_model_parallel_size or 1) - 1
     loses = peak.stage == cfg.parallel.pipeline_model_parallel_size - 1 and peak.peak_chunk == last_chunk
     if peak.peak_kind == "F":
         if loses:
-            return ("vocab-parallel cross-entropy's working logits (cross_entropy.py) and the micro-batch's inputs "
-                    "(get_batch)", "--tensor-model-parallel-size, --cross-entropy-loss-fusion")
-        return "the micro-batch's inputs (get_batch)", "--micro-batch-size, --seq-length"
-    return ("the backward's working set: linear_fc2's data gradient and the activation's gradient, a full-recompute "
-            "checkpoint's rebuilt layers, the loss's gradient", "--recompute-granularity full, "
-            "--ffn-hidden-size")
+            return ("working set of the loss's forward", "vocab-parallel cross-entropy's logits and their fp32 copy "
+                    "(cross_entropy.py), the micro-batch's inputs (get_batch)",
+                    "--tensor-model-parallel-size, --cross-entropy-loss-fusion, the vocabulary")
+        return "the micro-batch's inputs", "tokens, labels, masks (pretrain_gpt.py get_batch)", "--micro-batch-size, --seq-length"
+    if loses:
+        return ("working set of the loss's chunk's backward", "the loss's gradient (cross_entropy.py) or a layer's backward: "
+                "linear_fc2's data gradient and the activation's gradient, a full-recompute checkpoint's rebuilt layers",
+                "--tensor-model-parallel-size, --recompute-granularity full, --ffn-hidden-size")
+    return ("working set of a backward", "a layer's backward: linear_fc2's data gradient and the activation's gradient, "
+            "a full-recompute checkpoint's rebuilt layers", "--recompute-granularity full, --ffn-hidden-size")
 
 
 def stage_terms(cfg: Config, run: MegatronRun, peak: StagePeak) -> list[dict[str, Any]]:
@@ -117,7 +121,7 @@ def stage_terms(cfg: Config, run: MegatronRun, peak: StagePeak) -> list[dict[str
         out.append({"term": "cross-entropy's saved softmax", "megatron": "_VocabParallelCrossEntropy exp_logits (fp32)",
                     "bytes": loses * loss_saved_bytes(cfg), "knobs": "--tensor-model-parallel-size, "
                     "the vocabulary"})
-    megatron, knobs = _transient(cfg, peak)
-    out.append({"term": "transient of the pass at the peak", "megatron": megatron,
-                "bytes": peak.items["transient of the pass at the peak"], "knobs": knobs})
+    term, megatron, knobs = _transient(cfg, peak)
+    out.append({"term": term, "megatron": megatron, "bytes": peak.items["transient of the pass at the peak"],
+                "knobs": knobs})
     return out
