@@ -199,6 +199,9 @@ def test_a_flat_bridge_config_with_a_recipe_name_and_its_data_parallel_size(tmp_
     assert (cfg.recompute.granularity, cfg.recompute.modules) == ("selective", ["core_attn", "layernorm"])
     assert source.run.cublas_workspace_config == ":4096:8"
     assert source.origins["model.activation"] == "run_config.yaml:23 (model.gated_linear_unit: true)"
+    # the recipes' string form of a list reads the same in Bridge's YAML
+    path.write_text(BRIDGE_FLAT.replace("[core_attn, layernorm]", '"[layernorm core_attn]"'))
+    assert read_run(path).config.recompute.modules == ["core_attn", "layernorm"]
 
 
 # ----- flags beside --from -------------------------------------------------------------------------

@@ -22,7 +22,9 @@ Sources (Megatron-LM d98e8a6, TransformerEngine d0067d0, torch 2.13):
 One module per concern: `run` (the GPU kind), `buffers` (workspaces and buffers outside the
 parameters), `optimizer` (bytes per parameter), `attention` (the attention paths), `layer` (one
 dense layer), `outside` (embedding, output layer, loss, inputs), `stage` (a chunk and a stage's
-peak through the schedule), `report` (what `estimate` prints and records carry).
+peak through the schedule, and the first iteration's, before Adam's moments exist), `terms` (a stage's
+peak as the terms Megatron allocates, with the arguments that move each), `report` (what `estimate`
+prints and records carry).
 """
 
 from recompute_bench.analysis.megatron.run import COMPUTE_CAPABILITY, DEFAULT_GPU, MegatronRun
