@@ -93,6 +93,9 @@ def test_the_loss_runs_over_the_split_sequence(data):
 
 def test_moe_meets_the_median_goals_and_every_miss_is_explained(data, checked):
     rows, _ = checked
+    # The MoE goldens where MoE (and context parallel) is all that differs from a dense GPT; the
+    # goldens that also run FP8, MLA, CUDA graphs or offload are held by those categories' tests.
+    rows = [r for r in rows if set(r.categories) <= {"MoE", "context parallel"}]
     figures = summary(rows, "MoE")
     # Every MoE golden whose arguments the estimate can express: allgather and alltoall dispatchers,
     # grouped and sequential experts, shared experts, etp != tp, local and TE layers, pp 1 and 2.

@@ -74,6 +74,9 @@ class SchedulePeak:
     """Whether the peak is in that chunk's forward ("F") or backward ("B")."""
     retained: float = 0.0
     """Kept by earlier backwards until the step ends (deferred weight-gradient buffers)."""
+    held: tuple[int, ...] = ()
+    """The model chunk of every forward whose activations are held at the peak, the pass at the
+    peak's own included (what `others + own` stores)."""
 
 
 def schedule_peak(cfg: Config, stage: int, stored: Callable[[int], float],
@@ -84,17 +87,21 @@ def schedule_peak(cfg: Config, stage: int, stored: Callable[[int], float],
     more than it stores while it runs (the loss's fp32 logits); a backward may leave
     `retained(micro-batch, chunk)` held until the step ends (deferred weight gradients)."""
     held = kept = 0.0
-    best = SchedulePeak(0.0, 0.0, 0.0, 0.0, 0)
+    best, chunks = SchedulePeak(0.0, 0.0, 0.0, 0.0, 0), []
     for kind, mb, c in schedule(cfg, stage):
         own = stored(c)
         if kind == "F":
             extra, others = forward(c), held
             held += own
+            chunks.append(c)
+            now = tuple(chunks)
         else:
             extra, others = backward(c), held - own
+            now = tuple(chunks)
             held -= own
+            chunks.remove(c)
         if others + own + extra + kept > best.total:
-            best = SchedulePeak(others + own + extra + kept, others, own, extra, c, kind, kept)
+            best = SchedulePeak(others + own + extra + kept, others, own, extra, c, kind, kept, now)
         if kind == "B":
             kept += retained(mb, c)
     return best

@@ -22,6 +22,13 @@ AllowanceFraction = Annotated[float, typer.Option(help="Allocator allowance: fra
                                                   "fragmentation (reserved minus allocated).", rich_help_panel="Estimate")]
 AllowanceGb = Annotated[float, typer.Option(help="Fixed allowance in GiB: CUDA context, cuBLAS/cuDNN workspaces, NCCL buffers.",
                                             rich_help_panel="Estimate")]
+FromFile = Annotated[Optional[Path], typer.Option(
+    "--from", help="Estimate a Megatron run as you have it: a Megatron-LM model_config.yaml, a text file holding its "
+    "command line, a Megatron-LM or Megatron Bridge log, or Bridge's ConfigContainer YAML. Flags given beside it "
+    "override it (and are echoed).", rich_help_panel="Workload", show_default=False)]
+Gpus = Annotated[Optional[int], typer.Option(
+    "--gpus", help="With --from: the run's GPU count (world size) where the file does not state it.",
+    rich_help_panel="Workload", show_default=False)]
 
 
 def _check_inputs(device: str, allowance_fraction: float, allowance_gb: float) -> None:
@@ -34,7 +41,12 @@ def _check_inputs(device: str, allowance_fraction: float, allowance_gb: float) -
 @point_options()
 def estimate(
     *,
-    workload: Workload = DEFAULT_WORKLOAD,
+    workload: Annotated[Optional[str], typer.Option(
+        "--workload", "-w", help=f"Preset name (see `workloads`) or path to a .toml preset; default {DEFAULT_WORKLOAD}. "
+        "With --from, only for a Megatron Bridge log (the GPT model's own fields).",
+        rich_help_panel="Workload", show_default=False)] = None,
+    from_: FromFile = None,
+    gpus: Gpus = None,
     point: PointOptions,
     device: ModelDevice = "cuda",
     allowance_fraction: AllowanceFraction = ALLOWANCE_FRACTION, allowance_gb: AllowanceGb = ALLOWANCE_BYTES / 2**30,
@@ -45,19 +57,34 @@ def estimate(
     from recompute_bench.analysis import planner
     from recompute_bench.analysis.megatron import estimate_report as megatron_report
     from recompute_bench.render.estimate import (breakdown_table, layout_line, paper_notes, paper_table, settings_table,
-                                                 stages_table)
+                                                 stages_table, terms_table)
 
+    source = None
     try:
-        cfg, notes = resolve_point(workload, point)
-        check_expert_parallel_world(cfg)  # no launch here: the data-parallel size is as given
         _check_inputs(device, allowance_fraction, allowance_gb)
-        if cfg.training.framework == "megatron":
-            run = _megatron_run(point.gpu, device, notes)
+        if from_ is not None:
+            source = _read_from(from_, workload, gpus, point, device)
+            cfg, run, notes = source.config, source.run, list(source.notes)
+            check_expert_parallel_world(cfg)
             report = megatron_report(cfg, run, allowance_fraction, allowance_gb * 2**30)
+            report["source"] = source.to_dict()
         else:
-            report = planner.estimate_report(cfg, device, allowance_fraction, allowance_gb * 2**30)
+            if gpus is not None:
+                raise BadInput("--gpus goes with --from (a file's run); for a preset pass --dp N")
+            cfg, notes = resolve_point(workload or DEFAULT_WORKLOAD, point)
+            check_expert_parallel_world(cfg)  # no launch here: the data-parallel size is as given
+            if cfg.training.framework == "megatron":
+                run = _megatron_run(point.gpu, device, notes)
+                report = megatron_report(cfg, run, allowance_fraction, allowance_gb * 2**30)
+            else:
+                report = planner.estimate_report(cfg, device, allowance_fraction, allowance_gb * 2**30)
     except BadInput as e:
         raise fail(str(e)) from None
+    if source is not None:
+        echoed = source.overrides_line()
+        if echoed:
+            err.print(f"[yellow]override:[/] {escape(echoed)}", highlight=False, soft_wrap=True)
+        err.print(escape(_source_line(source)), highlight=False, soft_wrap=True)
     show_notes(notes)
     err.print(escape(layout_line(report)), highlight=False)
     err.print(settings_table(report["settings"], "every setting: activations per micro-batch, whole-rank peak, FLOPs",
@@ -68,8 +95,38 @@ def estimate(
     err.print(breakdown_table(report))
     if len(report["stages"]) > 1:
         err.print(stages_table(report))
+    if report.get("framework") == "megatron":
+        err.print(terms_table(report))
     if json_out:
         typer.echo(json.dumps(report, indent=2))
+
+
+def _read_from(path: Path, workload: Optional[str], gpus: Optional[int], point: PointOptions, device: str):
+    """estimate --from: the run in `path` (ingest.run_source), the flags beside it over it."""
+    import os
+
+    from recompute_bench.cli.common import this_gpu
+    from recompute_bench.ingest.run_source import read_run
+
+    if device.split(":")[0] != "cuda":
+        raise BadInput("Megatron runs on CUDA; drop --device cpu with --from")
+    framework = point.overrides.get("training.framework")
+    if framework not in (None, "megatron"):
+        raise BadInput(f"--from reads a Megatron run, which framework megatron estimates; drop --framework {framework}")
+    if gpus is not None and gpus < 1:
+        raise BadInput(f"--gpus must be a positive integer, got {gpus}; pass the run's GPU count")
+    return read_run(path, overrides=point.overrides, sets=point.sets, gpus=gpus, gpu=point.gpu, here_gpu=this_gpu(),
+                    cublas_workspace_config=os.environ.get("CUBLAS_WORKSPACE_CONFIG"), workload=workload)
+
+
+def _source_line(source) -> str:
+    """One line saying what was read and where the GPU count and kind came from."""
+    o = source.origins
+    other = ("--", "Megatron's default", "a Megatron run", "the preset")
+    stated = sum(1 for k, v in o.items() if k not in ("gpu", "cublas_workspace_config") and not v.startswith(other))
+    return (f"from {source.path.name} ({source.format}): {stated} values from the file, Megatron's defaults for what "
+            f"it leaves out; data-parallel size from {o.get('parallel.data_parallel_size')}; GPU {source.run.gpu} "
+            f"from {o['gpu']}; CUBLAS_WORKSPACE_CONFIG from {o['cublas_workspace_config']} (--json: every value's origin)")
 
 
 def _megatron_run(gpu: Optional[str], device: str, notes: list[str]):

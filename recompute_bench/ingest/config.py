@@ -19,7 +19,9 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from recompute_bench.ingest.megatron_args import CannotExpress, config_from_megatron, megatron_overrides, normalize
+from recompute_bench.ingest.bridge_config import SPELLINGS
+from recompute_bench.ingest.megatron_args import (ALIASES, CannotExpress, config_from_megatron, megatron_overrides,
+                                                  normalize)
 from recompute_bench.ingest.parsed import ParsedRun, bad
 from recompute_bench.spec.config import SECTIONS, Config, BadInput
 from recompute_bench.spec.presets import resolve
@@ -30,17 +32,13 @@ from recompute_bench.spec.rules import validate
 # TransformerConfig only).
 GPT_MODEL_FIELDS = ("vocab_size", "position_embedding_type", "share_embeddings_and_output_weights",
                     "max_position_embeddings", "rotary_base", "make_vocab_size_divisible_by")
-# Bridge's TransformerConfig names where Megatron-LM's argument is spelled otherwise (Megatron-Bridge
-# scripts/translate_mlm_to_bridge.py, ARG_MAP: `--swiglu` is gated_linear_unit with silu,
-# `--norm-epsilon` is layernorm_epsilon, `--group-query-attention` goes with num_query_groups).
-BRIDGE_SPELLINGS = {"gated_linear_unit": "swiglu", "layernorm_epsilon": "norm_epsilon"}
 FRAMEWORK = {"megatron-lm": "megatron", "megatron-golden": "megatron", "megatron-bridge": "megatron",
              "bridge-golden": "megatron", "torchtitan": "recompute-bench"}
 
 
 def _cannot(run: ParsedRun, e: CannotExpress) -> BadInput:
     name = e.argument.lstrip("-").replace("-", "_")
-    line = run.argument_lines.get(name)
+    line = run.argument_lines.get(ALIASES.get(name, name))
     return bad(run.config_file or run.path, line, f"{e}; import only runs the estimate can express")
 
 
@@ -71,14 +69,35 @@ def run_config(run: ParsedRun, *, workload: str | None, overrides: dict[str, Any
     return _bridge_config(run, base, overrides, label)
 
 
+def bridge_arguments(run: ParsedRun) -> dict[str, Any]:
+    """A Bridge log summary's TransformerConfig values as Megatron-LM's arguments."""
+    args = {SPELLINGS.get(k, k): v for k, v in run.arguments.items()}
+    if args.get("num_query_groups") is not None:
+        args["group_query_attention"] = True
+    return normalize(args)
+
+
+def bridge_tables(run: ParsedRun, base: Config, refused: list[CannotExpress] | None = None) -> dict[str, dict[str, Any]]:
+    """Bridge's stated TransformerConfig values (Megatron's defaults for the rest) over the preset's
+    GPT-model fields, data-parallel size and (where the summary omits it) global batch: one table
+    per Config section. CannotExpress for what the estimate cannot express (collected in `refused`
+    when given, as `megatron_overrides` does)."""
+    args = bridge_arguments(run)
+    tables = megatron_overrides(args, refused=refused)
+    for field in GPT_MODEL_FIELDS:
+        if not (field == "vocab_size" and "padded_vocab_size" in args):
+            tables["model"][field] = getattr(base.model, field)
+    tables["parallel"]["data_parallel_size"] = base.parallel.data_parallel_size
+    if "global_batch_size" not in args:
+        tables["training"]["global_batch_size"] = base.training.global_batch_size
+    return tables
+
+
 def _bridge_config(run: ParsedRun, base: Config, overrides: dict[str, Any], label: str) -> Config:
     """Bridge's stated TransformerConfig values (Megatron's defaults for the rest) over the preset's
     GPT-model fields and data-parallel size."""
-    args = {BRIDGE_SPELLINGS.get(k, k): v for k, v in run.arguments.items()}
-    if args.get("num_query_groups") is not None:
-        args["group_query_attention"] = True
     try:
-        tables = megatron_overrides(normalize(args))
+        tables = bridge_tables(run, base)
     except CannotExpress as e:
         raise _cannot(run, e) from None
     except BadInput as e:
@@ -89,12 +108,6 @@ def _bridge_config(run: ParsedRun, base: Config, overrides: dict[str, Any], labe
     if clash:
         raise bad(run.path, None, f"states {', '.join(clash)} itself (a value its summary omits is Megatron Core's "
                                   "default); drop the flag(s) for it")
-    for field in GPT_MODEL_FIELDS:
-        if not (field == "vocab_size" and "padded_vocab_size" in args):
-            tables["model"][field] = getattr(base.model, field)
-    tables["parallel"]["data_parallel_size"] = base.parallel.data_parallel_size
-    if "global_batch_size" not in args:
-        tables["training"]["global_batch_size"] = base.training.global_batch_size
     try:
         cfg = Config(label, **{s: SECTIONS[s](**tables[s]) for s in SECTIONS})
         validate(cfg)

@@ -29,10 +29,11 @@ from recompute_bench.spec.rules import validate
 
 
 class CannotExpress(BadInput):
-    """A Megatron argument the estimate cannot express; `argument` is its name (`--context-parallel-size`)."""
+    """A Megatron argument the estimate cannot express; `argument` is its name (`--context-parallel-size`),
+    `value` its value and `why` the reason, where they are known."""
 
-    def __init__(self, argument: str, message: str) -> None:
-        self.argument = argument
+    def __init__(self, argument: str, message: str, value: Any = None, why: str | None = None) -> None:
+        self.argument, self.value, self.why = argument, value, why
         super().__init__(message)
 
 
@@ -53,9 +54,11 @@ SAME_NAME = {
                  "expert_model_parallel_size"),
     "recompute": (),
 }
-# Long flags whose argparse destination has another name.
+# Long flags whose argparse destination has another name (TransformerConfig's `fp8` is set by
+# --fp8-format: transformer_config.py, its field's argparse_meta arg_names).
 ALIASES = {"microbatch_group_size_per_virtual_pipeline_stage": "microbatch_group_size_per_vp_stage",
-           "no_rope_fusion": "no_apply_rope_fusion"}  # argparse: --no-rope-fusion's dest is apply_rope_fusion
+           "no_rope_fusion": "no_apply_rope_fusion",  # argparse: --no-rope-fusion's dest is apply_rope_fusion
+           "fp8_format": "fp8"}
 
 # Arguments the estimate cannot express, each with Megatron's neutral values (what leaves the rank's
 # bytes as the estimate counts them) and why. A value outside them raises CannotExpress.
@@ -160,6 +163,9 @@ def normalize(args: Mapping[str, Any]) -> dict[str, Any]:
     for key, value in args.items():
         name = str(key).lstrip("-").replace("-", "_")
         value = _value(value) if isinstance(value, str) else value
+        if isinstance(value, list):  # a YAML list of words, ["mlp core_attn"] as Megatron's runner splits it
+            value = [_value(w) if isinstance(w, str) else w for item in value
+                     for w in (item.split() if isinstance(item, str) else [item])]
         name = ALIASES.get(name, name)
         if name.startswith("no_") and value is True:
             out.setdefault(name[3:], False)
@@ -180,38 +186,68 @@ def _value(text: str) -> Any:
     try:
         return ast.literal_eval(text)
     except (ValueError, SyntaxError):
-        return text
+        return bracket_list(text)
+
+
+def bracket_list(text: str) -> Any:
+    """A list as recipes write one in a `model_config.yaml`: "[mlp core_attn]". Megatron-LM's test
+    runner strips the brackets and passes the words as separate arguments
+    (tests/functional_tests/shell_test_utils/_run_training.sh, "value is wrapped in [ ]"), so an
+    nargs='+' argument gets a list of them. Other text is returned as it is."""
+    if len(text) > 2 and text[0] == "[" and text[-1] == "]" and "[" not in text[1:-1]:
+        words = text[1:-1].replace(",", " ").split()
+        if words:
+            return [_value(w) for w in words]
+    return text
 
 
 def _cannot(name: str, value: Any, why: str) -> CannotExpress:
     flag = "--" + {dest: long for long, dest in ALIASES.items()}.get(name, name).replace("_", "-")
-    return CannotExpress(flag, f"Megatron argument {flag} {value} cannot be expressed: {why}")
+    return CannotExpress(flag, f"Megatron argument {flag} {value} cannot be expressed: {why}", value, why)
 
 
-def check_expressible(args: Mapping[str, Any]) -> None:
-    """Raise CannotExpress for the first argument (normalized) the estimate cannot express."""
+def inexpressible(args: Mapping[str, Any]) -> list[CannotExpress]:
+    """Every argument (normalized) the estimate cannot express, in NEUTRAL's order, each as a
+    CannotExpress naming it."""
+    out = []
     experts = args.get("num_experts")
     for name, (neutral, why) in NEUTRAL.items():
         if name in args and args[name] not in neutral:
             if name.startswith("moe_") and not experts:
                 continue  # MoE options of a dense model change nothing
-            raise _cannot(name, args[name], why)
+            out.append(_cannot(name, args[name], why))
+    fp8 = args.get("fp8_format") or args.get("fp8")
+    if fp8 and not args.get("bf16"):
+        out.append(_cannot("fp8_format", fp8, "FP8 is modelled on bf16 runs (--bf16), not on fp16 or fp32 ones"))
     if args.get("fp16") and args.get("accumulate_allreduce_grads_in_fp32"):
-        raise _cannot("accumulate_allreduce_grads_in_fp32", True, "an fp32 grad buffer for fp16 runs is not modelled")
+        out.append(_cannot("accumulate_allreduce_grads_in_fp32", True, "an fp32 grad buffer for fp16 runs is not modelled"))
     if args.get("cpu_offloading") and args.get("cpu_offloading_activations") is False:
-        raise _cannot("cpu_offloading_activations", False, "offloading without activations is not modelled")
+        out.append(_cannot("cpu_offloading_activations", False, "offloading without activations is not modelled"))
     position = args.get("position_embedding_type")
     if position not in (None, "learned_absolute", "rope") and not args.get("use_rotary_position_embeddings"):
-        raise _cannot("position_embedding_type", position, "only learned_absolute and rope are modelled")
+        out.append(_cannot("position_embedding_type", position, "only learned_absolute and rope are modelled"))
+    return out
 
 
-def megatron_overrides(args: Mapping[str, Any], world_size: int | None = None) -> dict[str, dict[str, Any]]:
+def check_expressible(args: Mapping[str, Any]) -> None:
+    """Raise CannotExpress for the first argument (normalized) the estimate cannot express."""
+    refused = inexpressible(args)
+    if refused:
+        raise refused[0]
+
+
+def megatron_overrides(args: Mapping[str, Any], world_size: int | None = None,
+                       refused: list[CannotExpress] | None = None) -> dict[str, dict[str, Any]]:
     """Megatron's arguments -> one table per Config section (framework megatron), Megatron's defaults
     where an argument is absent; `world_size` (the GPU count) gives the data-parallel size when the
     arguments do not (a log's dump has `world_size` and `data_parallel_size`). CannotExpress (a
-    BadInput) names an argument the estimate cannot express."""
+    BadInput) names an argument the estimate cannot express; given a list as `refused`, every such
+    argument is appended to it instead and the tables hold the rest (what `estimate --from` reads)."""
     a = {**MEGATRON_DEFAULTS, **normalize(args)}
-    check_expressible(a)
+    if refused is None:
+        check_expressible(a)
+    else:
+        refused.extend(inexpressible(a))
     tables: dict[str, dict[str, Any]] = {s: {} for s in SECTIONS}
     for section, names in SAME_NAME.items():
         for name in names:
@@ -430,9 +466,7 @@ def _fp8_graphs_offload(a: Mapping[str, Any], tables: dict[str, dict[str, Any]])
     --cuda-graph-warmup-steps; --fine-grained-activation-offloading and --offload-modules."""
     tr, r = tables["training"], tables["recompute"]
     fp8 = a.get("fp8_format") or a.get("fp8")
-    if fp8:
-        if not a.get("bf16"):
-            raise _cannot("fp8_format", fp8, "FP8 is modelled on bf16 runs (--bf16), not on fp16 or fp32 ones")
+    if fp8 and a.get("bf16"):  # FP8 on other runs: `inexpressible`
         recipe = a.get("fp8_recipe") or "delayed"
         if recipe not in ("delayed", "tensorwise", "blockwise", "mxfp8"):
             raise _cannot("fp8_recipe", recipe, "only the delayed, tensorwise, blockwise and mxfp8 recipes are modelled")
@@ -535,3 +569,49 @@ def overrides_as_flags(tables: Mapping[str, Mapping[str, Any]]) -> list[str]:
                 text = str(value).lower() if isinstance(value, bool) else repr(value) if isinstance(value, str) else str(value)
                 out += ["--set", f"{f.path}={text}"]
     return out
+
+
+# ----- Runs as users give them (estimate --from) ------------------------------------------------------
+
+# What Megatron Bridge's run config states beyond Megatron-LM's arguments (ingest/bridge_config.py).
+NEUTRAL.update({
+    "peft": ((None,), "parameter-efficient fine-tuning (LoRA, DoRA: adapters beside frozen weights) is not modelled"),
+    "activation_func": ((None,), "activations other than gelu and swiglu (gated silu) are not modelled"),
+})
+
+
+FIELD_ARGUMENTS: dict[str, tuple[str, ...]] = {
+    "model.ffn_hidden_size": ("ffn_hidden_size",),
+    "model.vocab_size": ("padded_vocab_size", "vocab_size", "tokenizer_type"),
+    "model.max_position_embeddings": ("max_position_embeddings", "seq_length"),
+    "model.num_query_groups": ("num_query_groups", "group_query_attention"),
+    "model.activation": ("swiglu",),
+    "model.position_embedding_type": ("position_embedding_type", "use_rotary_position_embeddings"),
+    "model.add_bias_linear": ("disable_bias_linear", "add_bias_linear"),
+    "model.share_embeddings_and_output_weights": ("untie_embeddings_and_output_weights",),
+    "model.layernorm_epsilon": ("norm_epsilon",),
+    "model.attention_softmax_in_fp32": ("attention_softmax_in_fp32", "apply_query_key_layer_scaling"),
+    "training.seq_length": ("seq_length", "encoder_seq_length"),
+    "training.precision": ("bf16", "fp16", "fp8"),
+    "training.fp8_format": ("fp8",),
+    "training.global_batch_size": ("global_batch_size",),
+    "parallel.data_parallel_size": ("data_parallel_size", "world_size"),
+    "parallel.virtual_pipeline_model_parallel_size": ("virtual_pipeline_model_parallel_size",
+                                                      "num_virtual_stages_per_pipeline_rank",
+                                                      "num_layers_per_virtual_pipeline_stage"),
+    "recompute.granularity": ("recompute_granularity", "recompute_activations"),
+    "recompute.modules": ("recompute_modules",),
+    "recompute.method": ("recompute_method",),
+    "recompute.num_layers": ("recompute_num_layers",),
+    "recompute.activation_offload_layers": ("cpu_offloading", "cpu_offloading_num_layers"),
+}
+"""The Megatron arguments (normalized names) each Config field is read from, where they are not the
+field's own name (`megatron_overrides`); what `estimate --from` names as a value's source."""
+
+
+def field_arguments(path: str) -> tuple[str, ...]:
+    """The Megatron arguments the field at `path` ("section.attribute") is read from."""
+    if path in FIELD_ARGUMENTS:
+        return FIELD_ARGUMENTS[path]
+    section, attribute = path.split(".", 1)
+    return (f"recompute_{attribute}" if section == "recompute" else attribute,)

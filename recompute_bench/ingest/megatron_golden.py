@@ -30,49 +30,53 @@ def detect_json(data) -> bool:
 
 
 def read_model_config(path: Path) -> tuple[dict, dict]:
-    """The `MODEL_ARGS` of a model_config.yaml: {argument: value} with underscored names, {argument: line}.
-    Only the YAML these files use is read (top-level keys, indented `key: scalar` lines, comments);
-    anything else is bad input naming its line."""
+    """The `MODEL_ARGS` of a model_config.yaml: {argument: value} with underscored names, {argument: line}."""
+    arguments, where, _ = read_model_config_file(path)
+    return arguments, where
+
+
+def read_model_config_file(path: Path) -> tuple[dict, dict, dict]:
+    """A model_config.yaml read with PyYAML, as Megatron-LM's test runner reads it with yq
+    (tests/functional_tests/shell_test_utils/_run_training.sh): `MODEL_ARGS` as {argument: value}
+    (underscored names; a value is what YAML makes of it, a list such as "[mlp core_attn]" is left
+    to `megatron_args.normalize`), the line of each, and `ENV_VARS` (the environment of the run).
+    Bad input names the file (and line) when it is no such file."""
+    import yaml
+
     try:
         text = path.read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError) as e:
         raise bad(path, None, f"cannot be read ({e}); restore the test case's model_config.yaml") from None
-    arguments, where, section = {}, {}, None
-    for n, raw in enumerate(text.splitlines(), 1):
-        line = re.sub(r"\s+#.*$", "", raw).rstrip()
-        if not line.strip() or line.lstrip().startswith("#"):
-            continue
-        if not line.startswith((" ", "\t")):
-            section = line.rstrip(":").strip() if line.endswith(":") else None
-            continue
-        if section != "MODEL_ARGS":
-            continue
-        m = re.match(r"^\s+(?P<key>--[\w-]+):\s*(?P<value>.*)$", line)
-        if not m:
-            raise bad(path, n, f"is no `--argument: value` line of MODEL_ARGS: {raw.strip()!r}; repair that line")
-        name = m.group("key")[2:].replace("-", "_")
-        arguments[name] = _scalar(m.group("value"))
-        where[name] = n
-    if not arguments:
+    try:
+        node, data = yaml.compose(text, Loader=yaml.SafeLoader), yaml.safe_load(text)
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        raise bad(path, mark.line + 1 if mark else None, f"is not valid YAML ({getattr(e, 'problem', e)}); "
+                                                          "repair that line") from None
+    section = data.get("MODEL_ARGS") if isinstance(data, dict) else None
+    if not isinstance(section, dict) or not section:
         raise bad(path, None, "has no MODEL_ARGS; pass the model_config.yaml of a Megatron-LM functional-test case")
-    return arguments, where
+    lines = _key_lines(node, "MODEL_ARGS")
+    arguments, where = {}, {}
+    for key, value in section.items():
+        if not str(key).startswith("--"):
+            raise bad(path, lines.get(key), f"MODEL_ARGS holds {key!r}, which is no --argument; repair that line")
+        name = str(key)[2:].replace("-", "_")
+        arguments[name] = value
+        if key in lines:
+            where[name] = lines[key]
+    env = data.get("ENV_VARS") or {}
+    if not isinstance(env, dict):
+        raise bad(path, None, "ENV_VARS is not a mapping of variable: value; repair it")
+    return arguments, where, {str(k): v for k, v in env.items()}
 
 
-def _scalar(text: str):
-    """A YAML scalar as these files write them: true/false, numbers, quoted or plain strings."""
-    text = text.strip()
-    if len(text) >= 2 and text[0] == text[-1] and text[0] in "'\"":
-        return text[1:-1]
-    if text.lower() in ("true", "false"):
-        return text.lower() == "true"
-    if text.lower() in ("null", "~", ""):
-        return None
-    for kind in (int, float):
-        try:
-            return kind(text)
-        except ValueError:
-            pass
-    return text
+def _key_lines(node, section: str) -> dict:
+    """The line (from 1) of each key of the mapping `section` of a composed YAML document."""
+    for key, value in getattr(node, "value", None) or []:
+        if getattr(key, "value", None) == section and hasattr(value, "value"):
+            return {k.value: k.start_mark.line + 1 for k, _ in value.value if hasattr(k, "value")}
+    return {}
 
 
 def _number(value, path: Path, metric: str, step: str) -> float | None:
@@ -95,7 +99,7 @@ def read(path: Path, data: dict) -> ParsedRun:
                     device_name=(m.group("platform") if m else None),
                     memory_rule="the last step's mem-max-allocated-bytes (the last rank, peak since the process "
                                 "started; TensorBoard is written by rank world_size - 1)")
-    run.arguments, run.argument_lines = read_model_config(config)
+    run.arguments, run.argument_lines, run.env = read_model_config_file(config)
     series = {name: {int(step): _number(v, path, name, step) for step, v in (metric.get("values") or {}).items()}
               for name, metric in data.items()}
     steps = sorted(set().union(*(s.keys() for s in series.values())))

@@ -86,6 +86,12 @@ class ParsedRun:
     `allocated_bytes`): a Bridge golden's figures."""
     time: str | None = None
     """When the run logged its first step, as the log writes it."""
+    argument_keys: dict[str, str] = field(default_factory=dict)
+    """The file's own name of an argument where it is not Megatron-LM's flag (Bridge's
+    `model.transformer.fp8`), for messages."""
+    env: dict[str, Any] = field(default_factory=dict)
+    """The environment the file says the run had (a model_config.yaml's ENV_VARS, Bridge's env_vars,
+    the assignments before a command line): CUBLAS_WORKSPACE_CONFIG sizes torch's workspaces."""
 
     def where(self, argument: str) -> str:
         """"file:line" of an argument (the file alone when the line is unknown)."""

@@ -29,42 +29,66 @@ def rank_stage(cfg: Config, rank: int) -> int:
     return rank // (par.world_size // par.pipeline_model_parallel_size)
 
 
-def megatron_run(device_name: str | None) -> MegatronRun:
+def megatron_run(device_name: str | None, cublas_workspace_config: str | None = None) -> MegatronRun:
     """Where an imported Megatron run ran, for its estimate: the GPU kind its device names (h100 where
-    it names none) and torch's default cuBLAS workspace (a log does not show CUBLAS_WORKSPACE_CONFIG)."""
+    it names none) and CUBLAS_WORKSPACE_CONFIG where the file's environment sets it (a model_config.yaml's
+    ENV_VARS; a log does not show it: torch's default)."""
     kind = gpu_type(device_name or "")
-    return MegatronRun(kind if kind in COMPUTE_CAPABILITY else DEFAULT_GPU)
+    return MegatronRun(kind if kind in COMPUTE_CAPABILITY else DEFAULT_GPU, cublas_workspace_config)
 
 
-def stage_estimate(cfg: Config, device_name: str | None) -> Callable[[int], float]:
-    """The estimated peak allocated bytes of a pipeline stage for the framework that ran: Megatron's
-    own terms (`analysis.megatron`), else this harness's."""
+FIRST_ITERATION = "the first iteration (before the optimizer's first step creates the Adam moments)"
+STEADY = "the steady state (iteration 2 on)"
+
+
+def stage_estimate(cfg: Config, device_name: str | None,
+                   cublas_workspace_config: str | None = None) -> Callable[[int, int | None], tuple[float, str]]:
+    """The estimated peak allocated bytes of a pipeline stage for the framework that ran (Megatron's
+    own terms, `analysis.megatron`, else this harness's), as of the iteration a memory line was
+    printed after: a Megatron line after iteration 1 reports the first iteration's peak, which the
+    Adam moments do not yet weigh on (`stage.first_iteration_peak`); later lines the steady state.
+    Returns (bytes, which of the two)."""
     if cfg.training.framework == "megatron":
-        run = megatron_run(device_name)
-        return lambda stage: stage_peak(cfg, stage, run).peak_allocated_bytes
-    return lambda stage: rank_memory(cfg, stage, "cuda").peak_allocated_bytes
+        run = megatron_run(device_name, cublas_workspace_config)
+
+        def megatron(stage: int, after_step: int | None) -> tuple[float, str]:
+            peak = stage_peak(cfg, stage, run)
+            if after_step == 1:
+                return peak.first_iteration_peak_allocated_bytes, FIRST_ITERATION
+            return peak.peak_allocated_bytes, STEADY
+        return megatron
+    return lambda stage, after_step: (rank_memory(cfg, stage, "cuda").peak_allocated_bytes, STEADY)
+
+
+def _workspace(run: ParsedRun) -> str | None:
+    value = run.env.get("CUBLAS_WORKSPACE_CONFIG")
+    return None if value is None else str(value)
 
 
 def _rank_entries(run: ParsedRun, cfg: Config, device_name: str, failure: dict | None) -> list[dict]:
     world = cfg.parallel.world_size
     memory = {(world - 1 if r == -1 else r): m for r, m in run.ranks.items()}  # -1: the last rank (Megatron golden)
     ranks = sorted(set(memory) | ({failure["rank"]} if failure and failure.get("rank") is not None else set()))
-    estimate, estimates = stage_estimate(cfg, device_name), {}
+    estimate, estimates = stage_estimate(cfg, device_name, _workspace(run)), {}
     entries = []
     for r in ranks:
         stage = rank_stage(cfg, r)
-        if stage not in estimates:
-            estimates[stage] = estimate(stage)
+        m = memory.get(r)
+        # Megatron's peaks count since the process started: a line after iteration 1 holds the first
+        # iteration's peak, a later one the steady state's (torchtitan resets them: always steady).
+        after = m.after_step if m is not None and run.peaks_since_start else None
+        if (stage, after == 1) not in estimates:
+            estimates[stage, after == 1] = estimate(stage, after)
         mine = failure if failure and failure.get("rank") == r else None
         entry = unmeasured_rank(r, device_name, "oom" if mine else "ok",
                                 None if mine is None else {k: mine[k] for k in ("step", "phase", "message")})
-        m = memory.get(r)
         if m is not None:
             entry.update(peak_allocated_bytes=m.peak_allocated_bytes, peak_reserved_bytes=m.peak_reserved_bytes,
                          alloc_retries=m.alloc_retries, after_step=m.after_step)
             if run.peaks_since_start:  # the whole run's peak and, for lack of a reset after warm-up, the record's
                 entry.update(run_peak_allocated_bytes=m.peak_allocated_bytes, run_peak_reserved_bytes=m.peak_reserved_bytes)
-        entry.update(stage=stage, estimated_peak_allocated_bytes=estimates[stage],
+        estimated, describes = estimates[stage, after == 1]
+        entry.update(stage=stage, estimated_peak_allocated_bytes=estimated, estimate_describes=describes,
                      nvml_total_bytes=run.failure.device_total_bytes if run.failure else None)
         entries.append(entry)
     return entries
@@ -76,7 +100,7 @@ def import_record(run: ParsedRun, cfg: Config, *, device_name: str | None = None
     tr, world = cfg.training, cfg.parallel.world_size
     metrics = unmeasured_metrics(cfg, "cuda")
     if cfg.training.framework == "megatron":  # the estimate of the framework that ran
-        metrics.update(megatron_record_estimate(cfg, megatron_run(device)))
+        metrics.update(megatron_record_estimate(cfg, megatron_run(device, _workspace(run))))
     chosen = window(run.timing, run.steps) if run.steps else None
     step_time = chosen.value("step_time_s") if chosen else None
     tflops = chosen.value("tflops_per_gpu") if chosen else None
@@ -124,6 +148,11 @@ def import_record(run: ParsedRun, cfg: Config, *, device_name: str | None = None
             "memory": run.memory_rule, "reported": reported or None,
         },
     }
+    measured = [e for e in record["ranks"] if e["peak_allocated_bytes"] is not None]
+    if measured and all(e.get("estimate_describes") == FIRST_ITERATION for e in measured):
+        # every figure the file gives is iteration 1's: the record's estimate is that iteration's too
+        metrics["estimated_peak_allocated_bytes"] = max(e["estimated_peak_allocated_bytes"] for e in measured)
+        record["source"]["memory"] += "; after iteration 1 only, so beside the first iteration's estimated peak"
     peaks = [e["peak_allocated_bytes"] for e in record["ranks"] if e["peak_allocated_bytes"] is not None]
     reserved = [e["peak_reserved_bytes"] for e in record["ranks"] if e["peak_reserved_bytes"] is not None]
     metrics["peak_allocated_bytes"] = max(peaks) if peaks else run.peaks.get("peak_allocated_bytes")

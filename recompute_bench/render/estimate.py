@@ -118,6 +118,8 @@ def breakdown_table(report: dict[str, Any]) -> Table:
     table.add_row("[bold]peak allocated[/]", f"[bold]{_gib(s['peak_allocated_bytes'])}[/]")
     for phase, value in (s.get("phase_peaks") or {}).items():  # CUDA graphs: the peak is the most of these
         table.add_row(escape(f"  peak of the {phase}"), _gib(value))
+    if "first_iteration_peak_allocated_bytes" in s:  # framework megatron: Adam's moments come at the first step
+        table.add_row("first iteration's peak (no Adam moments yet)", _gib(s["first_iteration_peak_allocated_bytes"]))
     table.add_row(f"allowance: {100 * a['fraction']:.0f}% allocator + {fmt_bytes(a['bytes'])} context/workspaces",
                   fmt_bytes(s["device_bytes_needed"] - s["peak_allocated_bytes"]))
     table.add_row("[bold]device memory needed[/]", f"[bold]{_gib(s['device_bytes_needed'])}[/]")
@@ -125,13 +127,45 @@ def breakdown_table(report: dict[str, Any]) -> Table:
 
 
 def stages_table(report: dict[str, Any]) -> Table:
-    """Every pipeline stage's peak of the command's own setting, and where it happens."""
+    """Every pipeline stage's peak of the command's own setting, and where it happens (framework
+    megatron: the first iteration's peak beside it)."""
+    first = "first_iteration_peak_allocated_bytes" in report["stages"][0]
     table = Table(title=f"every pipeline stage: {report['setting']['label']}", header_style="bold")
-    for col in ("stage", "peak allocated", "+allowance", "where", "parameters"):
+    for col in ("stage", "peak allocated", "+allowance", *(("1st iteration",) if first else ()), "where", "parameters"):
         table.add_column(col, justify="left" if col == "where" else "right")
     for r in report["stages"]:
         table.add_row(str(r["stage"]), _gib(r["peak_allocated_bytes"]), _gib(r["device_bytes_needed"]),
+                      *((_gib(r["first_iteration_peak_allocated_bytes"]),) if first else ()),
                       escape(r["phase"]), f"{r['parameters_on_rank'] / 1e9:.3f} B")
+    return table
+
+
+def terms_table(report: dict[str, Any]) -> Table:
+    """Framework megatron: each stage's steady-state peak as the terms that make it up, named after
+    what allocates each in Megatron, with the arguments that move it; then the first iteration's peak."""
+    stages = report["stages"]
+    table = Table(title=f"each stage's peak, term by term: {report['setting']['label']}", header_style="bold",
+                  caption="every activation term also scales with --micro-batch-size and --seq-length")
+    table.add_column("term", overflow="fold")
+    table.add_column("allocated by (Megatron)", overflow="fold")
+    for r in stages:
+        table.add_column(f"stage {r['stage']}", justify="right", no_wrap=True)
+    table.add_column("moved by", overflow="fold")
+    rows: dict[str, dict[str, Any]] = {}
+    for r in stages:
+        for term in r["terms"]:
+            row = rows.setdefault(term["term"], {"megatron": term["megatron"], "knobs": term["knobs"], "bytes": {}})
+            row["bytes"][r["stage"]] = term["bytes"]
+    layers = {r["stage"]: max((t.get("layers", 0) for t in r["terms"]), default=0) for r in stages}
+    for name, row in rows.items():
+        table.add_row(escape(name), escape(row["megatron"]),
+                      *(fmt_bytes(row["bytes"][r["stage"]]) if r["stage"] in row["bytes"] else "-" for r in stages),
+                      escape(row["knobs"]))
+    table.add_row("[dim]layers whose saved tensors are held[/]", "", *(str(layers[r["stage"]]) for r in stages), "")
+    table.add_row("[bold]peak allocated[/]", "iteration 2 on", *(f"[bold]{_gib(r['peak_allocated_bytes'])}[/]"
+                                                                 for r in stages), "")
+    table.add_row("first iteration's peak", "before the first step creates the Adam moments",
+                  *(_gib(r["first_iteration_peak_allocated_bytes"]) for r in stages), "")
     return table
 
 

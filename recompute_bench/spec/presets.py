@@ -99,24 +99,8 @@ def resolve(workload: str = DEFAULT_WORKLOAD, *, overrides: dict[str, Any] | Non
     if gpu and gpu in per_gpu:
         tables["recompute"] = dict(per_gpu[gpu])
 
-    cli: dict[str, Any] = {}
-    for item in sets:
-        key, value = parse_set(item)
-        cli[key] = value
-    cli.update({k: v for k, v in (overrides or {}).items() if v is not None})
-
     notes: list[str] = []
-    recompute_cli = {k.split(".", 1)[1]: v for k, v in cli.items() if k.startswith("recompute.")}
-    if recompute_cli:
-        tables["recompute"] = _implied_recompute(recompute_cli, notes)
-    for key, value in cli.items():
-        section, _, name = key.partition(".")
-        if section == "recompute":
-            continue
-        if section not in SECTIONS:
-            raise BadInput(f"unknown section {section!r} in {key}; use one of {', '.join(SECTIONS)}")
-        tables[section][name] = value
-
+    apply_overrides(tables, overrides or {}, sets, notes)
     if tables["training"].get("framework") == "megatron":
         # What the preset and the flags leave unset takes Megatron's defaults, not this harness's.
         for key, value in MEGATRON_DEFAULTS.items():
@@ -125,12 +109,47 @@ def resolve(workload: str = DEFAULT_WORKLOAD, *, overrides: dict[str, Any] | Non
             for key, value in MEGATRON_MOE_DEFAULTS.items():
                 tables["model"].setdefault(key, value)
     name = Path(workload).stem if workload.endswith(".toml") else workload
+    cfg = config_from_tables(name, tables, notes)
+    validate(cfg)
+    return cfg, notes
+
+
+def command_line_values(overrides: dict[str, Any], sets: list[str] | tuple[str, ...] = ()) -> dict[str, Any]:
+    """The values a command line gives, "section.key" -> value: `--set` items, then the dedicated
+    flags (None: not given)."""
+    cli: dict[str, Any] = {}
+    for item in sets:
+        key, value = parse_set(item)
+        cli[key] = value
+    cli.update({k: v for k, v in overrides.items() if v is not None})
+    return cli
+
+
+def apply_overrides(tables: dict[str, dict[str, Any]], overrides: dict[str, Any],
+                    sets: list[str] | tuple[str, ...] = (), notes: list[str] | None = None) -> None:
+    """A command line's values over `tables` (one dict per section, changed in place): recompute
+    flags replace the recompute table as a whole (`_implied_recompute`), every other value its key."""
+    cli = command_line_values(overrides, sets)
+    recompute_cli = {k.split(".", 1)[1]: v for k, v in cli.items() if k.startswith("recompute.")}
+    if recompute_cli:
+        tables["recompute"] = _implied_recompute(recompute_cli, notes if notes is not None else [])
+    for key, value in cli.items():
+        section, _, name = key.partition(".")
+        if section == "recompute":
+            continue
+        if section not in SECTIONS:
+            raise BadInput(f"unknown section {section!r} in {key}; use one of {', '.join(SECTIONS)}")
+        tables[section][name] = value
+
+
+def config_from_tables(name: str, tables: dict[str, dict[str, Any]], notes: list[str]) -> Config:
+    """The Config of one table per section (each key checked against its dataclass; not yet
+    validated: pass it to `rules.validate`)."""
     cfg = Config(workload=name, **{s: _build(s, tables[s]) for s in SECTIONS})
     cfg.recompute.modules = canonical_modules(list(cfg.recompute.modules))
     if cfg.recompute.granularity == "selective" and not cfg.recompute.modules:
         notes.append("recompute_modules is empty: nothing is recomputed (Megatron would silently use [core_attn])")
-    validate(cfg)
-    return cfg, notes
+    return cfg
 
 
 def _implied_recompute(cli: dict[str, Any], notes: list[str]) -> dict[str, Any]:

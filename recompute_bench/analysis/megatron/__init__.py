@@ -32,7 +32,9 @@ shared experts, expert sharding), `outside` (embedding, output layer, loss, inpu
 output-layer gradients), `context_parallel` (the sequence split over cp ranks and Transformer
 Engine's CP attention), `fp8` (what Transformer Engine's FP8 recipes change), `cuda_graphs` (graph
 buffers and the eager / capture / replay phases), `offload` (what activation offloading takes off
-the device), `stage` (a chunk and a stage's peak through the schedule), `report` (what `estimate`
+the device), `stage` (a chunk and a stage's peak through the schedule, and the first iteration's, before Adam's
+moments exist), `terms` (a stage's peak as the terms Megatron allocates, with the arguments that
+move each), `report` (what `estimate`
 prints and records carry).
 """
 

@@ -13,6 +13,7 @@ from recompute_bench.analysis.megatron.moe import ROUTINGS, routed_rows
 from recompute_bench.analysis.megatron.outside import embedding_saved_bytes, loss_saved_bytes, output_saved_bytes
 from recompute_bench.analysis.megatron.run import MegatronRun
 from recompute_bench.analysis.megatron.stage import StagePeak, chunk_bytes, stage_peaks
+from recompute_bench.analysis.megatron.terms import stage_terms
 from recompute_bench.analysis.paper import (built_minus_paper_bytes, paper_flops_per_step, paper_layer_bytes,
                                             paper_layer_differences)
 from recompute_bench.analysis.planner import ESTIMATE_SCHEMA, compute, with_setting
@@ -64,11 +65,16 @@ def setting_estimate(cfg: Config, run: MegatronRun, routing: str = "balanced") -
     }
 
 
-def _stage_row(r: StagePeak, fraction: float, fixed: float) -> dict[str, Any]:
+def _stage_row(cfg: Config, run: MegatronRun, r: StagePeak, fraction: float, fixed: float) -> dict[str, Any]:
+    """One stage: its steady-state peak (iteration 2 on) item by item and as Megatron's terms, and
+    its first iteration's peak (before the optimizer's first step creates the Adam moments)."""
     return {"stage": r.stage, "peak_allocated_bytes": r.peak_allocated_bytes, "phase": r.phase,
             "device_bytes_needed": device_bytes_needed(r.peak_allocated_bytes, fraction, fixed),
+            "first_iteration_peak_allocated_bytes": r.first_iteration_peak_allocated_bytes,
+            "first_iteration_phase": r.first_iteration_phase,
+            "first_iteration_breakdown": dict(r.first_iteration_items),
             "bytes_after_step": r.static_bytes, "parameters_on_rank": r.parameters, "breakdown": dict(r.items),
-            "phase_peaks": dict(r.phase_peaks)}
+            "phase_peaks": dict(r.phase_peaks), "terms": stage_terms(cfg, run, r)}
 
 
 def estimate_report(cfg: Config, run: MegatronRun, allowance_fraction: float = ALLOWANCE_FRACTION,
@@ -123,10 +129,11 @@ def estimate_report(cfg: Config, run: MegatronRun, allowance_fraction: float = A
         "allowance": {"fraction": allowance_fraction, "bytes": allowance_bytes},
         "setting": {**setting_estimate(cfg, run),
                     "device_bytes_needed": device_bytes_needed(peak.peak_allocated_bytes, allowance_fraction, allowance_bytes),
+                    "first_iteration_peak_allocated_bytes": max(r.first_iteration_peak_allocated_bytes for r in stages),
                     "layer_saved_bytes": layer_saved_bytes(cfg, run, modules, moe=bool(m.num_moe_experts and m.moe_layers)),
                     "breakdown": dict(peak.items), "phase_peaks": dict(peak.phase_peaks),
                     "parameters_on_rank": peak.parameters},
-        "stages": [_stage_row(r, allowance_fraction, allowance_bytes) for r in stages],
+        "stages": [_stage_row(cfg, run, r, allowance_fraction, allowance_bytes) for r in stages],
         "settings": settings,
         "paper": {"differences": differences, "norm_stats_bytes": built_minus_paper_bytes(cfg, "cuda") / cp,
                   "rows": paper_rows},
@@ -153,15 +160,17 @@ def _routing(cfg: Config, run: MegatronRun, peak: StagePeak) -> dict[str, Any] |
 def record_estimate(cfg: Config, run: MegatronRun) -> dict[str, float]:
     """What a result record carries beside a Megatron run's measured figures (the keys of
     `rank.record_estimate`): one micro-batch's activations over the whole model and per layer, as
-    Megatron's layers keep them, the hardware FLOPs, and the peak of the most loaded stage."""
+    Megatron's layers keep them, the hardware FLOPs, and the steady-state peak of the most loaded
+    stage (iteration 2 on)."""
     # every model chunk of every stage (their layer kinds differ with moe_layer_freq)
     total = sum(chunk_bytes(cfg, run, c.layers, c.first_layer).stored
                 for stage in range(cfg.parallel.pipeline_model_parallel_size) for c in model_chunks(cfg, stage))
     per_layer = total / cfg.model.num_layers
     outside = embedding_saved_bytes(cfg) + output_saved_bytes(cfg) + loss_saved_bytes(cfg)
+    stages = stage_peaks(cfg, run)
     return {
         "estimated_activation_bytes": total + outside,
         "estimated_activation_bytes_per_layer": per_layer,
         "estimated_hardware_flops_per_step": compute(cfg, "cuda")["hardware_flops_per_step"],
-        "estimated_peak_allocated_bytes": max(r.peak_allocated_bytes for r in stage_peaks(cfg, run)),
+        "estimated_peak_allocated_bytes": max(r.peak_allocated_bytes for r in stages),
     }

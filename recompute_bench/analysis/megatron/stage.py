@@ -47,6 +47,13 @@ class ChunkBytes:
     last_layer_offloaded: float = 0.0
     """Fine-grained offloading: the chunk's last layer's offloaded bytes, which a chunk whose
     backward comes next keeps on the device."""
+    terms: dict[str, float] = field(default_factory=dict)
+    """`stored`, tensor by tensor over the chunk's layers (layer_saved_bytes' names, less what
+    offloading moves to the host, and a full-recompute checkpoint's input)."""
+
+
+CHECKPOINT_INPUT = "checkpoint input"
+"""A full-recompute checkpoint's saved input (tensor_parallel/random.py CheckpointFunction)."""
 
 
 def chunk_bytes(cfg: Config, run: MegatronRun, layers: int, first_layer: int = 0,
@@ -66,6 +73,7 @@ def chunk_bytes(cfg: Config, run: MegatronRun, layers: int, first_layer: int = 0
     fine = cfg.recompute.fine_grained_activation_offloading
     stored = rebuilt = in_graph = pool = last = reload = 0.0
     reruns_attention = False
+    terms: dict[str, float] = {}
     for start, stop in chunks(policies):
         p = policies[start]
         if p.chunk is not None:
@@ -74,28 +82,34 @@ def chunk_bytes(cfg: Config, run: MegatronRun, layers: int, first_layer: int = 0
             rebuilt = max(rebuilt, stored + sum(layer_bytes(layer_config(cfg, first_layer + i), run, (), first_layer + i,
                                                             routing) for i in range(start, stop)))
             stored += checkpoint_input_bytes(cfg)
+            terms[CHECKPOINT_INPUT] = terms.get(CHECKPOINT_INPUT, 0.0) + checkpoint_input_bytes(cfg)
             reruns_attention = True
             continue
         index = first_layer + start  # a unit of anything but full recompute is one layer
         lcfg = layer_config(cfg, index)
         saved = layer_saved_bytes(lcfg, run, p.modules, index, routing)
         reruns_attention = reruns_attention or "core_attn" in p.modules
-        away = 0.0
+        moved: dict[str, float] = {}
         if p.offload:
-            away = sum(layer_offloaded(lcfg, saved).values())
+            moved = layer_offloaded(lcfg, saved)
         elif fine:
-            away = sum(fine_grained_offloaded(lcfg, saved).values())
+            moved = fine_grained_offloaded(lcfg, saved)
+        away = sum(moved.values())
+        if fine and not p.offload:
             reload = max(reload, away)
             if start == layers - 1:
                 last = away
         stored += sum(saved.values()) - away
+        for name, nbytes in saved.items():
+            if nbytes - moved.get(name, 0.0):
+                terms[name] = terms.get(name, 0.0) + nbytes - moved.get(name, 0.0)
         in_graph += sum(graph_part(lcfg, saved).values())
         pool += sum(pool_resident(lcfg, saved, first_in_chunk=start == 0).values())
     forward = max(layer_forward_bytes(cfg, run, first_layer + i) for i in range(layers))
     backward = max(layer_backward_bytes(cfg, run, first_layer + i, routing) for i in range(layers))
     if reruns_attention:
         backward = max(backward, forward)
-    return ChunkBytes(stored, max(stored, rebuilt) + backward + reload, forward, in_graph, pool, last)
+    return ChunkBytes(stored, max(stored, rebuilt) + backward + reload, forward, in_graph, pool, last, terms)
 
 
 @dataclass
@@ -115,10 +129,25 @@ class StagePeak:
     phase_peaks: dict[str, float] = field(default_factory=dict)
     """With CUDA graphs: the peak of each phase (eager warm-up step, CUDA graph capture, CUDA graph
     replay); `items` are the highest's."""
+    first_iteration_items: dict[str, float] = field(default_factory=dict)
+    """The first iteration's peak, item by item: its passes run before the optimizer's first step
+    creates the Adam moments (`first_iteration_peak`)."""
+    first_iteration_phase: str = ""
+    held_chunks: tuple[int, ...] = ()
+    """The model chunk of every forward whose activations are held at the peak (SchedulePeak.held)."""
+    peak_kind: str = ""
+    """"F" or "B": whether the peak is in a forward or a backward ("" at the optimizer step)."""
+    peak_chunk: int = 0
 
     @property
     def peak_allocated_bytes(self) -> float:
+        """The steady-state peak: every iteration from the second on (the optimizer state exists)."""
         return sum(self.items.values())
+
+    @property
+    def first_iteration_peak_allocated_bytes(self) -> float:
+        """The peak of the first iteration (what a memory line after iteration 1 reports)."""
+        return sum(self.first_iteration_items.values()) if self.first_iteration_items else self.peak_allocated_bytes
 
     @property
     def static_bytes(self) -> float:
@@ -255,9 +284,32 @@ def stage_peak(cfg: Config, stage: int, run: MegatronRun, routing: str = "balanc
             phase = "a combined forward-backward layer pair"
     copies = sum(bytes_per_parameter(cfg, expert=group == "expert")["fp32 gradient copies"] * count
                  for group, count in groups.items())
-    if copies > peak.total:  # the optimizer step holds the copies instead of activations
-        items, phase = {**static, "fp32 gradient copies": copies}, "the optimizer step"
-    return StagePeak(stage, params, items, phase, copies, sum(static.values()), totals if len(totals) > 1 else {})
+    step = {**static, "fp32 gradient copies": copies}
+    if sum(step.values()) > sum(items.values()):  # the optimizer step holds the copies instead of activations
+        items, phase = step, "the optimizer step"
+    first, first_phase = first_iteration_peak(items, phase, step)
+    at_step = phase == "the optimizer step"
+    return StagePeak(stage, params, items, phase, copies, sum(static.values()), totals if len(totals) > 1 else {},
+                     first, first_phase, () if at_step else peak.held, "" if at_step else peak.kind, peak.chunk)
+
+
+def first_iteration_peak(items: dict[str, float], phase: str, step: dict[str, float]) -> tuple[dict[str, float], str]:
+    """The first iteration's peak, item by item, and where it is. Megatron's optimizer holds its fp32
+    master weights from construction (distrib_optimizer.py `_build_model_and_main_param_groups`:
+    `shard_model_param.clone().float()`; optimizer.py Float16OptimizerWithFloat16Params.__init__), but
+    Adam's moments only from its first step: Transformer Engine's FusedAdam.step (optimizers/fused_adam.py,
+    `if len(state) == 0: self.initialize_state(...)`) and torch's Adam (`_init_group`) create exp_avg and
+    exp_avg_sq when they first step a parameter; Megatron's `init_state_fn` runs only when a checkpoint
+    with optimizer state is loaded (optimizer.py `state_dict(is_loading=True)`), where iteration 1 is
+    steady already. So iteration 1's forward and backward passes hold everything but the moments,
+    and its optimizer step holds the moments (and fp16's gradient copies) without activations."""
+    if phase == "the optimizer step":
+        return dict(items), phase  # the step holds the same in iteration 1: it creates the moments
+    passes = {k: v for k, v in items.items() if k != "Adam moments"}
+    at_step = {k: v for k, v in step.items() if v}
+    if sum(at_step.values()) >= sum(passes.values()):
+        return at_step, "the optimizer step (it creates the Adam moments)"
+    return passes, phase + " (before the optimizer's first step creates the Adam moments)"
 
 
 def combined_pair_bytes(cfg: Config, run: MegatronRun, chunk: ChunkBytes, first_layer: int, layers: int,
