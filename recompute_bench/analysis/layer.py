@@ -8,7 +8,8 @@ once, as the probe counts it).
 Under tensor parallelism t the terms are split the paper's way: what lies inside the
 column/row-parallel region (q, k, v, the attention scores, the MLP's wide activations) divides by t;
 what lies outside (norm inputs and outputs, dropout masks, norm statistics) divides by t only with
-sequence parallelism. Bytes everywhere; a "token" is one of the s x b positions of a micro-batch.
+sequence parallelism. Bytes everywhere; a "token" is one of the s x b positions of a micro-batch,
+of which a context-parallel rank holds s / cp x b (`models.context_parallel.rank_seq_length`).
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import dataclasses
 from typing import Iterable
 
 from recompute_bench.models import ELEMENT_BYTES, spec_for
+from recompute_bench.models.context_parallel import rank_seq_length
 from recompute_bench.spec.config import Config
 
 
@@ -43,7 +45,7 @@ def checkpoint_input_bytes(cfg: Config) -> float:
     """What full recompute keeps per checkpoint: the chunk's [s, b, h] input, sharded over the
     tensor-parallel group with sequence parallelism or `distribute_saved_activations`."""
     tr, par = cfg.training, cfg.parallel
-    nbytes = ELEMENT_BYTES[tr.precision] * tr.seq_length * tr.micro_batch_size * cfg.model.hidden_size
+    nbytes = ELEMENT_BYTES[tr.precision] * rank_seq_length(cfg) * tr.micro_batch_size * cfg.model.hidden_size
     if par.sequence_parallel or cfg.recompute.distribute_saved_activations:
         nbytes /= par.tensor_model_parallel_size
     return nbytes

@@ -98,7 +98,8 @@ def _over_ranks(cfg, settings, backends: list[str], launch: Launch, device: str)
     from recompute_bench.measure.verify import Outcome
 
     layout = layout_label(launch.world_size, launch.data_parallel, cfg.parallel.tensor_model_parallel_size,
-                          cfg.parallel.sequence_parallel, cfg.parallel.pipeline_model_parallel_size)
+                          cfg.parallel.sequence_parallel, cfg.parallel.pipeline_model_parallel_size,
+                          cfg.parallel.context_parallel_size)
     err.print(f"verifying over {launch.world_size} ranks ({layout}) ...", highlight=False)
     try:
         result = verify_over_ranks(cfg, settings, backends, launch, work=Path("results") / "ranks" / "verify",

@@ -58,11 +58,21 @@ class DataParallel(SingleRank):
         self.world_size = dist.get_world_size()
         self.rank = dist.get_rank()
         tp = cfg.parallel.tensor_model_parallel_size if cfg is not None else 1
-        self.tensor = None
+        cp = cfg.parallel.context_parallel_size if cfg is not None else 1
+        self.tensor = self.context = None
+        mesh = grad_mesh = None
+        if cp > 1:  # a (dp, cp, tp) mesh (`measure.context_parallel`)
+            from recompute_bench.measure.context_parallel import ContextParallel, layout_mesh
+            mesh, grad_mesh = layout_mesh(device_type, dp=self.world_size // (cp * tp), cp=cp, tp=tp)
+            self.context = ContextParallel(cfg, mesh)
         if tp > 1:
             from recompute_bench.measure.tensor_parallel import TensorParallel
-            self.tensor = TensorParallel(tp, cfg.parallel.sequence_parallel, device_type)
-        self.dp_size, self.dp_rank = self.world_size // tp, self.rank // tp
+            self.tensor = TensorParallel(tp, cfg.parallel.sequence_parallel, device_type, mesh)
+        self.dp_size, self.dp_rank = self.world_size // (tp * cp), self.rank // (tp * cp)
+        self.grad_ranks = self.dp_size * cp
+        """The ranks this rank's gradients are reduced over: data x context parallel (dp x cp)."""
+        self.grad_mesh = grad_mesh if mesh is not None else self.tensor.dp_mesh if self.tensor else None
+        """Their mesh (None: every rank, the world, when neither tensor nor context parallel splits it)."""
         self.ep = cfg.parallel.expert_model_parallel_size if cfg is not None else 1
         self.experts: list[torch.nn.Parameter] = []
         """This rank's routed-expert weights under expert parallel (reduced over the ranks holding
@@ -77,29 +87,30 @@ class DataParallel(SingleRank):
         return self.tensor.group if self.tensor else None
 
     def split(self, model: torch.nn.Module) -> torch.nn.Module:
-        return self.tensor.parallelize(model) if self.tensor else model
+        model = self.tensor.parallelize(model) if self.tensor else model
+        return self.context.parallelize(model) if self.context else model
 
     @property
     def splits(self) -> bool:
-        return self.tensor is not None or (self.kind == "fsdp" and self.dp_size > 1)
+        return self.tensor is not None or self.context is not None or (self.kind == "fsdp" and self.grad_ranks > 1)
 
     def build(self, cfg: Config, device: torch.device, dtype: torch.dtype | None = None) -> torch.nn.Module:
-        if self.dp_size > 1 and self.kind == "ddp":  # the whole model on every rank
+        if self.grad_ranks > 1 and self.kind == "ddp":  # the whole model on every rank
             model = super().build(cfg, device, dtype)
             if self.ep > 1:
                 from recompute_bench.models.moe.dispatch import shard_experts
                 self.experts = shard_experts(model, self.ep_group)
             return model
-        if self.dp_size > 1:  # FSDP: fp32 sharded weights, cast for compute (`shard`)
+        if self.grad_ranks > 1:  # FSDP: fp32 sharded weights, cast for compute (`shard`)
             dtype = torch.float32
         return super().build(cfg, device, dtype)
 
     def shard(self, model: torch.nn.Module, cfg: Config) -> torch.nn.Module:
-        """FSDP2 over the data-parallel ranks: every layer, then the root (on the meta device, before
-        anything is allocated)."""
-        if self.kind != "fsdp" or self.dp_size == 1:
+        """FSDP2 over the data-parallel ranks (x the context-parallel ones): every layer, then the root
+        (on the meta device, before anything is allocated)."""
+        if self.kind != "fsdp" or self.grad_ranks == 1:
             return model
-        return fsdp_shard(model, cfg, self.tensor.dp_mesh if self.tensor else None)
+        return fsdp_shard(model, cfg, self.grad_mesh)
 
     def whole_expert_grad(self, grad: torch.Tensor) -> torch.Tensor:
         """Every expert's gradient of one weight, gathered from the expert-parallel group."""
@@ -114,11 +125,11 @@ class DataParallel(SingleRank):
     @property
     def reduces_main_grads(self) -> bool:
         """Whether gradients are reduced in the optimizer's main-gradient buffer (DDP), not in `.grad`."""
-        return self.kind == "ddp" and self.dp_size > 1
+        return self.kind == "ddp" and self.grad_ranks > 1
 
     def optimizer(self, model: torch.nn.Module, precision: str):
         params = [p for p in model.parameters() if p.requires_grad]
-        if self.kind == "fsdp" and self.dp_size > 1:
+        if self.kind == "fsdp" and self.grad_ranks > 1:
             return make_adam(params, 1e-4)  # fp32 sharded weights, gradients and state (the distributed optimizer)
         if not self.reduces_main_grads:  # tensor parallel only: DTensor shards and replicas, one rank's way
             return MainGradAdam(MainGrads(params), precision)
@@ -128,13 +139,14 @@ class DataParallel(SingleRank):
         experts = {id(p) for p in self.experts}
         dense = [p for p in params if id(p) not in experts]
         ordered = dense[::-1] + [p for p in params if id(p) in experts][::-1]
-        groups = [dist.group.WORLD] * len(dense) + [self.expert_dp_group] * (len(ordered) - len(dense))
-        return MainGradAdam(BucketedGrads(ordered, groups, self.dp_size, BUCKET_PARAMETERS), precision)
+        dense_group = self.grad_mesh.get_group() if self.grad_mesh is not None else dist.group.WORLD
+        groups = [dense_group] * len(dense) + [self.expert_dp_group] * (len(ordered) - len(dense))
+        return MainGradAdam(BucketedGrads(ordered, groups, self.grad_ranks, BUCKET_PARAMETERS), precision)
 
     def no_sync(self, model: torch.nn.Module, optimizer) -> AbstractContextManager:
         """Around a micro-batch but the last: DDP accumulates into the main gradients without
         reducing them; FSDP keeps the unsharded gradients instead of reduce-scattering them."""
-        if self.kind == "fsdp" and self.dp_size > 1:
+        if self.kind == "fsdp" and self.grad_ranks > 1:
             return _fsdp_no_sync(model)
         return optimizer.grads.no_sync()
 
@@ -150,6 +162,19 @@ class DataParallel(SingleRank):
         value = value.detach().clone()
         dist.all_reduce(value)
         return value / self.world_size
+
+    def world_flops(self, local_flops: int) -> int:
+        """The step's FLOPs over every rank: under context parallel their sum (each rank's attention
+        blocks are its own), else this rank's times the world."""
+        if self.context is None:
+            return super().world_flops(local_flops)
+        total = torch.tensor(float(local_flops), dtype=torch.float64)
+        dist.all_reduce(total)
+        return int(total.item())
+
+    def place(self) -> dict:
+        """This rank's context-parallel rank, when it has one."""
+        return self.context.place() if self.context else {}
 
     def barrier(self) -> None:
         """Every rank waits here for the others (NCCL: the host waits for the barrier's kernel too,
@@ -396,7 +421,7 @@ def verify_ranks(cfg: Config, settings, backends: list[str], device: torch.devic
         tokens = torch.randint(0, cfg.model.vocab_size, shape, generator=g).to(device)
         base_loss, base_grads = run(run_cfg, tokens[layout.dp_rank], device, layout)
         alone_cfg, alone_base = run_cfg, (base_loss, base_grads)
-        if layout.tensor or pipeline:
+        if layout.tensor or layout.context or pipeline:
             alone_cfg = dataclasses.replace(run_cfg, model=dataclasses.replace(run_cfg.model, hidden_dropout=0.0,
                                                                                attention_dropout=0.0))
             alone_base = run(alone_cfg, tokens[layout.dp_rank], device, layout)

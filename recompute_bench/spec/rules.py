@@ -76,6 +76,11 @@ def validate(cfg: Config) -> None:
         raise BadInput("FP8 is not modelled for framework megatron yet; pass --precision bf16")
     if m.position_embedding_type == "rope" and m.head_dim % 2:
         raise BadInput(f"RoPE needs an even head dimension, got {m.head_dim}; change hidden_size or num_attention_heads")
+    if m.position_embedding_type == "rope" and t.framework == "recompute-bench" and t.seq_length > m.max_position_embeddings:
+        # the harness's RoPE tables hold max_position_embeddings rows (models/dense/layers.py RotaryEmbedding)
+        raise BadInput(f"seq_length {t.seq_length} is longer than the {m.max_position_embeddings} positions of the "
+                       f"RoPE tables (max_position_embeddings); pass --set model.max_position_embeddings={t.seq_length} "
+                       f"or more")
     if m.position_embedding_type == "learned_absolute" and t.seq_length > m.max_position_embeddings:
         raise BadInput(f"seq_length {t.seq_length} is longer than max_position_embeddings "
                           f"{m.max_position_embeddings}; lower --seq-length or --set model.max_position_embeddings=N")
@@ -175,9 +180,28 @@ def _validate_context_parallel(cfg: Config) -> None:
                        f"tensor_model_parallel_size {p.tensor_model_parallel_size}, which does not divide them; "
                        f"pass --seq-length as a multiple of {2 * cp * p.tensor_model_parallel_size}")
     if cfg.training.framework == "recompute-bench":
-        raise BadInput("this harness does not run context parallel yet; estimate Megatron's with --framework megatron, "
-                       "or drop --context-parallel-size")
+        _validate_harness_context_parallel(cfg)
+        return
     raise BadInput("context parallel is not modelled for framework megatron yet; drop --context-parallel-size")
+
+
+def _validate_harness_context_parallel(cfg: Config) -> None:
+    """What this harness runs under context parallel (`models.cp_attention`): dense attention split
+    by an all-gather of K and V or a ring of them, through sdpa's kernels."""
+    from recompute_bench.models.context_parallel import HARNESS_COMM_TYPES
+
+    m, p = cfg.model, cfg.parallel
+    if p.cp_comm_type not in HARNESS_COMM_TYPES:
+        raise BadInput(f"this harness splits attention over context-parallel ranks with p2p (a ring of K and V) or "
+                       f"all_gather, not {p.cp_comm_type}; pass --set parallel.cp_comm_type=p2p or all_gather, or "
+                       f"estimate Megatron's {p.cp_comm_type} with --framework megatron")
+    if m.attention_backend != "sdpa":
+        raise BadInput(f"attention backend {m.attention_backend} cannot split over context-parallel ranks (it keeps "
+                       f"every score for backward; the split merges blocks by their log-sum-exp): pass "
+                       f"--attention-backend sdpa with --context-parallel-size")
+    if m.num_moe_experts or m.multi_latent_attention:
+        raise BadInput("this harness runs context parallel on dense attention and MLP layers; mixture-of-experts and "
+                       "multi-latent attention under it are not measured yet: drop --context-parallel-size")
 
 
 def _validate_framework(cfg: Config) -> None:
