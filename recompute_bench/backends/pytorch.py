@@ -196,10 +196,14 @@ class GroupedLinear(nn.Module):
 
 def kernels_that_ran(model: nn.Module) -> dict[str, str]:
     """What the model's kernels ran in its last training step, as the record's `env` names it:
-    `attention_kernel` (see `CoreAttention`) and, with experts, `grouped_gemm_path` (see
-    `grouped_gemm_path`); kernels that differ between layers are joined with "+"."""
+    `attention_kernel` (see `CoreAttention`), with experts `grouped_gemm_path` (see
+    `grouped_gemm_path`), under context parallel `context_parallel_attention` (which attention over
+    the split ran: "p2p", "all_gather" or "torch_ring", `models.cp_attention`); kernels that differ
+    between layers are joined with "+"."""
     ran = {"attention_kernel": {m.attention_kernel for m in model.modules() if isinstance(m, CoreAttention)},
-           "grouped_gemm_path": {m.path for m in model.modules() if isinstance(m, GroupedLinear)}}
+           "grouped_gemm_path": {m.path for m in model.modules() if isinstance(m, GroupedLinear)},
+           "context_parallel_attention": {m.context_parallel.path for m in model.modules()
+                                          if isinstance(m, CoreAttention) and m.context_parallel is not None}}
     return {key: "+".join(sorted(names)) for key, names in ran.items() if names and None not in names}
 
 

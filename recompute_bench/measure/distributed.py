@@ -382,6 +382,9 @@ def gathered_loss_and_grads(cfg: Config, tokens: torch.Tensor, device: torch.dev
     grads = {}
     for name, p in model.named_parameters():
         g = p.main_grad if main_grads else p.grad
+        if main_grads and hasattr(p, "device_mesh"):  # a tensor-parallel weight's main gradient is its local shard
+            from torch.distributed.tensor import DTensor
+            g = DTensor.from_local(g, p.device_mesh, p.placements, run_check=False)
         if g is not None and hasattr(g, "full_tensor"):
             g = g.full_tensor()
         elif g is not None and id(p) in experts:

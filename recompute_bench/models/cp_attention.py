@@ -275,18 +275,14 @@ class _AttentionWithCP(torch.autograd.Function):
             # K and V go around the ring again, each rank adding its blocks' gradients of them to the
             # sum that travels with them; after the last step one more hop brings each sum home.
             kv, travelling = torch.stack([k, v]), None
-            steps = {}
-            for i, block in enumerate(blocks):
-                steps.setdefault(block.step, []).append((i, block))
-            for step in range(peers.size):
+            pending_kv = pending_grad = None
+            for step, blocks_now in enumerate(_by_step(blocks, peers.size)):
                 if step > 0:
                     kv, travelling = _Peers.wait(pending_kv), _Peers.wait(pending_grad)
-                if step < peers.size - 1:
-                    pending_kv = peers.shift(kv)
+                pending_kv = peers.shift(kv) if step < peers.size - 1 else None
                 mine_now = torch.zeros(kv.shape, dtype=torch.float32, device=q.device)
-                src = (peers.rank - step) % peers.size
-                theirs = rank_chunks(src, peers.size)
-                for i, block in steps.get(step, []):
+                theirs = rank_chunks((peers.rank - step) % peers.size, peers.size)
+                for i, block in blocks_now:
                     first = theirs.index(block.k_chunks[0])
                     cols = slice(first * n, (first + len(block.k_chunks)) * n)
                     dk, dv = block_grads(i, block, kv[:, :, :, cols])
@@ -309,15 +305,20 @@ def _walk(split: "SequenceSplit", blocks: list[Block], k: torch.Tensor, v: torch
         return
     kv = torch.stack([k, v])
     pending = None
-    by_step: dict[int, list] = {}
-    for i, block in enumerate(blocks):
-        by_step.setdefault(block.step, []).append((i, block))
-    for step in range(peers.size):
+    for step, blocks_now in enumerate(_by_step(blocks, peers.size)):
         if pending is not None:
             kv = _Peers.wait(pending)
         pending = peers.shift(kv) if step < peers.size - 1 else None
-        for i, block in by_step.get(step, []):
+        for i, block in blocks_now:
             yield i, block, (kv, (peers.rank - step) % peers.size)
+
+
+def _by_step(blocks: list[Block], steps: int) -> list[list[tuple[int, Block]]]:
+    """The ring's steps, each with its (index, block)s."""
+    out: list[list[tuple[int, Block]]] = [[] for _ in range(steps)]
+    for i, block in enumerate(blocks):
+        out[block.step].append((i, block))
+    return out
 
 
 def _keys(split: "SequenceSplit", block: Block, kv, n: int) -> torch.Tensor:
