@@ -250,3 +250,33 @@ def test_a_launch_that_cp_does_not_divide_is_one_line_exit_2(tmp_path):
     assert result.exit_code == 2, result.output
     assert ("tensor_model_parallel_size 1 x pipeline_model_parallel_size 1 x context_parallel_size 2 does not divide the 3 "
             "rank(s) launched") in " ".join(result.output.split())
+
+
+def test_plan_over_gpus_answers_the_long_sequence_question_as_the_docs_show_it():
+    """docs/context-parallel.md's table is what its command prints now."""
+    import re
+    import shlex
+    from pathlib import Path
+
+    doc = (Path(__file__).resolve().parents[1] / "docs" / "context-parallel.md").read_text()
+    blocks = re.findall(r"^```[^\n]*\n(.*?)^```", doc, re.M | re.S)
+    i = next(i for i, b in enumerate(blocks) if b.startswith("recompute-bench plan") and "--gpus" in b)
+    result = invoke(*shlex.split(blocks[i].strip())[1:], "--json")
+    assert result.exit_code == 0, result.output
+    printed = " ".join(result.output.split())
+    for row in blocks[i + 1].splitlines():
+        if row.startswith(("│", "recommended", "in Megatron")):
+            assert " ".join(row.split()) in printed, row
+    import json
+    plan = json.loads(result.stdout)
+    rows = {r["context_parallel_size"]: r for r in plan["layouts"]}
+    assert sorted(rows) == [1, 2, 4, 8] and not rows[1]["fits"] and rows[4]["fits"]
+    assert all(r["data_parallel_size"] * cp == 8 for cp, r in rows.items())
+    best = min((r for r in rows.values() if r["fits"]), key=lambda r: r["recompute_overhead"])
+    assert plan["recommended"]["context_parallel_size"] == best["context_parallel_size"]
+    assert all(r["device_bytes_needed"] <= 80 * 2**30 for r in rows.values() if r["fits"])
+
+
+def test_plan_over_gpus_refuses_a_gpu_count_tp_does_not_divide():
+    result = invoke("plan", "-w", "tiny", "--tp", "2", "--gpus", "3", "--memory-gb", "80")
+    assert result.exit_code == 2 and "--gpus 3 is not a multiple of tensor x pipeline parallel (2)" in result.stderr

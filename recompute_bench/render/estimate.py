@@ -34,6 +34,7 @@ def layout_line(report: dict[str, Any]) -> str:
     vpp, ep = p["virtual_pipeline_model_parallel_size"], p.get("expert_model_parallel_size", 1)
     layout = (f"t={p['tensor_model_parallel_size']} p={p['pipeline_model_parallel_size']}"
               + (f" vpp={vpp}" if vpp else "") + f" dp={p['data_parallel_size']}" + (f" ep={ep}" if ep > 1 else "")
+              + (f" cp={p['context_parallel_size']} ({p['cp_comm_type']})" if p.get("context_parallel_size", 1) > 1 else "")
               + (" sp" if p["sequence_parallel"] else "") + (" dist-opt" if p["use_distributed_optimizer"] else ""))
     return (f"{report['workload']}: L={m['num_layers']} h={m['hidden_size']} a={m['num_attention_heads']} "
             f"g={m['num_query_groups'] or m['num_attention_heads']} | {layout} | b={t['micro_batch_size']} "
@@ -133,6 +134,21 @@ def plan_table(result: dict[str, Any]) -> Table:
     for i, r in enumerate(result["fits"], 1):
         table.add_row(str(i), escape(r["label"]), _gib(r["peak_allocated_bytes"]), _gib(r["device_bytes_needed"]),
                       f"{100 * r['recompute_overhead']:.1f}%", f"{r['relative_tflops_per_gpu']:.3f}")
+    return table
+
+
+def cp_plan_table(result: dict[str, Any]) -> Table:
+    """`plan --gpus`: each context-parallel layout of the GPUs and its fastest fitting setting."""
+    table = Table(title=f"{result['gpus']} GPUs of {_gib(result['budget_bytes'])}: context parallel x recompute",
+                  header_style="bold")
+    for col in ("cp", "dp", "micro-batches", "fits", "setting", "with allowance", "overhead"):
+        table.add_column(col, justify="left" if col in ("setting", "fits") else "right")
+    for r in result["layouts"]:
+        table.add_row(str(r["context_parallel_size"]), str(r["data_parallel_size"]), str(r.get("num_microbatches", "-")),
+                      "[green]yes[/]" if r["fits"] else "[red]no[/]",
+                      escape(r["setting"] or r["reason"] or "-"),
+                      "-" if r["device_bytes_needed"] is None else _gib(r["device_bytes_needed"]),
+                      "-" if r["recompute_overhead"] is None else f"{100 * r['recompute_overhead']:.1f}%")
     return table
 
 
