@@ -12,14 +12,14 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from helpers import config, invoke
+from helpers import blockwise_attention, config, invoke
 from recompute_bench.analysis import flops
 from recompute_bench.analysis.layer import layer_saved_bytes
 from recompute_bench.analysis.rank import optimizer_bytes_per_parameter
 from recompute_bench.analysis.stage import activation_bytes, embedding_saved_bytes
 from recompute_bench.models.context_parallel import (Block, attention_blocks, causal_key_chunks, causal_mask_rows,
-                                                     chunk_length, fused_blocks, rank_attention_pairs, rank_chunks,
-                                                     rank_positions, rank_ranges)
+                                                     fused_blocks, rank_attention_pairs, rank_chunks, rank_positions,
+                                                     rank_ranges)
 from recompute_bench.models.cp_attention import BlockKernel, _keep_mask, merge
 
 
@@ -96,38 +96,6 @@ def test_merging_partial_softmaxes_gives_the_softmax_over_their_union():
     assert torch.allclose(lse.double(), scores.logsumexp(-1), atol=1e-6)
 
 
-def _blockwise(kernel_name: str, comm: str, cp: int, q, k, v, grad):
-    """Every rank's blocks run on one process, K and V of the whole sequence at hand: the output and
-    the gradients of q, k, v, as the ranks together compute them."""
-    b, heads, s, d = q.shape
-    n = chunk_length(s, cp)
-    out_all = torch.zeros_like(q)
-    dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
-    for r in range(cp):
-        mine = rank_chunks(r, cp)
-        pos = torch.tensor(rank_positions(s, r, cp))
-        kernel = BlockKernel(kernel_name, d ** -0.5, 0.0, n)
-        blocks = kernel.blocks(attention_blocks(r, cp, comm))
-        out = torch.zeros(b, heads, 2 * n, d)
-        lse = torch.full((b, heads, 2 * n), float("-inf"))
-        runs = []
-        for i, block in enumerate(blocks):
-            keys = torch.tensor([c * n + j for c in block.k_chunks for j in range(n)])
-            first = mine.index(block.q_chunks[0])
-            rows = slice(first * n, (first + len(block.q_chunks)) * n)
-            runs.append((i, block, keys, rows))
-            part = kernel.forward(q[:, :, pos][:, :, rows], k[:, :, keys], v[:, :, keys], block, i, 0)
-            merge(out[:, :, rows], lse[:, :, rows], *part)
-        out_all[:, :, pos] = out
-        for i, block, keys, rows in runs:
-            g = kernel.backward(grad[:, :, pos][:, :, rows].contiguous(), q[:, :, pos][:, :, rows], k[:, :, keys],
-                                v[:, :, keys], out[:, :, rows], lse[:, :, rows], block, i, 0)
-            dq[:, :, pos[rows]] += g[0]
-            dk[:, :, keys] += g[1]
-            dv[:, :, keys] += g[2]
-    return out_all, dq, dk, dv
-
-
 @pytest.mark.parametrize("kernel, comm, cp", list(itertools.product(["flash", "sdpa_math"], ["p2p", "all_gather"], [2, 3])))
 def test_the_blocks_of_every_rank_give_torchs_causal_attention_and_its_gradients(kernel, comm, cp):
     torch.manual_seed(0)
@@ -137,7 +105,7 @@ def test_the_blocks_of_every_rank_give_torchs_causal_attention_and_its_gradients
     whole = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
     grad = torch.randn_like(whole)
     whole.backward(grad)
-    out, dq, dk, dv = _blockwise(kernel, comm, cp, q.detach(), k.detach(), v.detach(), grad)
+    out, dq, dk, dv = blockwise_attention(kernel, comm, cp, q.detach(), k.detach(), v.detach(), grad)
     # fp32 sums in another order (the softmax in blocks, dK and dV summed over blocks)
     for got, want in ((out, whole), (dq, q.grad), (dk, k.grad), (dv, v.grad)):
         assert torch.allclose(got, want, atol=2e-6, rtol=1e-5), (got - want).abs().max()
@@ -190,7 +158,7 @@ def test_model_flops_follow_megatrons_formula_and_hardware_flops_each_variants_b
     # Hardware FLOPs: with dropout (the written-out kernel) every block's whole rectangle, for QK^T and
     # PV forward and the backward's three QK-sized and two PV-sized matmuls.
     drop = {comm: dataclasses.replace(c, model=dataclasses.replace(c.model, attention_dropout=0.1)) for comm, c in cp2.items()}
-    s, b, a, d, n = 128, 4, 4, 16, 32  # the global batch's sequences
+    b, a, d, n = 4, 4, 16, 32  # the global batch's 4 sequences of 128 = 4 chunks of n
     width = a * d
     for comm, pairs in (("p2p", 2 * (4 * n * n + 2 * n * n)), ("all_gather", 2 * 5 * n * n)):
         attention = b * pairs * (2 * width * 2) + b * pairs * (3 * 2 * width + 2 * 2 * width)
