@@ -18,6 +18,10 @@ with `--memory-limit-gb`, and measures the point with `measure.point.run_point` 
   the last do not reduce-scatter (`set_requires_gradient_sync(False)`): FSDP keeps their unsharded
   gradients, in fp32, until the last micro-batch's backward reduce-scatters once per layer.
 
+Under context parallel (`measure.context_parallel`) the ranks form a (dp, cp, tp) mesh: the cp ranks
+of a replica share its micro-batches, each works on its part of every sequence, and gradients are
+reduced (DDP) or sharded (FSDP2) over dp x cp.
+
 Each rank takes its own micro-batches of the global batch (micro-batch x data-parallel size x
 accumulation), so the step's loss, averaged over the ranks, is the single-rank loss of the
 same global batch. After every step the rank writes its piece of the record (`piece_path`,
@@ -49,7 +53,8 @@ DATA_PARALLEL = ("ddp", "fsdp")
 
 class DataParallel(SingleRank):
     """The model on every rank (or on every tensor-parallel group, `measure.tensor_parallel`), the
-    global batch split over the data-parallel ranks (DDP or FSDP2)."""
+    global batch split over the data-parallel ranks (DDP or FSDP2), each sequence over the
+    context-parallel ones (`measure.context_parallel`)."""
 
     def __init__(self, kind: str, cfg: Config | None = None, device_type: str = "cpu"):
         if kind not in DATA_PARALLEL:

@@ -1,7 +1,8 @@
 """Pipeline parallelism with PyTorch's own engine, `torch.distributed.pipelining`.
 
 The ranks form a (pp, dp, tp) mesh: rank = pp_rank x dp x tp + dp_rank x tp + tp_rank (tensor
-parallel innermost, pipeline outermost, as Megatron and torchtitan order them). Each pipeline rank
+parallel innermost, pipeline outermost, as Megatron and torchtitan order them); with context
+parallel (pp, dp, cp, tp), each stage sending this rank's s / cp positions (`measure.context_parallel`). Each pipeline rank
 holds model chunks (virtual stages `analysis.schedules.rank_stages` names: its stage, with virtual
 stages r, r + p, ..., under a V schedule r and 2p - 1 - r), each a `GPTStage`: the first virtual
 stage has the embedding, the last the final norm and the output layer (the loss is the schedule's

@@ -48,6 +48,9 @@ def causal_key_chunks(cp_rank: int, cp: int) -> int:
 
 HARNESS_COMM_TYPES = ("p2p", "all_gather")
 """The cp_comm_type values this harness runs (`models.cp_attention`); a2a and a2a+p2p are Megatron's too."""
+CP_KERNELS = ("flash", "sdpa_math")
+"""What each block of a rank's attention runs in this harness (`models.cp_attention.BlockKernel`):
+torch's fused flash kernel, or the same formulas written out in fp32."""
 
 
 def chunk_range(chunk: int, seq_length: int, cp: int) -> tuple[int, int]:

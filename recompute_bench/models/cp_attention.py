@@ -32,17 +32,14 @@ On CUDA, `p2p` with the flash kernel and as many key/value heads as query heads 
 
 from __future__ import annotations
 
-import math
 from typing import Optional
 
 import torch
 import torch.distributed as dist
 
-from recompute_bench.models.context_parallel import (Block, attention_blocks, causal_mask_rows, chunk_length,
-                                                     fused_blocks, rank_chunks, rank_ranges, torch_ring_applies)
-
-CP_KERNELS = ("flash", "sdpa_math")
-
+from recompute_bench.models.context_parallel import (CP_KERNELS, Block, attention_blocks, causal_mask_rows,
+                                                     chunk_length, fused_blocks, rank_chunks, rank_ranges,
+                                                     torch_ring_applies)
 
 # ----- merging partial softmaxes -----------------------------------------------------------------
 
@@ -396,8 +393,3 @@ def attention_kernel(attention_backend: str, device: torch.device, dtype: torch.
     if device.type == "cuda":
         return "flash" if dtype in (torch.float16, torch.bfloat16) and head_dim <= 256 else "sdpa_math"
     return "flash"
-
-
-def scale_of(head_dim: int) -> float:
-    """1 / sqrt(d), as the core attention scales the scores."""
-    return 1.0 / math.sqrt(head_dim)
