@@ -248,3 +248,8 @@ def test_plan_over_gpus_answers_the_long_sequence_question_as_the_docs_show_it()
 def test_plan_over_gpus_refuses_a_gpu_count_tp_does_not_divide():
     result = invoke("plan", "-w", "tiny", "--tp", "2", "--gpus", "3", "--memory-gb", "80")
     assert result.exit_code == 2 and "--gpus 3 is not a multiple of tensor x pipeline parallel (2)" in result.stderr
+
+
+def test_plan_auto_profiles_one_device_and_refuses_cp():
+    result = invoke("plan", "--auto", "-w", "tiny", "--memory-gb", "1", "--device", "cpu", "--profile", "--cp", "2")
+    assert result.exit_code == 2 and "with --cp > 1 plan with analytical costs (drop --profile)" in result.stderr

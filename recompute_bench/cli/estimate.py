@@ -196,9 +196,10 @@ def _profile_costs(cfg, device: str, steps: int, host_link_gbps: Optional[float]
     from recompute_bench.measure.profile import cached_profile
 
     here = pick_device(default_device_type())  # the device `run` and `sweep` measure on
-    if cfg.parallel.tensor_model_parallel_size > 1 or cfg.parallel.context_parallel_size > 1:
-        raise fail("--profile measures one device's whole layer; with --tp or --cp above 1 plan with analytical costs "
-                   "(drop --profile)")
+    for flag, size in (("--tp", cfg.parallel.tensor_model_parallel_size), ("--cp", cfg.parallel.context_parallel_size)):
+        if size > 1:
+            raise fail(f"--profile measures one device's whole layer; with {flag} > 1 plan with analytical costs "
+                       "(drop --profile)")
     if here.type != device.split(":")[0]:
         raise fail(f"--profile measures on this machine's {here.type}, but --device is {device}; "
                    f"pass --device {here.type} or profile on the target device")
