@@ -28,6 +28,8 @@ TWO = {  # name -> (workload, data parallel, --set items), measured on 2 ranks
     "all_gather dropout": ("tiny", "ddp", [*RANK_SETS, *CP2, *DROPOUT, "parallel.cp_comm_type=all_gather"]),
     "core_attn": ("tiny", "ddp", [*RANK_SETS, *CP2, *DROPOUT, "recompute.granularity=selective",
                                   'recompute.modules=["core_attn", "layernorm"]']),
+    "core_attn all_gather": ("tiny", "ddp", [*RANK_SETS, *CP2, *DROPOUT, "parallel.cp_comm_type=all_gather",
+                                             "recompute.granularity=selective", 'recompute.modules=["core_attn"]']),
     "full": ("tiny", "ddp", [*RANK_SETS, *CP2, "recompute.granularity=full", "recompute.method=block",
                              "recompute.num_layers=2"]),
     "llama": ("llama3-8b", "ddp", [*RANK_SETS, *LLAMA, *CP2]),
@@ -79,7 +81,7 @@ def test_cp2_measures_the_estimated_bytes_on_every_rank_and_one_ranks_losses(two
         assert rank["metrics"]["activation_bytes_per_layer"] == rank["metrics"]["estimated_activation_bytes_per_layer"]
     env = ranks[0]["env"]
     assert env["context_parallel_attention"] == ("all_gather" if "all_gather" in point else "p2p")
-    dropout = "dropout" in point or point == "core_attn"
+    dropout = "dropout" in point or point.startswith("core_attn")
     assert env["attention_kernel"] == ("sdpa_math" if dropout else "flash")
     m = ranks[0]["metrics"]
     if dropout:  # the written-out kernel's matmuls are counted: what each rank's blocks run, summed
