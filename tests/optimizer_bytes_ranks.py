@@ -148,7 +148,7 @@ def main(out: Path, layouts: dict[str, tuple[str, str, list[str], int | None]]) 
         grads = mine.pop("grads")
         result = {**mine, "held": [h.__dict__ for h in optimizer_bytes_per_parameter(cfg)],
                   "parameters": stage_parameters(cfg, 0), "num_microbatches": cfg.num_microbatches,
-                  "fsdp_shards": cfg.parallel.data_parallel_size if is_fsdp(cfg) else 1,
+                  "fsdp_shards": cfg.parallel.data_parallel_size * cfg.parallel.context_parallel_size if is_fsdp(cfg) else 1,
                   "fsdp_unsharded": fsdp_unsharded_bytes(cfg)}
         if cfg.training.precision == "fp32" and cfg.parallel.tensor_model_parallel_size == 1 and \
                 cfg.parallel.expert_model_parallel_size == 1:

@@ -37,6 +37,9 @@ LAYOUTS = {  # name -> (data parallel kind, workload, sets, DDP bucket parameter
                                        "parallel.sequence_parallel=true"), None),
     "tp 2 x fsdp 2 bf16": ("fsdp", "tiny", _sets("bf16", 2, True, "parallel.tensor_model_parallel_size=2",
                                                  "parallel.sequence_parallel=true"), None),
+    # context parallel: gradients reduced (DDP) or sharded with the optimizer state (FSDP) over dp x cp
+    "ddp 2 x cp 2 bf16": ("ddp", "tiny", _sets("bf16", 2, False, "parallel.context_parallel_size=2"), None),
+    "fsdp 2 x cp 2 bf16": ("fsdp", "tiny", _sets("bf16", 2, True, "parallel.context_parallel_size=2"), None),
 }
 
 
@@ -64,7 +67,7 @@ def test_what_a_rank_holds_is_the_estimate(ranks, layout):
 
 def test_no_layout_keeps_a_16_bit_gradient_or_a_bucket_copy(ranks):
     # Megatron's scheme everywhere but FSDP: 18 bytes per parameter in bf16 (2 + 4 + 4 + 8), 16 in fp32.
-    for name in ("ddp bf16", "ddp bf16 ep 2", "tp 4 bf16"):
+    for name in ("ddp bf16", "ddp bf16 ep 2", "tp 4 bf16", "ddp 2 x cp 2 bf16"):
         r = ranks[0][name]
         assert r["at_step"] == r["after_first_microbatch"] == 18 * r["parameters_local"]
     assert ranks[0]["ddp fp32"]["at_step"] == 16 * ranks[0]["ddp fp32"]["parameters_local"]
@@ -74,7 +77,8 @@ def test_ddp_reduces_each_bucket_once_per_step_during_the_backward(ranks):
     for rank in ranks:
         # One bucket for tiny's 0.2 M parameters (Megatron's 40 M); with expert parallel a second one
         # for the experts, over the ranks that hold the same experts; 5 of 50 k parameters each.
-        for name, buckets in (("ddp fp32", 1), ("ddp bf16", 1), ("ddp bf16 ep 2", 2), ("ddp fp32, 50k buckets", 5)):
+        for name, buckets in (("ddp fp32", 1), ("ddp bf16", 1), ("ddp bf16 ep 2", 2), ("ddp fp32, 50k buckets", 5),
+                              ("ddp 2 x cp 2 bf16", 1)):
             r = rank[name]
             assert r["buckets"] == r["all_reduce"] == buckets and r["reduce_scatter_single"] == 0
             # Every bucket's all-reduce started inside the last micro-batch's backward, none after it.
@@ -88,12 +92,13 @@ def test_fsdp_reduce_scatters_once_per_unit_per_step(ranks):
         # No gradient is all-reduced; under tensor parallel the only all-reduces are the
         # vocabulary-parallel cross-entropy's (max, target logit, sum of exponentials over the
         # tensor-parallel group) in each of the 2 micro-batches' forwards.
-        for name, loss_all_reduces in (("fsdp fp32", 0), ("fsdp bf16", 0), ("tp 2 x fsdp 2 bf16", 3 * 2)):
+        for name, loss_all_reduces in (("fsdp fp32", 0), ("fsdp bf16", 0), ("tp 2 x fsdp 2 bf16", 3 * 2),
+                                       ("fsdp 2 x cp 2 bf16", 0)):
             assert rank[name]["reduce_scatter_single"] == 4 + 1
             assert rank[name]["all_reduce"] == loss_all_reduces
 
 
-@pytest.mark.parametrize("layout", ["fsdp fp32", "fsdp bf16", "tp 2 x fsdp 2 bf16"])
+@pytest.mark.parametrize("layout", ["fsdp fp32", "fsdp bf16", "tp 2 x fsdp 2 bf16", "fsdp 2 x cp 2 bf16"])
 def test_fsdp_all_gathers_the_root_and_two_layers_in_backward(ranks, layout):
     # The most all-gathered weights alive in a backward: the root's (kept from forward) and two
     # layers' (the one in backward and the one prefetched), as the estimate counts them.

@@ -72,10 +72,6 @@ REFUSED = [
      "does not divide them; pass --seq-length as a multiple of 16"),
     (["estimate", "--framework", "megatron", "--cp", "2", "--set", "parallel.cp_comm_type=ring"],
      "cp_comm_type 'ring' is not one of p2p, all_gather, a2a, a2a+p2p; pass --set parallel.cp_comm_type=p2p"),
-    # The harness's own refusal stays until it runs context parallel (issue 27).
-    (["estimate", "--cp", "2"],
-     "this harness does not run context parallel yet; estimate Megatron's with --framework megatron, or drop "
-     "--context-parallel-size"),
     # Megatron runs context parallel only through Transformer Engine's flash or fused attention
     # (dot_product_attention.py's assert; get_attention_backend disables the unfused kernel under CP).
     (["estimate", "--framework", "megatron", "--cp", "2", "--transformer-impl", "local"],

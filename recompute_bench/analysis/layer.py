@@ -8,7 +8,8 @@ once, as the probe counts it).
 Under tensor parallelism t the terms are split the paper's way: what lies inside the
 column/row-parallel region (q, k, v, the attention scores, the MLP's wide activations) divides by t;
 what lies outside (norm inputs and outputs, dropout masks, norm statistics) divides by t only with
-sequence parallelism. Bytes everywhere; a "token" is one of the s x b positions of a micro-batch.
+sequence parallelism. Bytes everywhere; a "token" is one of the s x b positions of a micro-batch,
+of which a context-parallel rank holds s / cp x b (`models.context_parallel.rank_seq_length`).
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ import dataclasses
 from typing import Iterable
 
 from recompute_bench.models import ELEMENT_BYTES, spec_for
-from recompute_bench.models.context_parallel import local_seq_length
+from recompute_bench.models.context_parallel import rank_seq_length
 from recompute_bench.spec.config import Config
 
 
@@ -45,8 +46,7 @@ def checkpoint_input_bytes(cfg: Config) -> float:
     tensor-parallel group with sequence parallelism or `distribute_saved_activations`; under
     context parallel a rank's s/cp tokens (`models.context_parallel.local_seq_length`)."""
     tr, par = cfg.training, cfg.parallel
-    s = local_seq_length(tr.seq_length, par.context_parallel_size)
-    nbytes = ELEMENT_BYTES[tr.precision] * s * tr.micro_batch_size * cfg.model.hidden_size
+    nbytes = ELEMENT_BYTES[tr.precision] * rank_seq_length(cfg) * tr.micro_batch_size * cfg.model.hidden_size
     if par.sequence_parallel or cfg.recompute.distribute_saved_activations:
         nbytes /= par.tensor_model_parallel_size
     return nbytes

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from recompute_bench.analysis.layer import attention_kernel
 from recompute_bench.models import ELEMENT_BYTES, spec_for
+from recompute_bench.models.context_parallel import rank_seq_length
 from recompute_bench.spec.config import Config
 
 
@@ -78,6 +79,10 @@ def paper_layer_differences(cfg: Config, device: str = "cuda") -> list[str]:
                         if m.moe_expert_capacity_factor is None else
                         f"capacity factor {m.moe_expert_capacity_factor:g} drops routed rows over capacity: the estimate "
                         f"takes min(tokens x top-k, experts x capacity), which assumes uniform routing"))
+    if cfg.parallel.context_parallel_size > 1:
+        diffs.append(f"context parallel {cfg.parallel.context_parallel_size}: a rank holds s/cp tokens (the paper's s "
+                     "below), and its attention over the split keeps q, k, v, the output and the log-sum-exp, no s x s "
+                     "tensor")
     if m.activation != "gelu" or m.ffn_hidden_size != 4 * m.hidden_size:
         diffs.append(f"MLP is {m.activation} with ffn {m.ffn_hidden_size}, not GeLU 4h")
     if m.normalization != "LayerNorm":
@@ -95,4 +100,4 @@ def built_minus_paper_bytes(cfg: Config, device: str = "cuda") -> float:
     """For the paper's layer, built minus Table 2: the two norms' statistics the paper leaves out."""
     par, tr = cfg.parallel, cfg.training
     t = par.tensor_model_parallel_size if par.sequence_parallel else 1
-    return 2 * spec_for(cfg.model).norm_stats_bytes(cfg, device, tr.seq_length * tr.micro_batch_size) / t
+    return 2 * spec_for(cfg.model).norm_stats_bytes(cfg, device, rank_seq_length(cfg) * tr.micro_batch_size) / t

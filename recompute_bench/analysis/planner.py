@@ -17,6 +17,7 @@ from recompute_bench.analysis.rank import (ALLOWANCE_BYTES, ALLOWANCE_FRACTION, 
                                            stage_memories)
 from recompute_bench.analysis.stage import stage_activations
 from recompute_bench.models import device_kind, spec_for
+from recompute_bench.models.context_parallel import rank_seq_length
 from recompute_bench.recompute.policy import megatron_flags
 from recompute_bench.recompute.settings import selective_settings
 from recompute_bench.spec.config import Config, RecomputeConfig
@@ -99,7 +100,7 @@ def estimate_report(cfg: Config, device: str = "cuda", allowance_fraction: float
         built = (checkpoint_input_bytes(cfg) if built_modules == "full"
                  else layer_activation_bytes(cfg, built_modules or (), device))
         paper_rows.append({"recompute": name,
-                           "paper_bytes": paper_layer_bytes(tr.seq_length, tr.micro_batch_size, m.hidden_size,
+                           "paper_bytes": paper_layer_bytes(rank_seq_length(cfg), tr.micro_batch_size, m.hidden_size,
                                                             m.num_attention_heads, par.tensor_model_parallel_size,
                                                             par.sequence_parallel, kind),
                            "built_bytes": built,
@@ -201,6 +202,10 @@ def _what_would_fit(cfg: Config, budget: float, device: str, fraction: float, fi
         changes.append((f"more tensor parallel (--tp {nt} does not divide {m.num_attention_heads} heads, {m.groups} groups)", None))
     if t > 1 and not par.sequence_parallel:
         changes.append(("--sequence-parallel", with_setting(cfg, sequence_parallel=True)))
+    cp = par.context_parallel_size
+    if tr.seq_length % (4 * cp) == 0 and not (m.num_moe_experts or m.multi_latent_attention):
+        # context parallel: every token's activations and the loss's logits over twice the ranks (`plan --gpus`)
+        changes.append((f"--cp {2 * cp}", with_setting(cfg, context_parallel_size=2 * cp)))
     if tr.micro_batch_size > 1:
         smaller = dataclasses.replace(cfg, training=dataclasses.replace(tr, micro_batch_size=1))
         changes.append(("--micro-batch-size 1", smaller))

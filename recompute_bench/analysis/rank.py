@@ -17,6 +17,7 @@ from recompute_bench.analysis.stage import (StageActivations, activation_bytes, 
                                             loss_saved_bytes, loss_workspace_bytes, outside_parameters,
                                             stage_activations, stage_parameters, token_bytes)
 from recompute_bench.models import ELEMENT_BYTES, FP32_BYTES, vocab_rows
+from recompute_bench.models.context_parallel import rank_seq_length
 from recompute_bench.spec.config import Config
 
 
@@ -48,7 +49,8 @@ def is_fsdp(cfg: Config) -> bool:
     `use_distributed_optimizer` (and refuses it with DDP), so in this harness a distributed optimizer
     is FSDP's; under framework megatron it is Megatron's."""
     par = cfg.parallel
-    return cfg.training.framework == "recompute-bench" and par.data_parallel_size > 1 and par.use_distributed_optimizer
+    return (cfg.training.framework == "recompute-bench" and par.data_parallel_size * par.context_parallel_size > 1
+            and par.use_distributed_optimizer)
 
 
 def optimizer_bytes_per_parameter(cfg: Config) -> tuple[Held, ...]:
@@ -70,6 +72,7 @@ def optimizer_bytes_per_parameter(cfg: Config) -> tuple[Held, ...]:
     `fsdp_unsharded_bytes`."""
     dp = cfg.parallel.data_parallel_size
     if is_fsdp(cfg):
+        dp *= cfg.parallel.context_parallel_size  # FSDP shards over dp x cp (`measure.context_parallel`)
         held = [Held("weights (fp32 shards)", 4 / dp, state=True),
                 Held("gradients (fp32 shards, reduce-scattered)", 4 / dp, backward=False, state=True),
                 Held("Adam moments (fp32 shards)", 8 / dp, state=True)]
@@ -213,6 +216,8 @@ def saved_token_bytes(cfg: Config, stage: int = 0) -> float:
     par = cfg.parallel
     p, vp = par.pipeline_model_parallel_size, par.virtual_pipeline_model_parallel_size or 1
     stages = rank_stages(par.schedule, p, vp, stage) if p > 1 else [0]
+    if par.context_parallel_size > 1:
+        return 0.0  # the embedding keeps its own copy of this rank's ids (`embedding_saved_bytes`)
     return token_bytes(cfg) if 0 in stages else 0.0
 
 
@@ -321,9 +326,9 @@ def pipeline_buffer_bytes(cfg: Config, stage: int) -> float:
     m, tr, par = cfg.model, cfg.training, cfg.parallel
     p, vp = par.pipeline_model_parallel_size, par.virtual_pipeline_model_parallel_size or 1
     held = peak_chunks(rank_actions(par.schedule, p, vp, cfg.num_microbatches, stage))
-    e, t = ELEMENT_BYTES[tr.precision], par.tensor_model_parallel_size
-    hidden = e * tr.micro_batch_size * tr.seq_length * m.hidden_size / (t if par.sequence_parallel else 1)
-    logits = e * tr.micro_batch_size * tr.seq_length * vocab_rows(cfg) / t
+    e, t, s = ELEMENT_BYTES[tr.precision], par.tensor_model_parallel_size, rank_seq_length(cfg)
+    hidden = e * tr.micro_batch_size * s * m.hidden_size / (t if par.sequence_parallel else 1)
+    logits = e * tr.micro_batch_size * s * vocab_rows(cfg) / t
     mine = set(rank_stages(par.schedule, p, vp, stage))
     n, total = cfg.num_microbatches, 0.0
     for v in sorted(mine):

@@ -13,6 +13,7 @@ from recompute_bench.analysis.schedules import rank_stages
 from recompute_bench.analysis.layer import (checkpoint_input_bytes, kind_config, layer_activation_bytes,
                                             layer_parameters)
 from recompute_bench.models import ELEMENT_BYTES, FP32_BYTES, INDEX_BYTES, MASK_BYTES, spec_for, vocab_rows
+from recompute_bench.models.context_parallel import rank_seq_length
 from recompute_bench.recompute.policy import LayerPolicy, chunks, layer_kind, layer_policies
 from recompute_bench.spec.config import Config
 from recompute_bench.spec.rules import layers_per_model_chunk
@@ -107,12 +108,16 @@ def policy_activations(cfg: Config, policies: list[LayerPolicy], device: str = "
 
 
 def embedding_saved_bytes(cfg: Config) -> dict[str, float]:
-    """Per micro-batch, first pipeline stage: the embedding dropout's mask."""
+    """Per micro-batch, first pipeline stage: the embedding dropout's mask; under context parallel also
+    the copy of this rank's token ids the embedding keeps (`models.cp_attention.SequenceSplit.select`;
+    without it the embedding keeps a view of the step's token tensor, `saved_token_bytes`)."""
     m, tr, par = cfg.model, cfg.training, cfg.parallel
-    if m.hidden_dropout <= 0:
-        return {}
-    t = par.tensor_model_parallel_size if par.sequence_parallel else 1
-    return {"embedding.dropout_mask": MASK_BYTES * tr.seq_length * tr.micro_batch_size * m.hidden_size / t}
+    tokens = rank_seq_length(cfg) * tr.micro_batch_size
+    out = {"embedding.token_ids": INDEX_BYTES * tokens} if par.context_parallel_size > 1 else {}
+    if m.hidden_dropout > 0:
+        t = par.tensor_model_parallel_size if par.sequence_parallel else 1
+        out["embedding.dropout_mask"] = MASK_BYTES * tokens * m.hidden_size / t
+    return out
 
 
 def loss_saved_bytes(cfg: Config, device: str = "cuda") -> dict[str, float]:
@@ -121,7 +126,7 @@ def loss_saved_bytes(cfg: Config, device: str = "cuda") -> dict[str, float]:
     rank's vocabulary shard and each token's target id within the shard and whether the shard holds it."""
     m, tr, par = cfg.model, cfg.training, cfg.parallel
     e, t = ELEMENT_BYTES[tr.precision], par.tensor_model_parallel_size
-    tokens = tr.seq_length * tr.micro_batch_size
+    tokens = rank_seq_length(cfg) * tr.micro_batch_size
     t_sp = t if par.sequence_parallel else 1
     return {
         "final_layernorm.input": e * tokens * m.hidden_size / t_sp,
@@ -149,14 +154,15 @@ def loss_workspace_bytes(cfg: Config) -> float:
     e = ELEMENT_BYTES[tr.precision]
     if e >= FP32_BYTES:
         return 0.0
-    return e * tr.seq_length * tr.micro_batch_size * vocab_rows(cfg) / cfg.parallel.tensor_model_parallel_size
+    return e * rank_seq_length(cfg) * tr.micro_batch_size * vocab_rows(cfg) / cfg.parallel.tensor_model_parallel_size
 
 
 def activation_bytes(cfg: Config, device: str = "cuda") -> dict[str, float]:
     """What `run` measures as `activation_bytes` and `activation_bytes_per_layer`: one micro-batch,
     the whole model on one rank, read at the end of the forward."""
     layers = stage_activations(cfg, device, layers=cfg.model.num_layers)
-    outside = token_bytes(cfg) + sum(embedding_saved_bytes(cfg).values()) + sum(loss_saved_bytes(cfg, device).values())
+    tokens = token_bytes(cfg) if cfg.parallel.context_parallel_size == 1 else 0.0  # the embedding's view of them
+    outside = tokens + sum(embedding_saved_bytes(cfg).values()) + sum(loss_saved_bytes(cfg, device).values())
     return {"activation_bytes": layers.stored_bytes + outside,
             "activation_bytes_per_layer": layers.per_layer_bytes}
 

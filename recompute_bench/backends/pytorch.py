@@ -124,11 +124,16 @@ class CoreAttention(nn.Module):
         self.attention_dropout = attention_dropout
         self.dropout = dropout(attention_dropout)
         self.attention_kernel: str | None = "math" if attention_backend == "math" else None
+        self.context_parallel = None
+        """Under context parallel, this rank's part of the sequence (`models.cp_attention.SequenceSplit`):
+        its queries then attend to every rank's keys through it."""
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         b, s = q.shape[:2]
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # [b, heads, s, d]
-        if self.attention_backend == "sdpa":
+        if self.context_parallel is not None:
+            out = self._across_split(q, k, v)
+        elif self.attention_backend == "sdpa":
             p = self.attention_dropout if self.training else 0.0
             gqa = self.groups != self.heads
             if self.attention_kernel is None and torch.is_grad_enabled():  # asked once: a host-side check
@@ -144,6 +149,15 @@ class CoreAttention(nn.Module):
             probs = self.dropout(torch.softmax(scores, dim=-1))
             out = torch.matmul(probs, v)
         return out.transpose(1, 2).reshape(b, s, -1)
+
+    def _across_split(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        from recompute_bench.models.cp_attention import attention_kernel
+
+        p = self.attention_dropout if self.training else 0.0
+        kernel = attention_kernel(self.attention_backend, q.device, q.dtype, p, q.shape[-1])
+        if torch.is_grad_enabled():
+            self.attention_kernel = kernel
+        return self.context_parallel.attention(q, k, v, kernel, self.scale, p)
 
 
 def core_attention(attention_backend: str, heads: int, groups: int, head_dim: int,
@@ -182,10 +196,14 @@ class GroupedLinear(nn.Module):
 
 def kernels_that_ran(model: nn.Module) -> dict[str, str]:
     """What the model's kernels ran in its last training step, as the record's `env` names it:
-    `attention_kernel` (see `CoreAttention`) and, with experts, `grouped_gemm_path` (see
-    `grouped_gemm_path`); kernels that differ between layers are joined with "+"."""
+    `attention_kernel` (see `CoreAttention`), with experts `grouped_gemm_path` (see
+    `grouped_gemm_path`), under context parallel `context_parallel_attention` (which attention over
+    the split ran: "p2p", "all_gather" or "torch_ring", `models.cp_attention`); kernels that differ
+    between layers are joined with "+"."""
     ran = {"attention_kernel": {m.attention_kernel for m in model.modules() if isinstance(m, CoreAttention)},
-           "grouped_gemm_path": {m.path for m in model.modules() if isinstance(m, GroupedLinear)}}
+           "grouped_gemm_path": {m.path for m in model.modules() if isinstance(m, GroupedLinear)},
+           "context_parallel_attention": {m.context_parallel.path for m in model.modules()
+                                          if isinstance(m, CoreAttention) and m.context_parallel is not None}}
     return {key: "+".join(sorted(names)) for key, names in ran.items() if names and None not in names}
 
 

@@ -174,6 +174,9 @@ def plan(
     host_link_gbps: Annotated[Optional[float], typer.Option(help="With --profile on CUDA: the host link's bandwidth "
                                                             "in GB/s for offload's cost (default: measured).",
                                                             rich_help_panel="Estimate")] = None,
+    gpus: Annotated[Optional[int], typer.Option(help="Plan context parallel too: lay this many GPUs out as dp x cp (x the "
+                                                "--tp and --pp given) for every cp the sequence allows, each with its "
+                                                "fastest fitting recompute setting.", rich_help_panel="Estimate")] = None,
     json_out: JsonOut = False,
 ) -> None:
     """List the recompute settings that fit a memory budget, fastest first, and recommend one (or
@@ -201,6 +204,8 @@ def plan(
     for flag, given in (("--output", output is not None), ("--profile", profile), ("--host-link-gbps", host_link_gbps is not None)):
         if given:
             raise fail(f"{flag} goes with plan --auto; add --auto or drop {flag}")
+    if gpus is not None:
+        return _plan_context_parallel(cfg, gpus, memory_gb, device, allowance_fraction, allowance_gb, json_out)
     result = planner.plan(cfg, memory_gb * 2**30, device, allowance_fraction, allowance_gb * 2**30)
     if result["fits"]:
         err.print(plan_table(result))
@@ -216,6 +221,30 @@ def plan(
         raise typer.Exit(1)
 
 
+def _plan_context_parallel(cfg, gpus: int, memory_gb: float, device: str, allowance_fraction: float,
+                           allowance_gb: float, json_out: bool) -> None:
+    """plan --gpus: every context-parallel layout of the GPUs with its fastest fitting recompute setting."""
+    from recompute_bench.analysis.cp_plan import plan_context_parallel
+    from recompute_bench.render.estimate import cp_plan_table
+
+    try:
+        result = plan_context_parallel(cfg, gpus, memory_gb * 2**30, device, allowance_fraction, allowance_gb * 2**30)
+    except BadInput as e:
+        raise fail(str(e)) from None
+    err.print(cp_plan_table(result))
+    best = result["recommended"]
+    if best:
+        err.print(f"[green]recommended:[/] {escape(result['reason'])}", highlight=False)
+        flags = [f"--context-parallel-size {best['context_parallel_size']}", *best["megatron_flags"]]
+        err.print(f"in Megatron-LM: {escape(' '.join(flags))}", highlight=False)
+    else:
+        err.print(f"[red]{escape(result['reason'])}[/]", highlight=False)
+    if json_out:
+        typer.echo(json.dumps(result, indent=2))
+    if not best:
+        raise typer.Exit(1)
+
+
 def _profile_costs(cfg, device: str, steps: int, host_link_gbps: Optional[float]):
     """The measured costs of `--profile` (cached per device and shape), or exit 2 naming the fix."""
     from recompute_bench.analysis.profile_costs import ProfileCosts
@@ -224,8 +253,10 @@ def _profile_costs(cfg, device: str, steps: int, host_link_gbps: Optional[float]
     from recompute_bench.measure.profile import cached_profile
 
     here = pick_device(default_device_type())  # the device `run` and `sweep` measure on
-    if cfg.parallel.tensor_model_parallel_size > 1:
-        raise fail("--profile measures one device's whole layer; with --tp > 1 plan with analytical costs (drop --profile)")
+    for flag, size in (("--tp", cfg.parallel.tensor_model_parallel_size), ("--cp", cfg.parallel.context_parallel_size)):
+        if size > 1:
+            raise fail(f"--profile measures one device's whole layer; with {flag} > 1 plan with analytical costs "
+                       "(drop --profile)")
     if here.type != device.split(":")[0]:
         raise fail(f"--profile measures on this machine's {here.type}, but --device is {device}; "
                    f"pass --device {here.type} or profile on the target device")

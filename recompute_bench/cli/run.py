@@ -54,7 +54,8 @@ def run(
     from recompute_bench.results.store import append_record
 
     layout = layout_label(launch.world_size, launch.data_parallel, cfg.parallel.tensor_model_parallel_size,
-                          cfg.parallel.sequence_parallel, cfg.parallel.pipeline_model_parallel_size)
+                          cfg.parallel.sequence_parallel, cfg.parallel.pipeline_model_parallel_size,
+                          cfg.parallel.context_parallel_size)
     ranks = f" over {launch.world_size} ranks ({layout})" if launch.world_size > 1 else ""
     err.print(f"measuring {cfg.workload} with recompute {escape(cfg.recompute.label)}{ranks} ...", highlight=False)
     if launch.world_size > 1:

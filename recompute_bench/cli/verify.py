@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from typing import Annotated, Optional
 
@@ -42,13 +43,17 @@ def verify(
     from recompute_bench.models import spec_for
     from recompute_bench.recompute.settings import all_settings
 
-    backends = attention_backend or ["sdpa", "math"]
     try:
-        for b in backends:
+        for b in attention_backend or []:
             if b not in ATTENTION_BACKENDS:
                 raise BadInput(f"attention_backend {b!r} is not one of {', '.join(ATTENTION_BACKENDS)}; "
                                   "pass --attention-backend sdpa or math")
         cfg, notes = resolve_point(workload, point, gpu="cpu")
+        # Under context parallel only sdpa splits (`spec.rules`); the explicit math path does not.
+        backends = attention_backend or (["sdpa"] if cfg.parallel.context_parallel_size > 1 else ["sdpa", "math"])
+        if cfg.parallel.context_parallel_size > 1 and "math" in backends:
+            from recompute_bench.spec.rules import validate
+            validate(dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, attention_backend="math")))
         cfg = with_policy_file(cfg, point, policy)
         if any("offload" in e for e in cfg.recompute.layer_policy):
             raise BadInput("verify checks recompute, and offload recomputes nothing; write none for offloaded layers")
@@ -98,7 +103,8 @@ def _over_ranks(cfg, settings, backends: list[str], launch: Launch, device: str)
     from recompute_bench.measure.verify import Outcome
 
     layout = layout_label(launch.world_size, launch.data_parallel, cfg.parallel.tensor_model_parallel_size,
-                          cfg.parallel.sequence_parallel, cfg.parallel.pipeline_model_parallel_size)
+                          cfg.parallel.sequence_parallel, cfg.parallel.pipeline_model_parallel_size,
+                          cfg.parallel.context_parallel_size)
     err.print(f"verifying over {launch.world_size} ranks ({layout}) ...", highlight=False)
     try:
         result = verify_over_ranks(cfg, settings, backends, launch, work=Path("results") / "ranks" / "verify",

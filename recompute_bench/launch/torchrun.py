@@ -110,20 +110,21 @@ def check_launch(cfg: Config, launch: Launch, device_type: str) -> Config:
             raise BadInput(f"--nproc-per-node {launch.nproc_per_node} needs one GPU per rank and this node shows "
                               f"{gpus}; pass --nproc-per-node {max(gpus, 1)}"
                               + (" (or --device cpu)" if gpus == 0 else " (or make more GPUs visible through CUDA_VISIBLE_DEVICES)"))
-    world, tp, pp = launch.world_size, p.tensor_model_parallel_size, p.pipeline_model_parallel_size
-    if world % (tp * pp):
-        raise BadInput(f"tensor_model_parallel_size {tp} x pipeline_model_parallel_size {pp} does not divide the "
-                          f"{world} rank(s) launched; pass --nproc-per-node (x --nnodes) as a multiple of {tp * pp}")
+    world, tp, pp, cp = launch.world_size, p.tensor_model_parallel_size, p.pipeline_model_parallel_size, p.context_parallel_size
+    if world % (tp * pp * cp):
+        raise BadInput(f"tensor_model_parallel_size {tp} x pipeline_model_parallel_size {pp}"
+                       f"{f' x context_parallel_size {cp}' if cp > 1 else ''} does not divide the {world} rank(s) "
+                       f"launched; pass --nproc-per-node (x --nnodes) as a multiple of {tp * pp * cp}")
     if pp > 1:
         _check_pipeline(cfg)
-    dp = world // (tp * pp)
+    dp = world // (tp * pp * cp)
     if tp > 1 and dp > 1 and launch.data_parallel == "ddp":
         raise BadInput("DDP does not take tensor-parallel (DTensor) parameters; pass --data-parallel fsdp to "
                           "combine data and tensor parallelism")
-    if dp > 1 and p.use_distributed_optimizer and launch.data_parallel == "ddp":
+    if dp * cp > 1 and p.use_distributed_optimizer and launch.data_parallel == "ddp":
         raise BadInput("use_distributed_optimizer shards the optimizer state, which FSDP does here; pass "
                           "--data-parallel fsdp or drop --set parallel.use_distributed_optimizer=true")
-    if dp > 1 and (p.data_parallel_size == 1 or launch.data_parallel == "fsdp"):
+    if dp * cp > 1 and (p.data_parallel_size == 1 or launch.data_parallel == "fsdp"):  # FSDP also shards over cp
         from recompute_bench.spec.rules import validate
         cfg = Config(cfg.workload, cfg.model, cfg.training,
                      type(p)(**{**vars(p), "data_parallel_size": p.data_parallel_size if p.data_parallel_size > 1 else dp,
@@ -137,9 +138,9 @@ def check_launch(cfg: Config, launch: Launch, device_type: str) -> Config:
     check_expert_parallel_world(cfg)
     if p.data_parallel_size != dp:
         raise BadInput(f"data_parallel_size {p.data_parallel_size} x tensor_model_parallel_size {tp} x "
-                          f"pipeline_model_parallel_size {pp} does not match the {world} rank(s) launched "
-                          f"(--nproc-per-node x --nnodes); pass --nproc-per-node {p.data_parallel_size * tp * pp} or "
-                          f"--data-parallel-size {dp}")
+                          f"pipeline_model_parallel_size {pp}{f' x context_parallel_size {cp}' if cp > 1 else ''} "
+                          f"does not match the {world} rank(s) launched (--nproc-per-node x --nnodes); pass "
+                          f"--nproc-per-node {p.data_parallel_size * tp * pp * cp} or --data-parallel-size {dp}")
     if pp > 1 and p.schedule == "1F1B" and cfg.num_microbatches < pp:
         raise BadInput(f"torch's 1F1B schedule needs at least as many micro-batches as stages ({pp}), got "
                           f"{cfg.num_microbatches}; pass --global-batch-size "

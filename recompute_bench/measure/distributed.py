@@ -18,6 +18,10 @@ with `--memory-limit-gb`, and measures the point with `measure.point.run_point` 
   the last do not reduce-scatter (`set_requires_gradient_sync(False)`): FSDP keeps their unsharded
   gradients, in fp32, until the last micro-batch's backward reduce-scatters once per layer.
 
+Under context parallel (`measure.context_parallel`) the ranks form a (dp, cp, tp) mesh: the cp ranks
+of a replica share its micro-batches, each works on its part of every sequence, and gradients are
+reduced (DDP) or sharded (FSDP2) over dp x cp.
+
 Each rank takes its own micro-batches of the global batch (micro-batch x data-parallel size x
 accumulation), so the step's loss, averaged over the ranks, is the single-rank loss of the
 same global batch. After every step the rank writes its piece of the record (`piece_path`,
@@ -49,7 +53,8 @@ DATA_PARALLEL = ("ddp", "fsdp")
 
 class DataParallel(SingleRank):
     """The model on every rank (or on every tensor-parallel group, `measure.tensor_parallel`), the
-    global batch split over the data-parallel ranks (DDP or FSDP2)."""
+    global batch split over the data-parallel ranks (DDP or FSDP2), each sequence over the
+    context-parallel ones (`measure.context_parallel`)."""
 
     def __init__(self, kind: str, cfg: Config | None = None, device_type: str = "cpu"):
         if kind not in DATA_PARALLEL:
@@ -62,11 +67,21 @@ class DataParallel(SingleRank):
         self.world_size = dist.get_world_size()
         self.rank = dist.get_rank()
         tp = cfg.parallel.tensor_model_parallel_size if cfg is not None else 1
-        self.tensor = None
+        cp = cfg.parallel.context_parallel_size if cfg is not None else 1
+        self.tensor = self.context = None
+        mesh = grad_mesh = None
+        if cp > 1:  # a (dp, cp, tp) mesh (`measure.context_parallel`)
+            from recompute_bench.measure.context_parallel import ContextParallel, layout_mesh
+            mesh, grad_mesh = layout_mesh(device_type, dp=self.world_size // (cp * tp), cp=cp, tp=tp)
+            self.context = ContextParallel(cfg, mesh)
         if tp > 1:
             from recompute_bench.measure.tensor_parallel import TensorParallel
-            self.tensor = TensorParallel(tp, cfg.parallel.sequence_parallel, device_type)
-        self.dp_size, self.dp_rank = self.world_size // tp, self.rank // tp
+            self.tensor = TensorParallel(tp, cfg.parallel.sequence_parallel, device_type, mesh)
+        self.dp_size, self.dp_rank = self.world_size // (tp * cp), self.rank // (tp * cp)
+        self.grad_ranks = self.dp_size * cp
+        """The ranks this rank's gradients are reduced over: data x context parallel (dp x cp)."""
+        self.grad_mesh = grad_mesh if mesh is not None else self.tensor.dp_mesh if self.tensor else None
+        """Their mesh (None: every rank, the world, when neither tensor nor context parallel splits it)."""
         self.ep = cfg.parallel.expert_model_parallel_size if cfg is not None else 1
         self.experts: list[torch.nn.Parameter] = []
         """This rank's routed-expert weights under expert parallel (reduced over the ranks holding
@@ -81,35 +96,37 @@ class DataParallel(SingleRank):
         return self.tensor.group if self.tensor else None
 
     def split(self, model: torch.nn.Module) -> torch.nn.Module:
-        """This rank's part of the model, on the meta device: its tensor-parallel shards, and under
-        expert parallel its experts (`moe.dispatch.shard_experts`)."""
+        """This rank's part of the model, on the meta device: its tensor-parallel shards, under
+        expert parallel its experts (`moe.dispatch.shard_experts`), under context parallel its
+        attention across the split."""
         model = self.tensor.parallelize(model) if self.tensor else model
         if self.ep > 1:
             from recompute_bench.models.moe.dispatch import shard_experts
             shard_experts(model, self.ep_group)
-        return model
+        return self.context.parallelize(model) if self.context else model
 
     @property
     def splits(self) -> bool:
-        return self.tensor is not None or (self.kind == "fsdp" and self.dp_size > 1) or self.ep > 1
+        return (self.tensor is not None or self.context is not None or (self.kind == "fsdp" and self.grad_ranks > 1)
+                or self.ep > 1)
 
     def build(self, cfg: Config, device: torch.device, dtype: torch.dtype | None = None) -> torch.nn.Module:
-        if self.dp_size > 1 and self.kind == "ddp":  # the whole model on every rank, but its experts under ep
+        if self.grad_ranks > 1 and self.kind == "ddp":  # the whole model on every rank, but its experts under ep
             model = super().build(cfg, device, dtype)  # cut on the meta device, then materialised (`splits`)
             if self.ep > 1:
                 from recompute_bench.models.moe.dispatch import expert_weights
                 self.experts = expert_weights(model)
             return model
-        if self.dp_size > 1:  # FSDP: fp32 sharded weights, cast for compute (`shard`)
+        if self.grad_ranks > 1:  # FSDP: fp32 sharded weights, cast for compute (`shard`)
             dtype = torch.float32
         return super().build(cfg, device, dtype)
 
     def shard(self, model: torch.nn.Module, cfg: Config) -> torch.nn.Module:
-        """FSDP2 over the data-parallel ranks: every layer, then the root (on the meta device, before
-        anything is allocated)."""
-        if self.kind != "fsdp" or self.dp_size == 1:
+        """FSDP2 over the data-parallel ranks (x the context-parallel ones): every layer, then the root
+        (on the meta device, before anything is allocated)."""
+        if self.kind != "fsdp" or self.grad_ranks == 1:
             return model
-        return fsdp_shard(model, cfg, self.tensor.dp_mesh if self.tensor else None)
+        return fsdp_shard(model, cfg, self.grad_mesh)
 
     def whole_expert_grad(self, grad: torch.Tensor) -> torch.Tensor:
         """Every expert's gradient of one weight, gathered from the expert-parallel group."""
@@ -124,11 +141,11 @@ class DataParallel(SingleRank):
     @property
     def reduces_main_grads(self) -> bool:
         """Whether gradients are reduced in the optimizer's main-gradient buffer (DDP), not in `.grad`."""
-        return self.kind == "ddp" and self.dp_size > 1
+        return self.kind == "ddp" and self.grad_ranks > 1
 
     def optimizer(self, model: torch.nn.Module, precision: str):
         params = [p for p in model.parameters() if p.requires_grad]
-        if self.kind == "fsdp" and self.dp_size > 1:
+        if self.kind == "fsdp" and self.grad_ranks > 1:
             return make_adam(params, 1e-4)  # fp32 sharded weights, gradients and state (the distributed optimizer)
         if not self.reduces_main_grads:  # tensor parallel only: DTensor shards and replicas, one rank's way
             return MainGradAdam(MainGrads(params), precision)
@@ -138,13 +155,14 @@ class DataParallel(SingleRank):
         experts = {id(p) for p in self.experts}
         dense = [p for p in params if id(p) not in experts]
         ordered = dense[::-1] + [p for p in params if id(p) in experts][::-1]
-        groups = [dist.group.WORLD] * len(dense) + [self.expert_dp_group] * (len(ordered) - len(dense))
-        return MainGradAdam(BucketedGrads(ordered, groups, self.dp_size, BUCKET_PARAMETERS), precision)
+        dense_group = self.grad_mesh.get_group() if self.grad_mesh is not None else dist.group.WORLD
+        groups = [dense_group] * len(dense) + [self.expert_dp_group] * (len(ordered) - len(dense))
+        return MainGradAdam(BucketedGrads(ordered, groups, self.grad_ranks, BUCKET_PARAMETERS), precision)
 
     def no_sync(self, model: torch.nn.Module, optimizer) -> AbstractContextManager:
         """Around a micro-batch but the last: DDP accumulates into the main gradients without
         reducing them; FSDP keeps the unsharded gradients instead of reduce-scattering them."""
-        if self.kind == "fsdp" and self.dp_size > 1:
+        if self.kind == "fsdp" and self.grad_ranks > 1:
             return _fsdp_no_sync(model)
         return optimizer.grads.no_sync()
 
@@ -160,6 +178,19 @@ class DataParallel(SingleRank):
         value = value.detach().clone()
         dist.all_reduce(value)
         return value / self.world_size
+
+    def world_flops(self, local_flops: int) -> int:
+        """The step's FLOPs over every rank: under context parallel their sum (each rank's attention
+        blocks are its own), else this rank's times the world."""
+        if self.context is None:
+            return super().world_flops(local_flops)
+        total = torch.tensor(float(local_flops), dtype=torch.float64)
+        dist.all_reduce(total)
+        return int(total.item())
+
+    def place(self) -> dict:
+        """This rank's context-parallel rank, when it has one."""
+        return self.context.place() if self.context else {}
 
     def barrier(self) -> None:
         """Every rank waits here for the others (NCCL: the host waits for the barrier's kernel too,
@@ -367,6 +398,9 @@ def gathered_loss_and_grads(cfg: Config, tokens: torch.Tensor, device: torch.dev
     grads = {}
     for name, p in model.named_parameters():
         g = p.main_grad if main_grads else p.grad
+        if main_grads and hasattr(p, "device_mesh"):  # a tensor-parallel weight's main gradient is its local shard
+            from torch.distributed.tensor import DTensor
+            g = DTensor.from_local(g, p.device_mesh, p.placements, run_check=False)
         if g is not None and hasattr(g, "full_tensor"):
             g = g.full_tensor()
         elif g is not None and id(p) in experts:
@@ -406,7 +440,7 @@ def verify_ranks(cfg: Config, settings, backends: list[str], device: torch.devic
         tokens = torch.randint(0, cfg.model.vocab_size, shape, generator=g).to(device)
         base_loss, base_grads = run(run_cfg, tokens[layout.dp_rank], device, layout)
         alone_cfg, alone_base = run_cfg, (base_loss, base_grads)
-        if layout.tensor or pipeline:
+        if layout.tensor or layout.context or pipeline:
             alone_cfg = dataclasses.replace(run_cfg, model=dataclasses.replace(run_cfg.model, hidden_dropout=0.0,
                                                                                attention_dropout=0.0))
             alone_base = run(alone_cfg, tokens[layout.dp_rank], device, layout)

@@ -1,7 +1,8 @@
 """Pipeline parallelism with PyTorch's own engine, `torch.distributed.pipelining`.
 
 The ranks form a (pp, dp, tp) mesh: rank = pp_rank x dp x tp + dp_rank x tp + tp_rank (tensor
-parallel innermost, pipeline outermost, as Megatron and torchtitan order them). Each pipeline rank
+parallel innermost, pipeline outermost, as Megatron and torchtitan order them); with context
+parallel (pp, dp, cp, tp), each stage sending this rank's s / cp positions (`measure.context_parallel`). Each pipeline rank
 holds model chunks (virtual stages `analysis.schedules.rank_stages` names: its stage, with virtual
 stages r, r + p, ..., under a V schedule r and 2p - 1 - r), each a `GPTStage`: the first virtual
 stage has the embedding, the last the final norm and the output layer (the loss is the schedule's
@@ -103,11 +104,18 @@ class PipelineParallel(DataParallel):
 
         super().__init__(kind, None, device_type)  # the data-parallel kind; the mesh is made here
         par = cfg.parallel
-        self.pp, tp = par.pipeline_model_parallel_size, par.tensor_model_parallel_size
+        self.pp, tp, cp = par.pipeline_model_parallel_size, par.tensor_model_parallel_size, par.context_parallel_size
         self.vp = par.virtual_pipeline_model_parallel_size or 1
         self.schedule_name = par.schedule
-        self.dp_size = self.world_size // (self.pp * tp)
-        self.mesh = init_device_mesh(device_type, (self.pp, self.dp_size, tp), mesh_dim_names=("pp", "dp", "tp"))
+        self.dp_size = self.world_size // (self.pp * cp * tp)
+        if cp > 1:  # (pp, dp, cp, tp), gradients reduced over dp x cp (`measure.context_parallel`)
+            from recompute_bench.measure.context_parallel import ContextParallel, layout_mesh
+            self.mesh, self.grad_mesh = layout_mesh(device_type, pp=self.pp, dp=self.dp_size, cp=cp, tp=tp)
+            self.context = ContextParallel(cfg, self.mesh)
+        else:
+            self.mesh = init_device_mesh(device_type, (self.pp, self.dp_size, tp), mesh_dim_names=("pp", "dp", "tp"))
+            self.grad_mesh = self.mesh["dp"]
+        self.grad_ranks = self.dp_size * cp
         self.pp_rank, self.dp_rank = self.mesh.get_local_rank("pp"), self.mesh.get_local_rank("dp")
         self.pp_group = self.mesh["pp"].get_group()
         if tp > 1:
@@ -129,13 +137,12 @@ class PipelineParallel(DataParallel):
         if len(ends) < 2:
             return None
         mine = None
-        grid = self.mesh.mesh  # [pp, dp, tp] -> global rank
-        for d in range(grid.shape[1]):
-            for t in range(grid.shape[2]):
-                ranks = [int(grid[r, d, t]) for r in ends]
-                group = dist.new_group(ranks)
-                if self.rank in ranks:
-                    mine = group
+        grid = self.mesh.mesh.reshape(self.pp, -1)  # [pp, the (dp, cp, tp) ranks of a stage] -> global rank
+        for column in range(grid.shape[1]):
+            ranks = [int(grid[r, column]) for r in ends]
+            group = dist.new_group(ranks)
+            if self.rank in ranks:
+                mine = group
         return mine
 
     def build(self, cfg: Config, device: torch.device, dtype: torch.dtype | None = None) -> PipelineChunks:
@@ -144,7 +151,7 @@ class PipelineParallel(DataParallel):
         layers' policies) and FSDP2 there, then only the chunks materialised and initialised with the
         values one rank's build holds (`GPT.init_weights` draws every parameter of the whole model in
         order and drops the other stages'). Under DDP the optimizer reduces the main gradients."""
-        fsdp = self.kind == "fsdp" and self.dp_size > 1
+        fsdp = self.kind == "fsdp" and self.grad_ranks > 1
         whole = spec_for(cfg.model).build(cfg, "meta", torch.float32 if fsdp else dtype or DTYPES[cfg.training.precision])
         self.whole_parameters = sum(p.numel() for p in whole.parameters())
         per = cfg.model.num_layers // self.num_stages
@@ -157,9 +164,11 @@ class PipelineParallel(DataParallel):
                 chunk.output_layer.weight = nn.Parameter(torch.empty_like(whole.word_embeddings.weight))
             if self.tensor:
                 self.tensor.parallelize(chunk)
+            if self.context:
+                self.context.parallelize(chunk)
             apply_recompute(chunk, cfg.recompute, self.tensor_group, first=v * per)
             if fsdp:
-                fsdp_shard(chunk, cfg, self.mesh["dp"], reshard_after_forward=False)  # held for the step
+                fsdp_shard(chunk, cfg, self.grad_mesh, reshard_after_forward=False)  # held for the step
             chunks.append(chunk)
         chunks.to_empty(device=device)
         if self.first and self.last:
@@ -172,12 +181,12 @@ class PipelineParallel(DataParallel):
     def optimizer(self, model: nn.Module, precision: str):
         """As `DataParallel.optimizer`, its reduction over this rank's data-parallel group."""
         params = [p for p in model.parameters() if p.requires_grad]
-        if self.kind == "fsdp" and self.dp_size > 1:
+        if self.kind == "fsdp" and self.grad_ranks > 1:
             return make_adam(params, 1e-4)
-        if self.dp_size == 1:
+        if self.grad_ranks == 1:
             return MainGradAdam(MainGrads(params), precision)
-        group = self.mesh["dp"].get_group()
-        return MainGradAdam(BucketedGrads(params[::-1], [group] * len(params), self.dp_size, BUCKET_PARAMETERS), precision)
+        group = self.grad_mesh.get_group()
+        return MainGradAdam(BucketedGrads(params[::-1], [group] * len(params), self.grad_ranks, BUCKET_PARAMETERS), precision)
 
     def num_parameters(self, model: nn.Module) -> int:
         """The whole model's parameters (counted before it was cut into stages)."""
@@ -207,7 +216,8 @@ class PipelineParallel(DataParallel):
     def place(self) -> dict[str, Any]:
         """This rank's pipeline stage and model chunks (virtual stages), known before anything runs,
         so a rank that fails in setup is still named by its stage."""
-        return {"pipeline_stage": self.pp_rank, "model_chunks": list(self.stages)}
+        return {"pipeline_stage": self.pp_rank, "model_chunks": list(self.stages),
+                **(self.context.place() if self.context else {})}
 
     def stepper(self, cfg: Config, model: PipelineChunks, optimizer, batches: torch.Tensor) -> "PipelineStepper":
         return PipelineStepper(cfg, model, optimizer, batches, self)
@@ -243,9 +253,10 @@ class PipelineParallel(DataParallel):
         b, s, n = tr.micro_batch_size, tr.seq_length, cfg.num_microbatches
         tp = par.tensor_model_parallel_size
         dtype = DTYPES[tr.precision]
-        hidden = torch.empty(b, s // tp if par.sequence_parallel else s, cfg.model.hidden_size, dtype=dtype,
+        mine = s // par.context_parallel_size  # this rank's positions; token ids and labels stay whole
+        hidden = torch.empty(b, mine // tp if par.sequence_parallel else mine, cfg.model.hidden_size, dtype=dtype,
                              device="meta", requires_grad=True)  # a stage's input must require grad (see the module doc)
-        logits = torch.empty(b, s, cfg.model.padded_vocab_size(tp) // tp, dtype=dtype, device="meta")
+        logits = torch.empty(b, mine, cfg.model.padded_vocab_size(tp) // tp, dtype=dtype, device="meta")
         tokens = torch.empty(b, s, dtype=torch.long, device="meta")
         stages = [PipelineStage(chunk, v, self.num_stages, device, input_args=tokens if v == 0 else hidden,
                                 output_args=logits if v == self.num_stages - 1 else hidden, group=self.pp_group)
@@ -552,10 +563,10 @@ def pipeline_loss_and_grads(cfg: Config, tokens: torch.Tensor, device: torch.dev
             g = p.grad
             if g is not None and hasattr(g, "full_tensor"):
                 g = g.full_tensor()
-            elif g is not None and layout.dp_size > 1:
+            elif g is not None and layout.grad_ranks > 1:
                 g = g.clone()
-                dist.all_reduce(g, group=layout.mesh["dp"].get_group())
-                g /= layout.dp_size
+                dist.all_reduce(g, group=layout.grad_mesh.get_group())
+                g /= layout.grad_ranks
             if g is not None and layout.tensor:
                 g = layout.tensor.whole(name, g, cfg)
             mine[name] = None if g is None else g.detach().cpu()

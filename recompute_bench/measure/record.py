@@ -85,14 +85,16 @@ def rank_summary(record: dict) -> str:
     return "; ".join(words)
 
 
-def layout_label(world_size: int, data_parallel: str, tp: int = 1, sequence_parallel: bool = False, pp: int = 1) -> str:
+def layout_label(world_size: int, data_parallel: str, tp: int = 1, sequence_parallel: bool = False, pp: int = 1,
+                 cp: int = 1) -> str:
     """How the ranks share a point, in words: "ddp", "tp 2, sequence parallel", "fsdp 2 x tp 2",
-    "pp 2", "fsdp 2 x tp 2 x pp 2"."""
-    dp = world_size // (tp * pp)
-    if tp == pp == 1:
+    "pp 2", "fsdp 2 x tp 2 x pp 2", "cp 2 x tp 2"."""
+    dp = world_size // (tp * pp * cp)
+    if tp == pp == cp == 1:
         label = data_parallel
     else:
-        parts = [f"{data_parallel} {dp}"] * (dp > 1) + [f"tp {tp}"] * (tp > 1) + [f"pp {pp}"] * (pp > 1)
+        parts = ([f"{data_parallel} {dp}"] * (dp > 1) + [f"cp {cp}"] * (cp > 1) + [f"tp {tp}"] * (tp > 1)
+                 + [f"pp {pp}"] * (pp > 1))
         label = " x ".join(parts)
     return label + (", sequence parallel" if sequence_parallel else "")
 

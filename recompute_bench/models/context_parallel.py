@@ -71,3 +71,147 @@ def comm_levels(comm_type: str, cp: int, hierarchical: list[int] | None) -> tupl
     if ring == 1:
         return "a2a", a2a, 1
     return "a2a+p2p", a2a, ring
+
+
+# ----- attention across the split ---------------------------------------------------------------
+
+HARNESS_COMM_TYPES = ("p2p", "all_gather")
+"""The cp_comm_type values this harness runs (`models.cp_attention`); a2a and a2a+p2p are Megatron's too."""
+CP_KERNELS = ("flash", "sdpa_math")
+"""What each block of a rank's attention runs in this harness (`models.cp_attention.BlockKernel`):
+torch's fused flash kernel, or the same formulas written out in fp32."""
+
+
+def chunk_range(chunk: int, seq_length: int, cp: int) -> tuple[int, int]:
+    """Positions [start, stop) of chunk `chunk` of the whole sequence."""
+    n = chunk_length(seq_length, cp)
+    return chunk * n, (chunk + 1) * n
+
+
+def rank_ranges(seq_length: int, cp_rank: int, cp: int) -> list[tuple[int, int]]:
+    """The position ranges rank `cp_rank` holds, in its local order (its first chunk, then its second)."""
+    return [chunk_range(c, seq_length, cp) for c in rank_chunks(cp_rank, cp)]
+
+
+class Block:
+    """One attention call of a context-parallel rank: the queries of sequence chunks `q_chunks` (each
+    of n = s / 2cp positions, in order) against the keys of `k_chunks`, under the causal mask evaluated
+    on the true sequence positions (a key is seen when its position is at most the query's).
+
+    `kind` says what that mask leaves: "full" (every key precedes every query), "diagonal" (queries and
+    keys are the same chunks: the causal mask of the square, aligned top-left, which a fused kernel
+    takes as `is_causal`), or "offset" (queries of one chunk against a prefix ending with that chunk:
+    the causal mask shifted by the prefix, which the explicit kernel applies as a mask and a fused
+    kernel runs as the prefix's "full" block plus the chunk's "diagonal" one, `fused_blocks`)."""
+
+    __slots__ = ("q_chunks", "k_chunks", "step")
+
+    def __init__(self, q_chunks: tuple[int, ...], k_chunks: tuple[int, ...], step: int = 0):
+        self.q_chunks, self.k_chunks, self.step = tuple(q_chunks), tuple(k_chunks), step
+
+    @property
+    def kind(self) -> str:
+        if self.q_chunks == self.k_chunks:
+            return "diagonal"
+        if max(self.k_chunks) < min(self.q_chunks):
+            return "full"
+        if len(self.q_chunks) == 1 and self.k_chunks == tuple(range(self.q_chunks[0] + 1)):
+            return "offset"
+        raise ValueError(f"block {self.q_chunks} x {self.k_chunks} has no mask this harness runs")
+
+    def pairs(self, n: int, kernel_pairs=None) -> int:
+        """(query, key) pairs a kernel evaluates for chunks of n positions: every pair of the
+        rectangle, except a "diagonal" block under a fused kernel (`kernel_pairs(square side)`: the
+        tiles its causal mask does not hide wholly)."""
+        rows, cols = n * len(self.q_chunks), n * len(self.k_chunks)
+        if self.kind == "diagonal" and kernel_pairs is not None:
+            return kernel_pairs(rows)
+        return rows * cols
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, Block) and (self.q_chunks, self.k_chunks, self.step) == (other.q_chunks, other.k_chunks, other.step)
+
+    def __repr__(self) -> str:
+        return f"Block(q={self.q_chunks}, k={self.k_chunks}, step={self.step})"
+
+
+def attention_blocks(cp_rank: int, cp: int, comm_type: str) -> list[Block]:
+    """The attention calls of rank `cp_rank`, in order, with the step of the exchange each waits for.
+
+    all_gather (Megatron's `all_gather`, Llama 3's context parallel; Transformer Engine's
+    `AttnFuncWithCPAndKVAllGather`): K and V of the whole sequence are gathered once (step 0); each
+    local chunk c attends to chunks 0..c, the causal mask offset by c x n ("offset").
+
+    p2p (a ring; Megatron's default, TE's `AttnFuncWithCPAndKVP2P`, torch's `_templated_ring_attention`
+    with its head-tail load balancing): at step i the rank holds the K and V of rank (r - i) mod cp.
+    Step 0 is its own two chunks against themselves ("diagonal"); from an earlier rank (src < r) both
+    local chunks see that rank's first chunk only, whole; from a later rank (src > r) only the local
+    second chunk sees both of that rank's chunks, whole. Every step is the same work, 2n x n pairs
+    (the diagonal's kept half of 2n x 2n), on every rank."""
+    if comm_type not in HARNESS_COMM_TYPES:
+        raise ValueError(f"cp_comm_type {comm_type!r} is not one of {HARNESS_COMM_TYPES}")
+    mine = rank_chunks(cp_rank, cp)
+    if cp == 1:
+        return [Block((0,), (0,))]
+    if comm_type == "all_gather":
+        return [Block((c,), tuple(range(c + 1))) for c in mine]
+    blocks = [Block(mine, mine)]
+    for step in range(1, cp):
+        src = (cp_rank - step) % cp
+        theirs = rank_chunks(src, cp)
+        blocks.append(Block(mine, theirs[:1], step) if src < cp_rank else Block(mine[1:], theirs, step))
+    return blocks
+
+
+def fused_blocks(blocks: list[Block]) -> list[Block]:
+    """The blocks as a fused kernel runs them: an "offset" block (a chunk against a prefix ending with
+    itself) becomes the prefix before the chunk, whole, and the chunk against itself, causal."""
+    out = []
+    for block in blocks:
+        if block.kind == "offset":
+            c = block.q_chunks[0]
+            if c > 0:
+                out.append(Block((c,), tuple(range(c)), block.step))
+            out.append(Block((c,), (c,), block.step))
+        else:
+            out.append(block)
+    return out
+
+
+def causal_mask_rows(block: Block, n: int) -> list[int]:
+    """For each query row of `block` (chunks of n positions), how many of its leading keys the causal
+    mask keeps: the keys whose sequence position is at most the query's. Keys are laid out in
+    `block.k_chunks` order, so the count is the keys of the chunks before the query's own chunk plus
+    the query's offset within its chunk + 1 (or every key of a chunk wholly before it)."""
+    kept = []
+    for qc in block.q_chunks:
+        for i in range(n):
+            position = qc * n + i
+            kept.append(sum(min(n, max(0, position - kc * n + 1)) for kc in block.k_chunks))
+    return kept
+
+
+def rank_attention_pairs(seq_length: int, cp: int, comm_type: str, fused: bool, kernel_pairs=None) -> int:
+    """(query, key) pairs the attention of one sequence evaluates over all cp ranks: each rank's
+    blocks (`attention_blocks`, as a fused kernel runs them when `fused`), each block whole except a
+    diagonal one under a fused kernel (`kernel_pairs(side)`, see `Block.pairs`)."""
+    n = chunk_length(seq_length, cp)
+    total = 0
+    for r in range(cp):
+        blocks = attention_blocks(r, cp, comm_type)
+        for block in fused_blocks(blocks) if fused else blocks:
+            total += block.pairs(n, kernel_pairs if fused else None)
+    return total
+
+
+def rank_seq_length(cfg) -> int:
+    """Positions of a sequence one context-parallel rank of `cfg` holds: s / cp (s without context parallel)."""
+    return local_seq_length(cfg.training.seq_length, cfg.parallel.context_parallel_size)
+
+
+def torch_ring_applies(device: str, kernel: str, comm_type: str, heads: int, groups: int) -> bool:
+    """Whether torch's own `context_parallel` ring attention runs a rank's attention instead of this
+    harness's (`models.cp_attention`): on CUDA with the flash kernel (torch dispatches only its CUDA
+    SDPA kernels to its ring), as a ring (p2p), and with one key/value head per query head (its ring
+    handlers call the kernel with the heads they are given). It runs the p2p blocks."""
+    return str(device).split(":")[0] == "cuda" and kernel == "flash" and comm_type == "p2p" and heads == groups

@@ -180,6 +180,21 @@ def plan_table(result: dict[str, Any]) -> Table:
     return table
 
 
+def cp_plan_table(result: dict[str, Any]) -> Table:
+    """`plan --gpus`: each context-parallel layout of the GPUs and its fastest fitting setting."""
+    table = Table(title=f"{result['gpus']} GPUs of {_gib(result['budget_bytes'])}: context parallel x recompute",
+                  header_style="bold")
+    for col in ("cp", "dp", "micro-batches", "fits", "setting", "with allowance", "overhead"):
+        table.add_column(col, justify="left" if col in ("setting", "fits") else "right")
+    for r in result["layouts"]:
+        table.add_row(str(r["context_parallel_size"]), str(r["data_parallel_size"]), str(r.get("num_microbatches", "-")),
+                      "[green]yes[/]" if r["fits"] else "[red]no[/]",
+                      escape(r["setting"] or r["reason"] or "-"),
+                      "-" if r["device_bytes_needed"] is None else _gib(r["device_bytes_needed"]),
+                      "-" if r["recompute_overhead"] is None else f"{100 * r['recompute_overhead']:.1f}%")
+    return table
+
+
 def would_fit_table(result: dict[str, Any]) -> Table:
     """Layout changes and what they would give."""
     table = Table(title="what would fit", header_style="bold")

@@ -57,7 +57,8 @@ def run_table(record: dict) -> Table:
     world = launch.get("world_size", 1)
     par = (record.get("config") or {}).get("parallel") or {}
     layout = layout_label(world, launch.get("data_parallel", "ddp"), par.get("tensor_model_parallel_size", 1),
-                          par.get("sequence_parallel", False), par.get("pipeline_model_parallel_size", 1))
+                          par.get("sequence_parallel", False), par.get("pipeline_model_parallel_size", 1),
+                          par.get("context_parallel_size", 1))
     rows = [
         ("status", status),
         *([("ranks", f"{world} ({launch['nnodes']} node(s), {layout}): "

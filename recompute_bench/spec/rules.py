@@ -84,6 +84,11 @@ def validate(cfg: Config) -> None:
     validate_cuda_graphs(cfg)
     if m.position_embedding_type == "rope" and m.head_dim % 2:
         raise BadInput(f"RoPE needs an even head dimension, got {m.head_dim}; change hidden_size or num_attention_heads")
+    if m.position_embedding_type == "rope" and t.framework == "recompute-bench" and t.seq_length > m.max_position_embeddings:
+        # the harness's RoPE tables hold max_position_embeddings rows (models/dense/layers.py RotaryEmbedding)
+        raise BadInput(f"seq_length {t.seq_length} is longer than the {m.max_position_embeddings} positions of the "
+                       f"RoPE tables (max_position_embeddings); pass --set model.max_position_embeddings={t.seq_length} "
+                       f"or more")
     if m.position_embedding_type == "learned_absolute" and t.seq_length > m.max_position_embeddings:
         raise BadInput(f"seq_length {t.seq_length} is longer than max_position_embeddings "
                           f"{m.max_position_embeddings}; lower --seq-length or --set model.max_position_embeddings=N")
@@ -225,8 +230,8 @@ def _validate_context_parallel(cfg: Config) -> None:
                            f"heads and {m.groups // tp} query groups over {a2a} ranks, which do not divide them; "
                            f"pass another --set parallel.cp_comm_type or --context-parallel-size")
     if cfg.training.framework == "recompute-bench":
-        raise BadInput("this harness does not run context parallel yet; estimate Megatron's with --framework megatron, "
-                       "or drop --context-parallel-size")
+        _validate_harness_context_parallel(cfg)
+        return
     # megatron/core/transformer/dot_product_attention.py: "Context parallelism is only supported by
     # TEDotProductAttention"; Transformer Engine's get_attention_backend disables
     # UnfusedDotProductAttention under context parallel, leaving no kernel for --attention-backend unfused.
@@ -239,6 +244,25 @@ def _validate_context_parallel(cfg: Config) -> None:
     if m.multi_latent_attention:  # the CP attention terms are written for MHA/GQA's head shapes
         raise BadInput("context parallel with multi-latent attention is not modelled for framework megatron; drop "
                        "--context-parallel-size")
+
+
+def _validate_harness_context_parallel(cfg: Config) -> None:
+    """What this harness runs under context parallel (`models.cp_attention`): dense attention split
+    by an all-gather of K and V or a ring of them, through sdpa's kernels."""
+    from recompute_bench.models.context_parallel import HARNESS_COMM_TYPES
+
+    m, p = cfg.model, cfg.parallel
+    if p.cp_comm_type not in HARNESS_COMM_TYPES:
+        raise BadInput(f"this harness splits attention over context-parallel ranks with p2p (a ring of K and V) or "
+                       f"all_gather, not {p.cp_comm_type}; pass --set parallel.cp_comm_type=p2p or all_gather, or "
+                       f"estimate Megatron's {p.cp_comm_type} with --framework megatron")
+    if m.attention_backend != "sdpa":
+        raise BadInput(f"attention backend {m.attention_backend} cannot split over context-parallel ranks (it keeps "
+                       f"every score for backward; the split merges blocks by their log-sum-exp): pass "
+                       f"--attention-backend sdpa with --context-parallel-size")
+    if m.num_moe_experts or m.multi_latent_attention:
+        raise BadInput("this harness runs context parallel on dense attention and MLP layers; mixture-of-experts and "
+                       "multi-latent attention under it are not measured yet: drop --context-parallel-size")
 
 
 def _validate_framework(cfg: Config) -> None:

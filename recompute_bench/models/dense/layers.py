@@ -38,7 +38,9 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 class RotaryEmbedding(nn.Module):
     """RoPE tables as buffers (not parameters, not activations); `forward(s)` gives (cos, sin) of
-    shape [s, d/2]. Filled by `reset_buffers()`, which `GPT.init_weights` calls after a meta build."""
+    shape [s, d/2]. Filled by `reset_buffers()`, which `GPT.init_weights` calls after a meta build.
+    Under context parallel (`split`) it gives the rows of this rank's positions, kept as buffers of
+    their own, so that no rank saves a gathered copy of the tables for backward."""
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
@@ -46,6 +48,18 @@ class RotaryEmbedding(nn.Module):
         half = cfg.rotary_dim // 2
         self.register_buffer("cos", torch.empty(cfg.max_position_embeddings, half), persistent=False)
         self.register_buffer("sin", torch.empty(cfg.max_position_embeddings, half), persistent=False)
+        self.ranges: list[tuple[int, int]] = []
+
+    def split(self, ranges: list[tuple[int, int]]) -> None:
+        """From now on give the rows of positions `ranges` (this context-parallel rank's), in order."""
+        if self.ranges:
+            return  # a pipeline rank's chunks share one table
+        self.ranges = list(ranges)
+        rows = sum(stop - start for start, stop in ranges)
+        for name in ("cos", "sin"):
+            table = getattr(self, name)
+            self.register_buffer(f"local_{name}", torch.empty(rows, table.shape[1], dtype=table.dtype,
+                                                              device=table.device), persistent=False)
 
     @torch.no_grad()
     def reset_buffers(self) -> None:
@@ -55,8 +69,14 @@ class RotaryEmbedding(nn.Module):
         # Through fp32 whatever the buffer's dtype: the same values as an fp32 table cast afterwards.
         self.cos.copy_(angles.cos().float())
         self.sin.copy_(angles.sin().float())
+        if self.ranges:
+            for name in ("cos", "sin"):
+                table = getattr(self, name)
+                getattr(self, f"local_{name}").copy_(torch.cat([table[a:b] for a, b in self.ranges]))
 
     def forward(self, seq_length: int) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.ranges:
+            return self.local_cos, self.local_sin
         return self.cos[:seq_length], self.sin[:seq_length]
 
 
@@ -145,7 +165,13 @@ class GPT(nn.Module):
     """Embedding -> L layers -> final norm -> output layer -> cross-entropy.
 
     The embedding and output layer have `padded_vocab_size` rows (Megatron's padding), so FLOPs and
-    memory match Megatron's for the same run; tokens come from the first `vocab_size` ids."""
+    memory match Megatron's for the same run; tokens come from the first `vocab_size` ids.
+
+    Under context parallel the model still takes whole sequences of tokens and labels, and works on
+    this rank's positions of them (`context_parallel`, set by the layout: `models.cp_attention.SequenceSplit`)."""
+
+    context_parallel = None
+    """This rank's part of every sequence under context parallel (None: the whole sequence)."""
 
     def __init__(self, cfg: ModelConfig, backend: str = "torch", mlp_for: Optional[MlpFactory] = None,
                  attention: Optional[AttentionFactory] = None):
@@ -231,9 +257,13 @@ class GPT(nn.Module):
 
     def embed(self, tokens: torch.Tensor) -> torch.Tensor:
         """The hidden states entering layer 0: word (and learned position) embeddings, then dropout."""
+        split = self.context_parallel
+        if split is not None:
+            tokens = split.select(tokens)  # a copy of this rank's ids, which the embedding keeps
         x = self.word_embeddings(tokens)
         if self.position_embeddings is not None:
-            x = x + self.position_embeddings.weight[:tokens.shape[1]]
+            table = self.position_embeddings.weight
+            x = x + (split.select(table, 0) if split is not None else table[:tokens.shape[1]])
         return self.embedding_dropout(x)
 
     def head(self, x: torch.Tensor) -> torch.Tensor:
@@ -242,7 +272,10 @@ class GPT(nn.Module):
 
     def loss(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         """Megatron's cross-entropy: an fp32 softmax worked in place is what the loss keeps
-        (vocabulary-parallel where the logits are split over the tensor-parallel ranks)."""
+        (vocabulary-parallel where the logits are split over the tensor-parallel ranks). Under context
+        parallel `labels` are the whole sequence's and the mean is over this rank's tokens."""
+        if self.context_parallel is not None:
+            labels = self.context_parallel.select(labels)
         return get_backend(self.backend).cross_entropy(logits, labels)
 
     def forward(self, tokens: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:

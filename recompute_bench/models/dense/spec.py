@@ -25,6 +25,8 @@ from typing import Any, Iterable
 from recompute_bench.models import (ELEMENT_BYTES, FP32_BYTES, MASK_BYTES, SavedBytes, Work, device_kind,
                                     vocab_rows)
 from recompute_bench.models.attention import ATTENTION_KERNELS, FUSED_KERNELS, attention_tiles, causal_pairs
+from recompute_bench.models.context_parallel import (CP_KERNELS, HARNESS_COMM_TYPES, comm_levels, rank_attention_pairs,
+                                                   rank_seq_length, torch_ring_applies)
 from recompute_bench.spec.config import Config
 
 
@@ -67,6 +69,8 @@ class DenseSpec:
           memory-efficient has no GQA).
         """
         m = cfg.model
+        if cfg.parallel.context_parallel_size > 1:
+            return self._cp_attention_kernel(cfg, device)
         if m.attention_backend == "math":
             return "math"
         measured = getattr(device, "attention_kernel", None)
@@ -78,6 +82,27 @@ class DenseSpec:
         if cfg.training.precision != "fp32" and qk_dim == v_dim <= 256:
             return "flash"
         return "sdpa_math" if m.groups != m.num_attention_heads else "efficient"
+
+    def _cp_attention_kernel(self, cfg: Config, device: str) -> str:
+        """Under context parallel, what each block of a rank's attention runs (`models.cp_attention`):
+        the one measured, else torch's fused flash kernel where it takes the block (no attention dropout;
+        on CUDA 16-bit and a head dimension up to 256), else the same formulas written out in fp32
+        ("sdpa_math", the stand-in for sdpa's math fallback)."""
+        measured = getattr(device, "attention_kernel", None)
+        if measured in CP_KERNELS:
+            return measured
+        if cfg.model.attention_dropout > 0:
+            return "sdpa_math"
+        if device_kind(device) == "cuda" and (cfg.training.precision == "fp32" or cfg.model.head_dim > 256):
+            return "sdpa_math"
+        return "flash"
+
+    def cp_attention_path(self, cfg: Config, device: str = "cuda") -> str:
+        """Which attention runs a context-parallel rank's blocks: "torch_ring" (torch's own context
+        parallel, `context_parallel.torch_ring_applies`) or this harness's cp_comm_type."""
+        m, p = cfg.model, cfg.parallel
+        kernel = self._cp_attention_kernel(cfg, device)
+        return "torch_ring" if torch_ring_applies(device, kernel, p.cp_comm_type, m.num_attention_heads, m.groups) else p.cp_comm_type
 
     def _attention_head_dims(self, cfg: Config) -> tuple[int, int]:
         """(q and k's, v's) head dimension of core attention."""
@@ -112,6 +137,8 @@ class DenseSpec:
         s = cfg.training.seq_length
         kernel = self.attention_kernel(cfg, device)
         forward_pairs = backward_pairs = s * s
+        if cfg.parallel.context_parallel_size > 1:
+            return self._cp_core_attn_flops(cfg, b, device, qk_width, v_width)
         if kernel in FUSED_KERNELS:
             head_dim = max(qk_width, v_width) // cfg.model.num_attention_heads
             tiles = attention_tiles(kernel, device_kind(device), head_dim, s, cfg.model.attention_dropout > 0)
@@ -119,6 +146,36 @@ class DenseSpec:
         qk, pv = 2 * b * qk_width, 2 * b * v_width  # per pair: one row of [b, a, s, d] x [b, a, d, s] each
         return Work(forward_pairs * (qk + pv),
                     backward_pairs * ((3 if kernel in FUSED_KERNELS else 2) * qk + 2 * pv))
+
+    def _cp_core_attn_flops(self, cfg: Config, b: int, device: str, qk_width: int, v_width: int) -> Work:
+        """Core attention of b sequences over every context-parallel rank: the (query, key) pairs of
+        each rank's blocks (`context_parallel.attention_blocks`; torch's ring runs the p2p ones), whole
+        under the written-out kernel (its masks applied after the matmuls), the tiles a causal mask
+        does not hide wholly on a diagonal block under flash. Both kernels' backward recompute the
+        scores (three QK-sized and two PV-sized matmuls per pair)."""
+        s, cp = cfg.training.seq_length, cfg.parallel.context_parallel_size
+        kernel = self.attention_kernel(cfg, device)
+        path = self.cp_attention_path(cfg, device)
+        comm = "p2p" if path == "torch_ring" else path
+        head_dim = max(qk_width, v_width) // cfg.model.num_attention_heads
+        fused = kernel == "flash"
+
+        def tiled(which: int):
+            return lambda side: causal_pairs(side, *attention_tiles(kernel, device_kind(device), head_dim, side, False)[which])
+
+        ring = cp
+        if comm not in HARNESS_COMM_TYPES:
+            # Megatron's all-to-all kinds (Transformer Engine's AttnFuncWithCPAndQKVOA2A; a2a+p2p runs
+            # the p2p ring over the second level of hierarchical_context_parallel_sizes): after the
+            # all-to-all a rank runs 1 / a2a of the heads over the sequence its ring holds, so over
+            # all ranks each head sees the pairs of a ring of `ring` ranks (one rank: the whole square).
+            # A per-layer list of kinds is counted by its first (estimates of Megatron do not gate FLOPs).
+            kind, _, ring = comm_levels(comm.split()[0], cp, cfg.parallel.hierarchical_context_parallel_sizes)
+            comm = "p2p" if kind != "all_gather" else kind
+        forward = rank_attention_pairs(s, ring, comm, fused, tiled(0))
+        backward = rank_attention_pairs(s, ring, comm, fused, tiled(1))
+        qk, pv = 2 * b * qk_width, 2 * b * v_width
+        return Work(forward * (qk + pv), backward * (3 * qk + 2 * pv))
 
     def selective_recompute_flops(self, cfg: Config, modules: Iterable[str], samples: int | None = None,
                                   device: str = "cuda") -> float:
@@ -172,7 +229,7 @@ class DenseSpec:
         are recomputed selectively."""
         m, tr, par = cfg.model, cfg.training, cfg.parallel
         e = ELEMENT_BYTES[tr.precision]
-        tokens, h = tr.seq_length * tr.micro_batch_size, m.hidden_size
+        tokens, h = rank_seq_length(cfg) * tr.micro_batch_size, m.hidden_size  # this context-parallel rank's
         mods = set(modules)
         saved = SavedBytes()
 
@@ -201,7 +258,7 @@ class DenseSpec:
         (MoE) answers this for its own layers."""
         if "mlp" in mods:
             return
-        tokens = cfg.training.seq_length * cfg.training.micro_batch_size
+        tokens = rank_seq_length(cfg) * cfg.training.micro_batch_size
         self._dense_mlp_saved(saved, cfg, "", tokens, cfg.model.ffn_hidden_size)
 
     @staticmethod
@@ -218,7 +275,7 @@ class DenseSpec:
         """What the attention block keeps after its input (input_layernorm's output): RoPE's q and k
         (or the fused QKV output) and what core attention keeps."""
         m, tr = cfg.model, cfg.training
-        e, tokens = ELEMENT_BYTES[tr.precision], tr.seq_length * tr.micro_batch_size
+        e, tokens = ELEMENT_BYTES[tr.precision], rank_seq_length(cfg) * tr.micro_batch_size
         q_width, kv_width = m.num_attention_heads * m.head_dim, m.groups * m.head_dim
         qkv = ("linear_qkv.output", e * tokens * (q_width + 2 * kv_width))
         rope = m.position_embedding_type == "rope"
@@ -238,12 +295,25 @@ class DenseSpec:
         `v_width` elements per token over all query heads."""
         m, tr = cfg.model, cfg.training
         e = ELEMENT_BYTES[tr.precision]
-        s, b, a = tr.seq_length, tr.micro_batch_size, m.num_attention_heads
+        s, b, a = rank_seq_length(cfg), tr.micro_batch_size, m.num_attention_heads
         tokens = s * b
         if "core_attn" in mods:
             for name, nbytes in sources.values():  # the checkpoint saves q, k and v
                 saved.add(name, nbytes, "tp")
             saved.add("core_attention.output", e * tokens * v_width, "tp")  # linear_proj's input
+            return
+        if cfg.parallel.context_parallel_size > 1:
+            # The attention over the split (`models.cp_attention`), whatever its kernel, keeps this rank's
+            # q, k, v, its output (laid out as linear_proj's input: one storage) and an fp32
+            # log-sum-exp per query. torch's ring (CUDA) merges into a [b, heads, s, d] tensor its node
+            # keeps beside the [b, s, h] copy linear_proj keeps (read from torch's `_SDPAMerger`; not
+            # measured here).
+            for name, nbytes in sources.values():
+                saved.add(name, nbytes, "tp")
+            saved.add("core_attention.output", e * tokens * v_width, "tp")
+            saved.add("core_attention.logsumexp", FP32_BYTES * b * a * s, "tp")
+            if self.cp_attention_path(cfg, device) == "torch_ring":
+                saved.add("core_attention.ring_output", e * tokens * v_width, "tp")
             return
         scores = a * s * s * b  # elements of one [b, a, s, s] tensor
         kernel = self.attention_kernel(cfg, device)
