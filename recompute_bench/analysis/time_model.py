@@ -474,8 +474,9 @@ def step_time(cfg: Config, run: MegatronRun, rates: GpuRates, parameters: list[f
     layer = layer_ops(cfg, run)
     times_f, times_b = op_times(layer.forward, rates), op_times(layer.backward, rates)
     policies = layer_policies(cfg.recompute, per_chunk)
-    recompute = [recompute_ops(layer, policy) for policy in policies] + [checkpoint_ops(cfg, policies)]
-    times_f.update(op_times(recompute[-1], rates))
+    recompute = [recompute_ops(layer, policy) for policy in policies]
+    checkpoints = checkpoint_ops(cfg, policies)
+    times_r = {**times_f, **op_times(checkpoints, rates)}
     offload = offload_seconds(cfg, run, rates, policies, sum(times_f[o.name] for o in layer.forward),
                               pass_seconds(layer.backward, rates))
     outside = {"embedding": embedding_ops(cfg), "loss": loss_ops(cfg)}
@@ -488,9 +489,9 @@ def step_time(cfg: Config, run: MegatronRun, rates: GpuRates, parameters: list[f
                 parts[(name, kinds[name].kind, kinds[name].module, "forward")] += sec * per_chunk
             for name, sec in times_b.items():
                 parts[(name, kinds[name].kind, None, "backward")] += sec * per_chunk
-            for ops in recompute:
+            for ops in recompute + [checkpoints]:
                 for op in ops:
-                    parts[(op.name, op.kind, op.module, "recompute")] += times_f[op.name]
+                    parts[(op.name, op.kind, op.module, "recompute")] += times_r[op.name]
             if offload:
                 parts[("cpu_offloading", "comm", None, "offload")] += offload
             ends = (["embedding"] if v == 0 else []) + (["loss"] if v == p * vp - 1 else [])
