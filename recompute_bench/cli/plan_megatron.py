@@ -95,8 +95,8 @@ def plan_megatron(cfg: Config, notes: list[str], *, run, memory_gb: float, gpus:
     if all_rows:
         err.print(settings_table(result, result["settings"], "every setting Megatron can run, fastest first"))
     if result["fits"]:
-        err.print(settings_table(result, result["fits"], f"settings that fit in {memory_gb:g} GiB, fastest first "
-                                 f"(rel. TFLOP/s: predicted, against no recompute)"))
+        err.print(settings_table(result, result["fits"], f"settings that fit in {memory_gb:g} GiB, fastest first, then "
+                                 f"the tight ones (rel. TFLOP/s: predicted, against no recompute)"))
     if result["same_as_shown"]:
         err.print("same step and peak as a setting listed, asking for more: "
                   + escape(", ".join(f"{x['setting']} = {x['same_as']}" for x in result["same_as_shown"])), highlight=False)

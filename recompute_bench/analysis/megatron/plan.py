@@ -17,7 +17,7 @@ import dataclasses
 from itertools import combinations
 from typing import Any, Callable
 
-from recompute_bench.analysis.allowance import FITS, OVER, allowance_parts, allowance_row, fit
+from recompute_bench.analysis.allowance import FITS, OVER, TIGHT, allowance_parts, allowance_row, fit
 from recompute_bench.analysis.gpu_rates import GpuRates, rates_row
 from recompute_bench.analysis.megatron.flags import megatron_lm, pasteable
 from recompute_bench.analysis.megatron.run import MegatronRun
@@ -76,8 +76,8 @@ class Planner:
         self.parameters = [s.parameters for s in stage_peaks(with_recompute(cfg, RecomputeConfig()), run)]
         self.none_step = self.time(RecomputeConfig()).step_seconds
 
-    def time(self, r: RecomputeConfig, cfg: Config | None = None) -> StepTime:
-        return step_time(with_recompute(cfg or self.cfg, r), self.run, self.rates, self.parameters)
+    def time(self, r: RecomputeConfig) -> StepTime:
+        return step_time(with_recompute(self.cfg, r), self.run, self.rates, self.parameters)
 
     def row(self, r: RecomputeConfig) -> dict[str, Any]:
         """One setting priced: BadInput where Megatron refuses it or a model cannot price it."""
@@ -133,12 +133,14 @@ def speed_order(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 
 def shown(rows: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], list[dict[str, str]]]:
-    """The rows that fit (fits, then tight interleaved by speed), only the fastest of each family
-    and fit class (more layers recomputed or offloaded is never faster), and apart from them the
-    settings that only repeat a shown one's time and peak while asking for more (a module with
-    nothing to recompute, such as `layernorm` where Transformer Engine fuses the norms)."""
+    """The rows that fit: those that fit with the allowance fastest first (the one to use on top),
+    then the tight ones fastest first; only the fastest of each family and fit class (more layers
+    recomputed or offloaded is never faster); and apart from them the settings that only repeat a
+    shown one's time and peak while asking for more (a module with nothing to recompute, such as
+    `layernorm` where Transformer Engine fuses the norms)."""
     seen, out, same = set(), [], []
-    for row in speed_order([r for r in rows if r["fit"] != OVER]):
+    ordered = speed_order([r for r in rows if r["fit"] == FITS]) + speed_order([r for r in rows if r["fit"] == TIGHT])
+    for row in ordered:
         twin = next((x for x in out if _same(x, row)), None)
         if twin is not None:
             same.append({"setting": row["label"], "same_as": twin["label"]})
