@@ -303,11 +303,11 @@ def _choices(cfg: Config) -> list[tuple[str, Callable[[int], LayerPolicy]]]:
     return out
 
 
-def _policy_config(cfg: Config, pattern: list[LayerPolicy]) -> Config:
+def _policy_config(cfg: Config, pattern: list[LayerPolicy], distribute: bool = False) -> Config:
     """cfg running `pattern` in every model chunk (the Megatron memory and time models read a
-    chunk's first entries)."""
+    chunk's first entries), its checkpoints' inputs distributed over tensor parallel or not."""
     entries = [p.entry for p in pattern] * (cfg.model.num_layers // len(pattern))
-    return with_recompute(cfg, RecomputeConfig(layer_policy=entries))
+    return with_recompute(cfg, RecomputeConfig(layer_policy=entries, distribute_saved_activations=distribute))
 
 
 def auto_plan(cfg: Config, run: MegatronRun, rates: GpuRates, budget: float, fraction: float, fixed: float,
@@ -346,25 +346,34 @@ def auto_plan(cfg: Config, run: MegatronRun, rates: GpuRates, budget: float, fra
 
     per_layer: list[dict[str, Any] | None] = []
     choices = _choices(cfg)
+    try:  # Megatron's rule: distributed checkpoint inputs need tensor parallel without sequence parallel
+        validate(with_recompute(cfg, RecomputeConfig("full", [], "block", 1, distribute_saved_activations=True)))
+        distributions = [False, True]
+    except BadInput:
+        distributions = [False]
     for s in range(p):
-        best = None
+        # A stage's own uniform setting is one per-layer policy: start from it.
+        best = None if per_stage[s] is None else {**per_stage[s], "megatron_setting": per_stage[s]["setting"]}
         pairs = [(x, x) for x in choices] + [(x, y) for x in choices for y in choices if x[0] != y[0]]
         for (name_a, a), (name_b, b) in pairs:
-            for k in range(1, n) if name_a != name_b else [n]:  # mixes: k of a, n - k of b
-                pattern = [a(i) for i in range(k)] + [b(i) for i in range(k, n)]
-                c = _policy_config(cfg, pattern)
-                try:
-                    if not fits_stage(c, s):
-                        continue
-                    micro = step_time(c, run, rates, planner.parameters).microbatch_seconds[s]
-                except BadInput:
-                    break
-                if best is None or micro < best["microbatch_seconds"] * (1 - 1e-9):
-                    setting = megatron_setting(cfg.model, pattern, spec_for(cfg.model).recompute_targets)
-                    words = name_b if name_a == name_b else f"{k} {name_a} + {n - k} {name_b}"
-                    best = {"stage": s, "setting": words, "microbatch_seconds": micro,
-                            "megatron_setting": None if setting is None else setting.label}
-                break  # the fewest layers of the costlier choice that fit: more is slower
+            for distribute in distributions if "full" in (name_a, name_b) else [False]:
+                for k in range(1, n) if name_a != name_b else [n]:  # mixes: k of a, n - k of b
+                    pattern = [a(i) for i in range(k)] + [b(i) for i in range(k, n)]
+                    c = _policy_config(cfg, pattern, distribute)
+                    try:
+                        if not fits_stage(c, s):
+                            continue
+                        micro = step_time(c, run, rates, planner.parameters).microbatch_seconds[s]
+                    except BadInput:
+                        break
+                    if best is None or micro < best["microbatch_seconds"] * (1 - 1e-9):
+                        setting = megatron_setting(cfg.model, pattern, spec_for(cfg.model).recompute_targets)
+                        words = name_b if name_a == name_b else f"{k} {name_a} + {n - k} {name_b}"
+                        words += " +distribute" if distribute else ""
+                        best = {"stage": s, "setting": words, "microbatch_seconds": micro,
+                                "megatron_setting": None if setting is None else label(dataclasses.replace(
+                                    setting, distribute_saved_activations=distribute))}
+                    break  # the fewest layers of the costlier choice that fit: more is slower
         per_layer.append(best)
 
     out: dict[str, Any] = {"uniform": None, "per_stage": None, "per_layer": None}
