@@ -216,3 +216,13 @@ def test_profile_without_a_gpu_says_so():
     assert result.exit_code == 2
     assert " ".join(result.stderr.split()) == ("error: --profile measures this machine's GPU, and there is none here; "
                                                "drop --profile (the datasheet rates of --gpu price the plan)")
+
+
+def test_when_only_tight_settings_fit_the_fastest_is_recommended_with_expandable_segments():
+    result = invoke(*SEEDS, "--memory-gb", "57", "--json")
+    assert result.exit_code == 0, result.output
+    data = json.loads(result.stdout)
+    assert {r["fit"] for r in data["fits"]} == {TIGHT} and data["recommended"] == "full uniform 2"
+    assert data["reason"] == ("tight: nothing fits with the allowance; full uniform 2 fits only if the caching allocator "
+                              "holds under 3.7 GiB above its 52.3 GiB allocated peak: run with "
+                              "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True")
