@@ -49,6 +49,7 @@ bench: $(STAMP)
 	$(PY) bench/recompute_overhead.py
 	$(PY) bench/auto_policy.py
 	$(PY) bench/megatron_check.py
+	$(PY) bench/time_model_check.py
 
 # Everything the GPU tests and the GPU-only checks need, in one call of at most 20 minutes on one
 # H100/H200, with the device's own Python and torch (no venv); tables and logs under OUT
