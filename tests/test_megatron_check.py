@@ -295,11 +295,6 @@ def test_selective_layernorm_frees_the_local_norms_and_nothing_with_te():
     assert dropped == {"input_layernorm.norm_stats", "linear_qkv.input", "pre_mlp_layernorm.norm_stats", "linear_fc1.input"}
 
 
-def test_plan_refuses_framework_megatron():
-    result = invoke("plan", "--framework", "megatron", "--memory-gb", "80")
-    assert result.exit_code == 2 and "plan chooses settings for this harness" in result.stderr
-
-
 def test_an_imported_megatron_golden_carries_megatrons_estimate(tmp_path):
     # `import` puts framework megatron's estimate beside the measured peak: for this case (full
     # recompute, H100) within 0.3% of what the last rank logged.

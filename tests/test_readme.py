@@ -29,8 +29,8 @@ def tour() -> list[tuple[str, list[str]]]:
     return found
 
 
-def test_the_readme_has_a_five_command_tour():
-    assert len(tour()) == 5
+def test_the_readme_has_a_six_command_tour():
+    assert len(tour()) == 6
 
 
 def cases() -> list:

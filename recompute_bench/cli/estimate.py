@@ -12,6 +12,7 @@ from rich.markup import escape
 from recompute_bench.analysis.rank import ALLOWANCE_BYTES, ALLOWANCE_FRACTION
 from recompute_bench.cli.common import DEFAULT_WORKLOAD, JsonOut, Workload, err, fail, resolve_point, show_notes
 from recompute_bench.cli.options import PointOptions, point_options
+from recompute_bench.cli.plan_megatron import plan_megatron, with_gpus
 from recompute_bench.spec.config import BadInput
 from recompute_bench.spec.rules import check_expert_parallel_world
 
@@ -167,20 +168,36 @@ def plan(
                                                    rich_help_panel="Estimate")] = None,
     profile: Annotated[bool, typer.Option("--profile", help="With --auto: price recompute by a short measured profile "
                                           "of each module's forward time on this machine's device (one layer of each "
-                                          "kind, medians), cached under results/profiles/.",
+                                          "kind, medians), cached under results/profiles/. With --framework megatron: "
+                                          "price time at this GPU's measured matmul (bf16, FP8) and HBM rates instead "
+                                          "of its datasheet's, cached there too.",
                                           rich_help_panel="Estimate")] = False,
     profile_steps: Annotated[int, typer.Option(help="With --profile: measured steps (medians over them).",
                                                rich_help_panel="Estimate")] = 5,
     host_link_gbps: Annotated[Optional[float], typer.Option(help="With --profile on CUDA: the host link's bandwidth "
                                                             "in GB/s for offload's cost (default: measured).",
                                                             rich_help_panel="Estimate")] = None,
-    gpus: Annotated[Optional[int], typer.Option(help="Plan context parallel too: lay this many GPUs out as dp x cp (x the "
-                                                "--tp and --pp given) for every cp the sequence allows, each with its "
-                                                "fastest fitting recompute setting.", rich_help_panel="Estimate")] = None,
+    gpu: Annotated[Optional[str], typer.Option("--gpu", help="With --framework megatron: the GPU kind (h100, a100, "
+                                               "h200, b200, gb200), whose datasheet rates price time and whose compute "
+                                               "capability picks the kernels; default this machine's, else h100.",
+                                               rich_help_panel="Megatron")] = None,
+    gpus: Annotated[Optional[int], typer.Option("--gpus", help="The GPU count. With --framework megatron the "
+                                                "data-parallel size is what tensor, pipeline and context parallel "
+                                                "leave; for this harness, plan context parallel too: lay the GPUs out "
+                                                "as dp x cp (x the --tp and --pp given) for every cp the sequence "
+                                                "allows, each with its fastest fitting recompute setting.",
+                                                rich_help_panel="Estimate")] = None,
+    explain: Annotated[bool, typer.Option("--explain", help="With --framework megatron: show the predicted step of the "
+                                          "setting to use op by op (which ops, how many ms).",
+                                          rich_help_panel="Megatron")] = False,
+    all_rows: Annotated[bool, typer.Option("--all", help="With --framework megatron: every setting Megatron can run, "
+                                           "and the flags of every setting that fits.", rich_help_panel="Megatron")] = False,
     json_out: JsonOut = False,
 ) -> None:
     """List the recompute settings that fit a memory budget, fastest first, and recommend one (or
-    with --auto choose per layer); exit 1 when nothing fits (and say what would)."""
+    with --auto choose per layer); exit 1 when nothing fits (and say what would). With --framework
+    megatron: every setting Megatron can run, each stage's peak and the predicted step time, with
+    the flags for Megatron-LM, Megatron Bridge and NeMo."""
     from recompute_bench.analysis import planner
     from recompute_bench.render.estimate import plan_table, would_fit_table
 
@@ -188,13 +205,26 @@ def plan(
         cfg, notes = resolve_point(workload, point, gpu="cpu")
         check_expert_parallel_world(cfg)
         _check_inputs(device, allowance_fraction, allowance_gb)
-        if cfg.training.framework != "recompute-bench":
-            raise BadInput("plan chooses settings for this harness; drop --framework (estimate --framework megatron "
-                              "shows Megatron's peak of every setting)")
         if memory_gb is None or memory_gb <= 0:
             raise BadInput(f"plan needs the device memory per GPU; pass --memory-gb 80 (got {memory_gb})")
+        megatron = cfg.training.framework == "megatron"
+        gpu = point.gpu  # the option is declared here, and point_options hands it over in `point`
+        for flag, given in (("--gpu", gpu is not None), ("--explain", explain), ("--all", all_rows)):
+            if given and not megatron:
+                raise BadInput(f"{flag} goes with --framework megatron; add it or drop {flag}")
+        if megatron:
+            for flag, given in (("--output", output is not None), ("--host-link-gbps", host_link_gbps is not None)):
+                if given:
+                    raise BadInput(f"{flag} belongs to this harness's plan --auto (a policy file for `run --policy`); "
+                                   f"Megatron runs no per-layer policy: drop {flag}")
+            run = _megatron_run(gpu, device, notes)
+            cfg = with_gpus(cfg, gpus, "parallel.data_parallel_size" in point.overrides)
     except BadInput as e:
         raise fail(str(e)) from None
+    if megatron:
+        return plan_megatron(cfg, notes, run=run, memory_gb=memory_gb, gpus=gpus, allowance_fraction=allowance_fraction,
+                             allowance_gb=allowance_gb, auto=auto, profile=profile, explain=explain, all_rows=all_rows,
+                             json_out=json_out)
     show_notes(notes)
     if auto:
         costs = _profile_costs(cfg, device, profile_steps, host_link_gbps) if profile else None

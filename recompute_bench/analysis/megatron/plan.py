@@ -1,0 +1,408 @@
+"""`plan --framework megatron`: every recompute setting Megatron can run for a Config, each with
+the peak of every pipeline stage (`stage_peaks`), whether it fits a budget with the allocator
+allowance, and its step time relative to no recompute (`analysis.time_model`); the settings that
+fit, fastest first, with the flags to paste; what would fit when nothing does; and (`--auto`) what
+a per-stage or per-layer choice would gain over the best uniform setting, which Megatron cannot run.
+
+The plan takes any Config the Megatron memory model accepts: a setting is a candidate when
+`spec.rules.validate` accepts it (Megatron's rules as the product enforces them) and both
+`stage_peaks` and the time model price it; the others are listed with the reason. A Config from
+any source (presets and flags today, a Bridge config or a Megatron log through `--from`) plans the
+same way: `megatron_plan(cfg, run, rates, budget)`. Pure Python.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from itertools import combinations
+from typing import Any, Callable
+
+from recompute_bench.analysis.allowance import FITS, OVER, TIGHT, allowance_parts, allowance_row, fit
+from recompute_bench.analysis.gpu_rates import GpuRates, rates_row
+from recompute_bench.analysis.megatron.flags import megatron_lm, pasteable
+from recompute_bench.analysis.megatron.run import MegatronRun
+from recompute_bench.analysis.megatron.stage import stage_peak, stage_peaks
+from recompute_bench.analysis.rank import device_bytes_needed
+from recompute_bench.analysis.time_model import StepTime, step_time
+from recompute_bench.models import spec_for
+from recompute_bench.recompute.policy import LayerPolicy, megatron_setting
+from recompute_bench.recompute.settings import selective_settings
+from recompute_bench.spec.config import BadInput, Config, RecomputeConfig
+from recompute_bench.spec.rules import layers_per_model_chunk, validate
+
+PLAN_SCHEMA = "recompute-bench/plan-megatron/v1"
+
+
+def with_recompute(cfg: Config, r: RecomputeConfig) -> Config:
+    return dataclasses.replace(cfg, recompute=r)
+
+
+def candidate_settings(cfg: Config) -> list[RecomputeConfig]:
+    """Every setting worth asking Megatron about for cfg's model: none; selective with every
+    non-empty subset of the model's modules; full uniform and block with every
+    recompute_num_layers of a model chunk, each also with distribute_saved_activations; CPU
+    offloading of every layer count. Megatron's rules (`validate`) then drop what it refuses."""
+    n = layers_per_model_chunk(cfg)
+    out = [RecomputeConfig(), *selective_settings(spec_for(cfg.model).recompute_targets)]
+    for method in ("uniform", "block"):
+        for k in range(1, n + 1):
+            out.append(RecomputeConfig("full", [], method, k))
+            out.append(RecomputeConfig("full", [], method, k, distribute_saved_activations=True))
+    out += [RecomputeConfig(activation_offload_layers=k) for k in range(1, cfg.model.num_layers)]
+    return out
+
+
+def label(r: RecomputeConfig) -> str:
+    """The setting in a few words, distribute_saved_activations marked."""
+    return r.label + (" +distribute" if r.distribute_saved_activations else "")
+
+
+def _family(r: RecomputeConfig) -> tuple:
+    """Settings that differ only in how many layers they recompute or offload (the plan lists the
+    fastest of each family that fits)."""
+    if r.granularity == "full":
+        return ("full", r.method, r.distribute_saved_activations)
+    if r.activation_offload_layers:
+        return ("offload",)
+    return (r.granularity, tuple(r.modules))
+
+
+class Planner:
+    """Prices settings of one Config on one GPU kind against one budget."""
+
+    def __init__(self, cfg: Config, run: MegatronRun, rates: GpuRates, budget: float, fraction: float, fixed: float):
+        self.cfg, self.run, self.rates = cfg, run, rates
+        self.budget, self.fraction, self.fixed = budget, fraction, fixed
+        self.parameters = [s.parameters for s in stage_peaks(with_recompute(cfg, RecomputeConfig()), run)]
+        self.none_step = self.time(RecomputeConfig()).step_seconds
+
+    def time(self, r: RecomputeConfig) -> StepTime:
+        return step_time(with_recompute(self.cfg, r), self.run, self.rates, self.parameters)
+
+    def row(self, r: RecomputeConfig) -> dict[str, Any]:
+        """One setting priced: BadInput where Megatron refuses it or a model cannot price it."""
+        cfg = with_recompute(self.cfg, r)
+        validate(cfg)
+        stages = stage_peaks(cfg, self.run)
+        st = self.time(r)
+        peak = max(stages, key=lambda s: s.peak_allocated_bytes)
+        need = device_bytes_needed(peak.peak_allocated_bytes, self.fraction, self.fixed)
+        return {
+            "label": label(r), "recompute": dataclasses.asdict(r),
+            "stages": [{"stage": s.stage, "peak_allocated_bytes": s.peak_allocated_bytes, "phase": s.phase,
+                        "device_bytes_needed": device_bytes_needed(s.peak_allocated_bytes, self.fraction, self.fixed)}
+                       for s in stages],
+            "peak_allocated_bytes": peak.peak_allocated_bytes, "peak_stage": peak.stage, "device_bytes_needed": need,
+            "fit": fit(peak.peak_allocated_bytes, self.budget, self.fraction, self.fixed),
+            "step_seconds": st.step_seconds, "recompute_seconds": st.recompute_seconds,
+            "relative_throughput": self.none_step / st.step_seconds,
+            "flags": pasteable(r),
+        }
+
+    def search(self) -> tuple[list[dict[str, Any]], list[dict[str, str]]]:
+        """Every candidate priced, and those left out with the reason (one line per reason)."""
+        rows, excluded = [], {}
+        for r in candidate_settings(self.cfg):
+            try:
+                rows.append(self.row(r))
+            except BadInput as e:
+                reason = str(e).split(";")[0]
+                excluded.setdefault(reason, []).append(label(r))
+        return rows, [{"reason": reason, "settings": _span(labels)} for reason, labels in excluded.items()]
+
+
+def _span(labels: list[str]) -> str:
+    return labels[0] if len(labels) == 1 else f"{labels[0]} ... {labels[-1]} ({len(labels)} settings)"
+
+
+def _amount(row: dict[str, Any]) -> int:
+    """How much a setting asks to recompute or offload (modules, or layers)."""
+    r = row["recompute"]
+    return len(r["modules"]) or r["num_layers"] or r["activation_offload_layers"] or 0
+
+
+def _same(a: dict[str, Any], b: dict[str, Any]) -> bool:
+    """Whether two rows have the same step time and peak (to the byte and nanosecond)."""
+    return round(a["step_seconds"], 9) == round(b["step_seconds"], 9) and \
+        round(a["peak_allocated_bytes"]) == round(b["peak_allocated_bytes"])
+
+
+def speed_order(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Fastest first; at equal time the lower peak, then the one that asks for less."""
+    return sorted(rows, key=lambda r: (round(r["step_seconds"], 9), r["peak_allocated_bytes"], _amount(r), r["label"]))
+
+
+def shown(rows: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], list[dict[str, str]]]:
+    """The rows that fit: those that fit with the allowance fastest first (the one to use on top),
+    then the tight ones fastest first; only the fastest of each family and fit class (more layers
+    recomputed or offloaded is never faster); and apart from them the settings that only repeat a
+    shown one's time and peak while asking for more (a module with nothing to recompute, such as
+    `layernorm` where Transformer Engine fuses the norms)."""
+    seen, out, same = set(), [], []
+    ordered = speed_order([r for r in rows if r["fit"] == FITS]) + speed_order([r for r in rows if r["fit"] == TIGHT])
+    for row in ordered:
+        twin = next((x for x in out if _same(x, row)), None)
+        if twin is not None:
+            same.append({"setting": row["label"], "same_as": twin["label"]})
+            continue
+        key = (_family(RecomputeConfig(**row["recompute"])), row["fit"])
+        if key not in seen:
+            seen.add(key)
+            out.append(row)
+    return out, same
+
+
+def megatron_plan(cfg: Config, run: MegatronRun, rates: GpuRates, budget: float, fraction: float, fixed: float,
+                  gpus: int | None = None) -> dict[str, Any]:
+    """The plan: every setting priced (`settings`), those that fit fastest first (`fits`), the one
+    to use (`recommended`, with its flags and its time's parts), and when nothing fits the layouts
+    that would (`would_fit`)."""
+    planner = Planner(cfg, run, rates, budget, fraction, fixed)
+    rows, excluded = planner.search()
+    if not rows:
+        raise BadInput("no recompute setting of this run can be priced: " + "; ".join(e["reason"] for e in excluded))
+    fits, same = shown(rows)
+    smallest = min(rows, key=lambda r: r["peak_allocated_bytes"])
+    static = max(st.static_bytes for st in stage_peaks(with_recompute(cfg, RecomputeConfig()), run))
+    out: dict[str, Any] = {
+        "schema": PLAN_SCHEMA, "framework": "megatron", "workload": cfg.workload, "config": cfg.to_dict(),
+        "gpu": run.gpu, "gpus": gpus if gpus is not None else cfg.parallel.world_size, "rates": rates_row(rates),
+        "budget_bytes": budget, "allowance": allowance_row(fraction, fixed),
+        "num_microbatches": cfg.num_microbatches, "no_recompute_step_seconds": planner.none_step,
+        "settings": speed_order(rows), "excluded": excluded, "fits": fits, "same_as_shown": same,
+        "recommended": None, "reason": None, "flags": None, "time_parts": None, "would_fit": [],
+    }
+    best = next((r for r in fits if r["fit"] == FITS), fits[0] if fits else None)
+    if best is not None:
+        r = RecomputeConfig(**best["recompute"])
+        st = planner.time(r)
+        out["recommended"] = best["label"]
+        out["flags"] = best["flags"]
+        out["time_parts"] = {"step_seconds": st.step_seconds, "microbatch_seconds": st.microbatch_seconds,
+                             "pacing_stage": st.pacing_stage, "bubble_seconds": st.bubble_seconds,
+                             "optimizer_seconds": st.optimizer_seconds, "num_microbatches": cfg.num_microbatches,
+                             "parts": st.parts}
+        gib = 2**30
+        allowance = allowance_parts(best["peak_allocated_bytes"], fraction, fixed)
+        if best["fit"] == FITS:
+            out["reason"] = (f"fastest setting that fits: {100 * best['relative_throughput']:.1f}% of no recompute's "
+                             f"throughput, needs {best['device_bytes_needed'] / gib:.1f} of {budget / gib:.1f} GiB on "
+                             f"stage {best['peak_stage']} ({best['peak_allocated_bytes'] / gib:.1f} GiB allocated + "
+                             f"{sum(allowance.values()) / gib:.1f} GiB allowance)")
+        else:
+            out["reason"] = (f"tight: nothing fits with the allowance; {best['label']} fits only if the caching "
+                             f"allocator holds under {(budget - best['peak_allocated_bytes'] - fixed) / gib:.1f} GiB above "
+                             f"its {best['peak_allocated_bytes'] / gib:.1f} GiB allocated peak: run with "
+                             f"PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True")
+        return out
+    out["reason"] = (f"nothing fits: the smallest setting ({smallest['label']}) peaks at "
+                     f"{smallest['peak_allocated_bytes'] / 2**30:.1f} GiB allocated on stage {smallest['peak_stage']}, "
+                     f"{smallest['device_bytes_needed'] / 2**30:.1f} GiB with the allowance, of {budget / 2**30:.1f} GiB")
+    if static + fixed > budget:
+        out["reason"] += f" (parameters, gradients and optimizer state alone hold {static / 2**30:.1f} GiB)"
+    out["would_fit"] = would_fit(cfg, run, rates, budget, fraction, fixed, gpus, planner.none_step)
+    return out
+
+
+def check_budget(cfg: Config, run: MegatronRun, budget: float, fixed: float) -> None:
+    """BadInput when the budget is below what a rank holds with no activations at all: its
+    parameters, gradients, optimizer state and buffers, plus the fixed allowance."""
+    stages = stage_peaks(with_recompute(cfg, RecomputeConfig()), run)
+    worst = max(stages, key=lambda s: s.static_bytes)
+    if worst.static_bytes + fixed > budget:
+        raise BadInput(f"--memory-gb {budget / 2**30:g} is below what stage {worst.stage} holds before any activation: "
+                       f"{worst.static_bytes / 2**30:.1f} GiB of parameters, gradients, optimizer state and buffers plus "
+                       f"the {fixed / 2**30:g} GiB fixed allowance; pass a larger --memory-gb or shard more "
+                       f"(--tp, --pp, --set parallel.use_distributed_optimizer=true)")
+
+
+# ----- what would fit ---------------------------------------------------------------------------
+
+
+def _layout(cfg: Config, gpus: int | None, **parallel: Any) -> Config:
+    par = dataclasses.replace(cfg.parallel, **parallel)
+    if gpus is not None:  # the GPU count stays: data parallel takes what tensor and pipeline leave
+        model_parallel = par.tensor_model_parallel_size * par.pipeline_model_parallel_size * par.context_parallel_size
+        if gpus % model_parallel:
+            raise BadInput(f"{gpus} GPUs do not divide into tp x pp x cp = {model_parallel}")
+        par = dataclasses.replace(par, data_parallel_size=gpus // model_parallel)
+    return dataclasses.replace(cfg, parallel=par)
+
+
+def layout_changes(cfg: Config, gpus: int | None) -> list[tuple[str, Callable[[], Config]]]:
+    """The changes of layout the plan tries when nothing fits, each as its flags and the changed Config."""
+    m, tr, par = cfg.model, cfg.training, cfg.parallel
+    t, p, vp = par.tensor_model_parallel_size, par.pipeline_model_parallel_size, par.virtual_pipeline_model_parallel_size
+    out: list[tuple[str, Callable[[], Config]]] = [
+        (f"--tp {2 * t} --sequence-parallel", lambda: _layout(cfg, gpus, tensor_model_parallel_size=2 * t, sequence_parallel=True))]
+    if t > 1 and not par.sequence_parallel:
+        out.append(("--sequence-parallel", lambda: _layout(cfg, gpus, sequence_parallel=True)))
+    out.append((f"--pp {2 * p}", lambda: _layout(cfg, gpus, pipeline_model_parallel_size=2 * p,
+                                                 virtual_pipeline_model_parallel_size=vp)))
+    if tr.micro_batch_size > 1:
+        out.append(("--micro-batch-size 1", lambda: dataclasses.replace(cfg, training=dataclasses.replace(tr, micro_batch_size=1))))
+    if p > 1:
+        stage = m.num_layers // p
+        more = next((v for v in range((vp or 1) + 1, stage + 1) if stage % v == 0), None)
+        if more:
+            out.append((f"--set parallel.virtual_pipeline_model_parallel_size={more}",
+                        lambda: _layout(cfg, gpus, virtual_pipeline_model_parallel_size=more)))
+    if par.data_parallel_size > 1 and not par.use_distributed_optimizer:
+        out.append(("--set parallel.use_distributed_optimizer=true", lambda: _layout(cfg, gpus, use_distributed_optimizer=True)))
+    return out
+
+
+def would_fit(cfg: Config, run: MegatronRun, rates: GpuRates, budget: float, fraction: float, fixed: float,
+              gpus: int | None, none_step: float) -> list[dict[str, Any]]:
+    """Each change of layout with the fastest setting that then fits (or why the change is not
+    possible), its TFLOP/s per GPU relative to no recompute in today's layout."""
+    out = []
+    for change, build in layout_changes(cfg, gpus):
+        entry: dict[str, Any] = {"change": change, "fits": False, "setting": None, "device_bytes_needed": None,
+                                 "relative_throughput": None, "note": None}
+        try:
+            changed = build()
+            validate(changed)
+            planner = Planner(changed, run, rates, budget, fraction, fixed)
+            rows, _ = planner.search()
+        except BadInput as e:
+            entry["note"] = str(e).split(";")[0]
+            out.append(entry)
+            continue
+        fitting = [r for r in speed_order(rows) if r["fit"] != OVER]
+        best = next((r for r in fitting if r["fit"] == FITS), fitting[0] if fitting else None)
+        if best is None:
+            best = min(rows, key=lambda r: r["peak_allocated_bytes"])
+        # TFLOP/s per GPU against no recompute in today's layout: the same global batch's FLOPs over
+        # the step time and the GPU count of each layout.
+        per_gpu = none_step * cfg.parallel.world_size / (best["step_seconds"] * changed.parallel.world_size)
+        entry.update({"fits": best["fit"] != OVER, "fit": best["fit"], "setting": best["label"],
+                      "device_bytes_needed": best["device_bytes_needed"], "relative_throughput": per_gpu})
+        if gpus is None and changed.parallel.world_size != cfg.parallel.world_size:
+            entry["note"] = f"{changed.parallel.world_size} GPUs"
+        out.append(entry)
+    return out
+
+
+# ----- plan --auto: per stage and per layer ------------------------------------------------------
+
+
+def _choices(cfg: Config) -> list[tuple[str, Callable[[int], LayerPolicy]]]:
+    """What one layer may do in a per-layer policy: keep everything, recompute any selective subset
+    Megatron accepts for the model (as a uniform setting), or be checkpointed whole on its own."""
+    out: list[tuple[str, Callable[[int], LayerPolicy]]] = [("none", lambda i: LayerPolicy())]
+    targets = spec_for(cfg.model).recompute_targets
+    for k in range(1, len(targets) + 1):
+        for subset in combinations(targets, k):
+            try:
+                validate(with_recompute(cfg, RecomputeConfig("selective", list(subset))))
+            except BadInput:
+                continue
+            out.append((f"selective[{','.join(subset)}]", lambda i, s=frozenset(subset): LayerPolicy(modules=s)))
+    out.append(("full", lambda i: LayerPolicy(chunk=i)))
+    return out
+
+
+def _policy_config(cfg: Config, pattern: list[LayerPolicy], distribute: bool = False) -> Config:
+    """cfg running `pattern` in every model chunk (the Megatron memory and time models read a
+    chunk's first entries), its checkpoints' inputs distributed over tensor parallel or not."""
+    entries = [p.entry for p in pattern] * (cfg.model.num_layers // len(pattern))
+    return with_recompute(cfg, RecomputeConfig(layer_policy=entries, distribute_saved_activations=distribute))
+
+
+def auto_plan(cfg: Config, run: MegatronRun, rates: GpuRates, budget: float, fraction: float, fixed: float,
+              uniform: dict[str, Any] | None) -> dict[str, Any]:
+    """What choosing per pipeline stage, or per layer within each stage's model chunks, would gain
+    over the best uniform setting `uniform` (a row of `megatron_plan`, or None when none fits).
+    Per stage: each stage runs the fastest uniform setting that fits it. Per layer: each stage runs,
+    in every model chunk, k layers of one choice and the rest of another (none, a selective subset,
+    or a whole-layer checkpoint), the fastest such mix that fits. The pipeline is paced by its
+    slowest stage, so the step is (m + (p - 1)/vp) x the slowest stage's micro-batch. Megatron runs
+    one setting for every layer of every chunk of every stage (TransformerConfig.recompute_*), so
+    only a plan whose stages all run the same Megatron setting can run there."""
+    par = cfg.parallel
+    p, vp = par.pipeline_model_parallel_size, par.virtual_pipeline_model_parallel_size or 1
+    n = layers_per_model_chunk(cfg)
+    planner = Planner(cfg, run, rates, budget, fraction, fixed)
+
+    def fits_stage(c: Config, s: int) -> bool:
+        return fit(stage_peak(c, s, run).peak_allocated_bytes, budget, fraction, fixed) == FITS
+
+    def step(stage_micro: list[float]) -> float:
+        return (cfg.num_microbatches + (p - 1) / vp) * max(stage_micro) + planner.time(RecomputeConfig()).optimizer_seconds
+
+    rows, _ = planner.search()
+    per_stage: list[dict[str, Any] | None] = []
+    for s in range(p):
+        best = None
+        for row in speed_order(rows):
+            r = RecomputeConfig(**row["recompute"])
+            c = with_recompute(cfg, r)
+            if fits_stage(c, s):
+                micro = planner.time(r).microbatch_seconds[s]
+                if best is None or micro < best["microbatch_seconds"]:
+                    best = {"stage": s, "setting": row["label"], "microbatch_seconds": micro}
+        per_stage.append(best)
+
+    per_layer: list[dict[str, Any] | None] = []
+    choices = _choices(cfg)
+    try:  # Megatron's rule: distributed checkpoint inputs need tensor parallel without sequence parallel
+        validate(with_recompute(cfg, RecomputeConfig("full", [], "block", 1, distribute_saved_activations=True)))
+        distributions = [False, True]
+    except BadInput:
+        distributions = [False]
+    for s in range(p):
+        # A stage's own uniform setting is one per-layer policy: start from it.
+        best = None if per_stage[s] is None else {**per_stage[s], "megatron_setting": per_stage[s]["setting"]}
+        pairs = [(x, x) for x in choices] + [(x, y) for x in choices for y in choices if x[0] != y[0]]
+        for (name_a, a), (name_b, b) in pairs:
+            for distribute in distributions if "full" in (name_a, name_b) else [False]:
+                for k in range(1, n) if name_a != name_b else [n]:  # mixes: k of a, n - k of b
+                    pattern = [a(i) for i in range(k)] + [b(i) for i in range(k, n)]
+                    c = _policy_config(cfg, pattern, distribute)
+                    try:
+                        if not fits_stage(c, s):
+                            continue
+                        micro = step_time(c, run, rates, planner.parameters).microbatch_seconds[s]
+                    except BadInput:
+                        break
+                    if best is None or micro < best["microbatch_seconds"] * (1 - 1e-9):
+                        setting = megatron_setting(cfg.model, pattern, spec_for(cfg.model).recompute_targets)
+                        words = name_b if name_a == name_b else f"{k} {name_a} + {n - k} {name_b}"
+                        words += " +distribute" if distribute else ""
+                        best = {"stage": s, "setting": words, "microbatch_seconds": micro,
+                                "megatron_setting": None if setting is None else label(dataclasses.replace(
+                                    setting, distribute_saved_activations=distribute))}
+                    break  # the fewest layers of the costlier choice that fit: more is slower
+        per_layer.append(best)
+
+    out: dict[str, Any] = {"uniform": None, "per_stage": None, "per_layer": None}
+    if uniform is not None:
+        st = planner.time(RecomputeConfig(**uniform["recompute"]))
+        out["uniform"] = {"setting": uniform["label"], "step_seconds": st.step_seconds,
+                          "relative_throughput": planner.none_step / st.step_seconds}
+    for key, stages in (("per_stage", per_stage), ("per_layer", per_layer)):
+        if any(x is None for x in stages):
+            out[key] = {"stages": stages, "step_seconds": None, "gain": None,
+                        "unfit_stages": [s for s, x in enumerate(stages) if x is None]}
+            continue
+        total = step([x["microbatch_seconds"] for x in stages])
+        gain = None if out["uniform"] is None else out["uniform"]["step_seconds"] / total - 1
+        out[key] = {"stages": stages, "step_seconds": total, "relative_throughput": planner.none_step / total, "gain": gain}
+    out["megatron"] = _megatron_note(out, uniform)
+    return out
+
+
+def _megatron_note(out: dict[str, Any], uniform: dict[str, Any] | None) -> str:
+    """Whether Megatron can run the per-layer plan, and what to run instead."""
+    layer = out["per_layer"]
+    instead = (f"run the best uniform setting instead: {uniform['label']} ("
+               + (" ".join(megatron_lm(RecomputeConfig(**uniform["recompute"]))) or "no recompute flags") + ")"
+               if uniform else "no uniform setting fits")
+    if layer is None or layer["step_seconds"] is None:
+        return f"no per-layer policy fits either; {instead}"
+    settings = {x.get("megatron_setting") for x in layer["stages"]}
+    if len(settings) == 1 and None not in settings:
+        return f"Megatron runs this per-layer plan as {settings.pop()} on every stage"
+    return ("Megatron cannot run it: it applies one recompute setting to every layer of every model chunk on every "
+            f"pipeline stage (TransformerConfig.recompute_*); {instead}")

@@ -1,0 +1,106 @@
+"""The time model against the two public measurements of recompute's cost in time, side by side.
+The goal: each predicted relative throughput within 3 percentage points of the measured one
+(`tests/test_time_model.py` holds it; `python bench/time_model_check.py` prints both tables).
+
+- Korthikanti et al. 2022, "Reducing Activation Recomputation in Large Transformer Models",
+  Table 4: one layer of the 22B GPT (h 6144, 64 heads, s 2048, b 4, GeLU MLP 4h, LayerNorm,
+  dropout 0.1) with tensor parallel 8 on A100, forward plus backward: no recompute 19.6 ms, full
+  recompute 27.2 ms, selective (the core attention) 20.9 ms. Megatron's own layers then: local
+  attention with the fused scale-mask-softmax kernel, no sequence parallel (that row is separate).
+- The seeds' experiment table (seeds/003, Megatron Bridge's activation-recompute skill): Llama 3
+  70B SFT in FP8 (current scaling) on 32 H100 (Bridge's LLAMA3_70B_SFT_CONFIG_H100_FP8_CS_V1: tp 4,
+  sequence parallel, pp 4, vp 5, micro-batch 1, global batch 32, seq 4096, distributed optimizer,
+  Transformer Engine), TFLOP/s per GPU: [core_attn] ~704 (the baseline row), [mlp] 593.6,
+  [mlp, core_attn] 586.8, [core_attn, layernorm] ~702. The issue reads them relative to no
+  recompute at ~704; the table measured them against the [core_attn] row, so both readings are
+  predicted (the run's "vs golden" column puts no recompute about 0.8% above [core_attn]).
+
+The seeds' run is FP8, which the Megatron memory model does not take yet (validation refuses it);
+the time model only needs to know the linears run in FP8, so the check builds that Config without
+validation. Nothing here is fitted: the rates are the datasheets' (`gpu_rates`). Pure Python.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from recompute_bench.analysis.gpu_rates import GpuRates, datasheet_rates
+from recompute_bench.analysis.megatron.run import MegatronRun
+from recompute_bench.analysis.megatron.stage import stage_peaks
+from recompute_bench.analysis.time_model import layer_seconds, step_time
+from recompute_bench.recompute.policy import LayerPolicy
+from recompute_bench.spec.config import Config, RecomputeConfig
+
+GOAL_POINTS = 0.03
+"""Each predicted relative throughput within 3 percentage points of the measured one."""
+
+PAPER_TABLE4_MS = {"none": 19.6, "full": 27.2, "selective": 20.9}
+PAPER_SOURCE = "Korthikanti et al. 2022, Table 4: 22B, tp 8, A100, one layer forward + backward"
+SEEDS_TFLOPS = {"selective[core_attn]": 704.0, "selective[mlp]": 593.6, "selective[core_attn,mlp]": 586.8,
+                "selective[core_attn,layernorm]": 702.0}
+SEEDS_BASELINE = "selective[core_attn]"
+SEEDS_SOURCE = "seeds/003: Llama 3 70B SFT FP8 (current scaling), 32 x H100, tp 4 +sp, pp 4, vp 5"
+
+
+def paper_config() -> Config:
+    """The 22B layout of Table 4 as Megatron ran it: tp 8, Megatron's local layers and attention."""
+    from recompute_bench.spec.presets import resolve
+
+    cfg, _ = resolve("gpt3-22b", overrides={"training.framework": "megatron", "model.transformer_impl": "local",
+                                            "model.attention_backend": "local", "training.precision": "fp16",
+                                            "parallel.tensor_model_parallel_size": 8}, gpu="cpu")
+    return cfg
+
+
+def seeds_config() -> Config:
+    """The seeds' run: Bridge's Llama 3 70B SFT H100 FP8-CS preset (its recipe's seq 4096, 32 GPUs)."""
+    from recompute_bench.spec.presets import resolve
+
+    cfg, _ = resolve("llama3-70b", overrides={
+        "training.framework": "megatron", "training.seq_length": 4096, "training.micro_batch_size": 1,
+        "training.global_batch_size": 32, "parallel.tensor_model_parallel_size": 4, "parallel.sequence_parallel": True,
+        "parallel.pipeline_model_parallel_size": 4, "parallel.virtual_pipeline_model_parallel_size": 5,
+        "parallel.data_parallel_size": 2, "parallel.use_distributed_optimizer": True,
+        "recompute.granularity": "none", "recompute.modules": []}, gpu="cpu")
+    return dataclasses.replace(cfg, training=dataclasses.replace(cfg.training, precision="fp8", fp8_recipe="tensorwise"))
+
+
+def paper_rows(rates: GpuRates | None = None) -> list[dict[str, Any]]:
+    """Table 4's settings: measured and predicted per-layer milliseconds and relative throughput."""
+    cfg, run = paper_config(), MegatronRun("a100")
+    rates = rates or datasheet_rates("a100")
+    policies = {"none": LayerPolicy(), "full": LayerPolicy(chunk=0), "selective": LayerPolicy(modules=frozenset({"core_attn"}))}
+    times = {name: layer_seconds(cfg, run, rates, policy) for name, policy in policies.items()}
+    total = {name: sum(t.values()) for name, t in times.items()}
+    return [{"setting": name, "measured_ms": PAPER_TABLE4_MS[name], "predicted_ms": 1e3 * total[name],
+             "predicted_forward_ms": 1e3 * times[name]["forward"], "predicted_backward_ms": 1e3 * times[name]["backward"],
+             "measured_relative": PAPER_TABLE4_MS["none"] / PAPER_TABLE4_MS[name],
+             "predicted_relative": total["none"] / total[name]} for name in policies]
+
+
+def seeds_rows(rates: GpuRates | None = None) -> list[dict[str, Any]]:
+    """The seeds' settings: measured TFLOP/s per GPU and, relative to the [core_attn] row it was
+    measured against and to no recompute, predicted relative throughput (and the roofline's TFLOP/s)."""
+    from recompute_bench.analysis.flops import model_flops_per_step
+
+    cfg, run = seeds_config(), MegatronRun("h100")
+    rates = rates or datasheet_rates("h100")
+    # Parameters per stage (for the optimizer step) do not depend on FP8 here: bf16 weights either way.
+    bf16 = dataclasses.replace(cfg, training=dataclasses.replace(cfg.training, precision="bf16"))
+    parameters = [s.parameters for s in stage_peaks(bf16, run)]
+
+    def step(modules: list[str]) -> float:
+        r = RecomputeConfig("selective", modules) if modules else RecomputeConfig()
+        return step_time(dataclasses.replace(cfg, recompute=r), run, rates, parameters).step_seconds
+
+    none = step([])
+    settings = {name: name[len("selective["):-1].split(",") for name in SEEDS_TFLOPS}
+    steps = {name: step(mods) for name, mods in settings.items()}
+    flops = model_flops_per_step(cfg) / cfg.parallel.world_size
+    return [{"setting": name, "measured_tflops": SEEDS_TFLOPS[name],
+             "measured_relative": SEEDS_TFLOPS[name] / SEEDS_TFLOPS[SEEDS_BASELINE],
+             "predicted_relative_to_baseline": steps[SEEDS_BASELINE] / steps[name],
+             "predicted_relative_to_none": none / steps[name],
+             "predicted_step_seconds": steps[name], "roofline_tflops": flops / steps[name] / 1e12}
+            for name in SEEDS_TFLOPS]

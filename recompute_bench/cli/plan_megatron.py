@@ -1,0 +1,132 @@
+"""`plan --framework megatron`: the settings Megatron can run that fit the GPUs, priced in time.
+
+`plan_megatron(cfg, ...)` takes a resolved Config from any source: today the workload and flags
+(`cli/estimate.py` `plan`); a Bridge config, `model_config.yaml`, argument list or log read by
+`--from` is one more way to make that Config (and its GPU count), handed here the same way.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from typing import Optional
+
+import typer
+from rich.markup import escape
+
+from recompute_bench.cli.common import err, fail
+from recompute_bench.spec.config import BadInput, Config
+
+MEGATRON_SCHEDULES = (None, "1F1B", "Interleaved1F1B")
+"""Megatron's pipeline schedules (schedules.py: 1F1B, interleaved 1F1B with virtual stages)."""
+
+
+def with_gpus(cfg: Config, gpus: Optional[int], dp_given: bool) -> Config:
+    """cfg on `gpus` GPUs: the data-parallel size is what tensor, pipeline and context parallel
+    leave; BadInput when they do not divide the count or a given --dp says otherwise."""
+    if gpus is None:
+        return cfg
+    par = cfg.parallel
+    model_parallel = par.tensor_model_parallel_size * par.pipeline_model_parallel_size * par.context_parallel_size
+    if gpus < 1 or gpus % model_parallel:
+        raise BadInput(f"--gpus {gpus} is not a multiple of tp x pp x cp = {model_parallel}; pass --gpus as a multiple "
+                       f"of {model_parallel}")
+    dp = gpus // model_parallel
+    if dp_given and dp != par.data_parallel_size:
+        raise BadInput(f"--gpus {gpus} makes the data-parallel size {dp}, but --dp says {par.data_parallel_size}; "
+                       "drop one of them")
+    from recompute_bench.spec.rules import validate
+
+    out = dataclasses.replace(cfg, parallel=dataclasses.replace(par, data_parallel_size=dp))
+    validate(out)
+    return out
+
+
+def check_expressible(cfg: Config) -> None:
+    """BadInput for a setting of the command that Megatron cannot run."""
+    schedule = cfg.parallel.pipeline_parallel_schedule
+    if schedule not in MEGATRON_SCHEDULES:
+        raise BadInput(f"Megatron runs the 1F1B schedule (interleaved with virtual stages), not {schedule}; drop "
+                       "--pp-schedule")
+
+
+def gpu_rates(run, profile: bool):
+    """The rates of the run's GPU kind: its datasheet's, or measured here with --profile."""
+    from recompute_bench.analysis.gpu_rates import DATASHEET, GpuRates, datasheet_rates, with_profile
+
+    if not profile:
+        return datasheet_rates(run.gpu)
+    from recompute_bench.cli.common import this_gpu
+    from recompute_bench.measure.rates import cached_rates
+
+    here = this_gpu()
+    if here != "cpu" and here != run.gpu:
+        raise BadInput(f"--profile measures this machine's {here}, but --gpu is {run.gpu}; pass --gpu {here} or "
+                       "profile on that GPU")
+    measured, path, cached = cached_rates()
+    err.print(f"rates profile: {'read from' if cached else 'measured on ' + escape(measured['device_name']) + ', cached in'} "
+              f"{escape(str(path))}", highlight=False)
+    base = DATASHEET.get(run.gpu) or GpuRates(run.gpu, measured["device_name"], {}, 0.0, 0.0, None, "")
+    return with_profile(base, measured)
+
+
+def plan_megatron(cfg: Config, notes: list[str], *, run, memory_gb: float, gpus: Optional[int], allowance_fraction: float,
+                  allowance_gb: float, auto: bool, profile: bool, explain: bool, all_rows: bool, json_out: bool) -> None:
+    """Plan cfg for Megatron and print it; exit 1 when nothing fits, 2 on bad input."""
+    from recompute_bench.analysis.megatron.plan import auto_plan, check_budget, megatron_plan
+    from recompute_bench.cli.common import show_notes
+    from recompute_bench.render.plan_megatron import (allowance_lines, auto_table, flags_lines, layout_line, parts_table,
+                                                      settings_table, would_fit_table)
+
+    budget, fixed = memory_gb * 2**30, allowance_gb * 2**30
+    try:
+        check_expressible(cfg)
+        rates = gpu_rates(run, profile)
+        rates.matrix_rate("fp8" if cfg.training.precision == "fp8" else cfg.training.precision)
+        check_budget(cfg, run, budget, fixed)
+        result = megatron_plan(cfg, run, rates, budget, allowance_fraction, fixed, gpus)
+        uniform = next((r for r in result["fits"] if r["fit"] == "fits"), None)
+        if auto:
+            result["auto"] = auto_plan(cfg, run, rates, budget, allowance_fraction, fixed, uniform)
+    except BadInput as e:
+        raise fail(str(e)) from None
+    show_notes(notes)
+    err.print(escape(layout_line(result)), highlight=False)
+    if all_rows:
+        err.print(settings_table(result, result["settings"], "every setting Megatron can run, fastest first"))
+    if result["fits"]:
+        err.print(settings_table(result, result["fits"], f"settings that fit in {memory_gb:g} GiB, fastest first, then "
+                                 f"the tight ones (rel. TFLOP/s: predicted, against no recompute)"))
+    if result["same_as_shown"]:
+        err.print("same step and peak as a setting listed, asking for more: "
+                  + escape(", ".join(f"{x['setting']} = {x['same_as']}" for x in result["same_as_shown"])), highlight=False)
+    if result["recommended"]:
+        tight = next(r for r in result["fits"] if r["label"] == result["recommended"])["fit"] == "tight"
+        colour = "yellow" if tight else "green"
+        err.print(f"[{colour}]use:[/] {escape(result['recommended'])}: {escape(result['reason'])}", highlight=False)
+        for line in flags_lines(result["flags"]):
+            err.print(escape(line), highlight=False, soft_wrap=True)
+        if all_rows:
+            for row in result["fits"]:
+                if row["label"] != result["recommended"]:
+                    err.print(f"{escape(row['label'])}:", highlight=False)
+                    for line in flags_lines(row["flags"], indent="    "):
+                        err.print(escape(line), highlight=False, soft_wrap=True)
+    else:
+        err.print(f"[red]{escape(result['reason'])}[/]", highlight=False)
+        err.print(would_fit_table(result))
+    for line in allowance_lines(result):
+        err.print(f"[dim]{escape(line)}[/]", highlight=False)
+    for x in result["excluded"]:
+        err.print(f"[dim]not planned: {escape(x['settings'])}: {escape(x['reason'])}[/]", highlight=False)
+    if explain and result["time_parts"]:
+        err.print(parts_table(result))
+    if auto:
+        err.print(auto_table(result["auto"]))
+        note = result["auto"]["megatron"]
+        err.print(("[yellow]" if note.startswith("Megatron cannot") else "") + escape(note)
+                  + ("[/]" if note.startswith("Megatron cannot") else ""), highlight=False)
+    if json_out:
+        typer.echo(json.dumps(result, indent=2))
+    if not result["recommended"]:
+        raise typer.Exit(1)

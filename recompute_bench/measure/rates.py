@@ -1,0 +1,86 @@
+"""`plan --framework megatron --profile`: measure the rates the time model prices work at on this
+machine's GPU, and cache them (the format and how they override the datasheet:
+`analysis/gpu_rates.py`).
+
+- bf16 matrix FLOP/s: a square 8192 bf16 matmul (2 x 8192^3 FLOPs), the median of `steps` timed runs;
+- fp8 matrix FLOP/s: the same shape through `torch._scaled_mm` in float8_e4m3fn with a bf16 output
+  (what Transformer Engine's FP8 GEMMs run on Hopper and newer), where this GPU and torch run it;
+- HBM bytes/s: a device-to-device copy of 1 GiB (it reads and writes 1 GiB each).
+
+Each run is timed with CUDA events on the device's stream. NVLink needs two GPUs and is not measured.
+"""
+
+from __future__ import annotations
+
+import statistics
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+from recompute_bench.analysis.gpu_rates import RATES_SCHEMA, rates_cache_path, read_rates_profile
+from recompute_bench.analysis.profile_costs import write_cached
+from recompute_bench.measure.point import cuda_event
+from recompute_bench.measure.telemetry import device_name
+from recompute_bench.spec.config import BadInput
+
+MATMUL_SIZE = 8192
+COPY_BYTES = 2**30
+
+
+def _median_seconds(device: torch.device, fn: Callable[[], Any], warmup: int, steps: int) -> float:
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(steps):
+        start = cuda_event(device)
+        fn()
+        stop = cuda_event(device)
+        stop.synchronize()
+        times.append(start.elapsed_time(stop) / 1e3)
+    return statistics.median(times)
+
+
+def _fp8_flops(device: torch.device, warmup: int, steps: int) -> float | None:
+    """FP8 GEMM FLOP/s, or None where torch or the GPU has no FP8 GEMM."""
+    n = MATMUL_SIZE
+    if not hasattr(torch, "_scaled_mm") or torch.cuda.get_device_capability(device) < (8, 9):
+        return None
+    a = torch.randn(n, n, device=device).to(torch.float8_e4m3fn)
+    b = torch.randn(n, n, device=device).to(torch.float8_e4m3fn).t()  # column-major, as cuBLAS LT wants it
+    one = torch.ones((), device=device)
+    try:
+        seconds = _median_seconds(device, lambda: torch._scaled_mm(a, b, scale_a=one, scale_b=one, out_dtype=torch.bfloat16),
+                                  warmup, steps)
+    except (RuntimeError, TypeError):
+        return None
+    return 2 * n**3 / seconds
+
+
+def measure_rates(device: torch.device, warmup: int = 3, steps: int = 10) -> dict[str, Any]:
+    """The rates of the GPU `device`, measured now."""
+    n = MATMUL_SIZE
+    a = torch.randn(n, n, device=device, dtype=torch.bfloat16)
+    b = torch.randn(n, n, device=device, dtype=torch.bfloat16)
+    bf16 = 2 * n**3 / _median_seconds(device, lambda: a @ b, warmup, steps)
+    src = torch.empty(COPY_BYTES, dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    hbm = 2 * COPY_BYTES / _median_seconds(device, lambda: dst.copy_(src), warmup, steps)
+    return {"schema": RATES_SCHEMA, "device_name": device_name(device), "torch": torch.__version__,
+            "steps": steps, "measured": {"bf16_flops": bf16, "fp8_flops": _fp8_flops(device, warmup, steps),
+                                         "hbm_bytes_per_s": hbm}}
+
+
+def cached_rates(folder: Path = Path("results/profiles")) -> tuple[dict[str, Any], Path, bool]:
+    """This machine's GPU's rates: read from the cache, or measured and cached; BadInput without a GPU."""
+    if not torch.cuda.is_available():
+        raise BadInput("--profile measures this machine's GPU, and there is none here; drop --profile (the datasheet "
+                       "rates of --gpu price the plan)")
+    device = torch.device("cuda", torch.cuda.current_device())
+    path = rates_cache_path(device_name(device), folder)
+    cached = read_rates_profile(path)
+    if cached is not None:
+        return cached, path, True
+    profile = measure_rates(device)
+    write_cached(path, profile)
+    return profile, path, False
