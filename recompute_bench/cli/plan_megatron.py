@@ -71,8 +71,10 @@ def gpu_rates(run, profile: bool):
 
 
 def plan_megatron(cfg: Config, notes: list[str], *, run, memory_gb: float, gpus: Optional[int], allowance_fraction: float,
-                  allowance_gb: float, auto: bool, profile: bool, explain: bool, all_rows: bool, json_out: bool) -> None:
-    """Plan cfg for Megatron and print it; exit 1 when nothing fits, 2 on bad input."""
+                  allowance_gb: float, auto: bool, profile: bool, explain: bool, all_rows: bool, json_out: bool,
+                  source=None) -> None:
+    """Plan cfg for Megatron and print it; exit 1 when nothing fits, 2 on bad input. `source`: the
+    run read by `--from` (`ingest.run_source.RunSource`), echoed as `estimate --from` echoes it."""
     from recompute_bench.analysis.megatron.plan import auto_plan, check_budget, megatron_plan
     from recompute_bench.cli.common import show_notes
     from recompute_bench.render.plan_megatron import (allowance_lines, auto_table, flags_lines, layout_line, parts_table,
@@ -90,6 +92,11 @@ def plan_megatron(cfg: Config, notes: list[str], *, run, memory_gb: float, gpus:
             result["auto"] = auto_plan(cfg, run, rates, budget, allowance_fraction, fixed, uniform)
     except BadInput as e:
         raise fail(str(e)) from None
+    if source is not None:
+        from recompute_bench.cli.run_from import show_source
+
+        show_source(source)
+        result["source"] = source.to_dict()
     show_notes(notes)
     err.print(escape(layout_line(result)), highlight=False)
     if all_rows:
