@@ -12,7 +12,7 @@ from rich.markup import escape
 from recompute_bench.analysis.rank import ALLOWANCE_BYTES, ALLOWANCE_FRACTION
 from recompute_bench.cli.common import DEFAULT_WORKLOAD, JsonOut, err, fail, resolve_point, show_notes
 from recompute_bench.cli.options import PointOptions, point_options
-from recompute_bench.cli.plan_megatron import plan_megatron, with_gpus
+from recompute_bench.cli.plan_megatron import plan_megatron, resolve_on_gpus, with_gpus
 from recompute_bench.cli.run_from import FromFile, read_from, show_source
 from recompute_bench.spec.config import BadInput
 from recompute_bench.spec.rules import check_expert_parallel_world
@@ -179,6 +179,8 @@ def plan(
         if from_ is not None:  # a Megatron run as its user has it: framework megatron
             source = read_from(from_, workload, gpus, point, device)
             cfg, run, notes = source.config, source.run, list(source.notes)
+        elif point.overrides.get("training.framework") == "megatron":
+            cfg, notes = resolve_on_gpus(workload or DEFAULT_WORKLOAD, point, gpus)
         else:
             cfg, notes = resolve_point(workload or DEFAULT_WORKLOAD, point, gpu="cpu")
         megatron = cfg.training.framework == "megatron"

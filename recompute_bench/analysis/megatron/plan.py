@@ -20,6 +20,7 @@ from typing import Any, Callable
 from recompute_bench.analysis.allowance import FITS, OVER, TIGHT, allowance_parts, allowance_row, fit
 from recompute_bench.analysis.gpu_rates import GpuRates, rates_row
 from recompute_bench.analysis.megatron.flags import megatron_lm, pasteable
+from recompute_bench.analysis.megatron.parameters import stage_parameter_groups
 from recompute_bench.analysis.megatron.run import MegatronRun
 from recompute_bench.analysis.megatron.stage import stage_peak, stage_peaks
 from recompute_bench.analysis.rank import device_bytes_needed
@@ -27,7 +28,7 @@ from recompute_bench.analysis.time_model import StepTime, step_time
 from recompute_bench.models import spec_for
 from recompute_bench.recompute.policy import LayerPolicy, megatron_setting
 from recompute_bench.recompute.settings import selective_settings
-from recompute_bench.spec.config import BadInput, Config, RecomputeConfig
+from recompute_bench.spec.config import OFFLOAD_MODULES, BadInput, Config, RecomputeConfig
 from recompute_bench.spec.rules import layers_per_model_chunk, validate
 
 PLAN_SCHEMA = "recompute-bench/plan-megatron/v1"
@@ -37,18 +38,46 @@ def with_recompute(cfg: Config, r: RecomputeConfig) -> Config:
     return dataclasses.replace(cfg, recompute=r)
 
 
-def candidate_settings(cfg: Config) -> list[RecomputeConfig]:
+def offload_groups(cfg: Config, run: MegatronRun) -> tuple[list[str], list[str]]:
+    """(the fine-grained offload modules that move bytes of cfg's layers in the Megatron memory
+    model, those Megatron offers that move none there), in Megatron's order. A module moves bytes
+    when some layer kind keeps a storage of its group (`offload.fine_grained_offloaded` with that
+    module alone, attn_proj beside core_attn as Megatron requires)."""
+    from recompute_bench.analysis.megatron.layer import layer_saved_bytes
+    from recompute_bench.analysis.megatron.offload import fine_grained_offloaded, offload_group
+
+    kinds = {cfg.model.is_moe_layer(i): i for i in range(cfg.model.num_layers)}
+    moving, inert = [], []
+    for module in OFFLOAD_MODULES:
+        listed = [module, "core_attn"] if module == "attn_proj" else [module]
+        probe = with_recompute(cfg, RecomputeConfig(fine_grained_activation_offloading=True, offload_modules=listed))
+        moved = any(offload_group(name) == module
+                    for i in kinds.values() for name in fine_grained_offloaded(probe, layer_saved_bytes(probe, run, (), i)))
+        (moving if moved else inert).append(module)
+    return moving, inert
+
+
+def candidate_settings(cfg: Config, run: MegatronRun | None = None) -> list[RecomputeConfig]:
     """Every setting worth asking Megatron about for cfg's model: none; selective with every
-    non-empty subset of the model's modules; full uniform and block with every
-    recompute_num_layers of a model chunk, each also with distribute_saved_activations; CPU
-    offloading of every layer count. Megatron's rules (`validate`) then drop what it refuses."""
+    non-empty subset of the model's modules (dense, MoE and MLA: `spec_for(model).recompute_targets`);
+    full uniform and block with every recompute_num_layers of a model chunk, each also with
+    distribute_saved_activations; CPU offloading of every layer count; and, given the run, fine-grained
+    offloading of every subset of the offload modules that move bytes (`offload_groups`) beside none
+    and every selective setting. Megatron's rules (`validate`) then drop what it refuses."""
     n = layers_per_model_chunk(cfg)
-    out = [RecomputeConfig(), *selective_settings(spec_for(cfg.model).recompute_targets)]
+    selective = [RecomputeConfig(), *selective_settings(spec_for(cfg.model).recompute_targets)]
+    out = list(selective)
     for method in ("uniform", "block"):
         for k in range(1, n + 1):
             out.append(RecomputeConfig("full", [], method, k))
             out.append(RecomputeConfig("full", [], method, k, distribute_saved_activations=True))
     out += [RecomputeConfig(activation_offload_layers=k) for k in range(1, cfg.model.num_layers)]
+    if run is not None:
+        moving, _ = offload_groups(cfg, run)
+        for k in range(1, len(moving) + 1):
+            for listed in combinations(moving, k):
+                out += [dataclasses.replace(r, fine_grained_activation_offloading=True, offload_modules=list(listed))
+                        for r in selective]
     return out
 
 
@@ -64,7 +93,7 @@ def _family(r: RecomputeConfig) -> tuple:
         return ("full", r.method, r.distribute_saved_activations)
     if r.activation_offload_layers:
         return ("offload",)
-    return (r.granularity, tuple(r.modules))
+    return (r.granularity, tuple(r.modules), tuple(r.offload_modules))
 
 
 class Planner:
@@ -73,7 +102,7 @@ class Planner:
     def __init__(self, cfg: Config, run: MegatronRun, rates: GpuRates, budget: float, fraction: float, fixed: float):
         self.cfg, self.run, self.rates = cfg, run, rates
         self.budget, self.fraction, self.fixed = budget, fraction, fixed
-        self.parameters = [s.parameters for s in stage_peaks(with_recompute(cfg, RecomputeConfig()), run)]
+        self.parameters = [stage_parameter_groups(cfg, s) for s in range(cfg.parallel.pipeline_model_parallel_size)]
         self.none_step = self.time(RecomputeConfig()).step_seconds
 
     def time(self, r: RecomputeConfig) -> StepTime:
@@ -102,7 +131,7 @@ class Planner:
     def search(self) -> tuple[list[dict[str, Any]], list[dict[str, str]]]:
         """Every candidate priced, and those left out with the reason (one line per reason)."""
         rows, excluded = [], {}
-        for r in candidate_settings(self.cfg):
+        for r in candidate_settings(self.cfg, self.run):
             try:
                 rows.append(self.row(r))
             except BadInput as e:
@@ -116,9 +145,9 @@ def _span(labels: list[str]) -> str:
 
 
 def _amount(row: dict[str, Any]) -> int:
-    """How much a setting asks to recompute or offload (modules, or layers)."""
+    """How much a setting asks to recompute or offload (modules, layers, offload modules)."""
     r = row["recompute"]
-    return len(r["modules"]) or r["num_layers"] or r["activation_offload_layers"] or 0
+    return len(r["modules"]) + (r["num_layers"] or 0) + r["activation_offload_layers"] + len(r["offload_modules"])
 
 
 def _same(a: dict[str, Any], b: dict[str, Any]) -> bool:
@@ -128,28 +157,40 @@ def _same(a: dict[str, Any], b: dict[str, Any]) -> bool:
 
 
 def speed_order(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Fastest first; at equal time the lower peak, then the one that asks for less."""
-    return sorted(rows, key=lambda r: (round(r["step_seconds"], 9), r["peak_allocated_bytes"], _amount(r), r["label"]))
+    """Fastest first; at equal predicted time the one that asks for less (offload the model finds
+    hidden still takes host memory and the host link), then the lower peak."""
+    return sorted(rows, key=lambda r: (round(r["step_seconds"], 9), _amount(r), r["peak_allocated_bytes"], r["label"]))
 
 
-def shown(rows: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], list[dict[str, str]]]:
+def shown(rows: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], list[dict[str, str]], list[str]]:
     """The rows that fit: those that fit with the allowance fastest first (the one to use on top),
-    then the tight ones fastest first; only the fastest of each family and fit class (more layers
-    recomputed or offloaded is never faster); and apart from them the settings that only repeat a
-    shown one's time and peak while asking for more (a module with nothing to recompute, such as
-    `layernorm` where Transformer Engine fuses the norms)."""
-    seen, out, same = set(), [], []
-    ordered = speed_order([r for r in rows if r["fit"] == FITS]) + speed_order([r for r in rows if r["fit"] == TIGHT])
-    for row in ordered:
-        twin = next((x for x in out if _same(x, row)), None)
-        if twin is not None:
+    then the tight ones faster than every one of those, fastest first; only the fastest of each
+    family and fit class (more layers recomputed or offloaded is never faster), and only a row that
+    needs less memory than every faster row shown (a slower setting that also peaks higher is no
+    choice). Apart from them: the settings that only repeat a shown one's time and peak while asking
+    for more (a module with nothing to recompute, such as `layernorm` where Transformer Engine fuses
+    the norms), and the labels of the dominated ones (`--all` lists them)."""
+    seen, out, same, dominated, kept = set(), [], [], [], []
+    for row in speed_order(rows):  # at equal step and peak, the one that asks for less comes first
+        twin = next((x for x in kept if _same(x, row)), None)
+        if twin is None:
+            kept.append(row)
+        elif row["fit"] != OVER:
             same.append({"setting": row["label"], "same_as": twin["label"]})
-            continue
+    fitting = [r for r in kept if r["fit"] == FITS]
+    fastest = fitting[0]["step_seconds"] if fitting else float("inf")
+    tight = [r for r in kept if r["fit"] == TIGHT and r["step_seconds"] < fastest]
+    for row in fitting + tight:
         key = (_family(RecomputeConfig(**row["recompute"])), row["fit"])
-        if key not in seen:
-            seen.add(key)
-            out.append(row)
-    return out, same
+        if key in seen:
+            continue
+        faster = [x for x in out if x["fit"] == row["fit"]]
+        if faster and min(x["peak_allocated_bytes"] for x in faster) <= row["peak_allocated_bytes"]:
+            dominated.append(row["label"])
+            continue
+        seen.add(key)
+        out.append(row)
+    return out, same, dominated
 
 
 def megatron_plan(cfg: Config, run: MegatronRun, rates: GpuRates, budget: float, fraction: float, fixed: float,
@@ -161,7 +202,7 @@ def megatron_plan(cfg: Config, run: MegatronRun, rates: GpuRates, budget: float,
     rows, excluded = planner.search()
     if not rows:
         raise BadInput("no recompute setting of this run can be priced: " + "; ".join(e["reason"] for e in excluded))
-    fits, same = shown(rows)
+    fits, same, dominated = shown(rows)
     smallest = min(rows, key=lambda r: r["peak_allocated_bytes"])
     static = max(st.static_bytes for st in stage_peaks(with_recompute(cfg, RecomputeConfig()), run))
     out: dict[str, Any] = {
@@ -170,6 +211,7 @@ def megatron_plan(cfg: Config, run: MegatronRun, rates: GpuRates, budget: float,
         "budget_bytes": budget, "allowance": allowance_row(fraction, fixed),
         "num_microbatches": cfg.num_microbatches, "no_recompute_step_seconds": planner.none_step,
         "settings": speed_order(rows), "excluded": excluded, "fits": fits, "same_as_shown": same,
+        "dominated": dominated, "time_notes": time_notes(cfg, run),
         "recommended": None, "reason": None, "flags": None, "time_parts": None, "would_fit": [],
     }
     best = next((r for r in fits if r["fit"] == FITS), fits[0] if fits else None)
@@ -202,6 +244,24 @@ def megatron_plan(cfg: Config, run: MegatronRun, rates: GpuRates, budget: float,
         out["reason"] += f" (parameters, gradients and optimizer state alone hold {static / 2**30:.1f} GiB)"
     out["would_fit"] = would_fit(cfg, run, rates, budget, fraction, fixed, gpus, planner.none_step)
     return out
+
+
+def time_notes(cfg: Config, run: MegatronRun) -> list[str]:
+    """What the time model leaves out that this run has, one line each."""
+    notes = []
+    impl = cfg.training.cuda_graph_impl
+    if impl != "none":
+        notes.append(f"CUDA graphs ({impl}): the time model prices no kernel launch overhead, with graphs or without, "
+                     "so it predicts no speed-up from them; their memory (static buffers, the capture) is in the peaks")
+    if cfg.model.num_moe_experts:
+        notes.append("MoE: every expert is priced with its share of the tokens (balanced routing), as the memory model "
+                     "counts them; an imbalanced router makes the busiest rank slower than predicted")
+    _, inert = offload_groups(cfg, run)
+    present = [m for m in inert if m not in ("attn_norm", "mlp_norm")]
+    if cfg.model.num_moe_experts and present:
+        notes.append(f"fine-grained offload of {', '.join(present)} is not planned: the Megatron memory model moves "
+                     "none of their bytes yet")
+    return notes
 
 
 def check_budget(cfg: Config, run: MegatronRun, budget: float, fixed: float) -> None:
