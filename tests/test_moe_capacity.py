@@ -12,7 +12,7 @@ from recompute_bench.analysis.stage import activation_bytes
 from recompute_bench.measure.point import _tokens_per_expert
 from recompute_bench.measure.verify import verify
 from recompute_bench.models import spec_for
-from recompute_bench.models.moe.spec import expert_capacity
+from recompute_bench.models.moe.capacity import expert_capacity
 from recompute_bench.spec.config import RecomputeConfig
 
 ONE_STEP = {"training__global_batch_size": 2}
