@@ -384,3 +384,27 @@ def test_allocator_retries_and_ooms_are_the_measured_windows(fake_cuda, monkeypa
     assert rank["status"] == "ok", rank["failure"]
     assert len(rank["step_times_s"]) == 3
     assert (rank["alloc_retries"], rank["num_ooms"]) == (3, 0)  # the 3 measured steps' retries, no OOM among them
+
+
+def test_the_runs_peak_is_the_larger_of_before_and_during_the_measured_window(monkeypatch):
+    # A fake allocator: the build and warm-up peak at 5 / 8 bytes (allocated / reserved); the window
+    # starts from a reset and peaks at 3 / 2. The window's figures are its own, the run's the larger.
+    from recompute_bench.measure import memory
+
+    peaks = {"allocated": 5, "reserved": 8}
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda device=None: peaks["allocated"])
+    monkeypatch.setattr(torch.cuda, "max_memory_reserved", lambda device=None: peaks["reserved"])
+    monkeypatch.setattr(torch.cuda, "memory_stats", lambda device=None: {})
+    monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", lambda device=None: peaks.update(allocated=0, reserved=0))
+    monkeypatch.setattr(torch.cuda, "reset_accumulated_memory_stats", lambda device=None: None)
+    gpu = torch.device("cuda", 0)
+    run_peak = memory.open_window(gpu)
+    assert (run_peak["peak_allocated_bytes"], run_peak["peak_reserved_bytes"]) == (5, 8) and peaks == {"allocated": 0, "reserved": 0}
+    peaks.update(allocated=3, reserved=2)
+    window = memory.close_window(gpu, run_peak)
+    assert (window["peak_allocated_bytes"], window["peak_reserved_bytes"]) == (3, 2)
+    assert (window["run_peak_allocated_bytes"], window["run_peak_reserved_bytes"]) == (5, 8)
+    # A CPU measures none of it: None, never zero, and no run peak.
+    assert memory.close_window(CPU, memory.open_window(CPU)) == {
+        "peak_allocated_bytes": None, "peak_reserved_bytes": None, "alloc_retries": None, "num_ooms": None}
+    assert memory.current(CPU) == {}
