@@ -15,7 +15,8 @@ import torch.distributed as dist
 
 from helpers import config
 from recompute_bench.launch.torchrun import Launch, check_launch
-from recompute_bench.measure.distributed import gathered_loss_and_grads, init_process_group, make_layout
+from recompute_bench.measure.data_parallel import gathered_loss_and_grads
+from recompute_bench.measure.distributed import init_process_group, make_layout
 from recompute_bench.measure.point import run_point
 from recompute_bench.measure.verify import loss_and_grads, max_grad_diff
 

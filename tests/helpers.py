@@ -20,7 +20,11 @@ from typer.testing import CliRunner
 from recompute_bench.cli.app import app, normalize_argv
 from recompute_bench.gate.golden import golden_row, write_golden
 from recompute_bench.launch.torchrun import Launch, check_launch, run_ranks
-from recompute_bench.measure.point import DTYPES, SCHEMA, SavedTensorProbe, run_point, synthetic_batches
+from recompute_bench.measure.layout import DTYPES
+from recompute_bench.measure.point import run_point
+from recompute_bench.measure.probe import SavedTensorProbe
+from recompute_bench.measure.record import SCHEMA
+from recompute_bench.measure.step import synthetic_batches
 from recompute_bench.models import spec_for
 from recompute_bench.models.dense.layers import build_model
 from recompute_bench.recompute.apply import apply_recompute

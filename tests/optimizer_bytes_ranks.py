@@ -20,10 +20,12 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from helpers import all_gathered, config, fsdp_param_groups, held_bytes, storage_bytes
 from recompute_bench.analysis.rank import fsdp_unsharded_bytes, is_fsdp, optimizer_bytes_per_parameter
 from recompute_bench.analysis.stage import stage_parameters
-from recompute_bench.measure import distributed
-from recompute_bench.measure.distributed import DataParallel, init_process_group
+from recompute_bench.measure import data_parallel
+from recompute_bench.measure.data_parallel import DataParallel
+from recompute_bench.measure.distributed import init_process_group
 from recompute_bench.backends.pytorch import local
-from recompute_bench.measure.point import SingleRank, Stepper
+from recompute_bench.measure.layout import SingleRank
+from recompute_bench.measure.step import Stepper
 
 CPU = torch.device("cpu")
 
@@ -140,10 +142,10 @@ def run(cfg, kind: str | None) -> dict:
 def main(out: Path, layouts: dict[str, tuple[str, str, list[str], int | None]]) -> None:
     init_process_group(CPU, 120.0)
     results = {}
-    default_bucket = distributed.BUCKET_PARAMETERS
+    default_bucket = data_parallel.BUCKET_PARAMETERS
     for name, (kind, workload, sets, bucket_parameters) in layouts.items():
         cfg = config(workload, sets=sets)
-        distributed.BUCKET_PARAMETERS = bucket_parameters or default_bucket
+        data_parallel.BUCKET_PARAMETERS = bucket_parameters or default_bucket
         mine = run(cfg, kind)
         grads = mine.pop("grads")
         result = {**mine, "held": [h.__dict__ for h in optimizer_bytes_per_parameter(cfg)],

@@ -13,9 +13,12 @@ import torch
 import torch.distributed as dist
 
 from helpers import config
-from recompute_bench.measure.distributed import DataParallel, init_process_group
+from recompute_bench.measure.data_parallel import DataParallel
+from recompute_bench.measure.distributed import init_process_group
 from recompute_bench.backends.pytorch import local
-from recompute_bench.measure.point import SavedTensorProbe, SingleRank, run_point
+from recompute_bench.measure.layout import SingleRank
+from recompute_bench.measure.point import run_point
+from recompute_bench.measure.probe import SavedTensorProbe
 from recompute_bench.models import spec_for
 
 CPU = torch.device("cpu")

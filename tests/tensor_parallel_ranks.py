@@ -13,7 +13,8 @@ import torch
 import torch.distributed as dist
 
 from helpers import config
-from recompute_bench.measure.distributed import DataParallel, gathered_loss_and_grads, init_process_group
+from recompute_bench.measure.data_parallel import DataParallel, gathered_loss_and_grads
+from recompute_bench.measure.distributed import init_process_group
 from recompute_bench.measure.point import run_point
 from recompute_bench.measure.verify import max_grad_diff, loss_and_grads
 

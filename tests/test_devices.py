@@ -18,7 +18,8 @@ from helpers import CPU, FAST, config, invoke, measure
 from recompute_bench.launch import devices
 from recompute_bench.launch.process import worker_env
 from recompute_bench.measure import point
-from recompute_bench.measure.point import _timed, pick_device
+from recompute_bench.measure.point import pick_device
+from recompute_bench.measure.timing import timed
 
 SETS = [a for s in FAST for a in ("--set", s)]
 
@@ -85,7 +86,7 @@ def test_run_point_on_cuda_n_makes_it_current_before_anything_runs(fake_cuda, mo
 
 def test_a_step_on_cuda_n_is_timed_on_its_stream(fake_cuda):
     # The current device is still 0 (nothing set it): the events must say which stream they time.
-    assert _timed(torch.device("cuda", 1), lambda: None) == 2e-3
+    assert timed(torch.device("cuda", 1), lambda: None) == 2e-3
     assert fake_cuda.streams == ["stream of cuda:1", "stream of cuda:1"]
 
 
@@ -259,7 +260,7 @@ def test_rates_are_the_formulas_over_the_median_step_time(monkeypatch):
         fn()
         return times.pop(0)
 
-    monkeypatch.setattr(point, "_timed", timed)
+    monkeypatch.setattr(point, "timed", timed)
     cfg = config(sets=["training.warmup_steps=0", "training.measured_steps=3"])
     m = measure(cfg, peak_tflops=2.0)["metrics"]
     assert m["step_times_s"] == [0.3, 0.5, 0.2] and m["step_time_s"] == 0.3
@@ -306,14 +307,14 @@ def test_a_pipelines_world_flops_are_summed_on_the_ranks_device(nccl_like_group,
 
 
 def test_bucketed_grads_reduce_each_bucket_once_as_its_last_gradient_arrives(one_rank_group, monkeypatch):
-    # Megatron's overlap (measure.distributed.BucketedGrads): a micro-batch under no_sync only
+    # Megatron's overlap (measure.data_parallel.BucketedGrads): a micro-batch under no_sync only
     # accumulates; on the one that synchronises, each bucket's all-reduce starts as soon as its
     # parameters' gradients are in, while the backward still runs, once per bucket; the buffer ends
     # as the sum over the micro-batches times 1/dp (a one-rank group adds nothing to it).
     import copy
 
     import torch.distributed as dist
-    from recompute_bench.measure.distributed import BucketedGrads
+    from recompute_bench.measure.data_parallel import BucketedGrads
 
     torch.manual_seed(0)
     net = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Tanh(), torch.nn.Linear(4, 4), torch.nn.Tanh(),
@@ -348,7 +349,9 @@ def test_allocator_retries_and_ooms_are_the_measured_windows(fake_cuda, monkeypa
     # from the process's start: each step retries one allocation, the probe step also meets one OOM.
     # The record's counts are the measured window's, as its peaks are; not the build's, probe's and
     # warm-up's added in.
-    from recompute_bench.measure.point import SingleRank, Stepper, _measure, synthetic_batches
+    from recompute_bench.measure.layout import SingleRank
+    from recompute_bench.measure.point import _measure
+    from recompute_bench.measure.step import Stepper, synthetic_batches
 
     counters = {"num_alloc_retries": 0, "num_ooms": 0}
 
@@ -381,3 +384,27 @@ def test_allocator_retries_and_ooms_are_the_measured_windows(fake_cuda, monkeypa
     assert rank["status"] == "ok", rank["failure"]
     assert len(rank["step_times_s"]) == 3
     assert (rank["alloc_retries"], rank["num_ooms"]) == (3, 0)  # the 3 measured steps' retries, no OOM among them
+
+
+def test_the_runs_peak_is_the_larger_of_before_and_during_the_measured_window(monkeypatch):
+    # A fake allocator: the build and warm-up peak at 5 / 8 bytes (allocated / reserved); the window
+    # starts from a reset and peaks at 3 / 2. The window's figures are its own, the run's the larger.
+    from recompute_bench.measure import memory
+
+    peaks = {"allocated": 5, "reserved": 8}
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda device=None: peaks["allocated"])
+    monkeypatch.setattr(torch.cuda, "max_memory_reserved", lambda device=None: peaks["reserved"])
+    monkeypatch.setattr(torch.cuda, "memory_stats", lambda device=None: {})
+    monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", lambda device=None: peaks.update(allocated=0, reserved=0))
+    monkeypatch.setattr(torch.cuda, "reset_accumulated_memory_stats", lambda device=None: None)
+    gpu = torch.device("cuda", 0)
+    run_peak = memory.open_window(gpu)
+    assert (run_peak["peak_allocated_bytes"], run_peak["peak_reserved_bytes"]) == (5, 8) and peaks == {"allocated": 0, "reserved": 0}
+    peaks.update(allocated=3, reserved=2)
+    window = memory.close_window(gpu, run_peak)
+    assert (window["peak_allocated_bytes"], window["peak_reserved_bytes"]) == (3, 2)
+    assert (window["run_peak_allocated_bytes"], window["run_peak_reserved_bytes"]) == (5, 8)
+    # A CPU measures none of it: None, never zero, and no run peak.
+    assert memory.close_window(CPU, memory.open_window(CPU)) == {
+        "peak_allocated_bytes": None, "peak_reserved_bytes": None, "alloc_retries": None, "num_ooms": None}
+    assert memory.current(CPU) == {}

@@ -147,8 +147,8 @@ def test_the_expert_parallel_build_allocates_only_this_ranks_experts(monkeypatch
     # single-rank build's rows.
     import torch.distributed as dist
     from torch.testing._internal.distributed.fake_pg import FakeStore
-    from recompute_bench.measure.distributed import DataParallel
-    from recompute_bench.measure.point import SingleRank
+    from recompute_bench.measure.data_parallel import DataParallel
+    from recompute_bench.measure.layout import SingleRank
 
     sets = ["training.precision=fp32", "model.hidden_size=256", "model.moe_ffn_hidden_size=512", "model.ffn_hidden_size=512"]
     cfg = config("tiny-moe", sets=sets, parallel__expert_model_parallel_size=2, parallel__data_parallel_size=2)

@@ -24,7 +24,11 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from helpers import config, held_bytes, held_tensors
 from recompute_bench.analysis.flops import peak
 from recompute_bench.analysis.rank import optimizer_bytes_per_parameter
-from recompute_bench.measure.point import DTYPES, SavedTensorProbe, Stepper, make_optimizer, run_point, synthetic_batches
+from recompute_bench.measure.layout import DTYPES
+from recompute_bench.measure.optimizer import make_optimizer
+from recompute_bench.measure.point import run_point
+from recompute_bench.measure.probe import SavedTensorProbe
+from recompute_bench.measure.step import Stepper, synthetic_batches
 from recompute_bench.models.dense.layers import build_model
 from recompute_bench.recompute.apply import apply_recompute
 from recompute_bench.spec.config import RecomputeConfig

@@ -9,7 +9,7 @@ import torch
 from helpers import config, invoke, probe
 from recompute_bench.analysis import flops
 from recompute_bench.analysis.stage import activation_bytes, stage_parameters
-from recompute_bench.measure.point import DTYPES
+from recompute_bench.measure.layout import DTYPES
 from recompute_bench.measure.verify import verify
 from recompute_bench.models import spec_for
 from recompute_bench.spec.config import RecomputeConfig

@@ -11,7 +11,8 @@ from torch.utils.flop_counter import FlopCounterMode
 from helpers import config, invoke, probe
 from recompute_bench.analysis import flops
 from recompute_bench.analysis.stage import activation_bytes, stage_parameters
-from recompute_bench.measure.point import DTYPES, synthetic_batches
+from recompute_bench.measure.layout import DTYPES
+from recompute_bench.measure.step import synthetic_batches
 from recompute_bench.measure.verify import verify
 from recompute_bench.models import spec_for
 from recompute_bench.recompute.settings import all_settings, selective_settings

@@ -9,10 +9,10 @@ import torch.nn.functional as F
 from helpers import config, invoke, probe
 from recompute_bench.analysis import flops
 from recompute_bench.analysis.stage import activation_bytes
-from recompute_bench.measure.point import _tokens_per_expert
+from recompute_bench.measure.probe import tokens_per_expert
 from recompute_bench.measure.verify import verify
 from recompute_bench.models import spec_for
-from recompute_bench.models.moe.spec import expert_capacity
+from recompute_bench.models.moe.capacity import expert_capacity
 from recompute_bench.spec.config import RecomputeConfig
 
 ONE_STEP = {"training__global_batch_size": 2}
@@ -51,7 +51,7 @@ def test_dropped_rows_add_nothing_and_the_experts_run_at_most_capacity_rows(poli
             gate, up = (xs[t] @ fc1[expert].T).chunk(2)
             ref[t] = ref[t] + (F.silu(gate) * up * p[t, j]) @ fc2[expert].T
     torch.testing.assert_close(y.reshape(tokens, -1), ref, rtol=1e-5, atol=1e-6)
-    assert _tokens_per_expert(model)["tokens_dropped"] == int(layer.tokens_dropped)
+    assert tokens_per_expert(model)["tokens_dropped"] == int(layer.tokens_dropped)
 
 
 @pytest.mark.parametrize("policy,recompute", [("probs", RecomputeConfig()),

@@ -20,7 +20,7 @@ import pytest
 from helpers import LOSS_RTOL, RANK_SETS, config, invoke, launch_ranks, measure, processes_naming
 from recompute_bench.launch.process import FAULT_POINTS_ENV, PARENT_PID_ENV, worker_env
 from recompute_bench.launch.torchrun import Launch, check_launch, classify_rank, run_ranks, torchrun_command
-from recompute_bench.measure.point import FAULT_DELAY_S
+from recompute_bench.measure.faults import FAULT_DELAY_S
 from recompute_bench.measure.record import FAULT_ENV, rank_summary
 
 SLOW = pytest.mark.slow  # launches ranks: `make test-all`; the pure logic below runs in the fast lane

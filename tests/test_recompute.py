@@ -144,7 +144,7 @@ def test_two_builds_with_one_seed_are_identical():
 
 def test_offloaded_layers_keep_gradients_equal_and_leave_the_device():
     from recompute_bench.spec.config import RecomputeConfig
-    from recompute_bench.measure.point import SavedTensorProbe
+    from recompute_bench.measure.probe import SavedTensorProbe
     from recompute_bench.models.dense.layers import build_model
     from recompute_bench.recompute.apply import apply_recompute
     cfg = config()

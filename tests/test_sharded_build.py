@@ -72,7 +72,7 @@ LLAMA_70B_TP8 = textwrap.dedent("""
     import json, sys, torch, torch.distributed as dist
     from torch.testing._internal.distributed.fake_pg import FakeStore
     from helpers import config
-    from recompute_bench.measure.distributed import DataParallel
+    from recompute_bench.measure.data_parallel import DataParallel
     from recompute_bench.backends.pytorch import local
 
     dist.init_process_group("fake", rank=int(sys.argv[1]), world_size=8, store=FakeStore())

@@ -294,7 +294,7 @@ def test_a_single_rank_sweep_passes_its_memory_limit_to_the_worker_and_records_i
     from recompute_bench.launch import worker
     from recompute_bench.launch.sweep import Point, run_sweep
     from recompute_bench.launch.torchrun import Launch
-    from recompute_bench.measure import distributed, point
+    from recompute_bench.measure import memory, point
 
     commands = []
 
@@ -314,7 +314,7 @@ def test_a_single_rank_sweep_passes_its_memory_limit_to_the_worker_and_records_i
     calls = []
     monkeypatch.setattr(worker, "die_with_parent", lambda: None)
     monkeypatch.setattr(sys, "stdin", __import__("io").StringIO(json.dumps(config().to_dict())))
-    monkeypatch.setattr(distributed, "limit_memory", lambda device, gb: calls.append(("limit", device.type, gb)))
+    monkeypatch.setattr(memory, "limit_memory", lambda device, gb: calls.append(("limit", device.type, gb)))
     monkeypatch.setattr(point, "run_point", lambda cfg, **kw: calls.append(("run",)) or {"status": "ok"})
     assert worker.main(["--out", str(tmp_path / "w.json"), "--device", "cpu", "--memory-limit-gb", "40"]) == 0
     assert calls == [("limit", "cpu", 40.0), ("run",)]

@@ -58,13 +58,13 @@ def optimizer_bytes_per_parameter(cfg: Config) -> tuple[Held, ...]:
     them back from the live objects of every layout on gloo ranks: tests/test_optimizer_bytes.py).
 
     One rank, DDP (expert parallel included) and tensor parallel alone run Megatron's scheme
-    (`measure.point.MainGradAdam`): weights in the training precision, an fp32 main gradient each
+    (`measure.optimizer.MainGradAdam`): weights in the training precision, an fp32 main gradient each
     gradient is added into and freed, which DDP all-reduces in place (no bucket copy); under
     bf16/fp16 fp32 master weights; Adam's two fp32 moments: 2 + 4 + 4 + 8 = 18 bytes, 16 in fp32.
     Megatron's own distributed optimizer (framework megatron) shards the master weights and moments
     over dp and keeps the whole gradient buffer: 6 + 12/dp.
 
-    FSDP2 (`measure.distributed`) shards fp32 weights, fp32 gradients (from the reduce-scatter to the
+    FSDP2 (`measure.data_parallel`) shards fp32 weights, fp32 gradients (from the reduce-scatter to the
     step) and the moments over dp: 16/dp. With more than one micro-batch per rank it reduce-scatters
     only in the last one; until then it keeps every layer's unsharded gradient in the fp32 reduce
     dtype (torch/distributed/fsdp/_fully_shard/_fsdp_param.py, `to_accumulated_grad_if_needed`): 4

@@ -72,7 +72,7 @@ def run(
             err.print(f"the ranks' pieces and logs are kept in {work}", highlight=False)
     else:
         from recompute_bench.launch.devices import default_device_type
-        from recompute_bench.measure.distributed import limit_memory
+        from recompute_bench.measure.memory import limit_memory
         from recompute_bench.measure.point import pick_device, run_point
         torch_device = pick_device(device or default_device_type())  # the device check_runnable checked
         limit_memory(torch_device, launch.memory_limit_gb)

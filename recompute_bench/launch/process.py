@@ -85,7 +85,7 @@ def tail_of(path: Path, lines: int = STDERR_TAIL_LINES) -> str:
 
 
 def innermost_frame(stack: str) -> str | None:
-    """"point.py:125 in inject_fault" from a faulthandler dump: the top frame of the thread it interrupted
+    """"faults.py:57 in inject_fault" from a faulthandler dump: the top frame of the thread it interrupted
     (lines torchrun's --tee prefixed with "[default<local rank>]:" read as the rank wrote them)."""
     lines = [re.sub(r"^\[\w*?\d+\]:", "", line) for line in stack.splitlines()]
     start = next((i for i, line in enumerate(lines) if line.startswith("Current thread")), None)

@@ -97,7 +97,7 @@ def main(argv: list[str] | None = None) -> int:
         faulthandler.register(signal.SIGUSR1, file=sys.stderr, all_threads=True)
 
     cfg = config_from_dict(json.load(sys.stdin))
-    from recompute_bench.measure.distributed import limit_memory
+    from recompute_bench.measure.memory import limit_memory
     from recompute_bench.measure.point import pick_device, run_point
     from recompute_bench.results.store import write_json_atomic
 

@@ -10,7 +10,7 @@ loss function), every one its layers under their model-wide names (`layers.4...`
 compare by name with one rank's. A chunk is built as torchtitan builds one: tensor parallel, then
 recompute, then FSDP2 (`reshard_after_forward=False`: the schedule runs many micro-batches through a
 chunk, so its all-gathered weights stay for the step) over the data-parallel group; under `ddp` the
-optimizer's main-gradient buckets are all-reduced over it (`measure.distributed.BucketedGrads`) at
+optimizer's main-gradient buckets are all-reduced over it (`measure.data_parallel.BucketedGrads`) at
 the optimizer's step.
 
 Each chunk is a hand-made `PipelineStage` with its input and output shapes given (no shape inference
@@ -34,9 +34,12 @@ import torch.distributed as dist
 from torch import nn
 
 from recompute_bench.analysis.schedules import rank_stages
-from recompute_bench.measure.distributed import BUCKET_PARAMETERS, BucketedGrads, DataParallel, fsdp_shard
 from recompute_bench.backends.pytorch import local
-from recompute_bench.measure.point import DTYPES, MainGradAdam, MainGrads, Stepper, cuda_event, make_adam
+from recompute_bench.measure.data_parallel import BUCKET_PARAMETERS, BucketedGrads, DataParallel, fsdp_shard
+from recompute_bench.measure.layout import DTYPES
+from recompute_bench.measure.optimizer import MainGradAdam, MainGrads, make_adam
+from recompute_bench.measure.step import Stepper
+from recompute_bench.measure.timing import cuda_event
 from recompute_bench.models import spec_for
 from recompute_bench.models.dense.layers import GPT, TransformerLayers
 from recompute_bench.recompute.apply import apply_recompute
@@ -282,8 +285,8 @@ class PipelineStepper(Stepper):
     ahead (the measured bubble would be a serialised pipeline's), and under the runtime schedules
     (Interleaved1F1B, the zero-bubble ones, DualPipeV) a rank blocked there while its peer waits for
     its send could wait in a cycle. On CUDA each action and the schedule's whole span are bracketed
-    by events on the device's current stream (`point.cuda_event`), read in `fields` once the steps
-    are over (each step ends with the device synchronised: `point._timed`, or the loss read after a
+    by events on the device's current stream (`timing.cuda_event`), read in `fields` once the steps
+    are over (each step ends with the device synchronised: `timing.timed`, or the loss read after a
     step); on a CPU the ops run as they are called, so the host's clock times them."""
 
     def __init__(self, cfg: Config, model: PipelineChunks, optimizer, batches: torch.Tensor, layout: PipelineParallel):

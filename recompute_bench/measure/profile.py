@@ -25,8 +25,11 @@ import torch
 
 from recompute_bench.analysis.layer import kind_config, layer_activation_bytes
 from recompute_bench.analysis.profile_costs import PROFILE_DIR, PROFILE_SCHEMA, cache_path, read_cached, shape_key, write_cached
-from recompute_bench.measure.point import (DTYPES, SavedTensorProbe, cuda_event, float32_matmul_precision, pick_device,
-                                           synthetic_batches)
+from recompute_bench.measure.layout import DTYPES
+from recompute_bench.measure.point import float32_matmul_precision, pick_device
+from recompute_bench.measure.probe import SavedTensorProbe
+from recompute_bench.measure.step import synthetic_batches
+from recompute_bench.measure.timing import cuda_event
 from recompute_bench.measure.telemetry import device_name
 from recompute_bench.models import spec_for
 from recompute_bench.recompute.apply import apply_recompute

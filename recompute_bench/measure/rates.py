@@ -20,7 +20,7 @@ import torch
 
 from recompute_bench.analysis.gpu_rates import RATES_SCHEMA, rates_cache_path, read_rates_profile
 from recompute_bench.analysis.profile_costs import write_cached
-from recompute_bench.measure.point import cuda_event
+from recompute_bench.measure.timing import cuda_event
 from recompute_bench.measure.telemetry import device_name
 from recompute_bench.spec.config import BadInput
 

@@ -16,7 +16,7 @@ from recompute_bench.spec.config import Config
 SCHEMA = "recompute-bench/result/v1"
 FAULT_ENV = "RECOMPUTE_BENCH_FAULT"
 """Fault injection for tests: "KIND:PHASE:STEP[@RANK]" with KIND oom, error, hang, delay (sleep
-`measure.point.FAULT_DELAY_S`) or watchdog (NCCL's watchdog verdict on stderr, then SIGABRT), and
+`measure.faults.FAULT_DELAY_S`) or watchdog (NCCL's watchdog verdict on stderr, then SIGABRT), and
 PHASE forward, backward, optimizer or write (the piece written after the step), e.g.
 "oom:backward:2" (every rank) or "oom:backward:1@1" (rank 1 only)."""
 

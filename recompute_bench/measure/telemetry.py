@@ -1,6 +1,4 @@
-"""What the process runs on: the environment block of a record, CUDA allocator figures and NVML.
-
-On a machine without CUDA every memory figure is None ("not measured"), never zero.
+"""What the process runs on: the environment block of a record (the memory figures are `measure.memory`'s).
 
 Importing this module does not import torch: the sweep parent builds the records of points whose
 worker left none with `host_environment`, and must not hold a CUDA context (see launch.devices).
@@ -15,7 +13,6 @@ import platform
 import re
 import socket
 import subprocess
-import threading
 from importlib import metadata
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -106,72 +103,3 @@ def environment(device: "torch.device", tf32: bool | None = None) -> dict:
     env["torch_version"] = torch.__version__  # the imported torch is the authority where it is loaded
     env["cuda_version"] = torch.version.cuda if device.type == "cuda" else None
     return env
-
-
-def cuda_memory(device: "torch.device") -> dict:
-    """Allocator peaks, retries and OOMs since the last reset of each (`reset_peak_memory_stats`,
-    `reset_accumulated_memory_stats`: `measure.run_point` resets both when the measured window
-    starts); all None on CPU."""
-    if device.type != "cuda":
-        return {"peak_allocated_bytes": None, "peak_reserved_bytes": None, "alloc_retries": None, "num_ooms": None}
-    import torch
-
-    stats = torch.cuda.memory_stats(device)
-    return {
-        "peak_allocated_bytes": torch.cuda.max_memory_allocated(device),
-        "peak_reserved_bytes": torch.cuda.max_memory_reserved(device),
-        "alloc_retries": stats.get("num_alloc_retries", 0),
-        "num_ooms": stats.get("num_ooms", 0),
-    }
-
-
-class NvmlSampler:
-    """Samples device memory used (NVML, the whole GPU) in a thread; `peak` is None where NVML is absent."""
-
-    def __init__(self, device: "torch.device", interval_s: float = 0.05):
-        self.peak: int | None = None
-        self.total: int | None = None
-        self._handle = None
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
-        self.interval_s = interval_s
-        if device.type != "cuda":
-            return
-        try:
-            import pynvml
-            import torch
-            pynvml.nvmlInit()
-            uuid = str(torch.cuda.get_device_properties(device).uuid)
-            handle = None
-            for i in range(pynvml.nvmlDeviceGetCount()):  # NVML ignores CUDA_VISIBLE_DEVICES: match by UUID
-                h = pynvml.nvmlDeviceGetHandleByIndex(i)
-                nv_uuid = pynvml.nvmlDeviceGetUUID(h)
-                nv_uuid = nv_uuid.decode() if isinstance(nv_uuid, bytes) else nv_uuid
-                if nv_uuid.replace("GPU-", "") == uuid.replace("GPU-", ""):
-                    handle = h
-            self._handle = handle or pynvml.nvmlDeviceGetHandleByIndex(device.index or 0)
-            self._pynvml = pynvml
-            self.total = pynvml.nvmlDeviceGetMemoryInfo(self._handle).total
-        except Exception:  # no driver library, no permission: telemetry degrades to "not measured"
-            self._handle = None
-
-    def _sample(self) -> None:
-        used = self._pynvml.nvmlDeviceGetMemoryInfo(self._handle).used
-        self.peak = used if self.peak is None else max(self.peak, used)
-
-    def _loop(self) -> None:
-        while not self._stop.wait(self.interval_s):
-            self._sample()
-
-    def __enter__(self) -> "NvmlSampler":
-        if self._handle is not None:
-            self._sample()
-            self._thread = threading.Thread(target=self._loop, daemon=True)
-            self._thread.start()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        if self._thread is not None:
-            self._stop.set()
-            self._thread.join()
-            self._sample()

@@ -24,7 +24,7 @@ waits for a storage's copy only when it unpacks it.
 
 Storages, not tensors, are the unit: the views a layer saves of one storage (q, k and v of the
 fused QKV output) are copied once and rebuilt as views of one restored storage, so the bytes
-moved equal the layer's activation bytes as `measure.point.SavedTensorProbe` counts them.
+moved equal the layer's activation bytes as `measure.probe.SavedTensorProbe` counts them.
 
 Where the device is not CUDA (CPU tests) the same bookkeeping runs with synchronous copies into
 ordinary memory: nothing is saved, but the result is bitwise the same as without offload, which

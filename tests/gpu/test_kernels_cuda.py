@@ -84,9 +84,9 @@ SHARDED = textwrap.dedent("""
     import json, sys, torch, torch.distributed as dist
     from torch.testing._internal.distributed.fake_pg import FakeStore
     from helpers import config
-    from recompute_bench.measure.distributed import DataParallel
+    from recompute_bench.measure.data_parallel import DataParallel
     from recompute_bench.backends.pytorch import local
-    from recompute_bench.measure.point import SavedTensorProbe
+    from recompute_bench.measure.probe import SavedTensorProbe
 
     # rank 0 of a tp 2 group whose peer is torch's fake process group: the build needs no collective,
     # the forward's collectives return at once (values wrong, shapes and memory right)

@@ -5,8 +5,11 @@ import pytest
 import torch
 
 from helpers import config
-from recompute_bench.measure.point import (DTYPES, SavedTensorProbe, Stepper, make_optimizer, run_point,
-                                           synthetic_batches)
+from recompute_bench.measure.layout import DTYPES
+from recompute_bench.measure.optimizer import make_optimizer
+from recompute_bench.measure.point import run_point
+from recompute_bench.measure.probe import SavedTensorProbe
+from recompute_bench.measure.step import Stepper, synthetic_batches
 from recompute_bench.models.dense.layers import build_model
 from recompute_bench.recompute.apply import apply_recompute
 from recompute_bench.spec.config import RecomputeConfig

@@ -21,32 +21,15 @@ capacity (uniform routing and a factor of at most 1); the record carries `tokens
 
 from __future__ import annotations
 
-import math
 from typing import Any, Iterable
 
 from recompute_bench.models import ELEMENT_BYTES, INDEX_BYTES, SavedBytes, Work
 from recompute_bench.models.dense.spec import DenseSpec, linear
+from recompute_bench.models.moe.capacity import routed_rows
 from recompute_bench.spec.config import Config, ModelConfig
 
 INT32_BYTES = 4  # the grouped matmul's cumulative expert offsets
 MOE_PARTS = ("router", "experts", "shared_experts")
-
-
-def expert_capacity(tokens: int, topk: int, experts: int, factor: float) -> int:
-    """Routed rows one expert may run under a capacity factor: Megatron's get_capacity,
-    ceil(tokens x top-k / experts x factor)."""
-    return math.ceil(tokens * topk / experts * factor)
-
-
-def routed_rows(m: ModelConfig, tokens: int) -> int:
-    """Rows the experts run for `tokens` tokens: tokens x k dropless (any routing); with a capacity
-    factor min(tokens x k, experts x capacity), which assumes every expert receives at least its
-    capacity (uniform routing with a factor of at most 1; exact for any routing that fills them)."""
-    rows = tokens * m.moe_router_topk
-    if m.moe_expert_capacity_factor is None:
-        return rows
-    return min(rows, m.num_moe_experts * expert_capacity(tokens, m.moe_router_topk, m.num_moe_experts,
-                                                         m.moe_expert_capacity_factor))
 
 
 def _mean(dense: dict[str, Any], moe: dict[str, Any], cfg: Config) -> dict[str, Any]:
