@@ -114,3 +114,31 @@ def test_an_argument_megatron_cannot_run_beside_the_file():
 ])
 def test_other_bad_input_beside_from(args, words):
     assert words in _one_error_line(invoke("plan", *args, "--memory-gb", "80"))
+
+
+def test_the_time_check_plans_the_config_the_seeds_bridge_config_states():
+    from recompute_bench.analysis.time_checks import seeds_config
+
+    read = read_run(SEED_YAML, gpus=32).config.to_dict()
+    checked = seeds_config().to_dict()
+    # what only this harness's measurement reads (warm-up, steps, seed) and the name aside
+    for cfg in (read, checked):
+        cfg.pop("workload")
+        for name in ("warmup_steps", "measured_steps", "seed"):
+            cfg["training"].pop(name)
+    assert checked == read
+
+
+def test_the_seeds_run_plans_with_its_cuda_graphs_and_fp8_and_says_what_time_leaves_out():
+    result = invoke("plan", "--from", str(SEED_YAML), "--gpus", "32", "--memory-gb", "80", "--json")
+    assert result.exit_code == 0, result.output
+    data = json.loads(result.stdout)
+    assert data["config"]["training"]["precision"] == "fp8" and data["config"]["training"]["fp8_recipe"] == "tensorwise"
+    assert data["config"]["training"]["cuda_graph_impl"] == "transformer_engine"
+    assert data["time_notes"][0].startswith("CUDA graphs (transformer_engine): the time model prices no kernel launch "
+                                            "overhead")
+    assert "time model: CUDA graphs (transformer_engine)" in " ".join(result.stderr.split())
+    # Megatron runs full recompute with full-iteration graphs only: none of it is planned here
+    assert not any(r["recompute"]["granularity"] == "full" for r in data["settings"])
+    assert any(x["reason"].startswith("full recompute is only supported with full iteration CUDA graph")
+               for x in data["excluded"])

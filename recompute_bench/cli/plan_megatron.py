@@ -109,7 +109,7 @@ def plan_megatron(cfg: Config, notes: list[str], *, run, memory_gb: float, gpus:
         rates = gpu_rates(run, profile)
         rates.matrix_rate("fp8" if cfg.training.precision == "fp8" else cfg.training.precision)
         check_budget(cfg, run, budget, fixed)
-        result = megatron_plan(cfg, run, rates, budget, allowance_fraction, fixed, gpus)
+        result = megatron_plan(cfg, run, rates, budget, allowance_fraction, fixed, gpus, mark_current=source is not None)
         uniform = next((r for r in result["fits"] if r["fit"] == "fits"), None)
         if auto:
             result["auto"] = auto_plan(cfg, run, rates, budget, allowance_fraction, fixed, uniform)
@@ -126,11 +126,12 @@ def plan_megatron(cfg: Config, notes: list[str], *, run, memory_gb: float, gpus:
         err.print(settings_table(result, result["settings"], "every setting Megatron can run, fastest first"))
     if result["fits"]:
         err.print(settings_table(result, result["fits"], f"settings that fit in {memory_gb:g} GiB, fastest first, then "
-                                 f"the tight ones (rel. TFLOP/s: predicted, against no recompute)"))
+                                 f"the tight ones (rel. TFLOP/s: predicted, against no recompute"
+                                 + ("; *: the run's own setting)" if result["current"] else ")")))
     same = [x for x in result["same_as_shown"] if "offload[" not in x["setting"]]
     if same:
         more = len(result["same_as_shown"]) - len(same)
-        err.print("same step and peak as a setting listed, asking for more: "
+        err.print("same step and peak as another setting, asking for more: "
                   + escape(", ".join(f"{x['setting']} = {x['same_as']}" for x in same))
                   + (f"; and {more} with fine-grained offload (--json: same_as_shown)" if more else ""), highlight=False)
     if result["dominated"] and not all_rows:

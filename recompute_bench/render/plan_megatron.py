@@ -41,7 +41,8 @@ def settings_table(result: dict[str, Any], rows: list[dict[str, Any]], title: st
         table.add_column(col, justify="left" if col in ("setting", stage_col) else "right")
     for i, r in enumerate(rows, 1):
         peaks = " ".join(_gib(s["peak_allocated_bytes"]) for s in r["stages"])
-        table.add_row(str(i), escape(r["label"]), peaks, _gib(r["device_bytes_needed"]), FIT_WORDS[r["fit"]],
+        mark = " *" if r["label"] == result.get("current") else ""
+        table.add_row(str(i), escape(r["label"]) + mark, peaks, _gib(r["device_bytes_needed"]), FIT_WORDS[r["fit"]],
                       f"{r['step_seconds']:.3f}", f"{r['relative_throughput']:.3f}")
     return table
 

@@ -162,14 +162,16 @@ def speed_order(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return sorted(rows, key=lambda r: (round(r["step_seconds"], 9), _amount(r), r["peak_allocated_bytes"], r["label"]))
 
 
-def shown(rows: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], list[dict[str, str]], list[str]]:
+def shown(rows: list[dict[str, Any]], current: str | None = None) -> tuple[list[dict[str, Any]], list[dict[str, str]],
+                                                                           list[str]]:
     """The rows that fit: those that fit with the allowance fastest first (the one to use on top),
     then the tight ones faster than every one of those, fastest first; only the fastest of each
     family and fit class (more layers recomputed or offloaded is never faster), and only a row that
     needs less memory than every faster row shown (a slower setting that also peaks higher is no
     choice). Apart from them: the settings that only repeat a shown one's time and peak while asking
     for more (a module with nothing to recompute, such as `layernorm` where Transformer Engine fuses
-    the norms), and the labels of the dominated ones (`--all` lists them)."""
+    the norms), and the labels of the dominated ones (`--all` lists them). The run's own setting
+    (`current`) is listed wherever it fits, dominated or not, to compare with."""
     seen, out, same, dominated, kept = set(), [], [], [], []
     for row in speed_order(rows):  # at equal step and peak, the one that asks for less comes first
         twin = next((x for x in kept if _same(x, row)), None)
@@ -185,7 +187,8 @@ def shown(rows: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], list[dict[s
         if key in seen:
             continue
         faster = [x for x in out if x["fit"] == row["fit"]]
-        if faster and min(x["peak_allocated_bytes"] for x in faster) <= row["peak_allocated_bytes"]:
+        if faster and min(x["peak_allocated_bytes"] for x in faster) <= row["peak_allocated_bytes"] \
+                and row["label"] != current:
             dominated.append(row["label"])
             continue
         seen.add(key)
@@ -194,15 +197,17 @@ def shown(rows: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], list[dict[s
 
 
 def megatron_plan(cfg: Config, run: MegatronRun, rates: GpuRates, budget: float, fraction: float, fixed: float,
-                  gpus: int | None = None) -> dict[str, Any]:
+                  gpus: int | None = None, mark_current: bool = False) -> dict[str, Any]:
     """The plan: every setting priced (`settings`), those that fit fastest first (`fits`), the one
     to use (`recommended`, with its flags and its time's parts), and when nothing fits the layouts
-    that would (`would_fit`)."""
+    that would (`would_fit`). `mark_current`: cfg's own recompute setting is the run's (read from
+    its file), listed wherever it fits and named in `current`."""
     planner = Planner(cfg, run, rates, budget, fraction, fixed)
     rows, excluded = planner.search()
     if not rows:
         raise BadInput("no recompute setting of this run can be priced: " + "; ".join(e["reason"] for e in excluded))
-    fits, same, dominated = shown(rows)
+    current = label(cfg.recompute) if mark_current and any(r["label"] == label(cfg.recompute) for r in rows) else None
+    fits, same, dominated = shown(rows, current)
     smallest = min(rows, key=lambda r: r["peak_allocated_bytes"])
     static = max(st.static_bytes for st in stage_peaks(with_recompute(cfg, RecomputeConfig()), run))
     out: dict[str, Any] = {
@@ -211,7 +216,7 @@ def megatron_plan(cfg: Config, run: MegatronRun, rates: GpuRates, budget: float,
         "budget_bytes": budget, "allowance": allowance_row(fraction, fixed),
         "num_microbatches": cfg.num_microbatches, "no_recompute_step_seconds": planner.none_step,
         "settings": speed_order(rows), "excluded": excluded, "fits": fits, "same_as_shown": same,
-        "dominated": dominated, "time_notes": time_notes(cfg, run),
+        "dominated": dominated, "time_notes": time_notes(cfg, run), "current": current,
         "recommended": None, "reason": None, "flags": None, "time_parts": None, "would_fit": [],
     }
     best = next((r for r in fits if r["fit"] == FITS), fits[0] if fits else None)
