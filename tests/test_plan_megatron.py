@@ -190,6 +190,24 @@ def test_auto_compares_per_stage_and_per_layer_choice_and_says_megatron_cannot_r
     assert "run the best uniform setting instead: selective[mlp]" in " ".join(result.stderr.split())
 
 
+def test_auto_plans_moe_context_parallel_and_fp8_layer_by_layer():
+    # Mixtral's MoE layers (8 of them) with context parallel and FP8 current scaling, 32k tokens
+    result = invoke("plan", "--framework", "megatron", "-w", "mixtral-8x7b", "--num-layers", "8", "--tp", "2",
+                    "--sequence-parallel", "--cp", "2", "--pp", "2", "--ep", "4", "--precision", "fp8", "--set",
+                    "training.fp8_recipe=tensorwise", "--seq-length", "32768", "--global-batch-size", "16",
+                    "--gpus", "16", "--gpu", "h100", "--memory-gb", "30", "--auto", "--json")
+    assert result.exit_code == 0, result.output
+    data = json.loads(result.stdout)
+    auto = data["auto"]
+    assert auto["uniform"]["setting"] == data["recommended"]
+    stages = [s["setting"] for s in auto["per_stage"]["stages"]]
+    assert stages[0] != stages[1]  # stage 0 holds more micro-batches in flight than stage 1
+    assert auto["per_stage"]["gain"] > 0 and auto["per_layer"]["gain"] >= auto["per_stage"]["gain"]
+    # a layer-by-layer mix of whole-layer checkpoints and the MoE activation's recompute
+    assert any("moe_act" in s["setting"] for s in auto["per_layer"]["stages"])
+    assert auto["megatron"].startswith("Megatron cannot run it")
+
+
 @pytest.mark.parametrize("argv,message", [
     (["--memory-gb", "40"], "error: --memory-gb 40 is below what stage 3 holds before any activation: 50.9 GiB of "
                             "parameters, gradients, optimizer state and buffers plus the 1 GiB fixed allowance; pass a "
