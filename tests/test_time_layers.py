@@ -218,3 +218,21 @@ def test_fp8_s_bf16_first_and_last_layers_run_their_gemms_in_bf16():
 
 def step_with(cfg, r):
     return tm.step_time(dataclasses.replace(cfg, recompute=r), RUN, H100)
+
+
+def test_a_mix_s_micro_batch_is_no_recompute_s_plus_what_each_layer_re_runs():
+    """The additivity plan --auto prices per-layer mixes by before it asks the memory model."""
+    from recompute_bench.analysis.megatron.plan import _policy_config
+
+    cfg = megatron("mixtral-8x7b", **MIXTRAL, parallel__pipeline_model_parallel_size=2,
+                   model__moe_layer_freq="([0]*2+[1]*30)")
+    pattern = [LayerPolicy(chunk=0), LayerPolicy(modules=frozenset({"moe_act", "layernorm"}))] + \
+        [LayerPolicy()] * 14
+    mixed = tm.step_time(_policy_config(cfg, pattern), RUN, H100)
+    none = tm.step_time(cfg, RUN, H100)
+    for stage, first in ((0, 0), (1, 16)):
+        added = sum(tm.layer_seconds(cfg, RUN, H100, pattern[j % 16], j)["recompute"] for j in range(first, first + 16))
+        assert mixed.microbatch_seconds[stage] == pytest.approx(none.microbatch_seconds[stage] + added)
+    # layer 0 is dense (its full forward re-run), layer 1 dense (layernorm with TE: nothing), 16 MoE, 17 MoE
+    assert tm.layer_seconds(cfg, RUN, H100, pattern[1], 1)["recompute"] == 0.0
+    assert tm.layer_seconds(cfg, RUN, H100, pattern[1], 17)["recompute"] > 0.0

@@ -352,9 +352,17 @@ def would_fit(cfg: Config, run: MegatronRun, rates: GpuRates, budget: float, fra
 # ----- plan --auto: per stage and per layer ------------------------------------------------------
 
 
-def _choices(cfg: Config) -> list[tuple[str, Callable[[int], LayerPolicy]]]:
+def _choices(cfg: Config, run: MegatronRun, rates: GpuRates) -> list[tuple[str, Callable[[int], LayerPolicy]]]:
     """What one layer may do in a per-layer policy: keep everything, recompute any selective subset
-    Megatron accepts for the model (as a uniform setting), or be checkpointed whole on its own."""
+    Megatron accepts for the model (as a uniform setting), or be checkpointed whole on its own;
+    less a choice that another beats on every kind of layer the model has (dense, MoE), keeping no
+    fewer bytes (`layer_bytes`) for no less recompute time (`time_model.layer_seconds`): a
+    dominated choice never makes a faster mix (a MoE model's seven modules offer 127 subsets, most
+    of them dominated)."""
+    from recompute_bench.analysis.layer import checkpoint_input_bytes
+    from recompute_bench.analysis.megatron.layer import layer_bytes
+    from recompute_bench.analysis.time_model import layer_seconds
+
     out: list[tuple[str, Callable[[int], LayerPolicy]]] = [("none", lambda i: LayerPolicy())]
     targets = spec_for(cfg.model).recompute_targets
     for k in range(1, len(targets) + 1):
@@ -365,13 +373,37 @@ def _choices(cfg: Config) -> list[tuple[str, Callable[[int], LayerPolicy]]]:
                 continue
             out.append((f"selective[{','.join(subset)}]", lambda i, s=frozenset(subset): LayerPolicy(modules=s)))
     out.append(("full", lambda i: LayerPolicy(chunk=i)))
-    return out
+    kinds = list({cfg.model.is_moe_layer(i): i for i in range(cfg.model.num_layers)}.values())
+
+    def cost(policy: LayerPolicy) -> list[tuple[float, float]]:
+        return [(layer_seconds(cfg, run, rates, policy, i)["recompute"],
+                 checkpoint_input_bytes(cfg) if policy.chunk is not None else layer_bytes(cfg, run, policy.modules, i))
+                for i in kinds]
+
+    costs = {name: cost(make(0)) for name, make in out}
+
+    def beaten(name: str) -> bool:
+        mine = costs[name]
+        return any(other != name and all(t <= mt and b <= mb for (t, b), (mt, mb) in zip(costs[other], mine))
+                   and costs[other] != mine for other in costs)
+
+    # of choices that cost the same on every kind, the one listed first (asking for least) stays
+    seen: list[list[tuple[float, float]]] = []
+    kept = []
+    for name, make in out:
+        if beaten(name) or costs[name] in seen:
+            continue
+        seen.append(costs[name])
+        kept.append((name, make))
+    return kept
 
 
 def _policy_config(cfg: Config, pattern: list[LayerPolicy], distribute: bool = False) -> Config:
-    """cfg running `pattern` in every model chunk (the Megatron memory and time models read a
-    chunk's first entries), its checkpoints' inputs distributed over tensor parallel or not."""
-    entries = [p.entry for p in pattern] * (cfg.model.num_layers // len(pattern))
+    """cfg running `pattern` in every model chunk (layer j runs pattern[j mod n]; each checkpointed
+    layer its own checkpoint), its checkpoints' inputs distributed over tensor parallel or not."""
+    n = len(pattern)
+    entries = [dataclasses.replace(pattern[j % n], chunk=j).entry if pattern[j % n].chunk is not None
+               else pattern[j % n].entry for j in range(cfg.model.num_layers)]
     return with_recompute(cfg, RecomputeConfig(layer_policy=entries, distribute_saved_activations=distribute))
 
 
@@ -384,7 +416,15 @@ def auto_plan(cfg: Config, run: MegatronRun, rates: GpuRates, budget: float, fra
     or a whole-layer checkpoint), the fastest such mix that fits. The pipeline is paced by its
     slowest stage, so the step is (m + (p - 1)/vp) x the slowest stage's micro-batch. Megatron runs
     one setting for every layer of every chunk of every stage (TransformerConfig.recompute_*), so
-    only a plan whose stages all run the same Megatron setting can run there."""
+    only a plan whose stages all run the same Megatron setting can run there.
+
+    A mix's micro-batch is priced without building its step: the time model is additive, a stage's
+    micro-batch under no recompute plus what each layer re-runs under its choice (and each
+    checkpoint's all-gather with distributed inputs), so the mixes are tried fastest first and the
+    memory model is asked only until one fits (its time then taken from `step_time` itself)."""
+    from recompute_bench.analysis.time_model import checkpoint_ops, layer_key, layer_seconds, op_times
+    from recompute_bench.spec.pipeline_split import model_chunks
+
     par = cfg.parallel
     p, vp = par.pipeline_model_parallel_size, par.virtual_pipeline_model_parallel_size or 1
     n = layers_per_model_chunk(cfg)
@@ -397,55 +437,78 @@ def auto_plan(cfg: Config, run: MegatronRun, rates: GpuRates, budget: float, fra
         return (cfg.num_microbatches + (p - 1) / vp) * max(stage_micro) + planner.time(RecomputeConfig()).optimizer_seconds
 
     rows, _ = planner.search()
+    times = {row["label"]: planner.time(RecomputeConfig(**row["recompute"])) for row in rows}
     per_stage: list[dict[str, Any] | None] = []
     for s in range(p):
         best = None
-        for row in speed_order(rows):
-            r = RecomputeConfig(**row["recompute"])
-            c = with_recompute(cfg, r)
-            if fits_stage(c, s):
-                micro = planner.time(r).microbatch_seconds[s]
-                if best is None or micro < best["microbatch_seconds"]:
-                    best = {"stage": s, "setting": row["label"], "microbatch_seconds": micro}
+        for row in sorted(speed_order(rows), key=lambda r: round(times[r["label"]].microbatch_seconds[s], 12)):
+            if fits_stage(with_recompute(cfg, RecomputeConfig(**row["recompute"])), s):
+                best = {"stage": s, "setting": row["label"], "microbatch_seconds": times[row["label"]].microbatch_seconds[s]}
+                break
         per_stage.append(best)
 
     per_layer: list[dict[str, Any] | None] = []
-    choices = _choices(cfg)
+    choices = _choices(cfg, run, rates)
     try:  # Megatron's rule: distributed checkpoint inputs need tensor parallel without sequence parallel
         validate(with_recompute(cfg, RecomputeConfig("full", [], "block", 1, distribute_saved_activations=True)))
         distributions = [False, True]
     except BadInput:
         distributions = [False]
+    none_micro = planner.time(RecomputeConfig()).microbatch_seconds
+    rerun: dict[tuple, float] = {}
+
+    def rerun_seconds(name: str, policy: LayerPolicy, layer: int) -> float:
+        key = (name, layer_key(cfg, layer))
+        if key not in rerun:
+            rerun[key] = layer_seconds(cfg, run, rates, policy, layer)["recompute"]
+        return rerun[key]
+
+    distributed = with_recompute(cfg, RecomputeConfig("full", [], "block", 1, distribute_saved_activations=True))
+    checkpoint_cost = sum(op_times(checkpoint_ops(distributed, [LayerPolicy(chunk=0)]), rates).values()) \
+        if True in distributions else 0.0
+    pairs = [(x, x) for x in choices] + [(x, y) for x in choices for y in choices if x[0] != y[0]]
     for s in range(p):
-        # A stage's own uniform setting is one per-layer policy: start from it.
-        best = None if per_stage[s] is None else {**per_stage[s], "megatron_setting": per_stage[s]["setting"]}
-        pairs = [(x, x) for x in choices] + [(x, y) for x in choices for y in choices if x[0] != y[0]]
+        layers = [c.first_layer + i for c in model_chunks(cfg, s) for i in range(c.layers)]
+        # what each choice re-runs on the stage's layers at position r of the pattern (layer j runs
+        # pattern[j mod n]), and how many of those layers there are (checkpoints, if whole)
+        added = {name: [sum(rerun_seconds(name, make(j), j) for j in layers if j % n == r) for r in range(n)]
+                 for name, make in choices}
+        count = [sum(1 for j in layers if j % n == r) for r in range(n)]
+        mixes = []
         for (name_a, a), (name_b, b) in pairs:
             for distribute in distributions if "full" in (name_a, name_b) else [False]:
                 for k in range(1, n) if name_a != name_b else [n]:  # mixes: k of a, n - k of b
                     pattern = [a(i) for i in range(k)] + [b(i) for i in range(k, n)]
-                    c = _policy_config(cfg, pattern, distribute)
-                    try:
-                        if not fits_stage(c, s):
-                            continue
-                        micro = step_time(c, run, rates, planner.parameters).microbatch_seconds[s]
-                    except BadInput:
-                        break
-                    if best is None or micro < best["microbatch_seconds"] * (1 - 1e-9):
-                        setting = megatron_setting(cfg.model, pattern, spec_for(cfg.model).recompute_targets)
-                        words = name_b if name_a == name_b else f"{k} {name_a} + {n - k} {name_b}"
-                        words += " +distribute" if distribute else ""
-                        best = {"stage": s, "setting": words, "microbatch_seconds": micro,
-                                "megatron_setting": None if setting is None else label(dataclasses.replace(
-                                    setting, distribute_saved_activations=distribute))}
-                    break  # the fewest layers of the costlier choice that fit: more is slower
+                    micro = none_micro[s] + sum(added[name_a][:k]) + sum(added[name_b][k:])
+                    if distribute:
+                        micro += checkpoint_cost * sum(count[r] for r in range(n) if pattern[r].chunk is not None)
+                    mixes.append((round(micro, 12), name_a, name_b, k, distribute, pattern))
+        mixes.sort(key=lambda x: x[0])
+        best = None if per_stage[s] is None else {**per_stage[s], "megatron_setting": per_stage[s]["setting"]}
+        for micro, name_a, name_b, k, distribute, pattern in mixes:
+            if best is not None and micro >= best["microbatch_seconds"] * (1 - 1e-9):
+                break  # every mix left is no faster than the stage's own uniform setting
+            c = _policy_config(cfg, pattern, distribute)
+            try:
+                if not fits_stage(c, s):
+                    continue
+                micro = step_time(c, run, rates, planner.parameters).microbatch_seconds[s]
+            except BadInput:
+                continue
+            setting = megatron_setting(cfg.model, pattern, spec_for(cfg.model).recompute_targets)
+            words = name_b if name_a == name_b else f"{k} {name_a} + {n - k} {name_b}"
+            words += " +distribute" if distribute else ""
+            best = {"stage": s, "setting": words, "microbatch_seconds": micro,
+                    "megatron_setting": None if setting is None else label(dataclasses.replace(
+                        setting, distribute_saved_activations=distribute))}
+            break
         per_layer.append(best)
 
     out: dict[str, Any] = {"uniform": None, "per_stage": None, "per_layer": None}
-    if uniform is not None:
-        st = planner.time(RecomputeConfig(**uniform["recompute"]))
-        out["uniform"] = {"setting": uniform["label"], "step_seconds": st.step_seconds,
-                          "relative_throughput": planner.none_step / st.step_seconds}
+    if uniform is not None:  # priced by the same formula as the mixes, so that equal plans gain 0
+        total = step(planner.time(RecomputeConfig(**uniform["recompute"])).microbatch_seconds)
+        out["uniform"] = {"setting": uniform["label"], "step_seconds": total,
+                          "relative_throughput": planner.none_step / total}
     for key, stages in (("per_stage", per_stage), ("per_layer", per_layer)):
         if any(x is None for x in stages):
             out[key] = {"stages": stages, "step_seconds": None, "gain": None,
