@@ -262,8 +262,13 @@ def time_notes(cfg: Config, run: MegatronRun) -> list[str]:
         notes.append("MoE: every expert is priced with its share of the tokens (balanced routing), as the memory model "
                      "counts them; an imbalanced router makes the busiest rank slower than predicted")
     _, inert = offload_groups(cfg, run)
-    present = [m for m in inert if m not in ("attn_norm", "mlp_norm")]
-    if cfg.model.num_moe_experts and present:
+    m = cfg.model
+    # modules whose layers save something Megatron would offload, which the memory model does not
+    # move yet: MoE's groups, the MoE layer's own pre-MLP norm and MLA's input norm (TENorms; a
+    # dense TE layer's norms are fused into its linears and save nothing of their own)
+    present = [x for x in inert if (x in ("expert_fc1", "moe_act", "fused_group_mlp", "mlp_norm") and m.num_moe_experts)
+               or (x == "attn_norm" and m.multi_latent_attention)]
+    if present:
         notes.append(f"fine-grained offload of {', '.join(present)} is not planned: the Megatron memory model moves "
                      "none of their bytes yet")
     return notes
