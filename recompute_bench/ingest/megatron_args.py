@@ -96,11 +96,13 @@ NEUTRAL: dict[str, tuple[tuple[Any, ...], str]] = {
     "overlap_dispatch_backward_with_experts_wgrad": ((False,), "delaying the experts' weight gradients is not modelled"),
     "delay_wgrad_compute": ((False,), "delaying weight gradients is not modelled"),
 }
-# --tp-comm-overlap is read by nobody here: TE's userbuffers (initialize_ub -> comm_gemm_overlap.cpp,
-# userbuffers-host.cpp `register_user_buffer_collective`: cuMemCreate / cudaMalloc) lie outside
-# torch's caching allocator, which Megatron's memory figures and this estimate count, and TE's
-# linears save the same local inputs with them (layernorm_linear.py: ln_out stays the local shard;
-# the gathered input goes to the userbuffer instead of a torch tensor).
+# --tp-comm-overlap (parallel.tp_comm_overlap, read with the dense world below): TE's userbuffers
+# themselves (initialize_ub -> comm_gemm_overlap.cpp, userbuffers-host.cpp
+# `register_user_buffer_collective`: cuMemCreate / cudaMalloc) lie outside torch's caching allocator,
+# which Megatron's memory figures and this estimate count, and TE's linears save the same local
+# inputs with them (layernorm_linear.py: ln_out stays the local shard; the gathered input goes to the
+# userbuffer instead of a torch tensor); what torch does count is the userbuffer GEMMs' own cuBLAS
+# workspace (buffers.py `te_userbuffers_workspace_bytes`).
 
 # Context parallel (context_parallel_size, cp_comm_type, hierarchical_context_parallel_sizes) is
 # read by `_context_parallel`; what of it the estimate cannot express:
@@ -365,7 +367,7 @@ DENSE_WORLD = {
     "num_distributed_optimizer_instances": ("parallel", 1), "decoder_first_pipeline_num_layers": ("parallel", None),
     "decoder_last_pipeline_num_layers": ("parallel", None), "account_for_embedding_in_pipeline_split": ("parallel", False),
     "account_for_loss_in_pipeline_split": ("parallel", False), "pipeline_model_parallel_layout": ("parallel", None),
-    "microbatch_group_size_per_vp_stage": ("parallel", None),
+    "microbatch_group_size_per_vp_stage": ("parallel", None), "tp_comm_overlap": ("parallel", False),
 }
 # Megatron's MLA arguments and their argparse defaults (arguments.py _add_mla_args: --kv-lora-rank 32).
 MLA_ARGUMENTS = {"q_lora_rank": None, "kv_lora_rank": 32, "qk_head_dim": 128, "qk_pos_emb_head_dim": 64, "v_head_dim": 128}

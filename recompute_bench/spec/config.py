@@ -54,7 +54,7 @@ MEGATRON_ONLY_SETTINGS = (
     "parallel.num_distributed_optimizer_instances", "parallel.decoder_first_pipeline_num_layers",
     "parallel.decoder_last_pipeline_num_layers", "parallel.account_for_embedding_in_pipeline_split",
     "parallel.account_for_loss_in_pipeline_split", "parallel.pipeline_model_parallel_layout",
-    "parallel.microbatch_group_size_per_vp_stage")
+    "parallel.microbatch_group_size_per_vp_stage", "parallel.tp_comm_overlap")
 MEGATRON_ACTIVATIONS = ("squared_relu",)
 """Activations framework megatron models beyond ACTIVATIONS (Megatron's --squared-relu)."""
 CROSS_ENTROPY_FUSION_IMPLS = ("native", "te")
@@ -478,6 +478,10 @@ class ParallelConfig:
     microbatch_group_size_per_vp_stage: Optional[int] = None
     """Framework megatron, interleaved: micro-batches run through a model chunk before the next
     (--microbatch-group-size-per-virtual-pipeline-stage); None: pipeline_model_parallel_size."""
+    tp_comm_overlap: bool = False
+    """Framework megatron: Transformer Engine overlaps the tensor-parallel all-gathers and
+    reduce-scatters with the linears' GEMMs through its userbuffers (--tp-comm-overlap; needs
+    sequence parallel)."""
 
     @property
     def schedule(self) -> str:

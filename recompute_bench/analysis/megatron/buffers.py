@@ -1,7 +1,8 @@
 """Buffers a Megatron rank holds for the whole run besides parameters and optimizer state: cuBLAS
 workspaces (torch's and Transformer Engine's), the local attention's score buffer and causal mask.
 
-Sources: transformer_engine/pytorch/cpp_extensions/gemm.py, aten/src/ATen/cuda/CublasHandlePool.cpp,
+Sources: transformer_engine/pytorch/cpp_extensions/gemm.py (the single, grouped and userbuffers GEMMs'
+workspaces), aten/src/ATen/cuda/CublasHandlePool.cpp,
 torch/csrc/autograd/engine.cpp, megatron/core/transformer/dot_product_attention.py,
 megatron/core/fusions/fused_softmax.py."""
 
@@ -36,6 +37,24 @@ def torch_cublas_workspace_bytes(run: MegatronRun) -> float:
     return 4096 * 8 * 1024 if 90 <= run.compute_capability < 130 else 4096 * 1024 * 2 + 16 * 1024 * 8
 
 
+TE_USERBUFFERS_STREAMS = 3
+"""Transformer Engine's GEMMs that overlap a tensor-parallel collective through userbuffers take a
+workspace of their own, one cuBLAS workspace per userbuffers stream (cpp_extensions/gemm.py
+`_NUM_MAX_UB_STREAMS = 3`)."""
+
+
+def te_userbuffers_workspace_bytes(cfg: Config, run: MegatronRun) -> float:
+    """With --tp-comm-overlap, the workspace of TE's userbuffers GEMMs: `general_gemm` asks
+    `get_cublas_workspace(device, ub is not None, False)`, which is lru-cached per (device, ub,
+    grouped_gemm), so the GEMMs with a userbuffers communicator get one more torch tensor of
+    `_NUM_MAX_UB_STREAMS` x `get_cublas_workspace_size_bytes()` beside the ordinary GEMMs' one, held
+    all run. The userbuffers themselves are TE's own device allocations (userbuffers-host.cpp
+    `register_user_buffer_collective`), outside torch's allocator."""
+    if not cfg.parallel.tp_comm_overlap:
+        return 0.0
+    return TE_USERBUFFERS_STREAMS * te_cublas_workspace_bytes(run)
+
+
 TE_GROUPED_GEMM_STREAMS = 4
 """Transformer Engine's grouped GEMM takes one workspace per compute stream
 (cpp_extensions/gemm.py `get_cublas_workspace(..., grouped_gemm=True)`, `tex.get_num_cublas_streams()`:
@@ -68,6 +87,8 @@ def buffer_bytes(cfg: Config, run: MegatronRun) -> dict[str, float]:
     # RouterGatingLinearFunction), as in every Megatron container, local layers or not.
     if m.transformer_impl == "transformer_engine" or m.num_moe_experts:
         out["Transformer Engine cuBLAS workspace"] = te_cublas_workspace_bytes(run)
+    if cfg.parallel.tp_comm_overlap:
+        out["Transformer Engine userbuffers GEMM workspace"] = te_userbuffers_workspace_bytes(cfg, run)
     if m.num_moe_experts and m.moe_grouped_gemm and m.transformer_impl == "transformer_engine":
         out["Transformer Engine grouped-GEMM workspaces"] = TE_GROUPED_GEMM_STREAMS * te_cublas_workspace_bytes(run)
     if m.transformer_impl == "transformer_engine":
