@@ -44,6 +44,9 @@ def validate_megatron_settings(cfg: Config) -> None:
     if not isinstance(t.wgrad_deferral_limit, int) or t.wgrad_deferral_limit < 0:
         raise BadInput(f"wgrad_deferral_limit must be 0 (every micro-batch) or more, got {t.wgrad_deferral_limit!r}; "
                        "pass --set training.wgrad_deferral_limit=N")
+    if not isinstance(m.mtp_num_layers, int) or isinstance(m.mtp_num_layers, bool) or m.mtp_num_layers < 0:
+        raise BadInput(f"mtp_num_layers must be 0 (none) or more, got {m.mtp_num_layers!r}; pass "
+                       "--set model.mtp_num_layers=N")
     if m.multi_latent_attention and m.transformer_impl != "transformer_engine":
         raise BadInput("multi-latent attention is modelled with Transformer Engine's modules (Megatron's default); "
                        "pass --transformer-impl transformer_engine")

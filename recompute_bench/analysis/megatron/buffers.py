@@ -3,7 +3,8 @@ workspaces (torch's and Transformer Engine's), the local attention's score buffe
 
 Sources: transformer_engine/pytorch/cpp_extensions/gemm.py (the single, grouped and userbuffers GEMMs'
 workspaces), aten/src/ATen/cuda/CublasHandlePool.cpp,
-torch/csrc/autograd/engine.cpp, megatron/core/transformer/dot_product_attention.py,
+torch/csrc/autograd/engine.cpp, transformer_engine/pytorch/module/base.py (`get_dummy_wgrad`),
+megatron/core/transformer/dot_product_attention.py,
 megatron/core/fusions/fused_softmax.py."""
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from typing import Iterable
 
 from recompute_bench.analysis.megatron.attention import softmax_fused
 from recompute_bench.analysis.megatron.fp8 import layer_runs_fp8, scaling_state_bytes
+from recompute_bench.analysis.megatron.layer import layer_linear_weights
 from recompute_bench.analysis.megatron.moe import allgather_buffer_bytes
 from recompute_bench.analysis.megatron.run import MiB, MegatronRun
 from recompute_bench.models import ELEMENT_BYTES, MASK_BYTES
@@ -108,6 +110,22 @@ def buffer_bytes(cfg: Config, run: MegatronRun) -> dict[str, float]:
         if not softmax_fused(cfg, run):  # fused_softmax.py get_default_causal_mask is lru-cached
             out["causal mask (local softmax)"] = MASK_BYTES * cfg.training.seq_length ** 2
     return out
+
+
+def te_dummy_wgrad_bytes(cfg: Config, layers: Iterable[int]) -> float:
+    """With gradient_accumulation_fusion (Megatron-LM's default), Transformer Engine's linears write
+    their weight gradient straight into DDP's `main_grad` and hand autograd a placeholder instead:
+    `get_dummy_wgrad(shape, weight.dtype)` (module/base.py), one tensor per (shape, dtype) kept in
+    the module-level `_dummy_wgrads` for the rest of the run (linear.py, layernorm_linear.py,
+    grouped_linear.py backward, "Handle custom DDP from mcore"). So a rank holds one weight-sized
+    16-bit tensor per distinct TE linear weight shape among its layers (`layer.layer_linear_weights`:
+    a MoE layer's routed experts share one shape), from its first backward on. Megatron's own
+    linears (the output layer, local layers) return a fresh gradient each backward instead: nothing
+    kept."""
+    if not cfg.training.gradient_accumulation_fusion or cfg.model.transformer_impl != "transformer_engine":
+        return 0.0
+    shapes = {shape for layer in layers for shape in layer_linear_weights(cfg, layer).values()}
+    return sum(ELEMENT_BYTES[cfg.training.precision] * rows * cols for rows, cols in shapes)
 
 
 FP8_MODULES_PER_LAYER = 4
