@@ -11,11 +11,11 @@ from __future__ import annotations
 
 from typing import Iterable
 
-from recompute_bench.analysis.megatron.attention import attention_path, attention_saved
+from recompute_bench.analysis.megatron.attention import attention_path, attention_saved, score_backward_bytes
 from recompute_bench.analysis.megatron.context_parallel import (attention_backward_bytes, attention_forward_bytes,
                                                                 layer_attention, rank_tokens)
 from recompute_bench.analysis.megatron.fp8 import linear_input_bytes
-from recompute_bench.analysis.megatron.mla import mla_attention_saved
+from recompute_bench.analysis.megatron.mla import mla_attention_saved, up_proj_rebuilt_bytes
 from recompute_bench.analysis.megatron.moe import moe_backward_bytes, moe_saved_bytes
 from recompute_bench.analysis.megatron.mtp import eh_proj_weight, is_mtp_layer
 from recompute_bench.analysis.megatron.run import MegatronRun
@@ -102,16 +102,19 @@ def layer_backward_bytes(cfg: Config, run: MegatronRun, layer: int = 0, routing:
     """What one layer's backward holds beyond the saved tensors, at its most: the MLP's, where the
     largest gradients meet (linear_fc2's data gradient [s, b, f] and the activation's backward
     output, the gradient of fc1's output, both in 16 bits; a MoE layer's experts',
-    `moe.moe_backward_bytes`), or under context parallel the attention's, whichever is more
-    (`context_parallel.attention_backward_bytes`)."""
+    `moe.moe_backward_bytes`), or the attention's, whichever is more: the unfused and local paths'
+    score gradients (`attention.score_backward_bytes`), under context parallel Transformer Engine's
+    CP attention (`context_parallel.attention_backward_bytes`); under MLA's `mla_up_proj` recompute
+    with the query, key and value it rebuilds for that backward (`mla.up_proj_rebuilt_bytes`)."""
     tr, m = cfg.training, cfg.model
     e, tokens, t = ELEMENT_BYTES[tr.precision], rank_tokens(cfg), cfg.parallel.tensor_model_parallel_size
     fc1 = 2 * m.ffn_hidden_size if m.activation == "swiglu" else m.ffn_hidden_size
     mlp = moe_backward_bytes(cfg, routing) if is_moe_layer(cfg, layer, moe) else e * tokens * (m.ffn_hidden_size + fc1) / t
     cp_attention = layer_attention(cfg, layer)
-    if cp_attention is None:
-        return mlp
-    return max(mlp, sum(attention_backward_bytes(cfg, attention_path(cfg, run), cp_attention).values()))
+    rebuilt = up_proj_rebuilt_bytes(cfg)  # MLA's q, k, v, recomputed for core attention's backward
+    if cp_attention is None:  # the unfused and local attention's score gradients, where they run
+        return max(mlp, score_backward_bytes(cfg, run) + rebuilt)
+    return max(mlp, sum(attention_backward_bytes(cfg, attention_path(cfg, run), cp_attention).values()) + rebuilt)
 
 
 def layer_forward_bytes(cfg: Config, run: MegatronRun, layer: int = 0) -> float:
