@@ -315,7 +315,23 @@ def stage_peak(cfg: Config, stage: int, run: MegatronRun, routing: str = "balanc
     step = {**static, "fp32 gradient copies": copies}
     if sum(step.values()) > sum(items.values()):  # the optimizer step holds the copies instead of activations
         items, phase = step, "the optimizer step"
-    first, first_phase = first_iteration_peak(items, phase, step)
+    if impl != "none" and steps >= 1:
+        # iteration 1 runs eagerly: the graphs and their static buffers come with the capture, after
+        # cuda_graph_warmup_steps iterations (training.py; Bridge train.py: `step - start_iteration
+        # == cuda_graph_warmup_steps`)
+        label, held, eager = phases[0]
+        eager_items = {**held, "activations of the other micro-batches in flight": eager.others,
+                       "activations of the pass at the peak": eager.own,
+                       "transient of the pass at the peak": eager.transient}
+        captured = (*graph_buffers, "CUDA graph static inputs (every micro-batch's data)")
+        eager_step = {k: v for k, v in step.items() if k not in captured}
+        eager_phase = ("the loss's " if loses(eager.chunk) and eager.total else "") + \
+            ("forward" if eager.kind == "F" else "backward") + (f" of model chunk {eager.chunk}" if vp > 1 else "") + label
+        if sum(eager_step.values()) > sum(eager_items.values()):
+            eager_items, eager_phase = eager_step, "the optimizer step"
+        first, first_phase = first_iteration_peak(eager_items, eager_phase, eager_step)
+    else:
+        first, first_phase = first_iteration_peak(items, phase, step)
     at_step = phase == "the optimizer step"
     return StagePeak(stage, params, items, phase, copies, sum(static.values()), totals if len(totals) > 1 else {},
                      first, first_phase, () if at_step else peak.held, "" if at_step else peak.kind, peak.chunk)
