@@ -319,17 +319,36 @@ def _yaml_args(path):
 
 @pytest.mark.parametrize("category,words,goldens", [
     ("FP8", ("fp8", "first-last-layers"), 11), ("CUDA graphs", ("cuda-graph", "cuda_graph"), 10),
-    ("offload", ("offload",), 4),
+    ("offload", ("offload",), 4), ("MLA", ("lora-rank", "multi-latent", "mla"), 19),
 ])
-def test_fp8_graph_and_offload_goldens_wait_only_on_other_categories(checked, category, words, goldens):
-    # Every golden of these categories is checked to the goal, or skipped for another category's
-    # argument (MoE, MLA, context parallel, FSDP, userbuffers, ...) or mode: none for its own.
+def test_fp8_graph_offload_and_mla_goldens_meet_the_goal_or_miss_as_explained(checked, category, words, goldens):
+    # Every golden of these categories is checked, or skipped for another category's argument (FSDP,
+    # the pipelined combined 1F1B schedule, ...), an unknown GPU count or its mode: none for its own.
     rows, skipped = checked
     figures = summary(rows, category)
     assert figures["rows"] + skipped_in(skipped, category) == goldens
     for reason, entries in skipped.items():
         if any(category in entry.rsplit("[", 1)[1] for entry in entries):
             assert not any(word in reason.split(" cannot be expressed")[0] for word in words), reason
+    if category != "offload":
+        assert meets_goal(figures), figures
+        return
+    # offload: its 2 goldens (one case, MoE + MLA, fine-grained offloading) are within 5% at the
+    # peak and 2.3% after the step; the median misses 3%: what stays is explained in docs/megatron.md
+    # (the MoE + MLA family's after-step remainder, 95.5 MiB here, and 180 to 225 MiB of a backward)
+    assert figures["peak_within_5_percent"] == 1.0 and figures["median_static_error"] <= GOAL["median_static_error"]
+    offload = [r for r in rows if category in r.categories]
+    assert {r.case for r in offload} == {"gpt3_moe_mcore_te_tp2_pp2_ep4_etp1_no_mtp_no_a2a_ovlp_fine_grained_offloading"}
+    assert all(-0.05 < r.peak_error < -0.04 and r.phase == "backward of model chunk 2" for r in offload)
+    assert all(r.measured_static_bytes - r.estimated_static_bytes == pytest.approx(95.5 * MiB, abs=0.1 * MiB)
+               for r in offload)
+
+
+def test_moe_meets_the_goal_over_every_moe_golden(checked):
+    # All 86 checked MoE goldens, those that also run FP8, MLA, CUDA graphs, offload or multi-token
+    # prediction included: 8 misses, each explained (test_moe_meets_the_median_goals_and_every_miss_is_explained)
+    figures = summary(checked[0], "MoE")
+    assert figures["rows"] >= 86 and meets_goal(figures)
 
 
 def test_the_fp8_goldens_activations_follow_the_fp8_terms(data):
