@@ -159,15 +159,15 @@ def test_auto_compares_per_stage_and_per_layer_choice_and_says_megatron_cannot_r
     assert result.exit_code == 0, result.output
     auto = json.loads(result.stdout)["auto"]
     assert auto["uniform"]["setting"] == "full block 1"
-    # Stage 0 holds the most micro-batches and alone needs recompute; the others run none.
-    assert [s["setting"] for s in auto["per_stage"]["stages"]] == ["full block 1", "none", "none", "none"]
+    # Stages 0 and 1 hold the most micro-batches and need recompute; the others run none.
+    assert [s["setting"] for s in auto["per_stage"]["stages"]] == ["full block 1", "full block 1", "none", "none"]
     assert auto["per_stage"]["gain"] > 0 and auto["per_layer"]["step_seconds"] <= auto["per_stage"]["step_seconds"]
     assert auto["megatron"].startswith("Megatron cannot run it: it applies one recompute setting to every layer")
     assert "run the best uniform setting instead: full block 1" in " ".join(result.stderr.split())
 
 
 @pytest.mark.parametrize("argv,message", [
-    (["--memory-gb", "40"], "error: --memory-gb 40 is below what stage 3 holds before any activation: 50.9 GiB of "
+    (["--memory-gb", "40"], "error: --memory-gb 40 is below what stage 3 holds before any activation: 51.2 GiB of "
                             "parameters, gradients, optimizer state and buffers plus the 1 GiB fixed allowance; pass a "
                             "larger --memory-gb or shard more (--tp, --pp, --set parallel.use_distributed_optimizer=true)"),
     (["--memory-gb", "80", "--pp-schedule", "InterleavedZeroBubble"],
@@ -225,5 +225,5 @@ def test_when_only_tight_settings_fit_the_fastest_is_recommended_with_expandable
     data = json.loads(result.stdout)
     assert {r["fit"] for r in data["fits"]} == {TIGHT} and data["recommended"] == "full uniform 2"
     assert data["reason"] == ("tight: nothing fits with the allowance; full uniform 2 fits only if the caching allocator "
-                              "holds under 3.7 GiB above its 52.3 GiB allocated peak: run with "
+                              "holds under 3.3 GiB above its 52.7 GiB allocated peak: run with "
                               "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True")
