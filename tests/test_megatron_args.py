@@ -81,7 +81,8 @@ def test_a_log_dump_gives_the_same_config_as_the_yaml():
             "context_parallel_size": "1", "fp8": "None", "num_experts": "None", "moe_router_topk": "2",
             "expert_tensor_parallel_size": "1", "recompute_granularity": "None", "recompute_modules": "None",
             "cuda_graph_impl": "none", "optimizer": "adam", "main_grads_dtype": "torch.float32",
-            "position_embedding_type": "learned_absolute", "seed": "1234", "lr": "0.00015"}
+            "position_embedding_type": "learned_absolute", "seed": "1234", "lr": "0.00015",
+            "gradient_accumulation_fusion": "False"}
     from_dump, from_yaml = config_from_megatron(dump), config_from_megatron(SEVEN_B, world_size=8)
     assert from_dump.model.padded_vocab_size(1) == from_yaml.model.padded_vocab_size(1)
     from_dump.model.vocab_size = from_yaml.model.vocab_size  # a dump names the padded vocabulary only
@@ -94,7 +95,8 @@ def test_a_command_line_reads_like_its_yaml():
             "--global-batch-size=8", "--seq-length", "8192", "--max-position-embeddings", "8192", "--tokenizer-type",
             "NullTokenizer", "--vocab-size", "131073", "--transformer-impl", "transformer_engine",
             "--pipeline-model-parallel-size", "4", "--num-layers-per-virtual-pipeline-stage", "1",
-            "--use-distributed-optimizer", "--bf16", "--recompute-modules", "core_attn", "mlp"]
+            "--use-distributed-optimizer", "--bf16", "--no-gradient-accumulation-fusion", "--recompute-modules", "core_attn",
+            "mlp"]
     args = read_argv(argv)
     assert args["recompute-modules"] == ["core_attn", "mlp"] and args["bf16"] is True
     del args["recompute-modules"]

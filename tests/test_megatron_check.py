@@ -319,29 +319,46 @@ def _yaml_args(path):
 
 @pytest.mark.parametrize("category,words,goldens", [
     ("FP8", ("fp8", "first-last-layers"), 11), ("CUDA graphs", ("cuda-graph", "cuda_graph"), 10),
-    ("offload", ("offload",), 4),
+    ("offload", ("offload",), 4), ("MLA", ("lora-rank", "multi-latent", "mla"), 19),
 ])
-def test_fp8_graph_and_offload_goldens_wait_only_on_other_categories(checked, category, words, goldens):
-    # Every golden of these categories is checked to the goal, or skipped for another category's
-    # argument (MoE, MLA, context parallel, FSDP, userbuffers, ...) or mode: none for its own.
+def test_fp8_graph_offload_and_mla_goldens_meet_the_goal_or_miss_as_explained(checked, category, words, goldens):
+    # Every golden of these categories is checked, or skipped for another category's argument (FSDP,
+    # the pipelined combined 1F1B schedule, ...), an unknown GPU count or its mode: none for its own.
     rows, skipped = checked
     figures = summary(rows, category)
     assert figures["rows"] + skipped_in(skipped, category) == goldens
     for reason, entries in skipped.items():
         if any(category in entry.rsplit("[", 1)[1] for entry in entries):
             assert not any(word in reason.split(" cannot be expressed")[0] for word in words), reason
+    if category != "offload":
+        assert meets_goal(figures), figures
+        return
+    # offload: its 2 goldens (one case, MoE + MLA, fine-grained offloading) are within 5% at the
+    # peak and 2.3% after the step; the median misses 3%: what stays is explained in docs/megatron.md
+    # (the MoE + MLA family's after-step remainder, 95.5 MiB here, and 180 to 225 MiB of a backward)
+    assert figures["peak_within_5_percent"] == 1.0 and figures["median_static_error"] <= GOAL["median_static_error"]
+    offload = [r for r in rows if category in r.categories]
+    assert {r.case for r in offload} == {"gpt3_moe_mcore_te_tp2_pp2_ep4_etp1_no_mtp_no_a2a_ovlp_fine_grained_offloading"}
+    assert all(-0.05 < r.peak_error < -0.04 and r.phase == "backward of model chunk 2" for r in offload)
+    assert all(r.measured_static_bytes - r.estimated_static_bytes == pytest.approx(95.5 * MiB, abs=0.1 * MiB)
+               for r in offload)
+
+
+def test_moe_meets_the_goal_over_every_moe_golden(checked):
+    # All 86 checked MoE goldens, those that also run FP8, MLA, CUDA graphs, offload or multi-token
+    # prediction included: 8 misses, each explained (test_moe_meets_the_median_goals_and_every_miss_is_explained)
+    figures = summary(checked[0], "MoE")
+    assert figures["rows"] >= 86 and meets_goal(figures)
 
 
 def test_the_fp8_goldens_activations_follow_the_fp8_terms(data):
     # gpt3_weekly_mcore_tp2_pp2_current_scaling_native_fp8 (tensorwise, FP8 weights): its last rank
     # peaks at the loss's forward; what it holds beyond the after-step bytes is the FP8 layers'
     # activations and the loss: the estimate is 1.2% (H100) and 2.0% (GB200) under it, and with
-    # bf16 layers would be 3.4% and 2.6% over. The case also sets --tp-comm-overlap (userbuffers, another
-    # category's term), left out here: its after-step bytes are 101 MiB over what the estimate holds.
+    # bf16 layers would be 3.4% and 2.6% over.
     case = _case(data, "gpt3_weekly_mcore_tp2_pp2_current_scaling_native_fp8_tp_pp_sp_tp_overlap")
-    args = {k: v for k, v in case["args"].items() if k not in ("--tp-comm-overlap", "--tp-comm-overlap-cfg")}
-    cfg = config_from_megatron(args, world_size=8)
-    bf16 = config_from_megatron({k: v for k, v in args.items() if not k.startswith("--fp8")}, world_size=8)
+    cfg = config_from_megatron(case["args"], world_size=8)
+    bf16 = config_from_megatron({k: v for k, v in case["args"].items() if not k.startswith("--fp8")}, world_size=8)
     for golden, fp8_error, bf16_error in (("dev_h100", -0.012, 0.034), ("dev_gb200", -0.020, 0.026)):
         g = case["goldens"][golden]
         measured = g["max_allocated_bytes"] - g["allocated_bytes"]
@@ -350,3 +367,42 @@ def test_the_fp8_goldens_activations_follow_the_fp8_terms(data):
             peak = mg.stage_peak(c, 1, run)
             assert peak.phase == "the loss's forward"
             assert (peak.peak_allocated_bytes - peak.static_bytes) / measured - 1 == pytest.approx(error, abs=0.002)
+
+
+def test_tp_comm_overlap_keeps_the_userbuffers_gemms_own_workspace(data):
+    # --tp-comm-overlap: TE's userbuffer GEMMs take get_cublas_workspace(ub=True), 3 streams x
+    # (32 MiB + 1 KiB) on sm90 and newer, beside the ordinary GEMMs' workspace. The tp2 pp2 FP8 case
+    # sets it: without that term its goldens hold 101.2 (GB200) and 102.2 MiB (H100) more after the
+    # step than the estimate; with it 5.2 and 6.2 MiB, as the tp4 cp2 FP8 case without the overlap
+    # (same model, same recipe) holds 2.1 MiB more.
+    case = _case(data, "gpt3_weekly_mcore_tp2_pp2_current_scaling_native_fp8_tp_pp_sp_tp_overlap")
+    cfg = config_from_megatron(case["args"], world_size=8)
+    assert cfg.parallel.tp_comm_overlap
+    for golden in ("dev_h100", "dev_gb200"):
+        cfg, run, peak, g = _estimate(data, case["case"], golden)
+        assert peak.items["Transformer Engine userbuffers GEMM workspace"] == 3 * (32 * MiB + 1024)
+        remainder = g["allocated_bytes"] - peak.static_bytes
+        assert 0 < remainder < 7 * MiB
+        assert remainder + 3 * (32 * MiB + 1024) > 100 * MiB
+        assert abs(peak.peak_allocated_bytes / g["max_allocated_bytes"] - 1) < 0.02
+    _, _, without, _ = _estimate(data, "gpt3_weekly_mcore_tp4_cp2_current_scaling_native_fp8_tp_sp_cp_tp_overlap", "dev_h100")
+    assert "Transformer Engine userbuffers GEMM workspace" not in without.items
+
+
+def test_the_offload_goldens_peak_in_a_backward_that_holds_the_unfused_score_gradient(data):
+    # The fine-grained offloading case (MoE + MLA, unfused attention, layout Et*3|(tt|)*6L): its last
+    # rank's loss chunk has no layers, so it peaks in the backward of model chunk 2, where the unfused
+    # attention's backward holds the probabilities' gradient [b, a/t, s, s] in bf16 (1 x 16 x 4096^2
+    # x 2 = 512 MiB, the fused softmax kernel writing its gradient in place), q, k and v's gradients
+    # and, under mla_up_proj recompute, the q, k and v it rebuilds (64 MiB each). Without those terms
+    # the estimate is 13% under both goldens; with them 4.0% (GB200) and 4.7% (H100).
+    from recompute_bench.analysis.megatron.attention import score_backward_bytes
+    from recompute_bench.analysis.megatron.mla import up_proj_rebuilt_bytes
+    name = "gpt3_moe_mcore_te_tp2_pp2_ep4_etp1_no_mtp_no_a2a_ovlp_fine_grained_offloading"
+    for golden, error in (("dev_gb200", -0.0405), ("dev_h100", -0.0469)):
+        cfg, run, peak, g = _estimate(data, name, golden)
+        assert peak.phase == "backward of model chunk 2"
+        assert score_backward_bytes(cfg, run) == 512 * MiB + 64 * MiB and up_proj_rebuilt_bytes(cfg) == 64 * MiB
+        assert peak.peak_allocated_bytes / g["max_allocated_bytes"] - 1 == pytest.approx(error, abs=0.001)
+        without = peak.peak_allocated_bytes - 640 * MiB + 48 * MiB  # the MoE MLP's backward instead
+        assert without / g["max_allocated_bytes"] - 1 < -0.12

@@ -229,11 +229,21 @@ def test_the_optimizer_dtypes_set_the_bytes_per_parameter():
                      "fp32 gradient copies": 0}
 
 
-def test_userbuffers_and_squared_relu_change_nothing_torch_counts():
+def test_userbuffers_add_their_gemms_workspace_and_squared_relu_changes_nothing():
     # --tp-comm-overlap: TE's userbuffers are allocated outside torch's caching allocator and its
-    # linears save the same local inputs: the same config, the same bytes
+    # linears save the same local inputs; what torch counts is the userbuffer GEMMs' workspace,
+    # 3 x TE's cuBLAS workspace (cpp_extensions/gemm.py get_cublas_workspace(ub=True))
     base = {**SMALL, "--tensor-model-parallel-size": 2, "--sequence-parallel": True}
-    assert config_from_megatron({**base, "--tp-comm-overlap": True}, world_size=8) == config_from_megatron(base, world_size=8)
+    overlap = config_from_megatron({**base, "--tp-comm-overlap": True}, world_size=8)
+    plain = config_from_megatron(base, world_size=8)
+    assert overlap.parallel.tp_comm_overlap and not plain.parallel.tp_comm_overlap
+    for gpu, workspace in (("h100", 32 * MiB + 1024), ("a100", 4 * MiB)):
+        run = mg.MegatronRun(gpu)
+        with_ub, without = mg.stage_peak(overlap, 0, run), mg.stage_peak(plain, 0, run)
+        assert with_ub.static_bytes - without.static_bytes == 3 * workspace
+        assert with_ub.peak_allocated_bytes - without.peak_allocated_bytes == 3 * workspace
+    with pytest.raises(BadInput, match="pass --sequence-parallel"):
+        config_from_megatron({**SMALL, "--tensor-model-parallel-size": 2, "--tp-comm-overlap": True}, world_size=8)
     # squared ReLU (activations.py, under torch.compile) keeps its [s, b, f] input and gives fc2 a new
     # [s, b, f] input, as bias-GeLU keeps fc1's output: the same bytes and parameters as gelu
     gelu = config_from_megatron(base, world_size=8)
@@ -242,5 +252,3 @@ def test_userbuffers_and_squared_relu_change_nothing_torch_counts():
     assert relu2.model.activation == "squared_relu"
     assert layer.layer_bytes(relu2, run) == layer.layer_bytes(gelu, run)
     assert layer_parameters(relu2) == layer_parameters(gelu)
-    with pytest.raises(BadInput, match="--mtp-num-layers"):
-        config_from_megatron({**base, "--mtp-num-layers": 1}, world_size=8)

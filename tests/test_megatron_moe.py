@@ -159,5 +159,5 @@ def test_megatron_refuses_what_its_moe_layer_refuses():
         _cfg(moe_shared_expert_intermediate_size=512, moe_shared_expert_overlap=True, moe_token_dispatcher_type="allgather")
     with pytest.raises(BadInput, match="expert_tensor_parallel_size 16 x expert_model_parallel_size 1 must divide the 8"):
         _cfg(expert_tensor_parallel_size=16, expert_model_parallel_size=1, tensor_model_parallel_size=1)
-    with pytest.raises(BadInput, match="without pipelining only"):
+    with pytest.raises(BadInput, match="without pipeline parallelism only"):
         _cfg(overlap_moe_expert_parallel_comm=True, pipeline_model_parallel_size=2)

@@ -235,3 +235,20 @@ def test_a_measured_profile_overrides_what_it_measured_and_names_itself(tmp_path
     path.write_text("{}")
     with pytest.raises(BadInput, match="is not a rates profile"):
         gpu_rates.read_rates_profile(path)
+
+
+def test_tp_comm_overlap_pipelines_each_linear_s_collectives_with_its_gemm():
+    plain = megatron(parallel__tensor_model_parallel_size=4, parallel__sequence_parallel=True)
+    overlapped = megatron(parallel__tensor_model_parallel_size=4, parallel__sequence_parallel=True,
+                          parallel__tp_comm_overlap=True)
+    fwd = {op.name: op for op in tm.layer_ops(overlapped, RUN).forward}
+    assert fwd["linear_fc1.all_gather"].overlaps == "linear_fc1" and fwd["linear_fc2.reduce_scatter"].overlaps == "linear_fc2"
+    assert {op.name: op for op in tm.layer_ops(plain, RUN).forward}["linear_fc1.all_gather"].overlaps is None
+    bwd = {op.name: op for op in tm.layer_ops(overlapped, RUN).backward}
+    assert bwd["linear_fc2.grad_all_gather"].overlaps == "linear_fc2.dgrad"
+    times = tm.op_times(tm.layer_ops(overlapped, RUN).forward, H100)
+    ag, gemm = fwd["linear_fc1.all_gather"], fwd["linear_fc1"]
+    assert times[ag.name] == max(0.0, ag.seconds(H100) - gemm.seconds(H100))
+    # the embedding's and the output layer's collectives are Megatron's own, not TE's userbuffers
+    assert tm.embedding_ops(overlapped).forward[1].overlaps is None
+    assert tm.step_time(overlapped, RUN, H100).step_seconds < tm.step_time(plain, RUN, H100).step_seconds

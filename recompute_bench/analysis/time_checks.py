@@ -57,14 +57,15 @@ def seeds_config() -> Config:
     """The seeds' run: Bridge's Llama 3 70B SFT H100 FP8-CS preset (its recipe's seq 4096, 32 GPUs),
     every value as its ConfigContainer (tests/data/seed/LLAMA3_70B_SFT_CONFIG_H100_FP8_CS_V1.yaml)
     states it: FP8 current scaling with FP8 weights, TE's fused cross-entropy, TE's CUDA graphs of
-    the MLP, the output layer's deferred weight gradient, the unpadded vocabulary."""
+    the MLP, tensor-parallel communication overlap, the output layer's deferred weight gradient,
+    the unpadded vocabulary."""
     from recompute_bench.spec.presets import resolve
 
     cfg, _ = resolve("llama3-70b", overrides={
         "training.framework": "megatron", "training.seq_length": 4096, "training.micro_batch_size": 1,
         "training.global_batch_size": 32, "parallel.tensor_model_parallel_size": 4, "parallel.sequence_parallel": True,
         "parallel.pipeline_model_parallel_size": 4, "parallel.virtual_pipeline_model_parallel_size": 5,
-        "parallel.data_parallel_size": 2, "parallel.use_distributed_optimizer": True,
+        "parallel.data_parallel_size": 2, "parallel.use_distributed_optimizer": True, "parallel.tp_comm_overlap": True,
         "training.precision": "fp8", "training.fp8_recipe": "tensorwise", "training.fp8_param_gather": True,
         "training.grad_reduce_in_bf16": True, "training.defer_embedding_wgrad_compute": True,
         "training.wgrad_deferral_limit": 22, "training.cuda_graph_impl": "transformer_engine",

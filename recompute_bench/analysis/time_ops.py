@@ -125,6 +125,9 @@ class Shape:
         self.local = self.local_tokens * self.h
         self.gemm_precision = "fp8" if self.fp8 else tr.precision
         self.in_bytes = FP8_BYTES if self.fp8 else self.e
+        # --tp-comm-overlap: TE's userbuffers pipeline each linear's sequence-parallel all-gather
+        # and reduce-scatter with its GEMM (every Megatron TE linear passes a tp_comm_buffer_name)
+        self.ub = bool(par.tp_comm_overlap) and self.sp
 
     def ring(self, kind: str, elements: float, element_bytes: float, group: int | None = None) -> float:
         """Bytes one rank sends in a ring collective over `group` ranks (default t) of the whole
@@ -187,8 +190,6 @@ def linear_backward(fwd: Op, sh: Shape, tokens: float, k: float, n: float, colum
     all-gathers its input again beside the data gradient; a row-parallel one all-gathers the
     n-wide output gradient first (sequence parallel)."""
     ops = []
-    if row and sh.sp:
-        ops.append(sh.tp_comm(f"{fwd.name}.grad_all_gather", "all_gather", sh.tokens * n, sh.e))
     fp8 = fwd.precision == "fp8"
     if fp8:
         reads = (2 if sh.recipe == "tensorwise" else 1) * sh.e * tokens * n
@@ -196,6 +197,9 @@ def linear_backward(fwd: Op, sh: Shape, tokens: float, k: float, n: float, colum
     in_bytes = FP8_BYTES if fp8 else sh.e
     dgrad = Op(f"{fwd.name}.dgrad", "matrix", flops=fwd.flops, bytes=in_bytes * (tokens * n + weights * k * n) + sh.e * tokens * k,
                precision=fwd.precision)
+    if row and sh.sp:  # the output gradient gathered first (with tp_comm_overlap, pipelined with dgrad)
+        ops.insert(0, sh.tp_comm(f"{fwd.name}.grad_all_gather", "all_gather", sh.tokens * n, sh.e,
+                                 overlaps=dgrad.name if sh.ub else None))
     wgrad = Op(f"{fwd.name}.wgrad", "matrix", flops=fwd.flops,
                bytes=in_bytes * (tokens * n + tokens * k) + 2 * 4 * weights * k * n, precision=fwd.precision)
     ops += [dgrad, wgrad]
@@ -212,21 +216,23 @@ def column_input(name: str, sh: Shape, mods: frozenset[str], norm_name: str | No
                  width: float | None = None) -> list[Op]:
     """What precedes a column-parallel linear whose input is `width` wide (default h): its norm
     (fused in TE's LayerNormLinear), the FP8 cast (before the all-gather: TE gathers FP8) and,
-    with sequence parallel, the all-gather."""
+    with sequence parallel, the all-gather (beside the linear's GEMM with tp_comm_overlap)."""
     width = width or sh.h
     ops = [norm(norm_name, sh, norm_mods, quantized_output=True, tokens=sh.local_tokens, width=width)] if norm_name else []
     ops += quantize(name, sh.local_tokens * width, sh, mods, fused_with_norm=norm_name is not None)
     if sh.sp:
-        ops.append(sh.tp_comm(f"{name}.all_gather", "all_gather", sh.tokens * width, sh.in_bytes, mods))
+        ops.append(sh.tp_comm(f"{name}.all_gather", "all_gather", sh.tokens * width, sh.in_bytes, mods,
+                              overlaps=name if sh.ub else None))
     return ops
 
 
 def row_output(name: str, sh: Shape, mods: frozenset[str]) -> list[Op]:
-    """What follows a row-parallel linear: the reduce-scatter (sequence parallel) or all-reduce of its output."""
+    """What follows a row-parallel linear: the reduce-scatter (sequence parallel; beside the GEMM
+    with tp_comm_overlap) or all-reduce of its output."""
     if sh.t == 1:
         return []
     kind = "reduce_scatter" if sh.sp else "all_reduce"
-    return [sh.tp_comm(f"{name}.{kind}", kind, sh.tokens * sh.h, sh.e, mods)]
+    return [sh.tp_comm(f"{name}.{kind}", kind, sh.tokens * sh.h, sh.e, mods, overlaps=name if sh.ub else None)]
 
 
 def bias_dropout_add(name: str, sh: Shape, dropout: float, forward: bool) -> Op:

@@ -81,7 +81,10 @@ NEUTRAL: dict[str, tuple[tuple[Any, ...], str]] = {
     # Dense world and multi-latent attention: what stays refused beside the arguments DENSE_WORLD maps
     "qk_l2_norm": ((False,), "L2 query/key norms are not modelled (--qk-layernorm is)"),
     "mla_down_proj_fusion": ((False,), "MLA's fused down-projection (FusedMLASelfAttention) is not modelled"),
-    "mtp_num_layers": ((None, 0), "multi-token prediction is not modelled (no golden outside MoE checks it)"),
+    "mtp_use_repeated_layer": ((False, None), "one multi-token-prediction layer repeated over the depths is not "
+                                               "modelled"),
+    "mtp_hsm": ((False, None), "multi-token prediction's hidden-state mixing is not modelled"),
+    "mtp_detach_heads": ((False, None), "multi-token prediction with detached heads is not modelled"),
     # Mixture-of-experts: what the MoE model (analysis/megatron/moe.py) does not express.
     "moe_latent_size": ((None,), "MoE latent projections are not modelled"),
     "moe_use_grouped_tensor": ((False,), "Transformer Engine's grouped-tensor experts are not modelled"),
@@ -96,11 +99,13 @@ NEUTRAL: dict[str, tuple[tuple[Any, ...], str]] = {
     "overlap_dispatch_backward_with_experts_wgrad": ((False,), "delaying the experts' weight gradients is not modelled"),
     "delay_wgrad_compute": ((False,), "delaying weight gradients is not modelled"),
 }
-# --tp-comm-overlap is read by nobody here: TE's userbuffers (initialize_ub -> comm_gemm_overlap.cpp,
-# userbuffers-host.cpp `register_user_buffer_collective`: cuMemCreate / cudaMalloc) lie outside
-# torch's caching allocator, which Megatron's memory figures and this estimate count, and TE's
-# linears save the same local inputs with them (layernorm_linear.py: ln_out stays the local shard;
-# the gathered input goes to the userbuffer instead of a torch tensor).
+# --tp-comm-overlap (parallel.tp_comm_overlap, read with the dense world below): TE's userbuffers
+# themselves (initialize_ub -> comm_gemm_overlap.cpp, userbuffers-host.cpp
+# `register_user_buffer_collective`: cuMemCreate / cudaMalloc) lie outside torch's caching allocator,
+# which Megatron's memory figures and this estimate count, and TE's linears save the same local
+# inputs with them (layernorm_linear.py: ln_out stays the local shard; the gathered input goes to the
+# userbuffer instead of a torch tensor); what torch does count is the userbuffer GEMMs' own cuBLAS
+# workspace (buffers.py `te_userbuffers_workspace_bytes`).
 
 # Context parallel (context_parallel_size, cp_comm_type, hierarchical_context_parallel_sizes) is
 # read by `_context_parallel`; what of it the estimate cannot express:
@@ -223,6 +228,11 @@ def inexpressible(args: Mapping[str, Any]) -> list[CannotExpress]:
         out.append(_cannot("accumulate_allreduce_grads_in_fp32", True, "an fp32 grad buffer for fp16 runs is not modelled"))
     if args.get("cpu_offloading") and args.get("cpu_offloading_activations") is False:
         out.append(_cannot("cpu_offloading_activations", False, "offloading without activations is not modelled"))
+    if args.get("overlap_moe_expert_parallel_comm") and args.get("num_experts") and \
+            (args.get("pipeline_model_parallel_size") or 1) > 1:
+        # schedules.py runs the combined forward-backward chunks inside the interleaved schedule
+        out.append(_cannot("overlap_moe_expert_parallel_comm", True, "the combined 1F1B schedule is modelled without "
+                           "pipeline parallelism only"))
     position = args.get("position_embedding_type")
     if position not in (None, "learned_absolute", "rope") and not args.get("use_rotary_position_embeddings"):
         out.append(_cannot("position_embedding_type", position, "only learned_absolute and rope are modelled"))
@@ -358,14 +368,15 @@ def _context_parallel(a: Mapping[str, Any], par: dict[str, Any]) -> int:
 # Megatron's name -> (section, Megatron's default): read as they are, each a field of the same name.
 DENSE_WORLD = {
     "qk_layernorm": ("model", False), "attention_output_gate": ("model", False), "add_qkv_bias": ("model", False),
-    "apply_rope_fusion": ("model", True), "rope_type": ("model", None),
+    "apply_rope_fusion": ("model", True), "rope_type": ("model", None), "mtp_num_layers": ("model", None),
     "create_attention_mask_in_dataloader": ("training", True),
     "use_precision_aware_optimizer": ("training", False), "grad_reduce_in_bf16": ("training", False),
     "defer_embedding_wgrad_compute": ("training", False), "wgrad_deferral_limit": ("training", 0),
+    "gradient_accumulation_fusion": ("training", True),
     "num_distributed_optimizer_instances": ("parallel", 1), "decoder_first_pipeline_num_layers": ("parallel", None),
     "decoder_last_pipeline_num_layers": ("parallel", None), "account_for_embedding_in_pipeline_split": ("parallel", False),
     "account_for_loss_in_pipeline_split": ("parallel", False), "pipeline_model_parallel_layout": ("parallel", None),
-    "microbatch_group_size_per_vp_stage": ("parallel", None),
+    "microbatch_group_size_per_vp_stage": ("parallel", None), "tp_comm_overlap": ("parallel", False),
 }
 # Megatron's MLA arguments and their argparse defaults (arguments.py _add_mla_args: --kv-lora-rank 32).
 MLA_ARGUMENTS = {"q_lora_rank": None, "kv_lora_rank": 32, "qk_head_dim": 128, "qk_pos_emb_head_dim": 64, "v_head_dim": 128}

@@ -48,14 +48,15 @@ MEGATRON_ONLY = ("transformer_impl", "masked_softmax_fusion", "attention_softmax
 # models (section.attribute): framework recompute-bench takes their defaults only.
 MEGATRON_ONLY_SETTINGS = (
     "model.qk_layernorm", "model.attention_output_gate", "model.add_qkv_bias", "model.cross_entropy_fusion_impl",
-    "model.rope_type", "model.apply_rope_fusion",
+    "model.rope_type", "model.apply_rope_fusion", "model.mtp_num_layers",
     "training.create_attention_mask_in_dataloader", "training.use_precision_aware_optimizer",
     "training.main_grads_dtype", "training.main_params_dtype", "training.exp_avg_dtype", "training.exp_avg_sq_dtype",
     "training.grad_reduce_in_bf16", "training.defer_embedding_wgrad_compute", "training.wgrad_deferral_limit",
+    "training.gradient_accumulation_fusion",
     "parallel.num_distributed_optimizer_instances", "parallel.decoder_first_pipeline_num_layers",
     "parallel.decoder_last_pipeline_num_layers", "parallel.account_for_embedding_in_pipeline_split",
     "parallel.account_for_loss_in_pipeline_split", "parallel.pipeline_model_parallel_layout",
-    "parallel.microbatch_group_size_per_vp_stage")
+    "parallel.microbatch_group_size_per_vp_stage", "parallel.tp_comm_overlap")
 MEGATRON_ACTIVATIONS = ("squared_relu",)
 """Activations framework megatron models beyond ACTIVATIONS (Megatron's --squared-relu)."""
 CROSS_ENTROPY_FUSION_IMPLS = ("native", "te")
@@ -297,6 +298,16 @@ class ModelConfig:
     apply_rope_fusion: bool = True
     """Framework megatron: the fused RoPE kernels (Megatron's default; --no-rope-fusion turns them off,
     and Megatron turns them off when position_embedding_type is not rope)."""
+    mtp_num_layers: int = 0
+    """Framework megatron: multi-token-prediction layers after the decoder (--mtp-num-layers), each an
+    embedding of the next tokens, a projection, one transformer layer of the last decoder layer's kind
+    and a second pass through the output layer and the loss; 0: none."""
+
+    def decoder_layer_of(self, index: int) -> int:
+        """The decoder layer whose kind (dense or MoE, its cp_comm_type) layer `index` takes: itself,
+        or for a multi-token-prediction layer (index num_layers + k) the last decoder layer, whose
+        spec Megatron's MTP layers use (gpt_builders.py: `decoder_layer_specs[-1]`)."""
+        return min(index, self.num_layers - 1)
 
     @property
     def groups(self) -> int:
@@ -330,7 +341,7 @@ class ModelConfig:
 
     def is_moe_layer(self, index: int) -> bool:
         """Whether layer `index` (from 0) is a mixture-of-experts layer (moe_layer_freq)."""
-        return bool(self.moe_layer_pattern[index])
+        return bool(self.moe_layer_pattern[self.decoder_layer_of(index)])
 
     @property
     def moe_layers(self) -> int:
@@ -421,6 +432,9 @@ class TrainingConfig:
     its input and output gradient kept per micro-batch until then (--defer-embedding-wgrad-compute)."""
     wgrad_deferral_limit: int = 0
     """Framework megatron, with defer_embedding_wgrad_compute: how many micro-batches defer (0: all)."""
+    gradient_accumulation_fusion: bool = True
+    """Framework megatron: the linears' weight-gradient GEMMs accumulate straight into DDP's main
+    gradients (Megatron-LM's default; --no-gradient-accumulation-fusion turns it off)."""
 
 
 @dataclass
@@ -485,6 +499,10 @@ class ParallelConfig:
     microbatch_group_size_per_vp_stage: Optional[int] = None
     """Framework megatron, interleaved: micro-batches run through a model chunk before the next
     (--microbatch-group-size-per-virtual-pipeline-stage); None: pipeline_model_parallel_size."""
+    tp_comm_overlap: bool = False
+    """Framework megatron: Transformer Engine overlaps the tensor-parallel all-gathers and
+    reduce-scatters with the linears' GEMMs through its userbuffers (--tp-comm-overlap; needs
+    sequence parallel)."""
 
     @property
     def schedule(self) -> str:

@@ -39,13 +39,14 @@ LATER_KEYS = ("num_moe_experts", "moe_router_topk", "moe_ffn_hidden_size", "moe_
               "hierarchical_context_parallel_sizes", "fp8_recipe", "fp8_format", "fp8_param_gather",
               # Megatron's dense-world and MLA arguments (framework megatron)
               "qk_layernorm", "attention_output_gate", "add_qkv_bias", "cross_entropy_fusion_impl",
-              "rope_type", "apply_rope_fusion", "create_attention_mask_in_dataloader",
+              "rope_type", "apply_rope_fusion", "mtp_num_layers", "create_attention_mask_in_dataloader",
               "use_precision_aware_optimizer", "main_grads_dtype", "main_params_dtype", "exp_avg_dtype",
               "exp_avg_sq_dtype", "grad_reduce_in_bf16", "defer_embedding_wgrad_compute", "wgrad_deferral_limit",
+              "gradient_accumulation_fusion",
               "num_distributed_optimizer_instances", "decoder_first_pipeline_num_layers",
               "decoder_last_pipeline_num_layers", "account_for_embedding_in_pipeline_split",
               "account_for_loss_in_pipeline_split", "pipeline_model_parallel_layout",
-              "microbatch_group_size_per_vp_stage",
+              "microbatch_group_size_per_vp_stage", "tp_comm_overlap",
               # Megatron's MoE settings (framework megatron)
               "moe_router_load_balancing_type", "moe_z_loss_coeff", "moe_router_pre_softmax", "moe_router_dtype",
               "moe_token_dispatcher_type", "moe_pad_expert_input_to_capacity", "moe_permute_fusion",

@@ -44,9 +44,20 @@ def validate_megatron_settings(cfg: Config) -> None:
     if not isinstance(t.wgrad_deferral_limit, int) or t.wgrad_deferral_limit < 0:
         raise BadInput(f"wgrad_deferral_limit must be 0 (every micro-batch) or more, got {t.wgrad_deferral_limit!r}; "
                        "pass --set training.wgrad_deferral_limit=N")
+    if not isinstance(m.mtp_num_layers, int) or isinstance(m.mtp_num_layers, bool) or m.mtp_num_layers < 0:
+        raise BadInput(f"mtp_num_layers must be 0 (none) or more, got {m.mtp_num_layers!r}; pass "
+                       "--set model.mtp_num_layers=N")
     if m.multi_latent_attention and m.transformer_impl != "transformer_engine":
         raise BadInput("multi-latent attention is modelled with Transformer Engine's modules (Megatron's default); "
                        "pass --transformer-impl transformer_engine")
+    # arguments.py validate_args: "Tensor parallel communication/GEMM overlap can happen only when
+    # sequence parallelism is enabled"; initialize.py _initialize_tp_communicators needs TE
+    if p.tp_comm_overlap and not p.sequence_parallel:
+        raise BadInput("tp_comm_overlap overlaps sequence parallel's communication; pass --sequence-parallel or drop "
+                       "--set parallel.tp_comm_overlap")
+    if p.tp_comm_overlap and m.transformer_impl != "transformer_engine":
+        raise BadInput("tp_comm_overlap runs in Transformer Engine's linears; pass --transformer-impl "
+                       "transformer_engine or drop --set parallel.tp_comm_overlap")
     if p.microbatch_group_size_per_vp_stage is not None and not p.virtual_pipeline_model_parallel_size:
         raise BadInput("microbatch_group_size_per_vp_stage groups the interleaved schedule's micro-batches; set "
                        "virtual_pipeline_model_parallel_size or drop it")

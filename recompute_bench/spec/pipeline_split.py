@@ -34,6 +34,10 @@ class ModelChunk:
     first_layer: int = 0
     """Its first transformer layer, 0-based over the whole model (`get_transformer_layer_offset`):
     the layers of every virtual stage before it."""
+    mtp: int = 0
+    """Multi-token-prediction layers it builds after its decoder layers (the layout's m; without a
+    layout all of them, on the last stage's last chunk: multi_token_prediction.py
+    `get_mtp_num_layers_to_build`). They count as layers num_layers + k (ModelConfig.decoder_layer_of)."""
 
 
 def parse_layout(text: str) -> list[str]:
@@ -77,7 +81,7 @@ def model_chunks(cfg: Config, stage: int) -> list[ModelChunk]:
         for r in range(p):
             offsets[(r, c)] = first
             first += every[r][c].layers
-    return [ModelChunk(chunk.layers, chunk.embedding, chunk.loss, offsets[(stage, c)])
+    return [ModelChunk(chunk.layers, chunk.embedding, chunk.loss, offsets[(stage, c)], chunk.mtp)
             for c, chunk in enumerate(every[stage])]
 
 
@@ -88,7 +92,7 @@ def _rank_chunks(cfg: Config, stage: int) -> list[ModelChunk]:
     if par.pipeline_model_parallel_layout is not None:
         stages = parse_layout(par.pipeline_model_parallel_layout)
         mine = [stages[c * p + stage] for c in range(len(stages) // p)]
-        return [ModelChunk(s.count("t"), "E" in s, "L" in s) for s in mine]
+        return [ModelChunk(s.count("t"), "E" in s, "L" in s, mtp=s.count("m")) for s in mine]
     per_rank = _layers_per_rank(cfg, stage)
     out = []
     for c in range(vp):
@@ -97,7 +101,7 @@ def _rank_chunks(cfg: Config, stage: int) -> list[ModelChunk]:
         # get_num_layers_to_build: the embedding (loss) takes one layer's place in its chunk
         layers -= int(embedding and par.account_for_embedding_in_pipeline_split)
         layers -= int(loss and par.account_for_loss_in_pipeline_split)
-        out.append(ModelChunk(layers, embedding, loss))
+        out.append(ModelChunk(layers, embedding, loss, mtp=cfg.model.mtp_num_layers if loss else 0))
     return out
 
 
@@ -137,9 +141,14 @@ def validate_split(cfg: Config) -> None:
         if not flat.startswith("E") or not flat.endswith("L") or flat.count("E") != 1 or flat.count("L") != 1:
             raise BadInput(f"pipeline_model_parallel_layout {layout!r} must start with the embedding E and end with the "
                            "loss L, each once")
-        if "m" in flat:
-            raise BadInput(f"pipeline_model_parallel_layout {layout!r} places multi-token-prediction layers (m), which "
-                           "are not modelled; drop them with --mtp-num-layers")
+        if flat.count("m") != m.mtp_num_layers:
+            raise BadInput(f"pipeline_model_parallel_layout {layout!r} places {flat.count('m')} multi-token-prediction "
+                           f"layers (m), not mtp_num_layers {m.mtp_num_layers}; write one m per layer")
+        if m.mtp_num_layers and not any(stage.count("m") == m.mtp_num_layers and stage.endswith("L")
+                                        for stage in parse_layout(layout)):
+            raise BadInput(f"pipeline_model_parallel_layout {layout!r} places the multi-token-prediction layers (m) "
+                           "apart from the loss L; they are modelled in the loss's virtual stage: write them as "
+                           "...mL")
         if flat.count("t") != m.num_layers:
             raise BadInput(f"pipeline_model_parallel_layout {layout!r} places {flat.count('t')} layers, not num_layers "
                            f"{m.num_layers}; write one t per layer")

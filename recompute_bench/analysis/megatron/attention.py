@@ -136,6 +136,39 @@ def core_attention_saved(saved: SavedBytes, cfg: Config, run: MegatronRun, mods:
         saved.add(*proj, "tp")  # context.permute(...).contiguous(), or linear_proj's FP8 copy of it
 
 
+def score_backward_bytes(cfg: Config, run: MegatronRun) -> float:
+    """What the backward of the unfused (TE) or local (Megatron) attention holds at once beyond what
+    it saved, one micro-batch on one tensor-parallel rank: the gradient of the probabilities,
+    [b, heads/t, s, s] in 16 bits (`torch.bmm`'s backward), and
+    - with attention dropout, the dropout's backward writes the gradient before it anew beside it;
+    - the fused masked-softmax kernel writes its input gradient in place over the output gradient
+      (TE csrc/extensions/softmax.cpp `scaled_upper_triang_masked_softmax_backward` returns
+      `output_grads` before TransformerEngine 0c8cf2c, July 2026, which the goldens predate; Megatron's
+      megatron/core/fusions/fused_softmax.py kernels alike);
+    - torch's softmax backward (`_softmax_backward_data`) writes a new gradient in the softmax's
+      dtype, after autograd casts the incoming one to it: 2 x 4 bytes a score where it runs in fp32,
+      2 x 2 where in 16 bits.
+    Beside them `baddbmm`'s and `bmm`'s backward write the gradients of q, k and v (k and v at
+    every query head's: the path repeats them for grouped queries). The flash and fused kernels
+    recompute the scores tile by tile: nothing of that size."""
+    path = attention_path(cfg, run)
+    if path not in ("unfused", "local"):
+        return 0.0
+    tr, m, t = cfg.training, cfg.model, cfg.parallel.tensor_model_parallel_size
+    e = ELEMENT_BYTES[tr.precision]
+    scores = tr.micro_batch_size * m.num_attention_heads / t * tr.seq_length ** 2
+    per_score = 2 * e if m.attention_dropout > 0 else e
+    if not softmax_fused(cfg, run):
+        probs = FP32_BYTES if _softmax_in_fp32(cfg) else e
+        per_score = max(per_score, e + probs, 2 * probs)
+    if m.multi_latent_attention:
+        qk, v = m.qk_head_dim + m.qk_pos_emb_head_dim, m.v_head_dim
+    else:
+        qk = v = m.head_dim
+    gradients = e * rank_tokens(cfg) * m.num_attention_heads * (2 * qk + v) / t
+    return per_score * scores + gradients
+
+
 def _batch_per_block(seq_length: int) -> int:
     """The masked-softmax kernels' batches per 128-thread block (scaled_masked_softmax.h
     `get_batch_per_block`, in Megatron's extension and TE's softmax.py): warps of min(2^k, 32)

@@ -1,8 +1,10 @@
 """Buffers a Megatron rank holds for the whole run besides parameters and optimizer state: cuBLAS
 workspaces (torch's and Transformer Engine's), the local attention's score buffer and causal mask.
 
-Sources: transformer_engine/pytorch/cpp_extensions/gemm.py, aten/src/ATen/cuda/CublasHandlePool.cpp,
-torch/csrc/autograd/engine.cpp, megatron/core/transformer/dot_product_attention.py,
+Sources: transformer_engine/pytorch/cpp_extensions/gemm.py (the single, grouped and userbuffers GEMMs'
+workspaces), aten/src/ATen/cuda/CublasHandlePool.cpp,
+torch/csrc/autograd/engine.cpp, transformer_engine/pytorch/module/base.py (`get_dummy_wgrad`),
+megatron/core/transformer/dot_product_attention.py,
 megatron/core/fusions/fused_softmax.py."""
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ from typing import Iterable
 
 from recompute_bench.analysis.megatron.attention import softmax_fused
 from recompute_bench.analysis.megatron.fp8 import layer_runs_fp8, scaling_state_bytes
+from recompute_bench.analysis.megatron.layer import layer_linear_weights
 from recompute_bench.analysis.megatron.moe import allgather_buffer_bytes
 from recompute_bench.analysis.megatron.run import MiB, MegatronRun
 from recompute_bench.models import ELEMENT_BYTES, MASK_BYTES
@@ -34,6 +37,24 @@ def torch_cublas_workspace_bytes(run: MegatronRun) -> float:
     if pairs:
         return sum(int(size) * 1024 * int(count) for size, count in pairs)
     return 4096 * 8 * 1024 if 90 <= run.compute_capability < 130 else 4096 * 1024 * 2 + 16 * 1024 * 8
+
+
+TE_USERBUFFERS_STREAMS = 3
+"""Transformer Engine's GEMMs that overlap a tensor-parallel collective through userbuffers take a
+workspace of their own, one cuBLAS workspace per userbuffers stream (cpp_extensions/gemm.py
+`_NUM_MAX_UB_STREAMS = 3`)."""
+
+
+def te_userbuffers_workspace_bytes(cfg: Config, run: MegatronRun) -> float:
+    """With --tp-comm-overlap, the workspace of TE's userbuffers GEMMs: `general_gemm` asks
+    `get_cublas_workspace(device, ub is not None, False)`, which is lru-cached per (device, ub,
+    grouped_gemm), so the GEMMs with a userbuffers communicator get one more torch tensor of
+    `_NUM_MAX_UB_STREAMS` x `get_cublas_workspace_size_bytes()` beside the ordinary GEMMs' one, held
+    all run. The userbuffers themselves are TE's own device allocations (userbuffers-host.cpp
+    `register_user_buffer_collective`), outside torch's allocator."""
+    if not cfg.parallel.tp_comm_overlap:
+        return 0.0
+    return TE_USERBUFFERS_STREAMS * te_cublas_workspace_bytes(run)
 
 
 TE_GROUPED_GEMM_STREAMS = 4
@@ -68,6 +89,8 @@ def buffer_bytes(cfg: Config, run: MegatronRun) -> dict[str, float]:
     # RouterGatingLinearFunction), as in every Megatron container, local layers or not.
     if m.transformer_impl == "transformer_engine" or m.num_moe_experts:
         out["Transformer Engine cuBLAS workspace"] = te_cublas_workspace_bytes(run)
+    if cfg.parallel.tp_comm_overlap:
+        out["Transformer Engine userbuffers GEMM workspace"] = te_userbuffers_workspace_bytes(cfg, run)
     if m.num_moe_experts and m.moe_grouped_gemm and m.transformer_impl == "transformer_engine":
         out["Transformer Engine grouped-GEMM workspaces"] = TE_GROUPED_GEMM_STREAMS * te_cublas_workspace_bytes(run)
     if m.transformer_impl == "transformer_engine":
@@ -87,6 +110,22 @@ def buffer_bytes(cfg: Config, run: MegatronRun) -> dict[str, float]:
         if not softmax_fused(cfg, run):  # fused_softmax.py get_default_causal_mask is lru-cached
             out["causal mask (local softmax)"] = MASK_BYTES * cfg.training.seq_length ** 2
     return out
+
+
+def te_dummy_wgrad_bytes(cfg: Config, layers: Iterable[int]) -> float:
+    """With gradient_accumulation_fusion (Megatron-LM's default), Transformer Engine's linears write
+    their weight gradient straight into DDP's `main_grad` and hand autograd a placeholder instead:
+    `get_dummy_wgrad(shape, weight.dtype)` (module/base.py), one tensor per (shape, dtype) kept in
+    the module-level `_dummy_wgrads` for the rest of the run (linear.py, layernorm_linear.py,
+    grouped_linear.py backward, "Handle custom DDP from mcore"). So a rank holds one weight-sized
+    16-bit tensor per distinct TE linear weight shape among its layers (`layer.layer_linear_weights`:
+    a MoE layer's routed experts share one shape), from its first backward on. Megatron's own
+    linears (the output layer, local layers) return a fresh gradient each backward instead: nothing
+    kept."""
+    if not cfg.training.gradient_accumulation_fusion or cfg.model.transformer_impl != "transformer_engine":
+        return 0.0
+    shapes = {shape for layer in layers for shape in layer_linear_weights(cfg, layer).values()}
+    return sum(ELEMENT_BYTES[cfg.training.precision] * rows * cols for rows, cols in shapes)
 
 
 FP8_MODULES_PER_LAYER = 4

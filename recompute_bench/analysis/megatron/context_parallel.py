@@ -65,7 +65,10 @@ def layer_attention(cfg: Config, layer: int) -> CpAttention | None:
     par = cfg.parallel
     if par.context_parallel_size == 1:
         return None
-    kind = layer_comm_types(str(par.cp_comm_type), cfg.model.num_layers)[layer]
+    # a multi-token-prediction layer k is numbered k + 1 (MultiTokenPredictionLayer.__init__), so
+    # TransformerLayer takes the k-th cp_comm_type
+    number = layer - cfg.model.num_layers if layer >= cfg.model.num_layers else layer
+    kind = layer_comm_types(str(par.cp_comm_type), cfg.model.num_layers)[number]
     return CpAttention(*comm_levels(kind, par.context_parallel_size, par.hierarchical_context_parallel_sizes))
 
 

@@ -165,7 +165,9 @@ def layer_runs_fp8(cfg: Config, layer: int) -> bool:
     if not runs_fp8(cfg):
         return False
     tr = cfg.training
-    if not tr.first_last_layers_bf16:
+    # a multi-token-prediction layer (index num_layers + k) runs under the global FP8 context
+    # (multi_token_prediction.py `_proj_and_transformer_layer`; is_first_last_bf16_layer(-1) is False)
+    if not tr.first_last_layers_bf16 or layer >= cfg.model.num_layers:
         return True
     return tr.num_layers_at_start_in_bf16 <= layer < cfg.model.num_layers - tr.num_layers_at_end_in_bf16
 

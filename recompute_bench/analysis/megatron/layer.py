@@ -11,12 +11,13 @@ from __future__ import annotations
 
 from typing import Iterable
 
-from recompute_bench.analysis.megatron.attention import attention_path, attention_saved
+from recompute_bench.analysis.megatron.attention import attention_path, attention_saved, score_backward_bytes
 from recompute_bench.analysis.megatron.context_parallel import (attention_backward_bytes, attention_forward_bytes,
                                                                 layer_attention, rank_tokens)
 from recompute_bench.analysis.megatron.fp8 import linear_input_bytes
-from recompute_bench.analysis.megatron.mla import mla_attention_saved
+from recompute_bench.analysis.megatron.mla import mla_attention_saved, up_proj_rebuilt_bytes
 from recompute_bench.analysis.megatron.moe import moe_backward_bytes, moe_saved_bytes
+from recompute_bench.analysis.megatron.mtp import eh_proj_weight, is_mtp_layer
 from recompute_bench.analysis.megatron.run import MegatronRun
 from recompute_bench.models import ELEMENT_BYTES, FP32_BYTES, MASK_BYTES, SavedBytes
 from recompute_bench.spec.config import Config
@@ -24,7 +25,7 @@ from recompute_bench.spec.config import Config
 def is_moe_layer(cfg: Config, layer: int, moe: bool | None = None) -> bool:
     """Whether layer `layer` (0-based) is a mixture-of-experts layer (moe_layer_freq), unless `moe`
     says which kind to count."""
-    return bool(cfg.model.moe_layer_pattern[layer]) if moe is None else moe
+    return cfg.model.is_moe_layer(layer) if moe is None else moe
 
 
 def layer_saved_bytes(cfg: Config, run: MegatronRun, modules: Iterable[str] = (), layer: int = 0,
@@ -101,16 +102,19 @@ def layer_backward_bytes(cfg: Config, run: MegatronRun, layer: int = 0, routing:
     """What one layer's backward holds beyond the saved tensors, at its most: the MLP's, where the
     largest gradients meet (linear_fc2's data gradient [s, b, f] and the activation's backward
     output, the gradient of fc1's output, both in 16 bits; a MoE layer's experts',
-    `moe.moe_backward_bytes`), or under context parallel the attention's, whichever is more
-    (`context_parallel.attention_backward_bytes`)."""
+    `moe.moe_backward_bytes`), or the attention's, whichever is more: the unfused and local paths'
+    score gradients (`attention.score_backward_bytes`), under context parallel Transformer Engine's
+    CP attention (`context_parallel.attention_backward_bytes`); under MLA's `mla_up_proj` recompute
+    with the query, key and value it rebuilds for that backward (`mla.up_proj_rebuilt_bytes`)."""
     tr, m = cfg.training, cfg.model
     e, tokens, t = ELEMENT_BYTES[tr.precision], rank_tokens(cfg), cfg.parallel.tensor_model_parallel_size
     fc1 = 2 * m.ffn_hidden_size if m.activation == "swiglu" else m.ffn_hidden_size
     mlp = moe_backward_bytes(cfg, routing) if is_moe_layer(cfg, layer, moe) else e * tokens * (m.ffn_hidden_size + fc1) / t
     cp_attention = layer_attention(cfg, layer)
-    if cp_attention is None:
-        return mlp
-    return max(mlp, sum(attention_backward_bytes(cfg, attention_path(cfg, run), cp_attention).values()))
+    rebuilt = up_proj_rebuilt_bytes(cfg)  # MLA's q, k, v, recomputed for core attention's backward
+    if cp_attention is None:  # the unfused and local attention's score gradients, where they run
+        return max(mlp, score_backward_bytes(cfg, run) + rebuilt)
+    return max(mlp, sum(attention_backward_bytes(cfg, attention_path(cfg, run), cp_attention).values()) + rebuilt)
 
 
 def layer_forward_bytes(cfg: Config, run: MegatronRun, layer: int = 0) -> float:
@@ -123,13 +127,52 @@ def layer_forward_bytes(cfg: Config, run: MegatronRun, layer: int = 0) -> float:
     return sum(attention_forward_bytes(cfg, attention_path(cfg, run), cp_attention).values())
 
 
-def layer_linear_weights(cfg: Config) -> dict[str, tuple[int, int]]:
-    """The weights of one dense layer's Transformer Engine linears on one tensor-parallel rank, as
-    [out, in] (what FP8 quantizes: fp8.weight_bytes): linear_qkv and linear_fc1 column-parallel
-    (TELayerNormColumnParallelLinear), linear_proj and linear_fc2 row-parallel (TERowParallelLinear)."""
-    m, t = cfg.model, cfg.parallel.tensor_model_parallel_size
-    h, f, d = m.hidden_size, m.ffn_hidden_size, m.head_dim
-    fc1 = 2 * f if m.activation == "swiglu" else f
-    return {"linear_qkv": ((m.num_attention_heads + 2 * m.groups) * d // t, h),
-            "linear_proj": (h, m.num_attention_heads * d // t),
-            "linear_fc1": (fc1 // t, h), "linear_fc2": (h, f // t)}
+def layer_linear_weights(cfg: Config, layer: int = 0) -> dict[str, tuple[int, int]]:
+    """The weights of layer `layer`'s Transformer Engine linears on one rank, as [out, in] (what
+    FP8 quantizes: fp8.weight_bytes), by the layer's kind:
+
+    - attention: linear_qkv (TELayerNormColumnParallelLinear, the output gate's columns included)
+      and linear_proj (TERowParallelLinear); under multi-latent attention its projections instead
+      (multi_latent_attention.py `MLASelfAttention.__init__`: the down projections TELinear
+      "duplicated", whole on every rank; the up projections column-parallel; linear_proj
+      row-parallel);
+    - a dense layer's MLP: linear_fc1 (column-parallel, with its fused norm) and linear_fc2;
+    - a MoE layer's MLP (moe_layer_freq): the shared experts' linear_fc1 and linear_fc2 over tp
+      (shared_experts.py, TE linears), and each of the rank's E / ep routed experts' fc1 and fc2
+      over etp: TE's GroupedLinear keeps one weight tensor per expert (`weight{i}`), each
+      quantized on its own (grouped_linear.py). The router's [E, h] gating weight is no TE
+      linear (moe_utils.py `router_gating_linear`): it stays 16-bit."""
+    m, par = cfg.model, cfg.parallel
+    t = par.tensor_model_parallel_size
+    h, d = m.hidden_size, m.head_dim
+    gated = 2 if m.activation == "swiglu" else 1
+    out: dict[str, tuple[int, int]] = {}
+    if m.multi_latent_attention:
+        n, r = m.num_attention_heads, m.qk_pos_emb_head_dim
+        if m.q_lora_rank is None:
+            out["linear_q_proj"] = (n * (m.qk_head_dim + r) // t, h)
+        else:
+            out["linear_q_down_proj"] = (m.q_lora_rank, h)
+            out["linear_q_up_proj"] = (n * (m.qk_head_dim + r) // t, m.q_lora_rank)
+        out["linear_kv_down_proj"] = (m.kv_lora_rank + r, h)
+        out["linear_kv_up_proj"] = (n * (m.qk_head_dim + m.v_head_dim) // t, m.kv_lora_rank)
+        out["linear_proj"] = (h, n * m.v_head_dim // t)
+    else:
+        gate = m.num_attention_heads * d if m.attention_output_gate else 0
+        out["linear_qkv"] = (((m.num_attention_heads + 2 * m.groups) * d + gate) // t, h)
+        out["linear_proj"] = (h, m.num_attention_heads * d // t)
+    if is_mtp_layer(cfg, layer):  # a multi-token-prediction layer's projection, then its layer
+        out["eh_proj"] = eh_proj_weight(cfg)
+    if not is_moe_layer(cfg, layer):
+        out["linear_fc1"] = (gated * m.ffn_hidden_size // t, h)
+        out["linear_fc2"] = (h, m.ffn_hidden_size // t)
+        return out
+    shared = m.moe_shared_expert_intermediate_size
+    if shared:
+        out["shared_experts.linear_fc1"] = (gated * shared // t, h)
+        out["shared_experts.linear_fc2"] = (h, shared // t)
+    etp = par.expert_tensor_parallel
+    for i in range(m.num_moe_experts // par.expert_model_parallel_size):
+        out[f"experts.linear_fc1.weight{i}"] = (gated * m.moe_ffn // etp, h)
+        out[f"experts.linear_fc2.weight{i}"] = (h, m.moe_ffn // etp)
+    return out

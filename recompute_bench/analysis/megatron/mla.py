@@ -25,6 +25,7 @@ whose outputs are gathered and scattered again) is refused. Pure Python.
 from __future__ import annotations
 
 from recompute_bench.analysis.megatron.attention import CoreAttentionInputs, core_attention_saved
+from recompute_bench.analysis.megatron.context_parallel import rank_tokens
 from recompute_bench.analysis.megatron.run import MegatronRun
 from recompute_bench.models import ELEMENT_BYTES, FP32_BYTES, SavedBytes
 from recompute_bench.spec.config import Config
@@ -115,3 +116,16 @@ def mla_attention_saved(saved: SavedBytes, cfg: Config, run: MegatronRun, mods: 
     inputs = CoreAttentionInputs(("query", kept * e * tokens * n * qk), ("key", kept * e * tokens * n * qk),
                                  ("value", kept * e * tokens * n * v), n, n, qk, v)
     core_attention_saved(saved, cfg, run, mods, inputs, layer)
+
+
+def up_proj_rebuilt_bytes(cfg: Config) -> float:
+    """Under `mla_up_proj` recompute, what the backward rebuilds before core attention's backward and
+    holds through it: query, key and value of the rank's n / t heads (multi_latent_attention.py
+    `discard_output_and_register_recompute(core_attn_out)`: the recompute runs when the gradient
+    reaches core attention's output). 0 without MLA or that recompute."""
+    m, r = cfg.model, cfg.recompute
+    if not m.multi_latent_attention or r.granularity != "selective" or "mla_up_proj" not in r.modules:
+        return 0.0
+    e, tokens, n = ELEMENT_BYTES[cfg.training.precision], rank_tokens(cfg), m.num_attention_heads
+    qk = m.qk_head_dim + m.qk_pos_emb_head_dim
+    return e * tokens * n * (2 * qk + m.v_head_dim) / cfg.parallel.tensor_model_parallel_size

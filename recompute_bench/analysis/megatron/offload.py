@@ -28,7 +28,11 @@ Two mechanisms, never together (transformer_config.py):
   is recomputed (its checkpoint runs outside the group: attention.py), attn_proj (linear_proj's saved
   input; its `forced_released_tensors` frees the attention output); attn_norm and mlp_norm are
   Transformer Engine's fused norms (IdentityOp), which save nothing of their own
-  (transformer_layer.py `_set_offload_modules`). Pure Python.
+  (transformer_layer.py `_set_offload_modules`). Only these dense TE groups are mapped: a MoE
+  layer's expert_fc1 and moe_act groups (moe/experts.py: fc1's input, the activation's fc1 output)
+  and MLA's attn_norm, qkv_linear and mlp_norm groups (its own TENorms' inputs, the down
+  projections' outputs) stay on the device here, which is where Megatron's goldens find them
+  (docs/megatron.md, the offload misses). Pure Python.
 """
 
 from __future__ import annotations

@@ -101,16 +101,16 @@ def distributed_optimizer_shards(cfg: Config, expert: bool = False) -> int:
 def fp8_weight_bytes(cfg: Config, run: MegatronRun, layers: Iterable[int]) -> dict[str, float]:
     """What FP8 changes in the weights of the layers `layers` (global indices) a rank holds, by
     item, beyond `bytes_per_parameter`: each FP8 layer's Transformer Engine linear weights
-    (`layer.layer_linear_weights`) through `fp8.weight_bytes` (FP8 weight copies; or FP8 primary
+    (`layer.layer_linear_weights`: attention or MLA, a dense MLP or a MoE
+    layer's shared and routed experts) through `fp8.weight_bytes` (FP8 weight copies; or FP8 primary
     weights, one byte in DDP's uint8 param buffer, with their transposes). Norms, biases,
     embeddings and the output layer stay 16-bit, as do the bf16 layers of first_last_layers_bf16
     (built outside fp8_model_init)."""
     out: dict[str, float] = {}
-    shapes = layer_linear_weights(cfg).values()
     for layer in layers:
         if not layer_runs_fp8(cfg, layer):
             continue
-        for rows, cols in shapes:
+        for rows, cols in layer_linear_weights(cfg, layer).values():
             for item, nbytes in weight_bytes(cfg, run, rows, cols).items():
                 out[item] = out.get(item, 0.0) + nbytes
     return out

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from recompute_bench.analysis.megatron.mla import mla_attention_parameters
 from recompute_bench.analysis.megatron.moe import moe_layer_parameters
+from recompute_bench.analysis.megatron.mtp import is_mtp_layer, mtp_extra_parameters, mtp_index
 from recompute_bench.models import vocab_rows
 from recompute_bench.models.dense.spec import DENSE
 from recompute_bench.spec.config import Config
@@ -60,7 +61,9 @@ def layer_parameter_groups(cfg: Config, layer: int) -> dict[str, float]:
     distributed_data_parallel.py keeps them in their own `expert_parallel_buffers`). A MoE layer
     (moe_layer_freq) is a dense layer whose MLP is replaced by `moe.moe_layer_parameters`."""
     dense = layer_parameters(cfg)
-    if not cfg.model.moe_layer_pattern[layer]:
+    if is_mtp_layer(cfg, layer):  # its norms and eh_proj beside a transformer layer
+        dense += mtp_extra_parameters(cfg)
+    if not cfg.model.is_moe_layer(layer):
         return {"dense": dense, "expert": 0.0}
     m, t = cfg.model, cfg.parallel.tensor_model_parallel_size
     fc1 = 2 * m.ffn_hidden_size if m.activation == "swiglu" else m.ffn_hidden_size
@@ -80,11 +83,15 @@ def chunk_parameter_groups(cfg: Config, chunk: ModelChunk, holds_embedding: bool
     m, t = cfg.model, cfg.parallel.tensor_model_parallel_size
     vocab = vocab_rows(cfg) * m.hidden_size / t
     groups = {"dense": 0.0, "expert": 0.0}
-    for i in range(chunk.first_layer, chunk.first_layer + chunk.layers):
+    indices = [*range(chunk.first_layer, chunk.first_layer + chunk.layers),
+               *(mtp_index(cfg, k) for k in range(chunk.mtp))]
+    for i in indices:
         for group, count in layer_parameter_groups(cfg, i).items():
             groups[group] += count
     n = 0.0
-    if chunk.embedding:
+    # a chunk with multi-token prediction builds an embedding of its own (gpt_model.py: `pre_process
+    # or mtp_process`), a copy of the first stage's kept in sync by the embedding group
+    if chunk.embedding or chunk.mtp:
         n += vocab + (m.max_position_embeddings * m.hidden_size if m.position_embedding_type == "learned_absolute" else 0)
     if chunk.loss:
         n += norm_parameters(cfg, m.hidden_size)

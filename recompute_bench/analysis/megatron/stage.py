@@ -9,13 +9,14 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from recompute_bench.analysis.layer import checkpoint_input_bytes
-from recompute_bench.analysis.megatron.buffers import buffer_bytes, fp8_scaling_bytes
+from recompute_bench.analysis.megatron.buffers import buffer_bytes, fp8_scaling_bytes, te_dummy_wgrad_bytes
 from recompute_bench.analysis.megatron.cuda_graphs import (captured_parts, full_iteration_data_bytes, graphs,
                                                            pool_resident, static_buffer_bytes)
 from recompute_bench.analysis.megatron.cuda_graphs import in_graph as graph_part
 from recompute_bench.analysis.megatron.fp8 import check_supported, layer_config
 from recompute_bench.analysis.megatron.layer import (layer_backward_bytes, layer_bytes, layer_forward_bytes,
                                                      layer_saved_bytes)
+from recompute_bench.analysis.megatron.mtp import mtp_index, mtp_saved_bytes
 from recompute_bench.analysis.megatron.offload import fine_grained_offloaded, layer_offloaded
 from recompute_bench.analysis.megatron.optimizer import bytes_per_parameter, fp8_weight_bytes
 from recompute_bench.analysis.megatron.outside import (batch_bytes, deferred_wgrad_bytes, embedding_saved_bytes,
@@ -57,7 +58,7 @@ CHECKPOINT_INPUT = "checkpoint input"
 
 
 def chunk_bytes(cfg: Config, run: MegatronRun, layers: int, first_layer: int = 0,
-                routing: str = "balanced") -> ChunkBytes:
+                routing: str = "balanced", mtp: int = 0) -> ChunkBytes:
     """A model chunk of `layers` layers from global layer `first_layer` on, under cfg.recompute,
     unit by unit (recompute/policy.py `chunks`): a full-recompute checkpoint keeps its input and,
     rebuilt in backward, its layers' activations over what the earlier units keep; a layer keeps
@@ -66,8 +67,9 @@ def chunk_bytes(cfg: Config, run: MegatronRun, layers: int, first_layer: int = 0
     Backward adds the most a layer's backward holds beyond that (`layer_backward_bytes`), or, where
     it re-runs the attention (full recompute, selective core_attn), the attention forward's working
     set if that is more (`layer_forward_bytes`), and under fine-grained offloading the reloaded
-    groups of one layer."""
-    if layers == 0:  # a chunk that holds only the embedding or the loss (uneven splits)
+    groups of one layer. `mtp` multi-token-prediction layers follow the decoder layers (mtp.py: each
+    its transformer layer and `mtp_saved_bytes`; under full recompute its own checkpoint)."""
+    if layers == 0 and not mtp:  # a chunk that holds only the embedding or the loss (uneven splits)
         return ChunkBytes(0.0, 0.0)
     policies = layer_policies(cfg.recompute, layers)
     fine = cfg.recompute.fine_grained_activation_offloading
@@ -105,8 +107,27 @@ def chunk_bytes(cfg: Config, run: MegatronRun, layers: int, first_layer: int = 0
                 terms[name] = terms.get(name, 0.0) + nbytes - moved.get(name, 0.0)
         in_graph += sum(graph_part(lcfg, saved).values())
         pool += sum(pool_resident(lcfg, saved, first_in_chunk=start == 0).values())
-    forward = max(layer_forward_bytes(cfg, run, first_layer + i) for i in range(layers))
-    backward = max(layer_backward_bytes(cfg, run, first_layer + i, routing) for i in range(layers))
+    indices = [first_layer + i for i in range(layers)]
+    full = cfg.recompute.granularity == "full"
+    modules = frozenset(cfg.recompute.modules) if cfg.recompute.granularity == "selective" else frozenset()
+    for k in range(mtp):
+        index = mtp_index(cfg, k)
+        indices.append(index)
+        lcfg = layer_config(cfg, index)
+        inner = layer_saved_bytes(lcfg, run, () if full else modules, index, routing)
+        extras = mtp_saved_bytes(lcfg, k)
+        if full:  # `_checkpointed_forward`: rebuilt in backward over what the chunk keeps
+            rebuilt = max(rebuilt, stored + sum(inner.values()) + sum(extras.values()))
+            inner, extras = {}, mtp_saved_bytes(lcfg, k, checkpointed=True)
+            reruns_attention = True
+        reruns_attention = reruns_attention or "core_attn" in modules
+        for name, nbytes in {**inner, **{n: b for n, b in extras.items() if n not in inner}}.items():
+            stored += nbytes
+            terms[name] = terms.get(name, 0.0) + nbytes
+        in_graph += sum(graph_part(lcfg, inner).values())
+        pool += sum(pool_resident(lcfg, inner, first_in_chunk=False).values())
+    forward = max(layer_forward_bytes(cfg, run, i) for i in indices)
+    backward = max(layer_backward_bytes(cfg, run, i, routing) for i in indices)
     if reruns_attention:
         backward = max(backward, forward)
     return ChunkBytes(stored, max(stored, rebuilt) + backward + reload, forward, in_graph, pool, last, terms)
@@ -158,6 +179,7 @@ class StagePeak:
 
 
 DEFERRED_WGRAD_ITEM = "deferred output-layer weight-gradient buffers"
+DUMMY_WGRAD_ITEM = "Transformer Engine placeholder weight gradients"
 ACTIVATION_ITEMS = ("activations of the other micro-batches in flight", "activations of the pass at the peak",
                     "transient of the pass at the peak", DEFERRED_WGRAD_ITEM)
 
@@ -167,7 +189,8 @@ def static_items(cfg: Config, stage: int, run: MegatronRun) -> dict[str, float]:
     copies of fp16 runs aside): parameters, gradients and optimizer state (`bytes_per_parameter` of
     each parameter group: the dense parameters over dp x cp, the routed experts' over the
     expert-data-parallel group), FP8's weight copies or FP8 weights (`fp8_weight_bytes`), the
-    buffers (`buffer_bytes`), FP8's scaling state, CUDA graphs' static buffers."""
+    buffers (`buffer_bytes`), TE's placeholder weight gradients under gradient-accumulation fusion
+    (`te_dummy_wgrad_bytes`), FP8's scaling state, CUDA graphs' static buffers."""
     groups = stage_parameter_groups(cfg, stage)
     # The fp32 gradient copies live from the optimizer step to the next step's zero_grad, which
     # runs before the forward: they never meet the activations.
@@ -177,14 +200,18 @@ def static_items(cfg: Config, stage: int, run: MegatronRun) -> dict[str, float]:
             if b and count and name != "fp32 gradient copies":
                 static[name] = static.get(name, 0.0) + b * count
     built = model_chunks(cfg, stage)
-    layers = [c.first_layer + i for c in built for i in range(c.layers)]
+    layers = [c.first_layer + i for c in built for i in range(c.layers)] + \
+        [mtp_index(cfg, k) for c in built for k in range(c.mtp)]
     for item, nbytes in fp8_weight_bytes(cfg, run, layers).items():
         static[item] = static.get(item, 0.0) + nbytes
     static.update(buffer_bytes(cfg, run))
+    dummies = te_dummy_wgrad_bytes(cfg, layers)
+    if dummies:
+        static[DUMMY_WGRAD_ITEM] = dummies
     scaling = fp8_scaling_bytes(cfg, layers)
     if scaling:
         static["FP8 scaling state"] = scaling
-    static.update(static_buffer_bytes(cfg, stage, max(c.layers for c in built)))
+    static.update(static_buffer_bytes(cfg, stage, max(c.layers + c.mtp for c in built)))
     if any(c.embedding or c.loss for c in built) and graphs(cfg) == "full_iteration":
         static["CUDA graph static inputs (every micro-batch's data)"] = full_iteration_data_bytes(cfg, batch_bytes(cfg))
     return static
@@ -204,7 +231,7 @@ def stage_peak(cfg: Config, stage: int, run: MegatronRun, routing: str = "balanc
     # from its own first layer (layers differ in their kind, dense or MoE, their cp_comm_type, and
     # whether FP8 keeps them in bf16)
     built = model_chunks(cfg, stage)
-    chunk = [chunk_bytes(cfg, run, c.layers, c.first_layer, routing) for c in built]
+    chunk = [chunk_bytes(cfg, run, c.layers, c.first_layer, routing, c.mtp) for c in built]
     groups = stage_parameter_groups(cfg, stage)
     params = sum(groups.values())
     static = static_items(cfg, stage, run)
@@ -247,7 +274,7 @@ def stage_peak(cfg: Config, stage: int, run: MegatronRun, routing: str = "balanc
     def without(*names: str) -> dict[str, float]:
         return {k: v for k, v in static.items() if k not in names}
 
-    graph_buffers = static_buffer_bytes(cfg, stage, max(c.layers for c in built))
+    graph_buffers = static_buffer_bytes(cfg, stage, max(c.layers + c.mtp for c in built))
     if impl == "none" or steps >= 1:  # the eager steps (all of them without graphs)
         # TE's per-layer static buffers come with the capture (TECudaGraphHelper.create_cudagraphs)
         absent = (*graph_buffers, *(() if impl == "none" or steps >= 2 else ("Adam moments",)))
@@ -260,8 +287,9 @@ def stage_peak(cfg: Config, stage: int, run: MegatronRun, routing: str = "balanc
                            schedule_peak(cfg, stage, stored, backward, forward, retained)))
         else:
             mlp_graphed = "mlp" in captured_parts(cfg)
-            transient = max((layer_backward_bytes(cfg, run, c.first_layer + i, routing)
-                             for c in built for i in range(c.layers)), default=0.0)
+            transient = max((layer_backward_bytes(cfg, run, i, routing) for c in built
+                             for i in [*range(c.first_layer, c.first_layer + c.layers),
+                                       *(mtp_index(cfg, k) for k in range(c.mtp))]), default=0.0)
             phases.append((" (CUDA graph capture)", at_capture, schedule_peak(
                 cfg, stage, lambda c: chunk[c].in_graph, lambda c: transient if mlp_graphed else 0.0)))
             phases.append((" (CUDA graph replay)", static, schedule_peak(
@@ -287,7 +315,23 @@ def stage_peak(cfg: Config, stage: int, run: MegatronRun, routing: str = "balanc
     step = {**static, "fp32 gradient copies": copies}
     if sum(step.values()) > sum(items.values()):  # the optimizer step holds the copies instead of activations
         items, phase = step, "the optimizer step"
-    first, first_phase = first_iteration_peak(items, phase, step)
+    if impl != "none" and steps >= 1:
+        # iteration 1 runs eagerly: the graphs and their static buffers come with the capture, after
+        # cuda_graph_warmup_steps iterations (training.py; Bridge train.py: `step - start_iteration
+        # == cuda_graph_warmup_steps`)
+        label, held, eager = phases[0]
+        eager_items = {**held, "activations of the other micro-batches in flight": eager.others,
+                       "activations of the pass at the peak": eager.own,
+                       "transient of the pass at the peak": eager.transient}
+        captured = (*graph_buffers, "CUDA graph static inputs (every micro-batch's data)")
+        eager_step = {k: v for k, v in step.items() if k not in captured}
+        eager_phase = ("the loss's " if loses(eager.chunk) and eager.total else "") + \
+            ("forward" if eager.kind == "F" else "backward") + (f" of model chunk {eager.chunk}" if vp > 1 else "") + label
+        if sum(eager_step.values()) > sum(eager_items.values()):
+            eager_items, eager_phase = eager_step, "the optimizer step"
+        first, first_phase = first_iteration_peak(eager_items, eager_phase, eager_step)
+    else:
+        first, first_phase = first_iteration_peak(items, phase, step)
     at_step = phase == "the optimizer step"
     return StagePeak(stage, params, items, phase, copies, sum(static.values()), totals if len(totals) > 1 else {},
                      first, first_phase, () if at_step else peak.held, "" if at_step else peak.kind, peak.chunk)

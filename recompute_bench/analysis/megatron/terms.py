@@ -40,6 +40,11 @@ def _static(cfg: Config, item: str) -> tuple[str, str]:
                                  "--fp16, --use-distributed-optimizer"),
         "torch cuBLAS workspaces": ("torch cuBLAS workspace x 2 handles (CublasHandlePool.cpp)", "CUBLAS_WORKSPACE_CONFIG"),
         "Transformer Engine cuBLAS workspace": ("TE get_cublas_workspace (cpp_extensions/gemm.py)", "the GPU"),
+        "Transformer Engine userbuffers GEMM workspace": ("TE get_cublas_workspace(ub=True) x 3 streams "
+                                                          "(cpp_extensions/gemm.py)", "--tp-comm-overlap, the GPU"),
+        "Transformer Engine placeholder weight gradients": ("TE get_dummy_wgrad per weight shape (module/base.py "
+                                                            "_dummy_wgrads)", "--no-gradient-accumulation-fusion, "
+                                                            f"{SHARDS}, --hidden-size, --ffn-hidden-size"),
         "attention score buffer (local)": ("GlobalMemoryBuffer matmul_input_buffer (dot_product_attention.py)",
                                            f"--transformer-impl, {ACTIVATIONS}"),
         "causal mask (local softmax)": ("get_default_causal_mask (fused_softmax.py)",
