@@ -96,11 +96,9 @@ class LayerOps:
     forward: list[Op] = field(default_factory=list)
     backward: list[Op] = field(default_factory=list)
 
-    def __add__(self, other: "LayerOps") -> "LayerOps":
-        return LayerOps(self.forward + other.forward, other.backward + self.backward)
-
 
 def modules(*names: str | None) -> frozenset[str]:
+    """The recompute modules named (None: none), as an op's `modules`."""
     return frozenset(n for n in names if n)
 
 
