@@ -12,7 +12,7 @@ from recompute_bench.analysis import gpu_rates
 from recompute_bench.analysis.allowance import FITS, OVER, TIGHT, fit
 from recompute_bench.analysis.megatron import MegatronRun, stage_peaks
 from recompute_bench.analysis.megatron import flags
-from recompute_bench.analysis.megatron.plan import candidate_settings, megatron_plan
+from recompute_bench.analysis.megatron.plan import candidate_settings, megatron_plan, speed_order
 from recompute_bench.analysis.rank import device_bytes_needed
 from recompute_bench.analysis.time_model import step_time
 from recompute_bench.spec.config import RecomputeConfig
@@ -58,15 +58,23 @@ def test_the_search_covers_what_megatron_accepts_and_says_what_it_refuses():
     assert len([s for s in settings if s.startswith("selective[")]) == 7  # every subset of core_attn, mlp, layernorm
     result = megatron_plan(cfg, RUN, H100, 80 * GiB, 0.1, GiB, 32)
     priced = {r["label"] for r in result["settings"]}
-    assert not any("+distribute" in p or p.startswith("offload") for p in priced)
+    assert not any("+distribute" in p or p.startswith("offload ") for p in priced)
+    attn_proj = ("attn_proj cannot be set to offload_modules alone without core_attn (Megatron's rule: its input is "
+                 "core_attn's output, which core_attn's backward needs)")
     reasons = {x["reason"] for x in result["excluded"]}
     assert reasons == {"distribute_saved_activations must be false when sequence parallelism is enabled",
-                       "Currently there is no support for Pipeline parallelism with CPU offloading (Megatron's rule)"}
+                       "Currently there is no support for Pipeline parallelism with CPU offloading (Megatron's rule)",
+                       attn_proj}
+    # fine-grained offloading of the groups a dense TE layer saves, beside none and every selective setting
+    fine = {p for p in priced if "offload[" in p}
+    assert len(fine) == 8 * 5  # (none + 7 subsets) x {qkv_linear, core_attn, qkv+core, core+proj, all three}
+    assert {"offload[core_attn]", "selective[mlp] offload[qkv_linear,core_attn,attn_proj]"} <= fine
     no_sp = config("gpt3-22b", training__framework="megatron", parallel__tensor_model_parallel_size=8)
     plain = megatron_plan(no_sp, RUN, H100, 80 * GiB, 0.1, GiB)
     assert "full uniform 2 +distribute" in {r["label"] for r in plain["settings"]}
     # cpu_offloading_num_layers is priced now that the estimate models it (analysis/megatron/offload.py)
-    assert {"offload 1", "offload 2"} <= {r["label"] for r in plain["settings"]} and not plain["excluded"]
+    assert {"offload 1", "offload 2"} <= {r["label"] for r in plain["settings"]}
+    assert {x["reason"] for x in plain["excluded"]} == {attn_proj}
 
 
 def test_the_answer_is_what_fits_fastest_first_with_the_fastest_that_fits_on_top():
@@ -74,15 +82,24 @@ def test_the_answer_is_what_fits_fastest_first_with_the_fastest_that_fits_on_top
     classes = [r["fit"] for r in result["fits"]]
     assert classes == sorted(classes, key=[FITS, TIGHT].index)  # what fits, then what is tight
     for kind in (FITS, TIGHT):
-        steps = [r["step_seconds"] for r in result["fits"] if r["fit"] == kind]
-        assert steps == sorted(steps)
-    fastest_fit = min((r for r in result["settings"] if r["fit"] == FITS), key=lambda r: r["step_seconds"])
-    assert result["recommended"] == fastest_fit["label"] == result["fits"][0]["label"] == "full block 1"
-    # none and [core_attn] fit only inside the allowance: tight, listed after, not recommended
-    assert [(r["label"], r["fit"]) for r in result["fits"] if r["fit"] == TIGHT] == \
-        [("none", TIGHT), ("selective[core_attn]", TIGHT)]
+        shown = [r for r in result["fits"] if r["fit"] == kind]
+        assert [r["step_seconds"] for r in shown] == sorted(r["step_seconds"] for r in shown)
+        # a slower row is listed only where it needs less memory than every faster one
+        assert all(b["peak_allocated_bytes"] < a["peak_allocated_bytes"] for a, b in zip(shown, shown[1:]))
+    fastest_fit = speed_order([r for r in result["settings"] if r["fit"] == FITS])[0]
+    assert result["recommended"] == result["fits"][0]["label"] == fastest_fit["label"]
+    # no recompute with the attention's saved tensors offloaded (the model finds the copies hidden
+    # behind the layers' compute) fits where plain none is tight
+    assert result["recommended"] == "offload[qkv_linear,core_attn]" and fastest_fit["relative_throughput"] == 1.0
+    rows = {r["label"]: r for r in result["settings"]}
+    assert rows["none"]["fit"] == TIGHT and rows["none"]["step_seconds"] == fastest_fit["step_seconds"]
     assert OVER not in classes
     assert {"setting": "selective[layernorm]", "same_as": "none"} in result["same_as_shown"]  # TE fuses the norms
+    # each setting left out as dominated runs no faster than a listed one of its class that peaks no higher
+    for label in result["dominated"]:
+        row = rows[label]
+        assert any(x["fit"] == row["fit"] and x["step_seconds"] <= row["step_seconds"]
+                   and x["peak_allocated_bytes"] <= row["peak_allocated_bytes"] for x in result["fits"]), label
 
 
 def test_tight_is_inside_the_allowance_and_over_is_beyond_the_fixed_part():
@@ -92,32 +109,38 @@ def test_tight_is_inside_the_allowance_and_over_is_beyond_the_fixed_part():
 
 
 def test_the_cli_prints_the_plan_the_flags_and_the_allowance(tmp_path):
-    result = invoke(*SEEDS, "--memory-gb", "80", "--json")
+    result = invoke(*SEEDS, "--memory-gb", "70", "--json")
     assert result.exit_code == 0, result.output
     data = json.loads(result.stdout)
-    assert data["recommended"] == "full block 1" and data["gpus"] == 32
+    assert data["recommended"] == "selective[mlp]" and data["gpus"] == 32
     assert data["config"]["parallel"]["data_parallel_size"] == 2
     text = " ".join(result.stderr.split())
-    assert "use: full block 1: fastest setting that fits" in text
-    assert "Megatron-LM: --recompute-granularity full --recompute-method block --recompute-num-layers 1" in text
-    assert 'Megatron Bridge: cfg.model.recompute_granularity = "full"; cfg.model.recompute_method = "block"; ' \
-           "cfg.model.recompute_num_layers = 1" in text
-    assert "Bridge perf script: -rl 1" in text
-    assert 'NeMo 2.0: recipe.model.config.recompute_granularity = "full"' in text
+    assert "use: selective[mlp]: fastest setting that fits" in text
+    assert "Megatron-LM: --recompute-granularity selective --recompute-modules mlp" in text
+    assert 'Megatron Bridge: cfg.model.recompute_granularity = "selective"; cfg.model.recompute_modules = ["mlp"]' in text
+    assert "Bridge perf script: --recompute_modules mlp" in text
+    assert 'NeMo 2.0: recipe.model.config.recompute_granularity = "selective"' in text
+    offloading = invoke(*SEEDS, "--memory-gb", "80", "--json")
+    assert json.loads(offloading.stdout)["recommended"] == "offload[qkv_linear,core_attn]"
+    assert "Megatron-LM: --fine-grained-activation-offloading --offload-modules qkv_linear core_attn" in \
+        " ".join(offloading.stderr.split())
     assert "expandable_segments:True" in text and "'tight' fits only if the allocator stays inside it" in text
     assert data["allowance"]["derived"] is False
 
 
 def test_explain_shows_the_step_op_by_op_and_json_carries_the_parts():
-    result = invoke(*SEEDS, "--memory-gb", "80", "--explain", "--json")
+    result = invoke(*SEEDS, "--memory-gb", "70", "--explain", "--json")
     assert result.exit_code == 0, result.output
     parts = json.loads(result.stdout)["time_parts"]
     assert {"linear_fc1", "linear_fc1.dgrad", "core_attention", "cross_entropy"} <= {p["op"] for p in parts["parts"]}
     assert sum(p["seconds"] for p in parts["parts"]) == pytest.approx(
         parts["num_microbatches"] * parts["microbatch_seconds"][parts["pacing_stage"]])
-    assert any(p["pass"] == "recompute" for p in parts["parts"])  # full block 1 re-runs a layer per chunk
+    recomputed = {p["op"] for p in parts["parts"] if p["pass"] == "recompute"}
+    # the MLP's checkpoint holds TE's pre-MLP norm (fused into fc1) and the sequence-parallel collectives
+    assert recomputed == {"pre_mlp_layernorm", "linear_fc1", "linear_fc1.all_gather", "activation", "linear_fc2",
+                          "linear_fc2.reduce_scatter"}
     text = " ".join(result.stderr.split())
-    assert "predicted step of full block 1" in text and "linear_fc1.wgrad" in text
+    assert "predicted step of selective[mlp]" in text and "linear_fc1.wgrad" in text
 
 
 def test_flags_for_each_kind_of_setting():
@@ -155,15 +178,34 @@ def test_nothing_fits_exits_1_and_says_which_layouts_would():
 
 
 def test_auto_compares_per_stage_and_per_layer_choice_and_says_megatron_cannot_run_them():
-    result = invoke(*SEEDS, "--memory-gb", "80", "--auto", "--json")
+    result = invoke(*SEEDS, "--memory-gb", "70", "--auto", "--json")
     assert result.exit_code == 0, result.output
     auto = json.loads(result.stdout)["auto"]
-    assert auto["uniform"]["setting"] == "full block 1"
-    # Stages 0 and 1 hold the most micro-batches and need recompute; the others run none.
-    assert [s["setting"] for s in auto["per_stage"]["stages"]] == ["full block 1", "full block 1", "none", "none"]
+    assert auto["uniform"]["setting"] == "selective[mlp]"
+    # Stage 0 holds the most micro-batches and needs the most recompute; the others need less.
+    stages = [s["setting"] for s in auto["per_stage"]["stages"]]
+    assert stages[0] == "selective[mlp]" and all(s != "selective[mlp]" for s in stages[1:])
     assert auto["per_stage"]["gain"] > 0 and auto["per_layer"]["step_seconds"] <= auto["per_stage"]["step_seconds"]
     assert auto["megatron"].startswith("Megatron cannot run it: it applies one recompute setting to every layer")
-    assert "run the best uniform setting instead: full block 1" in " ".join(result.stderr.split())
+    assert "run the best uniform setting instead: selective[mlp]" in " ".join(result.stderr.split())
+
+
+def test_auto_plans_moe_context_parallel_and_fp8_layer_by_layer():
+    # Mixtral's MoE layers (8 of them) with context parallel and FP8 current scaling, 32k tokens
+    result = invoke("plan", "--framework", "megatron", "-w", "mixtral-8x7b", "--num-layers", "8", "--tp", "2",
+                    "--sequence-parallel", "--cp", "2", "--pp", "2", "--ep", "4", "--precision", "fp8", "--set",
+                    "training.fp8_recipe=tensorwise", "--seq-length", "32768", "--global-batch-size", "16",
+                    "--gpus", "16", "--gpu", "h100", "--memory-gb", "30", "--auto", "--json")
+    assert result.exit_code == 0, result.output
+    data = json.loads(result.stdout)
+    auto = data["auto"]
+    assert auto["uniform"]["setting"] == data["recommended"]
+    stages = [s["setting"] for s in auto["per_stage"]["stages"]]
+    assert stages[0] != stages[1]  # stage 0 holds more micro-batches in flight than stage 1
+    assert auto["per_stage"]["gain"] > 0 and auto["per_layer"]["gain"] >= auto["per_stage"]["gain"]
+    # a layer-by-layer mix of whole-layer checkpoints and the MoE activation's recompute
+    assert any("moe_act" in s["setting"] for s in auto["per_layer"]["stages"])
+    assert auto["megatron"].startswith("Megatron cannot run it")
 
 
 @pytest.mark.parametrize("argv,message", [
@@ -223,7 +265,11 @@ def test_when_only_tight_settings_fit_the_fastest_is_recommended_with_expandable
     result = invoke(*SEEDS, "--memory-gb", "57", "--json")
     assert result.exit_code == 0, result.output
     data = json.loads(result.stdout)
-    assert {r["fit"] for r in data["fits"]} == {TIGHT} and data["recommended"] == "full uniform 2"
-    assert data["reason"] == ("tight: nothing fits with the allowance; full uniform 2 fits only if the caching allocator "
-                              "holds under 3.3 GiB above its 52.7 GiB allocated peak: run with "
+    assert {r["fit"] for r in data["fits"]} == {TIGHT}
+    best = data["fits"][0]
+    assert data["recommended"] == best["label"] == speed_order([r for r in data["settings"] if r["fit"] == TIGHT])[0]["label"]
+    assert best["relative_throughput"] == max(r["relative_throughput"] for r in data["settings"] if r["fit"] == TIGHT)
+    peak = best["peak_allocated_bytes"] / GiB
+    assert data["reason"] == (f"tight: nothing fits with the allowance; {best['label']} fits only if the caching allocator "
+                              f"holds under {57 - peak - 1:.1f} GiB above its {peak:.1f} GiB allocated peak: run with "
                               "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True")

@@ -173,31 +173,43 @@ def test_recompute_adds_the_forward_ops_it_re_runs_in_every_layer():
 
 
 def test_offload_adds_only_the_copies_the_layers_do_not_hide():
-    cfg = megatron("tiny")
-    policies = [LayerPolicy(offload=True), LayerPolicy()]
-    from recompute_bench.analysis.megatron.layer import layer_bytes
-    copy = layer_bytes(cfg, RUN) / H100.host_link_bytes_per_s
-    assert tm.offload_seconds(cfg, RUN, H100, policies, copy / 2, copy / 4) == pytest.approx(copy / 2 + 3 * copy / 4)
-    assert tm.offload_seconds(cfg, RUN, H100, policies, copy, copy) == 0.0
+    from recompute_bench.analysis.megatron.layer import layer_saved_bytes
+    from recompute_bench.analysis.megatron.offload import fine_grained_offloaded, layer_offloaded
+
+    cfg = megatron("llama3-8b")
+    policy = LayerPolicy(offload=True)
+    moved = tm.offloaded_bytes(cfg, RUN, policy, 0)  # the memory model's tensors of 256 Ki elements or more
+    assert moved == sum(layer_offloaded(cfg, layer_saved_bytes(cfg, RUN, (), 0)).values()) > 0
+    copy = moved / H100.host_link_bytes_per_s
+    assert tm.offload_seconds(cfg, RUN, H100, policy, 0, copy / 2, copy / 4) == pytest.approx(copy / 2 + 3 * copy / 4)
+    assert tm.offload_seconds(cfg, RUN, H100, policy, 0, copy, copy) == 0.0
     with pytest.raises(BadInput, match="no host-link rate"):
-        tm.offload_seconds(cfg, RUN, gpu_rates.datasheet_rates("b200"), policies, 0.0, 0.0)
-
-
-def test_what_the_time_model_does_not_price_is_refused_by_name():
-    cfg = config("tiny-moe")
-    with pytest.raises(BadInput, match="mixture-of-experts layers are not priced"):
-        tm.layer_ops(cfg, RUN)
-    with pytest.raises(BadInput, match="multi-latent attention is not priced"):
-        tm.layer_ops(dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, num_moe_experts=None,
-                                                                     multi_latent_attention=True)), RUN)
+        tm.offload_seconds(cfg, RUN, gpu_rates.datasheet_rates("b200"), policy, 0, 0.0, 0.0)
+    # fine-grained offloading moves its modules' groups of every layer; a checkpointed layer none
+    fine = dataclasses.replace(cfg, recompute=RecomputeConfig(fine_grained_activation_offloading=True,
+                                                              offload_modules=["core_attn"]))
+    groups = fine_grained_offloaded(fine, layer_saved_bytes(fine, RUN, (), 0))
+    assert tm.offloaded_bytes(fine, RUN, LayerPolicy(), 0) == sum(groups.values()) > 0
+    assert all(name.startswith(("core_attention.", "rotary.", "linear_qkv.output")) for name in groups)
+    assert tm.offloaded_bytes(fine, RUN, LayerPolicy(chunk=0), 0) == 0.0
+    # GB200's host link is NVLink-C2C: the same bytes take 7x less time than over H100's PCIe
+    gb200 = gpu_rates.datasheet_rates("gb200")
+    assert tm.offload_seconds(cfg, RUN, gb200, policy, 0, 0.0, 0.0) == pytest.approx(2 * moved / gb200.host_link_bytes_per_s)
+    step = tm.step_time(dataclasses.replace(cfg, recompute=RecomputeConfig(activation_offload_layers=4)), RUN, H100)
+    offloaded = sum(p["seconds"] for p in step.parts if p["pass"] == "offload")
+    ops = tm.layer_ops(cfg, RUN)
+    hidden = tm.offload_seconds(cfg, RUN, H100, policy, 0, tm.pass_seconds(ops.forward, H100),
+                                tm.pass_seconds(ops.backward, H100))
+    assert offloaded == pytest.approx(cfg.num_microbatches * 4 * hidden)
 
 
 # ----- the rates --------------------------------------------------------------------------------
 
 
 def test_datasheet_rates_are_the_dense_half_of_the_printed_sparse_figures():
-    assert H100.matrix_flops == {"bf16": 989.5e12, "fp16": 989.5e12, "fp32": 494.5e12, "fp8": 1979e12}
+    assert H100.matrix_flops == {"bf16": 989.5e12, "fp16": 989.5e12, "fp32": 494.5e12, "fp8": 1979e12, "fp64": 67e12}
     assert (H100.hbm_bytes_per_s, H100.link_bytes_per_s) == (3.35e12, 450e9)
+    assert (H100.network_bytes_per_s, H100.nvlink_domain) == (50e9, 8)  # DGX H100: a 400 Gb/s NIC per GPU
     a100 = gpu_rates.datasheet_rates("a100")
     assert a100.matrix_flops["bf16"] == 312e12 and "fp8" not in a100.matrix_flops
     with pytest.raises(BadInput, match="A100 SXM4 80GB has no fp8 tensor cores"):
@@ -217,9 +229,26 @@ def test_a_measured_profile_overrides_what_it_measured_and_names_itself(tmp_path
     path.write_text(json.dumps({"schema": gpu_rates.RATES_SCHEMA, "device_name": "NVIDIA H100 80GB HBM3",
                                 "measured": {"bf16_flops": 700e12, "fp8_flops": None, "hbm_bytes_per_s": 2.9e12}}))
     rates = gpu_rates.with_profile(H100, gpu_rates.read_rates_profile(path))
-    assert rates.matrix_flops == {"bf16": 700e12, "fp16": 700e12, "fp32": 494.5e12, "fp8": 1979e12}
+    assert rates.matrix_flops == {"bf16": 700e12, "fp16": 700e12, "fp32": 494.5e12, "fp8": 1979e12, "fp64": 67e12}
     assert rates.hbm_bytes_per_s == 2.9e12 and rates.link_bytes_per_s == H100.link_bytes_per_s
     assert rates.source.startswith("measured on NVIDIA H100 80GB HBM3 (bf16_flops, hbm_bytes_per_s)")
     path.write_text("{}")
     with pytest.raises(BadInput, match="is not a rates profile"):
         gpu_rates.read_rates_profile(path)
+
+
+def test_tp_comm_overlap_pipelines_each_linear_s_collectives_with_its_gemm():
+    plain = megatron(parallel__tensor_model_parallel_size=4, parallel__sequence_parallel=True)
+    overlapped = megatron(parallel__tensor_model_parallel_size=4, parallel__sequence_parallel=True,
+                          parallel__tp_comm_overlap=True)
+    fwd = {op.name: op for op in tm.layer_ops(overlapped, RUN).forward}
+    assert fwd["linear_fc1.all_gather"].overlaps == "linear_fc1" and fwd["linear_fc2.reduce_scatter"].overlaps == "linear_fc2"
+    assert {op.name: op for op in tm.layer_ops(plain, RUN).forward}["linear_fc1.all_gather"].overlaps is None
+    bwd = {op.name: op for op in tm.layer_ops(overlapped, RUN).backward}
+    assert bwd["linear_fc2.grad_all_gather"].overlaps == "linear_fc2.dgrad"
+    times = tm.op_times(tm.layer_ops(overlapped, RUN).forward, H100)
+    ag, gemm = fwd["linear_fc1.all_gather"], fwd["linear_fc1"]
+    assert times[ag.name] == max(0.0, ag.seconds(H100) - gemm.seconds(H100))
+    # the embedding's and the output layer's collectives are Megatron's own, not TE's userbuffers
+    assert tm.embedding_ops(overlapped).forward[1].overlaps is None
+    assert tm.step_time(overlapped, RUN, H100).step_seconds < tm.step_time(plain, RUN, H100).step_seconds

@@ -15,9 +15,9 @@ The goal: each predicted relative throughput within 3 percentage points of the m
   recompute at ~704; the table measured them against the [core_attn] row, so both readings are
   predicted (the run's "vs golden" column puts no recompute about 0.8% above [core_attn]).
 
-The seeds' run is FP8, which the Megatron memory model does not take yet (validation refuses it);
-the time model only needs to know the linears run in FP8, so the check builds that Config without
-validation. Nothing here is fitted: the rates are the datasheets' (`gpu_rates`). Pure Python.
+The seeds' Config is the one `plan --from` reads from the Bridge config shipped as test data
+(tests/test_plan_from.py holds them equal). Nothing here is fitted: the rates are the datasheets'
+(`gpu_rates`). Pure Python.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ from typing import Any
 
 from recompute_bench.analysis.gpu_rates import GpuRates, datasheet_rates
 from recompute_bench.analysis.megatron.run import MegatronRun
-from recompute_bench.analysis.megatron.stage import stage_peaks
+from recompute_bench.analysis.megatron.parameters import stage_parameter_groups
 from recompute_bench.analysis.time_model import layer_seconds, step_time
 from recompute_bench.recompute.policy import LayerPolicy
 from recompute_bench.spec.config import Config, RecomputeConfig
@@ -54,16 +54,25 @@ def paper_config() -> Config:
 
 
 def seeds_config() -> Config:
-    """The seeds' run: Bridge's Llama 3 70B SFT H100 FP8-CS preset (its recipe's seq 4096, 32 GPUs)."""
+    """The seeds' run: Bridge's Llama 3 70B SFT H100 FP8-CS preset (its recipe's seq 4096, 32 GPUs),
+    every value as its ConfigContainer (tests/data/seed/LLAMA3_70B_SFT_CONFIG_H100_FP8_CS_V1.yaml)
+    states it: FP8 current scaling with FP8 weights, TE's fused cross-entropy, TE's CUDA graphs of
+    the MLP, tensor-parallel communication overlap, the output layer's deferred weight gradient,
+    the unpadded vocabulary."""
     from recompute_bench.spec.presets import resolve
 
     cfg, _ = resolve("llama3-70b", overrides={
         "training.framework": "megatron", "training.seq_length": 4096, "training.micro_batch_size": 1,
         "training.global_batch_size": 32, "parallel.tensor_model_parallel_size": 4, "parallel.sequence_parallel": True,
         "parallel.pipeline_model_parallel_size": 4, "parallel.virtual_pipeline_model_parallel_size": 5,
-        "parallel.data_parallel_size": 2, "parallel.use_distributed_optimizer": True,
-        "recompute.granularity": "none", "recompute.modules": []}, gpu="cpu")
-    return dataclasses.replace(cfg, training=dataclasses.replace(cfg.training, precision="fp8", fp8_recipe="tensorwise"))
+        "parallel.data_parallel_size": 2, "parallel.use_distributed_optimizer": True, "parallel.tp_comm_overlap": True,
+        "training.precision": "fp8", "training.fp8_recipe": "tensorwise", "training.fp8_param_gather": True,
+        "training.grad_reduce_in_bf16": True, "training.defer_embedding_wgrad_compute": True,
+        "training.wgrad_deferral_limit": 22, "training.cuda_graph_impl": "transformer_engine",
+        "training.cuda_graph_modules": ["mlp"], "model.cross_entropy_loss_fusion": True,
+        "model.cross_entropy_fusion_impl": "te", "model.make_vocab_size_divisible_by": 1,
+        "model.max_position_embeddings": 4096, "recompute.granularity": "none", "recompute.modules": []}, gpu="cpu")
+    return cfg
 
 
 def paper_rows(rates: GpuRates | None = None) -> list[dict[str, Any]]:
@@ -86,9 +95,7 @@ def seeds_rows(rates: GpuRates | None = None) -> list[dict[str, Any]]:
 
     cfg, run = seeds_config(), MegatronRun("h100")
     rates = rates or datasheet_rates("h100")
-    # Parameters per stage (for the optimizer step) do not depend on FP8 here: bf16 weights either way.
-    bf16 = dataclasses.replace(cfg, training=dataclasses.replace(cfg.training, precision="bf16"))
-    parameters = [s.parameters for s in stage_peaks(bf16, run)]
+    parameters = [stage_parameter_groups(cfg, s) for s in range(cfg.parallel.pipeline_model_parallel_size)]
 
     def step(modules: list[str]) -> float:
         r = RecomputeConfig("selective", modules) if modules else RecomputeConfig()

@@ -10,9 +10,10 @@ import typer
 from rich.markup import escape
 
 from recompute_bench.analysis.rank import ALLOWANCE_BYTES, ALLOWANCE_FRACTION
-from recompute_bench.cli.common import DEFAULT_WORKLOAD, JsonOut, Workload, err, fail, resolve_point, show_notes
+from recompute_bench.cli.common import DEFAULT_WORKLOAD, JsonOut, err, fail, resolve_point, show_notes
 from recompute_bench.cli.options import PointOptions, point_options
-from recompute_bench.cli.plan_megatron import plan_megatron, with_gpus
+from recompute_bench.cli.plan_megatron import plan_megatron, resolve_on_gpus, with_gpus
+from recompute_bench.cli.run_from import FromFile, read_from, show_source
 from recompute_bench.spec.config import BadInput
 from recompute_bench.spec.rules import check_expert_parallel_world
 
@@ -23,10 +24,6 @@ AllowanceFraction = Annotated[float, typer.Option(help="Allocator allowance: fra
                                                   "fragmentation (reserved minus allocated).", rich_help_panel="Estimate")]
 AllowanceGb = Annotated[float, typer.Option(help="Fixed allowance in GiB: CUDA context, cuBLAS/cuDNN workspaces, NCCL buffers.",
                                             rich_help_panel="Estimate")]
-FromFile = Annotated[Optional[Path], typer.Option(
-    "--from", help="Estimate a Megatron run as you have it: a Megatron-LM model_config.yaml, a text file holding its "
-    "command line, a Megatron-LM or Megatron Bridge log, or Bridge's ConfigContainer YAML. Flags given beside it "
-    "override it (and are echoed).", rich_help_panel="Workload", show_default=False)]
 Gpus = Annotated[Optional[int], typer.Option(
     "--gpus", help="With --from: the run's GPU count (world size) where the file does not state it.",
     rich_help_panel="Workload", show_default=False)]
@@ -64,9 +61,8 @@ def estimate(
     try:
         _check_inputs(device, allowance_fraction, allowance_gb)
         if from_ is not None:
-            source = _read_from(from_, workload, gpus, point, device)
+            source = read_from(from_, workload, gpus, point, device)
             cfg, run, notes = source.config, source.run, list(source.notes)
-            check_expert_parallel_world(cfg)
             report = megatron_report(cfg, run, allowance_fraction, allowance_gb * 2**30)
             report["source"] = source.to_dict()
         else:
@@ -82,10 +78,7 @@ def estimate(
     except BadInput as e:
         raise fail(str(e)) from None
     if source is not None:
-        echoed = source.overrides_line()
-        if echoed:
-            err.print(f"[yellow]override:[/] {escape(echoed)}", highlight=False, soft_wrap=True)
-        err.print(escape(_source_line(source)), highlight=False, soft_wrap=True)
+        show_source(source)
     show_notes(notes)
     err.print(escape(layout_line(report)), highlight=False)
     err.print(settings_table(report["settings"], "every setting: activations per micro-batch, whole-rank peak, FLOPs",
@@ -100,34 +93,6 @@ def estimate(
         err.print(terms_table(report))
     if json_out:
         typer.echo(json.dumps(report, indent=2))
-
-
-def _read_from(path: Path, workload: Optional[str], gpus: Optional[int], point: PointOptions, device: str):
-    """estimate --from: the run in `path` (ingest.run_source), the flags beside it over it."""
-    import os
-
-    from recompute_bench.cli.common import this_gpu
-    from recompute_bench.ingest.run_source import read_run
-
-    if device.split(":")[0] != "cuda":
-        raise BadInput("Megatron runs on CUDA; drop --device cpu with --from")
-    framework = point.overrides.get("training.framework")
-    if framework not in (None, "megatron"):
-        raise BadInput(f"--from reads a Megatron run, which framework megatron estimates; drop --framework {framework}")
-    if gpus is not None and gpus < 1:
-        raise BadInput(f"--gpus must be a positive integer, got {gpus}; pass the run's GPU count")
-    return read_run(path, overrides=point.overrides, sets=point.sets, gpus=gpus, gpu=point.gpu, here_gpu=this_gpu(),
-                    cublas_workspace_config=os.environ.get("CUBLAS_WORKSPACE_CONFIG"), workload=workload)
-
-
-def _source_line(source) -> str:
-    """One line saying what was read and where the GPU count and kind came from."""
-    o = source.origins
-    other = ("--", "Megatron's default", "a Megatron run", "the preset")
-    stated = sum(1 for k, v in o.items() if k not in ("gpu", "cublas_workspace_config") and not v.startswith(other))
-    return (f"from {source.path.name} ({source.format}): {stated} values from the file, Megatron's defaults for what "
-            f"it leaves out; data-parallel size from {o.get('parallel.data_parallel_size')}; GPU {source.run.gpu} "
-            f"from {o['gpu']}; CUBLAS_WORKSPACE_CONFIG from {o['cublas_workspace_config']} (--json: every value's origin)")
 
 
 def _megatron_run(gpu: Optional[str], device: str, notes: list[str]):
@@ -154,7 +119,11 @@ def _megatron_run(gpu: Optional[str], device: str, notes: list[str]):
 @point_options(panels=("Workload", "Parallelism"), gpu=False)
 def plan(
     *,
-    workload: Workload = DEFAULT_WORKLOAD,
+    workload: Annotated[Optional[str], typer.Option(
+        "--workload", "-w", help=f"Preset name (see `workloads`) or path to a .toml preset; default {DEFAULT_WORKLOAD}. "
+        "With --from, only for a Megatron Bridge log (the GPT model's own fields).",
+        rich_help_panel="Workload", show_default=False)] = None,
+    from_: FromFile = None,
     point: PointOptions,
     memory_gb: Annotated[Optional[float], typer.Option(help="Device memory per GPU in GiB, e.g. 80.",
                                                        rich_help_panel="Estimate")] = None,
@@ -183,7 +152,8 @@ def plan(
                                                rich_help_panel="Megatron")] = None,
     gpus: Annotated[Optional[int], typer.Option("--gpus", help="The GPU count. With --framework megatron the "
                                                 "data-parallel size is what tensor, pipeline and context parallel "
-                                                "leave; for this harness, plan context parallel too: lay the GPUs out "
+                                                "leave (with --from: where the file states no GPU count, or to change "
+                                                "it); for this harness, plan context parallel too: lay the GPUs out "
                                                 "as dp x cp (x the --tp and --pp given) for every cp the sequence "
                                                 "allows, each with its fastest fitting recompute setting.",
                                                 rich_help_panel="Estimate")] = None,
@@ -201,12 +171,18 @@ def plan(
     from recompute_bench.analysis import planner
     from recompute_bench.render.estimate import plan_table, would_fit_table
 
+    source = None
     try:
-        cfg, notes = resolve_point(workload, point, gpu="cpu")
-        check_expert_parallel_world(cfg)
         _check_inputs(device, allowance_fraction, allowance_gb)
         if memory_gb is None or memory_gb <= 0:
             raise BadInput(f"plan needs the device memory per GPU; pass --memory-gb 80 (got {memory_gb})")
+        if from_ is not None:  # a Megatron run as its user has it: framework megatron
+            source = read_from(from_, workload, gpus, point, device)
+            cfg, run, notes = source.config, source.run, list(source.notes)
+        elif point.overrides.get("training.framework") == "megatron":
+            cfg, notes = resolve_on_gpus(workload or DEFAULT_WORKLOAD, point, gpus)
+        else:
+            cfg, notes = resolve_point(workload or DEFAULT_WORKLOAD, point, gpu="cpu")
         megatron = cfg.training.framework == "megatron"
         gpu = point.gpu  # the option is declared here, and point_options hands it over in `point`
         for flag, given in (("--gpu", gpu is not None), ("--explain", explain), ("--all", all_rows)):
@@ -217,14 +193,16 @@ def plan(
                 if given:
                     raise BadInput(f"{flag} belongs to this harness's plan --auto (a policy file for `run --policy`); "
                                    f"Megatron runs no per-layer policy: drop {flag}")
-            run = _megatron_run(gpu, device, notes)
-            cfg = with_gpus(cfg, gpus, "parallel.data_parallel_size" in point.overrides)
+            if source is None:
+                run = _megatron_run(gpu, device, notes)
+                cfg = with_gpus(cfg, gpus, "parallel.data_parallel_size" in point.overrides)
+        check_expert_parallel_world(cfg)  # with the data-parallel size --gpus gives
     except BadInput as e:
         raise fail(str(e)) from None
     if megatron:
         return plan_megatron(cfg, notes, run=run, memory_gb=memory_gb, gpus=gpus, allowance_fraction=allowance_fraction,
                              allowance_gb=allowance_gb, auto=auto, profile=profile, explain=explain, all_rows=all_rows,
-                             json_out=json_out)
+                             json_out=json_out, source=source)
     show_notes(notes)
     if auto:
         costs = _profile_costs(cfg, device, profile_steps, host_link_gbps) if profile else None

@@ -42,6 +42,29 @@ def with_gpus(cfg: Config, gpus: Optional[int], dp_given: bool) -> Config:
     return out
 
 
+def resolve_on_gpus(workload: str, point, gpus: Optional[int]) -> tuple[Config, list[str]]:
+    """The workload and flags resolved with the data-parallel size `gpus` leaves (where --dp is not
+    given), so that Megatron's rules that depend on it (the experts' layout over tp x cp x dp) judge
+    the run as it will be laid out; without --gpus, as given."""
+    from recompute_bench.spec.config import SECTIONS, ParallelConfig
+    from recompute_bench.spec.presets import apply_overrides, load_preset, resolve
+
+    overrides = dict(point.overrides)
+    if gpus is not None and gpus > 0 and "parallel.data_parallel_size" not in overrides:
+        # the sizes the preset and the flags give, before Megatron's rules judge the whole
+        raw = load_preset(workload)
+        tables = {s: dict(raw.get(s, {})) if isinstance(raw.get(s, {}), dict) else {} for s in SECTIONS}
+        apply_overrides(tables, overrides, point.sets)
+        par, default = tables["parallel"], ParallelConfig()
+        model_parallel = 1
+        for key in ("tensor_model_parallel_size", "pipeline_model_parallel_size", "context_parallel_size"):
+            size = par.get(key, getattr(default, key))
+            model_parallel *= size if isinstance(size, int) and size > 0 else 1
+        if gpus % model_parallel == 0:
+            overrides["parallel.data_parallel_size"] = gpus // model_parallel
+    return resolve(workload, overrides=overrides, sets=point.sets, gpu="cpu")
+
+
 def check_expressible(cfg: Config) -> None:
     """BadInput for a setting of the command that Megatron cannot run."""
     schedule = cfg.parallel.pipeline_parallel_schedule
@@ -71,8 +94,10 @@ def gpu_rates(run, profile: bool):
 
 
 def plan_megatron(cfg: Config, notes: list[str], *, run, memory_gb: float, gpus: Optional[int], allowance_fraction: float,
-                  allowance_gb: float, auto: bool, profile: bool, explain: bool, all_rows: bool, json_out: bool) -> None:
-    """Plan cfg for Megatron and print it; exit 1 when nothing fits, 2 on bad input."""
+                  allowance_gb: float, auto: bool, profile: bool, explain: bool, all_rows: bool, json_out: bool,
+                  source=None) -> None:
+    """Plan cfg for Megatron and print it; exit 1 when nothing fits, 2 on bad input. `source`: the
+    run read by `--from` (`ingest.run_source.RunSource`), echoed as `estimate --from` echoes it."""
     from recompute_bench.analysis.megatron.plan import auto_plan, check_budget, megatron_plan
     from recompute_bench.cli.common import show_notes
     from recompute_bench.render.plan_megatron import (allowance_lines, auto_table, flags_lines, layout_line, parts_table,
@@ -84,22 +109,37 @@ def plan_megatron(cfg: Config, notes: list[str], *, run, memory_gb: float, gpus:
         rates = gpu_rates(run, profile)
         rates.matrix_rate("fp8" if cfg.training.precision == "fp8" else cfg.training.precision)
         check_budget(cfg, run, budget, fixed)
-        result = megatron_plan(cfg, run, rates, budget, allowance_fraction, fixed, gpus)
+        result = megatron_plan(cfg, run, rates, budget, allowance_fraction, fixed, gpus, mark_current=source is not None)
         uniform = next((r for r in result["fits"] if r["fit"] == "fits"), None)
         if auto:
             result["auto"] = auto_plan(cfg, run, rates, budget, allowance_fraction, fixed, uniform)
     except BadInput as e:
         raise fail(str(e)) from None
+    if source is not None:
+        from recompute_bench.cli.run_from import show_source
+
+        show_source(source)
+        result["source"] = source.to_dict()
     show_notes(notes)
     err.print(escape(layout_line(result)), highlight=False)
     if all_rows:
         err.print(settings_table(result, result["settings"], "every setting Megatron can run, fastest first"))
     if result["fits"]:
         err.print(settings_table(result, result["fits"], f"settings that fit in {memory_gb:g} GiB, fastest first, then "
-                                 f"the tight ones (rel. TFLOP/s: predicted, against no recompute)"))
-    if result["same_as_shown"]:
-        err.print("same step and peak as a setting listed, asking for more: "
-                  + escape(", ".join(f"{x['setting']} = {x['same_as']}" for x in result["same_as_shown"])), highlight=False)
+                                 f"the tight ones (rel. TFLOP/s: predicted, against no recompute"
+                                 + ("; *: the run's own setting)" if result["current"] else ")")))
+    same = [x for x in result["same_as_shown"] if "offload[" not in x["setting"]]
+    if same:
+        more = len(result["same_as_shown"]) - len(same)
+        err.print("same step and peak as another setting, asking for more: "
+                  + escape(", ".join(f"{x['setting']} = {x['same_as']}" for x in same))
+                  + (f"; and {more} with fine-grained offload (--json: same_as_shown)" if more else ""), highlight=False)
+    if result["dominated"] and not all_rows:
+        n = len(result["dominated"])
+        err.print(f"{n} more setting{'s' if n > 1 else ''} fit but run slower than one listed while peaking no lower "
+                  "(--all lists every setting)", highlight=False)
+    for note in result["time_notes"]:
+        err.print(f"[dim]time model: {escape(note)}[/]", highlight=False)
     if result["recommended"]:
         tight = next(r for r in result["fits"] if r["label"] == result["recommended"])["fit"] == "tight"
         colour = "yellow" if tight else "green"

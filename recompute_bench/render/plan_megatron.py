@@ -21,9 +21,13 @@ def layout_line(result: dict[str, Any]) -> str:
     par, tr = result["config"]["parallel"], result["config"]["training"]
     vp = par["virtual_pipeline_model_parallel_size"]
     rates = result["rates"]
+    cp, ep = par["context_parallel_size"], par["expert_model_parallel_size"]
+    cp_words = f", cp {cp} ({par['cp_comm_type']})" if cp > 1 else ""
     return (f"{result['workload']} on {result['gpus']} x {rates['product']}: tp {par['tensor_model_parallel_size']}"
             f"{' +sp' if par['sequence_parallel'] else ''}, pp {par['pipeline_model_parallel_size']}"
-            f"{f' vp {vp}' if vp else ''}, dp {par['data_parallel_size']}, {tr['precision']}, micro-batch "
+            f"{f' vp {vp}' if vp else ''}{cp_words}"
+            f"{f', ep {ep}' if ep > 1 else ''}, dp {par['data_parallel_size']}, {tr['precision']}"
+            f"{' (' + tr['fp8_recipe'] + ')' if tr['precision'] == 'fp8' else ''}, micro-batch "
             f"{tr['micro_batch_size']} x {result['num_microbatches']}, seq {tr['seq_length']}; rates: {rates['source']}")
 
 
@@ -37,7 +41,8 @@ def settings_table(result: dict[str, Any], rows: list[dict[str, Any]], title: st
         table.add_column(col, justify="left" if col in ("setting", stage_col) else "right")
     for i, r in enumerate(rows, 1):
         peaks = " ".join(_gib(s["peak_allocated_bytes"]) for s in r["stages"])
-        table.add_row(str(i), escape(r["label"]), peaks, _gib(r["device_bytes_needed"]), FIT_WORDS[r["fit"]],
+        mark = " *" if r["label"] == result.get("current") else ""
+        table.add_row(str(i), escape(r["label"]) + mark, peaks, _gib(r["device_bytes_needed"]), FIT_WORDS[r["fit"]],
                       f"{r['step_seconds']:.3f}", f"{r['relative_throughput']:.3f}")
     return table
 
@@ -64,7 +69,7 @@ def allowance_lines(result: dict[str, Any]) -> list[str]:
 def parts_table(result: dict[str, Any], top: int = 20) -> Table:
     """The recommended setting's predicted step, op by op on its pacing stage."""
     t = result["time_parts"]
-    table = Table(title=f"predicted step of {result['recommended']}: {t['step_seconds']:.3f} s (stage {t['pacing_stage']} "
+    table = Table(title=f"predicted step of {escape(result['recommended'])}: {t['step_seconds']:.3f} s (stage {t['pacing_stage']} "
                         f"paces the pipeline: {t['num_microbatches']} micro-batches x {1e3 * t['microbatch_seconds'][t['pacing_stage']]:.1f} ms, "
                         f"bubble {1e3 * t['bubble_seconds']:.0f} ms, optimizer {1e3 * t['optimizer_seconds']:.0f} ms)",
                   header_style="bold")

@@ -10,6 +10,7 @@ clear line (`BadInput`) instead of a traceback deep inside torch.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
@@ -117,7 +118,13 @@ class BadInput(ValueError):
 
 def parse_layer_pattern(text: Any) -> list[int]:
     """Megatron's string form of a per-layer pattern ("([0]*3+[1]*58)", "[0,1,1]"): lists of 0s and
-    1s, repeated with `*` and joined with `+`. Read without eval: nothing else is accepted."""
+    1s, repeated with `*` and joined with `+`. Read without eval: nothing else is accepted. Parsed
+    once per text (the models ask for a layer's kind millions of times in a plan's search)."""
+    return list(_parsed_pattern(str(text)))
+
+
+@functools.lru_cache(maxsize=256)
+def _parsed_pattern(text: str) -> tuple[int, ...]:
     import ast
 
     def value(node: ast.AST) -> Any:
@@ -141,7 +148,7 @@ def parse_layer_pattern(text: Any) -> list[int]:
     except (SyntaxError, ValueError):
         raise BadInput(f"moe_layer_freq {text!r} is neither an integer nor a pattern of 0s and 1s such as "
                           "\"([0]*3+[1]*58)\"; pass --set model.moe_layer_freq=N or a pattern") from None
-    return pattern
+    return tuple(pattern)
 
 
 @dataclass

@@ -5,7 +5,7 @@ and NeMo 2.0's recipe fields.
 - Megatron-LM (megatron/training/arguments.py; the TransformerConfig fields as flags):
   `--recompute-granularity`, `--recompute-modules`, `--recompute-method`, `--recompute-num-layers`,
   `--distribute-saved-activations`, `--cpu-offloading-num-layers N` (arguments.py turns
-  `cpu_offloading` on when N > 0).
+  `cpu_offloading` on when N > 0), `--fine-grained-activation-offloading --offload-modules a b`.
 - Megatron Bridge: the same fields on the model provider, `cfg.model.<field>`. Its performance
   script (scripts/performance, utils/overrides.py `_set_recompute_overrides`) has three flags:
   `--recompute_modules a,b` (selective), `-rl N` (full, method hard-wired to block) and `-ol N`
@@ -36,6 +36,8 @@ def _fields(r: RecomputeConfig) -> dict[str, Any]:
     if r.activation_offload_layers:
         out.update({"cpu_offloading": True, "cpu_offloading_num_layers": r.activation_offload_layers,
                     "cpu_offloading_activations": True, "cpu_offloading_weights": False})
+    if r.fine_grained_activation_offloading:
+        out.update({"fine_grained_activation_offloading": True, "offload_modules": list(r.offload_modules)})
     return out
 
 
@@ -59,6 +61,8 @@ def megatron_lm(r: RecomputeConfig) -> list[str]:
             out.append("--distribute-saved-activations")
     if r.activation_offload_layers:
         out += ["--cpu-offloading-num-layers", str(r.activation_offload_layers)]
+    if r.fine_grained_activation_offloading:
+        out += ["--fine-grained-activation-offloading", "--offload-modules", *r.offload_modules]
     return out
 
 
@@ -69,7 +73,14 @@ def bridge_overrides(r: RecomputeConfig) -> list[str]:
 
 def bridge_perf_script(r: RecomputeConfig) -> list[str]:
     """Megatron Bridge's performance script (run_script.py / setup_experiment.py): its own flags
-    where one exists, Hydra overrides for the rest."""
+    where one exists, Hydra overrides for the rest (fine-grained offloading has no flag of its own)."""
+    offload = (["model.fine_grained_activation_offloading=true",
+                "model.offload_modules=[" + ",".join(r.offload_modules) + "]"]
+               if r.fine_grained_activation_offloading else [])
+    return _perf_recompute(r) + offload
+
+
+def _perf_recompute(r: RecomputeConfig) -> list[str]:
     if r.granularity == "selective":
         return ["--recompute_modules", ",".join(r.modules)] if r.modules else \
             ["model.recompute_granularity=selective", "model.recompute_modules=[]"]

@@ -20,6 +20,7 @@ from typing import Any, Callable
 from recompute_bench.analysis.allowance import FITS, OVER, TIGHT, allowance_parts, allowance_row, fit
 from recompute_bench.analysis.gpu_rates import GpuRates, rates_row
 from recompute_bench.analysis.megatron.flags import megatron_lm, pasteable
+from recompute_bench.analysis.megatron.parameters import stage_parameter_groups
 from recompute_bench.analysis.megatron.run import MegatronRun
 from recompute_bench.analysis.megatron.stage import stage_peak, stage_peaks
 from recompute_bench.analysis.rank import device_bytes_needed
@@ -27,7 +28,7 @@ from recompute_bench.analysis.time_model import StepTime, step_time
 from recompute_bench.models import spec_for
 from recompute_bench.recompute.policy import LayerPolicy, megatron_setting
 from recompute_bench.recompute.settings import selective_settings
-from recompute_bench.spec.config import BadInput, Config, RecomputeConfig
+from recompute_bench.spec.config import OFFLOAD_MODULES, BadInput, Config, RecomputeConfig
 from recompute_bench.spec.rules import layers_per_model_chunk, validate
 
 PLAN_SCHEMA = "recompute-bench/plan-megatron/v1"
@@ -37,18 +38,46 @@ def with_recompute(cfg: Config, r: RecomputeConfig) -> Config:
     return dataclasses.replace(cfg, recompute=r)
 
 
-def candidate_settings(cfg: Config) -> list[RecomputeConfig]:
+def offload_groups(cfg: Config, run: MegatronRun) -> tuple[list[str], list[str]]:
+    """(the fine-grained offload modules that move bytes of cfg's layers in the Megatron memory
+    model, those Megatron offers that move none there), in Megatron's order. A module moves bytes
+    when some layer kind keeps a storage of its group (`offload.fine_grained_offloaded` with that
+    module alone, attn_proj beside core_attn as Megatron requires)."""
+    from recompute_bench.analysis.megatron.layer import layer_saved_bytes
+    from recompute_bench.analysis.megatron.offload import fine_grained_offloaded, offload_group
+
+    kinds = {cfg.model.is_moe_layer(i): i for i in range(cfg.model.num_layers)}
+    moving, inert = [], []
+    for module in OFFLOAD_MODULES:
+        listed = [module, "core_attn"] if module == "attn_proj" else [module]
+        probe = with_recompute(cfg, RecomputeConfig(fine_grained_activation_offloading=True, offload_modules=listed))
+        moved = any(offload_group(name) == module
+                    for i in kinds.values() for name in fine_grained_offloaded(probe, layer_saved_bytes(probe, run, (), i)))
+        (moving if moved else inert).append(module)
+    return moving, inert
+
+
+def candidate_settings(cfg: Config, run: MegatronRun | None = None) -> list[RecomputeConfig]:
     """Every setting worth asking Megatron about for cfg's model: none; selective with every
-    non-empty subset of the model's modules; full uniform and block with every
-    recompute_num_layers of a model chunk, each also with distribute_saved_activations; CPU
-    offloading of every layer count. Megatron's rules (`validate`) then drop what it refuses."""
+    non-empty subset of the model's modules (dense, MoE and MLA: `spec_for(model).recompute_targets`);
+    full uniform and block with every recompute_num_layers of a model chunk, each also with
+    distribute_saved_activations; CPU offloading of every layer count; and, given the run, fine-grained
+    offloading of every subset of the offload modules that move bytes (`offload_groups`) beside none
+    and every selective setting. Megatron's rules (`validate`) then drop what it refuses."""
     n = layers_per_model_chunk(cfg)
-    out = [RecomputeConfig(), *selective_settings(spec_for(cfg.model).recompute_targets)]
+    selective = [RecomputeConfig(), *selective_settings(spec_for(cfg.model).recompute_targets)]
+    out = list(selective)
     for method in ("uniform", "block"):
         for k in range(1, n + 1):
             out.append(RecomputeConfig("full", [], method, k))
             out.append(RecomputeConfig("full", [], method, k, distribute_saved_activations=True))
     out += [RecomputeConfig(activation_offload_layers=k) for k in range(1, cfg.model.num_layers)]
+    if run is not None:
+        moving, _ = offload_groups(cfg, run)
+        for k in range(1, len(moving) + 1):
+            for listed in combinations(moving, k):
+                out += [dataclasses.replace(r, fine_grained_activation_offloading=True, offload_modules=list(listed))
+                        for r in selective]
     return out
 
 
@@ -64,7 +93,7 @@ def _family(r: RecomputeConfig) -> tuple:
         return ("full", r.method, r.distribute_saved_activations)
     if r.activation_offload_layers:
         return ("offload",)
-    return (r.granularity, tuple(r.modules))
+    return (r.granularity, tuple(r.modules), tuple(r.offload_modules))
 
 
 class Planner:
@@ -73,7 +102,7 @@ class Planner:
     def __init__(self, cfg: Config, run: MegatronRun, rates: GpuRates, budget: float, fraction: float, fixed: float):
         self.cfg, self.run, self.rates = cfg, run, rates
         self.budget, self.fraction, self.fixed = budget, fraction, fixed
-        self.parameters = [s.parameters for s in stage_peaks(with_recompute(cfg, RecomputeConfig()), run)]
+        self.parameters = [stage_parameter_groups(cfg, s) for s in range(cfg.parallel.pipeline_model_parallel_size)]
         self.none_step = self.time(RecomputeConfig()).step_seconds
 
     def time(self, r: RecomputeConfig) -> StepTime:
@@ -102,7 +131,7 @@ class Planner:
     def search(self) -> tuple[list[dict[str, Any]], list[dict[str, str]]]:
         """Every candidate priced, and those left out with the reason (one line per reason)."""
         rows, excluded = [], {}
-        for r in candidate_settings(self.cfg):
+        for r in candidate_settings(self.cfg, self.run):
             try:
                 rows.append(self.row(r))
             except BadInput as e:
@@ -116,9 +145,9 @@ def _span(labels: list[str]) -> str:
 
 
 def _amount(row: dict[str, Any]) -> int:
-    """How much a setting asks to recompute or offload (modules, or layers)."""
+    """How much a setting asks to recompute or offload (modules, layers, offload modules)."""
     r = row["recompute"]
-    return len(r["modules"]) or r["num_layers"] or r["activation_offload_layers"] or 0
+    return len(r["modules"]) + (r["num_layers"] or 0) + r["activation_offload_layers"] + len(r["offload_modules"])
 
 
 def _same(a: dict[str, Any], b: dict[str, Any]) -> bool:
@@ -128,40 +157,57 @@ def _same(a: dict[str, Any], b: dict[str, Any]) -> bool:
 
 
 def speed_order(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Fastest first; at equal time the lower peak, then the one that asks for less."""
-    return sorted(rows, key=lambda r: (round(r["step_seconds"], 9), r["peak_allocated_bytes"], _amount(r), r["label"]))
+    """Fastest first; at equal predicted time the one that asks for less (offload the model finds
+    hidden still takes host memory and the host link), then the lower peak."""
+    return sorted(rows, key=lambda r: (round(r["step_seconds"], 9), _amount(r), r["peak_allocated_bytes"], r["label"]))
 
 
-def shown(rows: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], list[dict[str, str]]]:
+def shown(rows: list[dict[str, Any]], current: str | None = None) -> tuple[list[dict[str, Any]], list[dict[str, str]],
+                                                                           list[str]]:
     """The rows that fit: those that fit with the allowance fastest first (the one to use on top),
-    then the tight ones fastest first; only the fastest of each family and fit class (more layers
-    recomputed or offloaded is never faster); and apart from them the settings that only repeat a
-    shown one's time and peak while asking for more (a module with nothing to recompute, such as
-    `layernorm` where Transformer Engine fuses the norms)."""
-    seen, out, same = set(), [], []
-    ordered = speed_order([r for r in rows if r["fit"] == FITS]) + speed_order([r for r in rows if r["fit"] == TIGHT])
-    for row in ordered:
-        twin = next((x for x in out if _same(x, row)), None)
-        if twin is not None:
+    then the tight ones faster than every one of those, fastest first; only the fastest of each
+    family and fit class (more layers recomputed or offloaded is never faster), and only a row that
+    needs less memory than every faster row shown (a slower setting that also peaks higher is no
+    choice). Apart from them: the settings that only repeat a shown one's time and peak while asking
+    for more (a module with nothing to recompute, such as `layernorm` where Transformer Engine fuses
+    the norms), and the labels of the dominated ones (`--all` lists them). The run's own setting
+    (`current`) is listed wherever it fits, dominated or not, to compare with."""
+    seen, out, same, dominated, kept = set(), [], [], [], []
+    for row in speed_order(rows):  # at equal step and peak, the one that asks for less comes first
+        twin = next((x for x in kept if _same(x, row)), None)
+        if twin is None:
+            kept.append(row)
+        elif row["fit"] != OVER:
             same.append({"setting": row["label"], "same_as": twin["label"]})
-            continue
+    fitting = [r for r in kept if r["fit"] == FITS]
+    fastest = fitting[0]["step_seconds"] if fitting else float("inf")
+    tight = [r for r in kept if r["fit"] == TIGHT and r["step_seconds"] < fastest]
+    for row in fitting + tight:
         key = (_family(RecomputeConfig(**row["recompute"])), row["fit"])
-        if key not in seen:
-            seen.add(key)
-            out.append(row)
-    return out, same
+        if key in seen:
+            continue
+        faster = [x for x in out if x["fit"] == row["fit"]]
+        if faster and min(x["peak_allocated_bytes"] for x in faster) <= row["peak_allocated_bytes"] \
+                and row["label"] != current:
+            dominated.append(row["label"])
+            continue
+        seen.add(key)
+        out.append(row)
+    return out, same, dominated
 
 
 def megatron_plan(cfg: Config, run: MegatronRun, rates: GpuRates, budget: float, fraction: float, fixed: float,
-                  gpus: int | None = None) -> dict[str, Any]:
+                  gpus: int | None = None, mark_current: bool = False) -> dict[str, Any]:
     """The plan: every setting priced (`settings`), those that fit fastest first (`fits`), the one
     to use (`recommended`, with its flags and its time's parts), and when nothing fits the layouts
-    that would (`would_fit`)."""
+    that would (`would_fit`). `mark_current`: cfg's own recompute setting is the run's (read from
+    its file), listed wherever it fits and named in `current`."""
     planner = Planner(cfg, run, rates, budget, fraction, fixed)
     rows, excluded = planner.search()
     if not rows:
         raise BadInput("no recompute setting of this run can be priced: " + "; ".join(e["reason"] for e in excluded))
-    fits, same = shown(rows)
+    current = label(cfg.recompute) if mark_current and any(r["label"] == label(cfg.recompute) for r in rows) else None
+    fits, same, dominated = shown(rows, current)
     smallest = min(rows, key=lambda r: r["peak_allocated_bytes"])
     static = max(st.static_bytes for st in stage_peaks(with_recompute(cfg, RecomputeConfig()), run))
     out: dict[str, Any] = {
@@ -170,6 +216,7 @@ def megatron_plan(cfg: Config, run: MegatronRun, rates: GpuRates, budget: float,
         "budget_bytes": budget, "allowance": allowance_row(fraction, fixed),
         "num_microbatches": cfg.num_microbatches, "no_recompute_step_seconds": planner.none_step,
         "settings": speed_order(rows), "excluded": excluded, "fits": fits, "same_as_shown": same,
+        "dominated": dominated, "time_notes": time_notes(cfg, run), "current": current,
         "recommended": None, "reason": None, "flags": None, "time_parts": None, "would_fit": [],
     }
     best = next((r for r in fits if r["fit"] == FITS), fits[0] if fits else None)
@@ -202,6 +249,29 @@ def megatron_plan(cfg: Config, run: MegatronRun, rates: GpuRates, budget: float,
         out["reason"] += f" (parameters, gradients and optimizer state alone hold {static / 2**30:.1f} GiB)"
     out["would_fit"] = would_fit(cfg, run, rates, budget, fraction, fixed, gpus, planner.none_step)
     return out
+
+
+def time_notes(cfg: Config, run: MegatronRun) -> list[str]:
+    """What the time model leaves out that this run has, one line each."""
+    notes = []
+    impl = cfg.training.cuda_graph_impl
+    if impl != "none":
+        notes.append(f"CUDA graphs ({impl}): the time model prices no kernel launch overhead, with graphs or without, "
+                     "so it predicts no speed-up from them; their memory (static buffers, the capture) is in the peaks")
+    if cfg.model.num_moe_experts:
+        notes.append("MoE: every expert is priced with its share of the tokens (balanced routing), as the memory model "
+                     "counts them; an imbalanced router makes the busiest rank slower than predicted")
+    _, inert = offload_groups(cfg, run)
+    m = cfg.model
+    # modules whose layers save something Megatron would offload, which the memory model does not
+    # move yet: MoE's groups, the MoE layer's own pre-MLP norm and MLA's input norm (TENorms; a
+    # dense TE layer's norms are fused into its linears and save nothing of their own)
+    present = [x for x in inert if (x in ("expert_fc1", "moe_act", "fused_group_mlp", "mlp_norm") and m.num_moe_experts)
+               or (x == "attn_norm" and m.multi_latent_attention)]
+    if present:
+        notes.append(f"fine-grained offload of {', '.join(present)} is not planned: the Megatron memory model moves "
+                     "none of their bytes yet")
+    return notes
 
 
 def check_budget(cfg: Config, run: MegatronRun, budget: float, fixed: float) -> None:
@@ -287,9 +357,17 @@ def would_fit(cfg: Config, run: MegatronRun, rates: GpuRates, budget: float, fra
 # ----- plan --auto: per stage and per layer ------------------------------------------------------
 
 
-def _choices(cfg: Config) -> list[tuple[str, Callable[[int], LayerPolicy]]]:
+def _choices(cfg: Config, run: MegatronRun, rates: GpuRates) -> list[tuple[str, Callable[[int], LayerPolicy]]]:
     """What one layer may do in a per-layer policy: keep everything, recompute any selective subset
-    Megatron accepts for the model (as a uniform setting), or be checkpointed whole on its own."""
+    Megatron accepts for the model (as a uniform setting), or be checkpointed whole on its own;
+    less a choice that another beats on every kind of layer the model has (dense, MoE), keeping no
+    fewer bytes (`layer_bytes`) for no less recompute time (`time_model.layer_seconds`): a
+    dominated choice never makes a faster mix (a MoE model's seven modules offer 127 subsets, most
+    of them dominated)."""
+    from recompute_bench.analysis.layer import checkpoint_input_bytes
+    from recompute_bench.analysis.megatron.layer import layer_bytes
+    from recompute_bench.analysis.time_model import layer_seconds
+
     out: list[tuple[str, Callable[[int], LayerPolicy]]] = [("none", lambda i: LayerPolicy())]
     targets = spec_for(cfg.model).recompute_targets
     for k in range(1, len(targets) + 1):
@@ -300,13 +378,37 @@ def _choices(cfg: Config) -> list[tuple[str, Callable[[int], LayerPolicy]]]:
                 continue
             out.append((f"selective[{','.join(subset)}]", lambda i, s=frozenset(subset): LayerPolicy(modules=s)))
     out.append(("full", lambda i: LayerPolicy(chunk=i)))
-    return out
+    kinds = list({cfg.model.is_moe_layer(i): i for i in range(cfg.model.num_layers)}.values())
+
+    def cost(policy: LayerPolicy) -> list[tuple[float, float]]:
+        return [(layer_seconds(cfg, run, rates, policy, i)["recompute"],
+                 checkpoint_input_bytes(cfg) if policy.chunk is not None else layer_bytes(cfg, run, policy.modules, i))
+                for i in kinds]
+
+    costs = {name: cost(make(0)) for name, make in out}
+
+    def beaten(name: str) -> bool:
+        mine = costs[name]
+        return any(other != name and all(t <= mt and b <= mb for (t, b), (mt, mb) in zip(costs[other], mine))
+                   and costs[other] != mine for other in costs)
+
+    # of choices that cost the same on every kind, the one listed first (asking for least) stays
+    seen: list[list[tuple[float, float]]] = []
+    kept = []
+    for name, make in out:
+        if beaten(name) or costs[name] in seen:
+            continue
+        seen.append(costs[name])
+        kept.append((name, make))
+    return kept
 
 
 def _policy_config(cfg: Config, pattern: list[LayerPolicy], distribute: bool = False) -> Config:
-    """cfg running `pattern` in every model chunk (the Megatron memory and time models read a
-    chunk's first entries), its checkpoints' inputs distributed over tensor parallel or not."""
-    entries = [p.entry for p in pattern] * (cfg.model.num_layers // len(pattern))
+    """cfg running `pattern` in every model chunk (layer j runs pattern[j mod n]; each checkpointed
+    layer its own checkpoint), its checkpoints' inputs distributed over tensor parallel or not."""
+    n = len(pattern)
+    entries = [dataclasses.replace(pattern[j % n], chunk=j).entry if pattern[j % n].chunk is not None
+               else pattern[j % n].entry for j in range(cfg.model.num_layers)]
     return with_recompute(cfg, RecomputeConfig(layer_policy=entries, distribute_saved_activations=distribute))
 
 
@@ -319,7 +421,15 @@ def auto_plan(cfg: Config, run: MegatronRun, rates: GpuRates, budget: float, fra
     or a whole-layer checkpoint), the fastest such mix that fits. The pipeline is paced by its
     slowest stage, so the step is (m + (p - 1)/vp) x the slowest stage's micro-batch. Megatron runs
     one setting for every layer of every chunk of every stage (TransformerConfig.recompute_*), so
-    only a plan whose stages all run the same Megatron setting can run there."""
+    only a plan whose stages all run the same Megatron setting can run there.
+
+    A mix's micro-batch is priced without building its step: the time model is additive, a stage's
+    micro-batch under no recompute plus what each layer re-runs under its choice (and each
+    checkpoint's all-gather with distributed inputs), so the mixes are tried fastest first and the
+    memory model is asked only until one fits (its time then taken from `step_time` itself)."""
+    from recompute_bench.analysis.time_model import checkpoint_ops, layer_key, layer_seconds, op_times
+    from recompute_bench.spec.pipeline_split import model_chunks
+
     par = cfg.parallel
     p, vp = par.pipeline_model_parallel_size, par.virtual_pipeline_model_parallel_size or 1
     n = layers_per_model_chunk(cfg)
@@ -332,55 +442,78 @@ def auto_plan(cfg: Config, run: MegatronRun, rates: GpuRates, budget: float, fra
         return (cfg.num_microbatches + (p - 1) / vp) * max(stage_micro) + planner.time(RecomputeConfig()).optimizer_seconds
 
     rows, _ = planner.search()
+    times = {row["label"]: planner.time(RecomputeConfig(**row["recompute"])) for row in rows}
     per_stage: list[dict[str, Any] | None] = []
     for s in range(p):
         best = None
-        for row in speed_order(rows):
-            r = RecomputeConfig(**row["recompute"])
-            c = with_recompute(cfg, r)
-            if fits_stage(c, s):
-                micro = planner.time(r).microbatch_seconds[s]
-                if best is None or micro < best["microbatch_seconds"]:
-                    best = {"stage": s, "setting": row["label"], "microbatch_seconds": micro}
+        for row in sorted(speed_order(rows), key=lambda r: round(times[r["label"]].microbatch_seconds[s], 12)):
+            if fits_stage(with_recompute(cfg, RecomputeConfig(**row["recompute"])), s):
+                best = {"stage": s, "setting": row["label"], "microbatch_seconds": times[row["label"]].microbatch_seconds[s]}
+                break
         per_stage.append(best)
 
     per_layer: list[dict[str, Any] | None] = []
-    choices = _choices(cfg)
+    choices = _choices(cfg, run, rates)
     try:  # Megatron's rule: distributed checkpoint inputs need tensor parallel without sequence parallel
         validate(with_recompute(cfg, RecomputeConfig("full", [], "block", 1, distribute_saved_activations=True)))
         distributions = [False, True]
     except BadInput:
         distributions = [False]
+    none_micro = planner.time(RecomputeConfig()).microbatch_seconds
+    rerun: dict[tuple, float] = {}
+
+    def rerun_seconds(name: str, policy: LayerPolicy, layer: int) -> float:
+        key = (name, layer_key(cfg, layer))
+        if key not in rerun:
+            rerun[key] = layer_seconds(cfg, run, rates, policy, layer)["recompute"]
+        return rerun[key]
+
+    distributed = with_recompute(cfg, RecomputeConfig("full", [], "block", 1, distribute_saved_activations=True))
+    checkpoint_cost = sum(op_times(checkpoint_ops(distributed, [LayerPolicy(chunk=0)]), rates).values()) \
+        if True in distributions else 0.0
+    pairs = [(x, x) for x in choices] + [(x, y) for x in choices for y in choices if x[0] != y[0]]
     for s in range(p):
-        # A stage's own uniform setting is one per-layer policy: start from it.
-        best = None if per_stage[s] is None else {**per_stage[s], "megatron_setting": per_stage[s]["setting"]}
-        pairs = [(x, x) for x in choices] + [(x, y) for x in choices for y in choices if x[0] != y[0]]
+        layers = [c.first_layer + i for c in model_chunks(cfg, s) for i in range(c.layers)]
+        # what each choice re-runs on the stage's layers at position r of the pattern (layer j runs
+        # pattern[j mod n]), and how many of those layers there are (checkpoints, if whole)
+        added = {name: [sum(rerun_seconds(name, make(j), j) for j in layers if j % n == r) for r in range(n)]
+                 for name, make in choices}
+        count = [sum(1 for j in layers if j % n == r) for r in range(n)]
+        mixes = []
         for (name_a, a), (name_b, b) in pairs:
             for distribute in distributions if "full" in (name_a, name_b) else [False]:
                 for k in range(1, n) if name_a != name_b else [n]:  # mixes: k of a, n - k of b
                     pattern = [a(i) for i in range(k)] + [b(i) for i in range(k, n)]
-                    c = _policy_config(cfg, pattern, distribute)
-                    try:
-                        if not fits_stage(c, s):
-                            continue
-                        micro = step_time(c, run, rates, planner.parameters).microbatch_seconds[s]
-                    except BadInput:
-                        break
-                    if best is None or micro < best["microbatch_seconds"] * (1 - 1e-9):
-                        setting = megatron_setting(cfg.model, pattern, spec_for(cfg.model).recompute_targets)
-                        words = name_b if name_a == name_b else f"{k} {name_a} + {n - k} {name_b}"
-                        words += " +distribute" if distribute else ""
-                        best = {"stage": s, "setting": words, "microbatch_seconds": micro,
-                                "megatron_setting": None if setting is None else label(dataclasses.replace(
-                                    setting, distribute_saved_activations=distribute))}
-                    break  # the fewest layers of the costlier choice that fit: more is slower
+                    micro = none_micro[s] + sum(added[name_a][:k]) + sum(added[name_b][k:])
+                    if distribute:
+                        micro += checkpoint_cost * sum(count[r] for r in range(n) if pattern[r].chunk is not None)
+                    mixes.append((round(micro, 12), name_a, name_b, k, distribute, pattern))
+        mixes.sort(key=lambda x: x[0])
+        best = None if per_stage[s] is None else {**per_stage[s], "megatron_setting": per_stage[s]["setting"]}
+        for micro, name_a, name_b, k, distribute, pattern in mixes:
+            if best is not None and micro >= best["microbatch_seconds"] * (1 - 1e-9):
+                break  # every mix left is no faster than the stage's own uniform setting
+            c = _policy_config(cfg, pattern, distribute)
+            try:
+                if not fits_stage(c, s):
+                    continue
+                micro = step_time(c, run, rates, planner.parameters).microbatch_seconds[s]
+            except BadInput:
+                continue
+            setting = megatron_setting(cfg.model, pattern, spec_for(cfg.model).recompute_targets)
+            words = name_b if name_a == name_b else f"{k} {name_a} + {n - k} {name_b}"
+            words += " +distribute" if distribute else ""
+            best = {"stage": s, "setting": words, "microbatch_seconds": micro,
+                    "megatron_setting": None if setting is None else label(dataclasses.replace(
+                        setting, distribute_saved_activations=distribute))}
+            break
         per_layer.append(best)
 
     out: dict[str, Any] = {"uniform": None, "per_stage": None, "per_layer": None}
-    if uniform is not None:
-        st = planner.time(RecomputeConfig(**uniform["recompute"]))
-        out["uniform"] = {"setting": uniform["label"], "step_seconds": st.step_seconds,
-                          "relative_throughput": planner.none_step / st.step_seconds}
+    if uniform is not None:  # priced by the same formula as the mixes, so that equal plans gain 0
+        total = step(planner.time(RecomputeConfig(**uniform["recompute"])).microbatch_seconds)
+        out["uniform"] = {"setting": uniform["label"], "step_seconds": total,
+                          "relative_throughput": planner.none_step / total}
     for key, stages in (("per_stage", per_stage), ("per_layer", per_layer)):
         if any(x is None for x in stages):
             out[key] = {"stages": stages, "step_seconds": None, "gain": None,
