@@ -15,10 +15,10 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from recompute_bench.spec.config import RecomputeConfig  # noqa: E402
+from recompute_bench.config.schema import RecomputeConfig  # noqa: E402
 from recompute_bench.measure.point import run_point  # noqa: E402
 from recompute_bench.recompute.settings import all_settings  # noqa: E402
-from recompute_bench.spec.presets import resolve  # noqa: E402
+from recompute_bench.config.presets import resolve  # noqa: E402
 
 SHAPES = {
     "tiny": {},

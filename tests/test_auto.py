@@ -21,7 +21,7 @@ from recompute_bench.recompute.policy import LayerPolicy, layer_policies, megatr
 from recompute_bench.recompute.policy_file import check, read_policy
 from recompute_bench.recompute.settings import all_settings
 from recompute_bench.results.rows import key_fields, point_id
-from recompute_bench.spec.config import RecomputeConfig
+from recompute_bench.config.schema import RecomputeConfig
 
 WORKLOADS = ["tiny", "llama3-8b"]  # tiny: GPT, 4 layers; llama3-8b shrunk to 3 layers (RMSNorm, SwiGLU, GQA, RoPE)
 FAST = ["--set", "training.warmup_steps=0", "--set", "training.measured_steps=1"]

@@ -204,7 +204,7 @@ def test_run_no_save_leaves_no_scratch_in_the_working_folder(tmp_path, monkeypat
 # ----- verify on CUDA ------------------------------------------------------------------------------
 def test_verify_on_cuda_runs_torchs_deterministic_kernels_and_says_so(monkeypatch):
     from recompute_bench.measure import verify as verify_module
-    from recompute_bench.spec.config import RecomputeConfig
+    from recompute_bench.config.schema import RecomputeConfig
 
     seen = []
 

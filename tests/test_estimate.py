@@ -14,7 +14,7 @@ from recompute_bench.analysis.paper import built_minus_paper_bytes, paper_first_
 from recompute_bench.analysis.rank import chunks_in_flight, microbatches_in_flight, optimizer_bytes_per_parameter, rank_memory
 from recompute_bench.analysis.stage import activation_bytes, loss_saved_bytes, loss_workspace_bytes, stage_activations, stage_parameters
 from recompute_bench.analysis import flops
-from recompute_bench.spec.config import RecomputeConfig
+from recompute_bench.config.schema import RecomputeConfig
 from recompute_bench.models import DeviceKernels
 from recompute_bench.models.dense.layers import build_model
 from recompute_bench.recompute.settings import all_settings
@@ -34,7 +34,7 @@ def test_the_analysis_imports_no_torch():
     # estimate and plan must start at once and run where torch is absent: a fresh interpreter
     # imports the analysis and the model spec and must not have loaded torch on the way.
     code = ("import sys, recompute_bench.analysis.planner, recompute_bench.analysis.auto, "
-            "recompute_bench.models.dense.spec, recompute_bench.spec.rules; "
+            "recompute_bench.models.dense.spec, recompute_bench.config.rules; "
             "assert 'torch' not in sys.modules, sorted(m for m in sys.modules if m.startswith('torch'))")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert done.returncode == 0, done.stderr

@@ -15,7 +15,7 @@ from recompute_bench.analysis.rank import record_estimate
 from recompute_bench.launch.torchrun import Launch, check_launch, run_ranks, verify_over_ranks
 from recompute_bench.models import spec_for
 from recompute_bench.results.rows import key_fields
-from recompute_bench.spec.config import RecomputeConfig
+from recompute_bench.config.schema import RecomputeConfig
 from helpers import LOSS_RTOL, RANK_SETS
 
 SLOW = pytest.mark.slow  # launches ranks: `make test-all`; the pure logic here runs in the fast lane

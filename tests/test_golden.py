@@ -10,7 +10,7 @@ import pytest
 from helpers import invoke
 from helpers import CPU_ENV, H100_ENV, record, write_golden_of, write_results
 from recompute_bench.gate import golden as gold, metrics, tolerances as tol, verdicts
-from recompute_bench.spec.config import BadInput
+from recompute_bench.config.schema import BadInput
 from recompute_bench.results.rows import KEY_COLUMNS, record_row
 
 
@@ -349,8 +349,8 @@ def test_every_config_field_but_the_measurement_protocol_is_in_the_key():
     import dataclasses
 
     from recompute_bench.results.rows import key_fields, point_id
-    from recompute_bench.spec.fields import PROTOCOL_KEYS
-    from recompute_bench.spec.config import SECTIONS
+    from recompute_bench.config.fields import PROTOCOL_KEYS
+    from recompute_bench.config.schema import SECTIONS
 
     base = record()
     changed_by = {}

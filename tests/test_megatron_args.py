@@ -8,7 +8,7 @@ import pytest
 from helpers import invoke
 from recompute_bench.ingest.megatron_args import (CannotExpress, config_from_megatron, megatron_overrides,
                                                   overrides_as_flags, read_argv)
-from recompute_bench.spec.config import BadInput
+from recompute_bench.config.schema import BadInput
 
 # tests/functional_tests/test_cases/gpt/gpt3_7b_tp1_pp4_memory_speed/model_config.yaml (Megatron-LM
 # d98e8a6), the arguments that shape the run; the rest are paths, logging and learning rate.

@@ -11,7 +11,7 @@ from helpers import invoke
 from recompute_bench.analysis import megatron as mg
 from recompute_bench.analysis.megatron import context_parallel as cp, layer, optimizer, outside
 from recompute_bench.analysis.megatron.stage import chunk_bytes
-from recompute_bench.spec.pipeline_split import model_chunks
+from recompute_bench.config.pipeline_split import model_chunks
 from recompute_bench.ingest.megatron_args import config_from_megatron
 
 MiB = 2**20

@@ -14,8 +14,8 @@ from recompute_bench.analysis.megatron.parameters import layer_parameters, stage
 from recompute_bench.analysis.megatron.stage import DEFERRED_WGRAD_ITEM
 from recompute_bench.analysis.schedule import chunk_forwards_in_flight
 from recompute_bench.ingest.megatron_args import config_from_megatron
-from recompute_bench.spec.config import BadInput
-from recompute_bench.spec.pipeline_split import ModelChunk, model_chunks, parse_layout
+from recompute_bench.config.schema import BadInput
+from recompute_bench.config.pipeline_split import ModelChunk, model_chunks, parse_layout
 
 CASES = json.loads((Path(__file__).parent / "data" / "megatron" / "cases.json").read_text())
 MiB = 2**20

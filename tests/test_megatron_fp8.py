@@ -12,7 +12,7 @@ from helpers import invoke
 from recompute_bench.analysis import megatron as mg
 from recompute_bench.analysis.megatron import attention, fp8, layer, stage
 from recompute_bench.ingest.megatron_args import CannotExpress, config_from_megatron
-from recompute_bench.spec.config import BadInput
+from recompute_bench.config.schema import BadInput
 
 MiB = 2**20
 CASES = Path(__file__).parent / "data" / "megatron" / "cases.json"

@@ -9,9 +9,9 @@ import pytest
 from helpers import invoke
 from recompute_bench.analysis.megatron import MegatronRun, moe, optimizer, parameters, stage_peak
 from recompute_bench.analysis.megatron.layer import layer_saved_bytes
-from recompute_bench.spec.pipeline_split import model_chunks
+from recompute_bench.config.pipeline_split import model_chunks
 from recompute_bench.ingest.megatron_args import config_from_megatron
-from recompute_bench.spec.config import BadInput
+from recompute_bench.config.schema import BadInput
 
 H100 = MegatronRun("h100", ":4096:8")
 # A small Megatron MoE run: s 1024, b 4, h 512, 8 experts of ffn 1024, top-2, grouped GEMM, tp 2 with

@@ -14,8 +14,8 @@ from recompute_bench.analysis.megatron.parameters import layer_parameter_groups,
 from recompute_bench.analysis.megatron.stage import chunk_bytes
 from recompute_bench.ingest.megatron_args import config_from_megatron
 from recompute_bench.models import vocab_rows
-from recompute_bench.spec.config import BadInput
-from recompute_bench.spec.pipeline_split import model_chunks
+from recompute_bench.config.schema import BadInput
+from recompute_bench.config.pipeline_split import model_chunks
 
 H100 = MegatronRun("h100", ":4096:8")
 MiB = 2**20

@@ -12,8 +12,8 @@ from recompute_bench.analysis.stage import activation_bytes, stage_parameters
 from recompute_bench.measure.layout import DTYPES
 from recompute_bench.measure.verify import verify
 from recompute_bench.models import spec_for
-from recompute_bench.spec.config import RecomputeConfig
-from recompute_bench.spec.rules import validate
+from recompute_bench.config.schema import RecomputeConfig
+from recompute_bench.config.rules import validate
 
 ONE_STEP = {"training__global_batch_size": 2}
 

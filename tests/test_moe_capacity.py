@@ -13,7 +13,7 @@ from recompute_bench.measure.probe import tokens_per_expert
 from recompute_bench.measure.verify import verify
 from recompute_bench.models import spec_for
 from recompute_bench.models.moe.capacity import expert_capacity
-from recompute_bench.spec.config import RecomputeConfig
+from recompute_bench.config.schema import RecomputeConfig
 
 ONE_STEP = {"training__global_batch_size": 2}
 

@@ -116,7 +116,7 @@ def test_a_wheel_installed_elsewhere_runs_workloads_run_sweep_and_report(tmp_pat
     elsewhere.mkdir()
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "RECOMPUTE_BENCH_WORKLOADS")}
     cli = [str(venv / "bin" / "recompute-bench")]
-    where = _run([str(python), "-c", "import recompute_bench.spec.presets as p; print(p.__file__); print(p.WORKLOADS_DIR)"],
+    where = _run([str(python), "-c", "import recompute_bench.config.presets as p; print(p.__file__); print(p.WORKLOADS_DIR)"],
                  cwd=elsewhere, env=env).stdout.split()
     assert [Path(w).is_relative_to(site) for w in where] == [True, True]
     assert _run([*cli, "--version"], cwd=elsewhere, env=env).stdout.strip().startswith("recompute-bench ")

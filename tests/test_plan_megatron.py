@@ -15,7 +15,7 @@ from recompute_bench.analysis.megatron import flags
 from recompute_bench.analysis.megatron.plan import candidate_settings, megatron_plan, speed_order
 from recompute_bench.analysis.rank import device_bytes_needed
 from recompute_bench.analysis.time_model import step_time
-from recompute_bench.spec.config import RecomputeConfig
+from recompute_bench.config.schema import RecomputeConfig
 
 RUN = MegatronRun("h100")
 H100 = gpu_rates.datasheet_rates("h100")

@@ -44,7 +44,7 @@ def test_restoring_the_rng_state_is_what_keeps_recomputed_dropout_masks_equal(mo
 def test_recompute_keeps_every_parameter_name():
     from recompute_bench.models.dense.layers import build_model
     from recompute_bench.recompute.apply import apply_recompute
-    from recompute_bench.spec.config import RecomputeConfig
+    from recompute_bench.config.schema import RecomputeConfig
     cfg = config()
     names = [n for n, _ in build_model(cfg.model, 1).named_parameters()]
     for setting in [RecomputeConfig()] + all_settings(cfg.model.num_layers):
@@ -143,7 +143,7 @@ def test_two_builds_with_one_seed_are_identical():
 
 
 def test_offloaded_layers_keep_gradients_equal_and_leave_the_device():
-    from recompute_bench.spec.config import RecomputeConfig
+    from recompute_bench.config.schema import RecomputeConfig
     from recompute_bench.measure.probe import SavedTensorProbe
     from recompute_bench.models.dense.layers import build_model
     from recompute_bench.recompute.apply import apply_recompute

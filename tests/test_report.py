@@ -6,7 +6,7 @@ import pytest
 
 from helpers import invoke
 from helpers import CPU_ENV, record, write_results
-from recompute_bench.spec.config import BadInput
+from recompute_bench.config.schema import BadInput
 from recompute_bench.render.plot import pareto_front
 from recompute_bench.results.rows import KEY_COLUMNS, load_results
 

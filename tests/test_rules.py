@@ -9,7 +9,7 @@ from helpers import config, invoke
 from recompute_bench.analysis import flops
 from recompute_bench.analysis.layer import checkpoint_input_bytes, layer_activation_bytes
 from recompute_bench.analysis.stage import stage_activations
-from recompute_bench.spec.config import BadInput, RecomputeConfig
+from recompute_bench.config.schema import BadInput, RecomputeConfig
 
 FULL = ["--recompute-granularity", "full", "--recompute-method"]
 VPP = "parallel.virtual_pipeline_model_parallel_size"

@@ -22,7 +22,7 @@ from recompute_bench.ingest.megatron_golden import read_model_config_file
 from recompute_bench.ingest.record import FIRST_ITERATION, STEADY, import_record
 from recompute_bench.ingest.run_source import read_run
 from recompute_bench.models import FP32_BYTES
-from recompute_bench.spec.config import BadInput
+from recompute_bench.config.schema import BadInput
 
 DATA = Path(__file__).parent / "data"
 SEED_YAML = DATA / "seed" / "LLAMA3_70B_SFT_CONFIG_H100_FP8_CS_V1.yaml"

@@ -15,7 +15,7 @@ import pytest
 from helpers import config, invoke, processes_naming
 from recompute_bench.gate.golden import read_golden, write_golden
 from recompute_bench.launch import process as launch
-from recompute_bench.spec.config import BadInput
+from recompute_bench.config.schema import BadInput
 from recompute_bench.results.store import RunLock
 from recompute_bench.launch.sweep import done_points, expand, plan_from_flags, point_record_id
 from recompute_bench.recompute.settings import all_settings
@@ -37,7 +37,7 @@ def plan(*args):
 
 
 def _label(r):
-    from recompute_bench.spec.config import recompute_label
+    from recompute_bench.config.schema import recompute_label
     return recompute_label(**r)
 
 
@@ -122,7 +122,7 @@ def test_grid_file(tmp_path):
                      ("wide", "none")]
     assert [p["config"]["training"]["measured_steps"] for p in points] == [2, 2, 3, 2]
     assert [p["config"]["training"]["seq_length"] for p in points] == [128, 128, 64, 128]
-    # Any field, by the name it has everywhere (spec/fields.py), not only those with a flag.
+    # Any field, by the name it has everywhere (config/fields.py), not only those with a flag.
     assert [p["config"]["model"]["hidden_size"] for p in points] == [64, 64, 64, 128]
 
 

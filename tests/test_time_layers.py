@@ -14,7 +14,7 @@ from recompute_bench.analysis.megatron import MegatronRun
 from recompute_bench.analysis.time_moe import destination_ranks
 from recompute_bench.models import spec_for
 from recompute_bench.recompute.policy import LayerPolicy
-from recompute_bench.spec.config import RecomputeConfig
+from recompute_bench.config.schema import RecomputeConfig
 
 H100 = gpu_rates.datasheet_rates("h100")
 RUN = MegatronRun("h100")

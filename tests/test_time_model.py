@@ -12,7 +12,7 @@ from recompute_bench.analysis import time_model as tm
 from recompute_bench.analysis.megatron import MegatronRun, stage_peaks
 from recompute_bench.models import spec_for
 from recompute_bench.recompute.policy import LayerPolicy
-from recompute_bench.spec.config import BadInput, RecomputeConfig
+from recompute_bench.config.schema import BadInput, RecomputeConfig
 
 H100 = gpu_rates.datasheet_rates("h100")
 RUN = MegatronRun("h100")

@@ -43,7 +43,7 @@ from recompute_bench.analysis.stage import StageActivations
 from recompute_bench.models import spec_for
 from recompute_bench.recompute.policy import (LayerPolicy, kind_targets, layer_kind, layer_policies, megatron_flags,
                                               megatron_setting)
-from recompute_bench.spec.config import Config, BadInput, RecomputeConfig
+from recompute_bench.config.schema import Config, BadInput, RecomputeConfig
 
 AUTO_SCHEMA = "recompute-bench/plan-auto/v3"  # v3: `stages`, `megatron`; costs summed over the stages
 Cost = tuple[float, int]

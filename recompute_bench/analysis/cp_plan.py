@@ -18,8 +18,8 @@ from typing import Any
 
 from recompute_bench.analysis import planner
 from recompute_bench.analysis.rank import ALLOWANCE_BYTES, ALLOWANCE_FRACTION
-from recompute_bench.spec.config import BadInput, Config
-from recompute_bench.spec.rules import validate
+from recompute_bench.config.schema import BadInput, Config
+from recompute_bench.config.rules import validate
 
 CP_PLAN_SCHEMA = "recompute-bench/cp-plan/v1"
 

@@ -16,9 +16,9 @@ from __future__ import annotations
 
 from recompute_bench.analysis.layer import kind_config
 from recompute_bench.models import spec_for
-from recompute_bench.spec.config import Config
+from recompute_bench.config.schema import Config
 from recompute_bench.recompute.policy import LayerPolicy, layer_kind, layer_policies, recomputed_layers as count_recomputed
-from recompute_bench.spec.rules import layers_per_model_chunk
+from recompute_bench.config.rules import layers_per_model_chunk
 
 
 def layer_forward_flops(cfg: Config, samples: int | None = None, device: str = "cuda") -> dict[str, float]:

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from recompute_bench.spec.config import BadInput
+from recompute_bench.config.schema import BadInput
 
 RATES_SCHEMA = "recompute-bench/gpu-rates/v1"
 TERA = 1e12
@@ -29,7 +29,7 @@ class GpuRates:
     """What one GPU does per second, and where each figure comes from."""
 
     kind: str
-    """The GPU kind (`analysis.megatron.run.COMPUTE_CAPABILITY`'s keys: h100, a100, ...)."""
+    """The GPU kind (`analysis.megatron.gpu.COMPUTE_CAPABILITY`'s keys: h100, a100, ...)."""
     product: str
     matrix_flops: dict[str, float]
     """Dense tensor-core FLOP/s by precision: bf16, fp16, fp32 (TF32, what Transformer Engine's

@@ -19,7 +19,7 @@ from typing import Iterable
 
 from recompute_bench.models import ELEMENT_BYTES, spec_for
 from recompute_bench.models.context_parallel import rank_seq_length
-from recompute_bench.spec.config import Config
+from recompute_bench.config.schema import Config
 
 
 def attention_kernel(cfg: Config, device: str = "cuda") -> str:

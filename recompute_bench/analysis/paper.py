@@ -11,7 +11,7 @@ from __future__ import annotations
 from recompute_bench.analysis.layer import attention_kernel
 from recompute_bench.models import ELEMENT_BYTES, spec_for
 from recompute_bench.models.context_parallel import rank_seq_length
-from recompute_bench.spec.config import Config
+from recompute_bench.config.schema import Config
 
 
 def paper_layer_bytes(s: int, b: int, h: int, a: int, t: int = 1, sequence_parallel: bool = False,

@@ -20,8 +20,8 @@ from recompute_bench.models import device_kind, spec_for
 from recompute_bench.models.context_parallel import rank_seq_length
 from recompute_bench.recompute.policy import megatron_flags
 from recompute_bench.recompute.settings import selective_settings
-from recompute_bench.spec.config import Config, RecomputeConfig
-from recompute_bench.spec.rules import layers_per_model_chunk
+from recompute_bench.config.schema import Config, RecomputeConfig
+from recompute_bench.config.rules import layers_per_model_chunk
 
 
 ESTIMATE_SCHEMA = "recompute-bench/estimate/v1"

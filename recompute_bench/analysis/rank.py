@@ -18,7 +18,7 @@ from recompute_bench.analysis.stage import (StageActivations, activation_bytes, 
                                             stage_activations, stage_parameters, token_bytes)
 from recompute_bench.models import ELEMENT_BYTES, FP32_BYTES, vocab_rows
 from recompute_bench.models.context_parallel import rank_seq_length
-from recompute_bench.spec.config import Config
+from recompute_bench.config.schema import Config
 
 
 ALLOWANCE_FRACTION = 0.10

@@ -8,7 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable
 
-from recompute_bench.spec.config import Config
+from recompute_bench.config.schema import Config
 
 Pass = tuple[str, int, int]
 """("F" or "B", micro-batch, model chunk)."""

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from typing import Callable, Iterable, NamedTuple
 
-from recompute_bench.spec.config import INTERLEAVED_SCHEDULES as INTERLEAVED, V_SCHEDULES as V_SHAPED
+from recompute_bench.config.schema import INTERLEAVED_SCHEDULES as INTERLEAVED, V_SCHEDULES as V_SHAPED
 
 
 class Action(NamedTuple):

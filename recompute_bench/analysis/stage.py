@@ -15,8 +15,8 @@ from recompute_bench.analysis.layer import (checkpoint_input_bytes, kind_config,
 from recompute_bench.models import ELEMENT_BYTES, FP32_BYTES, INDEX_BYTES, MASK_BYTES, spec_for, vocab_rows
 from recompute_bench.models.context_parallel import rank_seq_length
 from recompute_bench.recompute.policy import LayerPolicy, chunks, layer_kind, layer_policies
-from recompute_bench.spec.config import Config
-from recompute_bench.spec.rules import layers_per_model_chunk
+from recompute_bench.config.schema import Config
+from recompute_bench.config.rules import layers_per_model_chunk
 
 
 @dataclass(frozen=True)

@@ -39,7 +39,7 @@ from recompute_bench.analysis.megatron.moe import (dispatch_group, expert_probs_
 from recompute_bench.analysis.time_ops import (LayerOps, Op, Shape, linear, linear_backward, mlp_ops, modules, norm,
                                                norm_backward, quantize)
 from recompute_bench.models import INDEX_BYTES, MASK_BYTES
-from recompute_bench.spec.config import Config
+from recompute_bench.config.schema import Config
 
 MOE = frozenset({"moe"})
 ACT = frozenset({"moe", "moe_act"})

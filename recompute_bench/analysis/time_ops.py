@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from recompute_bench.analysis.gpu_rates import GpuRates
 from recompute_bench.analysis.megatron.context_parallel import rank_tokens
 from recompute_bench.models import ELEMENT_BYTES, MASK_BYTES
-from recompute_bench.spec.config import Config
+from recompute_bench.config.schema import Config
 
 FP8_BYTES = 1
 HOST = "host"

@@ -11,8 +11,8 @@ from rich.console import Console
 from rich.markup import escape
 
 from recompute_bench.cli.options import PointOptions
-from recompute_bench.spec.config import Config, BadInput
-from recompute_bench.spec.presets import DEFAULT_WORKLOAD, resolve
+from recompute_bench.config.schema import Config, BadInput
+from recompute_bench.config.presets import DEFAULT_WORKLOAD, resolve
 
 # People's output goes to stderr; stdout carries data (--json) only. Off a terminal the width is
 # fixed, so CI logs do not wrap tables at 80 columns.
@@ -62,7 +62,7 @@ def this_gpu() -> str:
     """This machine's GPU kind (h100, ...) or "cpu", read through NVML: the CLI process holds no
     CUDA context while its workers measure."""
     from recompute_bench.launch.devices import visible_gpu_name
-    from recompute_bench.spec.presets import gpu_type
+    from recompute_bench.config.presets import gpu_type
     return gpu_type(visible_gpu_name())
 
 
@@ -73,7 +73,7 @@ def hardware_kind(device: str | None, gpu: str | None) -> str:
 
 def records_kind(rows: list[dict]) -> str:
     """The hardware kind of result rows (golden file names)."""
-    from recompute_bench.spec.presets import gpu_type
+    from recompute_bench.config.presets import gpu_type
     return gpu_type(str(rows[0].get("device_name") or "cpu")) if rows else "cpu"
 
 

@@ -12,7 +12,7 @@ from rich.markup import escape
 
 from recompute_bench.cli.common import GoldenFile, ResultsArg, ResultsDir, Strict, err, fail, json_flag, records_kind
 from recompute_bench.cli.hints import print_command, update_command
-from recompute_bench.spec.config import BadInput
+from recompute_bench.config.schema import BadInput
 
 CompareJson = json_flag("the comparison")
 

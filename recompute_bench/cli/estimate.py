@@ -14,8 +14,8 @@ from recompute_bench.cli.common import DEFAULT_WORKLOAD, JsonOut, err, fail, res
 from recompute_bench.cli.options import PointOptions, point_options
 from recompute_bench.cli.plan_megatron import plan_megatron, resolve_on_gpus, with_gpus
 from recompute_bench.cli.run_from import FromFile, read_from, show_source
-from recompute_bench.spec.config import BadInput
-from recompute_bench.spec.rules import check_expert_parallel_world
+from recompute_bench.config.schema import BadInput
+from recompute_bench.config.rules import check_expert_parallel_world
 
 ModelDevice = Annotated[str, typer.Option("--device", help="What to model: cuda (the default; masks, norm statistics and "
                                           "attention kernels as on a GPU) or cpu (as `run` measures on a CPU).",

@@ -13,7 +13,7 @@ from rich.table import Table
 from recompute_bench.cli.common import err, fail, workload_flag
 from recompute_bench.cli.options import PointOptions, point_options
 from recompute_bench.ingest.formats import FORMATS
-from recompute_bench.spec.config import BadInput
+from recompute_bench.config.schema import BadInput
 
 ImportWorkload = workload_flag("Preset for what a file does not state (Bridge logs and goldens, torchtitan logs); "
                                "Megatron-LM logs and golden values state the whole run.", Optional[str])
@@ -43,7 +43,7 @@ def import_(
     from recompute_bench.ingest.formats import read
     from recompute_bench.ingest.record import import_record
     from recompute_bench.results.store import append_record
-    from recompute_bench.spec.presets import gpu_type
+    from recompute_bench.config.presets import gpu_type
 
     table = Table(title=escape(f"imported into {results}"), header_style="bold")
     for col in ("file", "format", "setting", "status", "TFLOP/s/GPU", "peak allocated", "estimate"):

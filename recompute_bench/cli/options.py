@@ -1,4 +1,4 @@
-"""Command-line options generated from the field registry (`spec.fields`), so that no command
+"""Command-line options generated from the field registry (`config.fields`), so that no command
 re-declares them: `@point_options()` adds one Typer option per flagged field (plus `--set` and
 `--gpu`) to a command and hands the command one `PointOptions` with what was given.
 
@@ -18,7 +18,7 @@ from typing import Annotated, Any, Callable, Optional
 
 import typer
 
-from recompute_bench.spec import fields as registry
+from recompute_bench.config import fields as registry
 
 # Sweep options that take lists too; the registry's list fields are added to these.
 SWEEP_LIST_OPTIONS = ("--modules", "--methods", "--num-layers-recompute")

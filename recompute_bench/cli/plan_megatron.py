@@ -15,7 +15,7 @@ import typer
 from rich.markup import escape
 
 from recompute_bench.cli.common import err, fail
-from recompute_bench.spec.config import BadInput, Config
+from recompute_bench.config.schema import BadInput, Config
 
 MEGATRON_SCHEDULES = (None, "1F1B", "Interleaved1F1B")
 """Megatron's pipeline schedules (schedules.py: 1F1B, interleaved 1F1B with virtual stages)."""
@@ -35,7 +35,7 @@ def with_gpus(cfg: Config, gpus: Optional[int], dp_given: bool) -> Config:
     if dp_given and dp != par.data_parallel_size:
         raise BadInput(f"--gpus {gpus} makes the data-parallel size {dp}, but --dp says {par.data_parallel_size}; "
                        "drop one of them")
-    from recompute_bench.spec.rules import validate
+    from recompute_bench.config.rules import validate
 
     out = dataclasses.replace(cfg, parallel=dataclasses.replace(par, data_parallel_size=dp))
     validate(out)
@@ -46,8 +46,8 @@ def resolve_on_gpus(workload: str, point, gpus: Optional[int]) -> tuple[Config, 
     """The workload and flags resolved with the data-parallel size `gpus` leaves (where --dp is not
     given), so that Megatron's rules that depend on it (the experts' layout over tp x cp x dp) judge
     the run as it will be laid out; without --gpus, as given."""
-    from recompute_bench.spec.config import SECTIONS, ParallelConfig
-    from recompute_bench.spec.presets import apply_overrides, load_preset, resolve
+    from recompute_bench.config.schema import SECTIONS, ParallelConfig
+    from recompute_bench.config.presets import apply_overrides, load_preset, resolve
 
     overrides = dict(point.overrides)
     if gpus is not None and gpus > 0 and "parallel.data_parallel_size" not in overrides:

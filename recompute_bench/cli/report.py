@@ -9,7 +9,7 @@ import pandas as pd
 import typer
 
 from recompute_bench.cli.common import ResultsArg, ResultsDir, err, fail
-from recompute_bench.spec.config import BadInput
+from recompute_bench.config.schema import BadInput
 
 
 def report(

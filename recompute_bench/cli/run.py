@@ -17,7 +17,7 @@ from recompute_bench.cli.options import PointOptions, point_options
 from recompute_bench.cli.ranks import launch_options
 from recompute_bench.launch.torchrun import Launch
 from recompute_bench.measure.record import layout_label
-from recompute_bench.spec.config import Config, BadInput
+from recompute_bench.config.schema import Config, BadInput
 
 Device = Annotated[Optional[str], typer.Option(help="torch device, e.g. cuda:1 or cpu; default: CUDA if present.",
                                                rich_help_panel="Output")]

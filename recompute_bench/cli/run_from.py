@@ -15,7 +15,7 @@ from rich.markup import escape
 
 from recompute_bench.cli.common import err
 from recompute_bench.cli.options import PointOptions
-from recompute_bench.spec.config import BadInput
+from recompute_bench.config.schema import BadInput
 
 FromFile = Annotated[Optional[Path], typer.Option(
     "--from", help="A Megatron run as you have it: a Megatron-LM model_config.yaml, a text file holding its command "
@@ -31,7 +31,7 @@ def read_from(path: Path, workload: Optional[str], gpus: Optional[int], point: P
 
     from recompute_bench.cli.common import this_gpu
     from recompute_bench.ingest.run_source import read_run
-    from recompute_bench.spec.rules import check_expert_parallel_world
+    from recompute_bench.config.rules import check_expert_parallel_world
 
     if device.split(":")[0] != "cuda":
         raise BadInput("Megatron runs on CUDA; drop --device cpu with --from")

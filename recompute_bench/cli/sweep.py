@@ -17,7 +17,7 @@ from recompute_bench.cli.options import PointOptions, point_options, split_list
 from recompute_bench.cli.ranks import OPTIONS as LAUNCH_OPTIONS, launch_options
 from recompute_bench.cli.run import check_runnable
 from recompute_bench.launch.torchrun import Launch
-from recompute_bench.spec.config import BadInput
+from recompute_bench.config.schema import BadInput
 
 SweepWorkload = workload_flag("Preset name or .toml path; default tiny (or the grid file's workload).", Optional[str])
 SweepJson = json_flag("the plan (with --dry-run) or the comparison")

@@ -16,7 +16,7 @@ from recompute_bench.cli.options import PointOptions, point_options
 from recompute_bench.cli.ranks import launch_options
 from recompute_bench.launch.torchrun import Launch, check_launch, check_schedule_recompute
 from recompute_bench.measure.record import layout_label
-from recompute_bench.spec.config import ATTENTION_BACKENDS, BadInput
+from recompute_bench.config.schema import ATTENTION_BACKENDS, BadInput
 
 
 @point_options(panels=("Workload", "Parallelism", "Recompute"),
@@ -49,10 +49,10 @@ def verify(
                 raise BadInput(f"attention_backend {b!r} is not one of {', '.join(ATTENTION_BACKENDS)}; "
                                   "pass --attention-backend sdpa or math")
         cfg, notes = resolve_point(workload, point, gpu="cpu")
-        # Under context parallel only sdpa splits (`spec.rules`); the explicit math path does not.
+        # Under context parallel only sdpa splits (`config.rules`); the explicit math path does not.
         backends = attention_backend or (["sdpa"] if cfg.parallel.context_parallel_size > 1 else ["sdpa", "math"])
         if cfg.parallel.context_parallel_size > 1 and "math" in backends:
-            from recompute_bench.spec.rules import validate
+            from recompute_bench.config.rules import validate
             validate(dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, attention_backend="math")))
         cfg = with_policy_file(cfg, point, policy)
         if any("offload" in e for e in cfg.recompute.layer_policy):

@@ -9,7 +9,7 @@ import typer
 from rich.table import Table
 
 from recompute_bench.cli.common import err, json_flag
-from recompute_bench.spec.presets import load_preset, resolve, workload_names
+from recompute_bench.config.presets import load_preset, resolve, workload_names
 
 COLUMNS = {"workload": "workload", "num_layers": "L", "hidden_size": "h", "num_attention_heads": "a",
            "num_query_groups": "g", "ffn_hidden_size": "ffn", "vocab_size": "vocab", "seq_length": "s",

@@ -22,8 +22,8 @@ from recompute_bench.gate.metrics import METRICS
 from recompute_bench.gate.tolerances import parse_tolerances
 from recompute_bench.gate.verdicts import older_row_key, row_key
 from recompute_bench.results.rows import KEY_COLUMNS, key_text
-from recompute_bench.spec.config import BadInput
-from recompute_bench.spec.fields import LATER_KEYS, field as registry_field
+from recompute_bench.config.schema import BadInput
+from recompute_bench.config.fields import LATER_KEYS, field as registry_field
 
 PROVENANCE_COLUMNS = ("device_name", "torch_version", "package_version", "git_sha", "measured_at", "run_id")
 GOLDEN_COLUMNS = ("setting", *KEY_COLUMNS, "config_hash", "status", *METRICS, "tolerance", *PROVENANCE_COLUMNS)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import math
 
 from recompute_bench.gate.metrics import METRICS, Metric
-from recompute_bench.spec.config import BadInput
+from recompute_bench.config.schema import BadInput
 
 
 def parse_tolerance(spec: str, where: str = "--tolerance") -> tuple[str, float | None]:

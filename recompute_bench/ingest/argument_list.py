@@ -19,7 +19,7 @@ from pathlib import Path
 
 from recompute_bench.ingest.megatron_args import read_argv
 from recompute_bench.ingest.parsed import ParsedRun, bad
-from recompute_bench.spec.config import BadInput
+from recompute_bench.config.schema import BadInput
 
 FORMAT = "megatron-args"
 ASSIGNMENT = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*=")

@@ -23,9 +23,9 @@ from recompute_bench.ingest.bridge_config import SPELLINGS
 from recompute_bench.ingest.megatron_args import (ALIASES, CannotExpress, config_from_megatron, megatron_overrides,
                                                   normalize)
 from recompute_bench.ingest.parsed import ParsedRun, bad
-from recompute_bench.spec.config import SECTIONS, Config, BadInput
-from recompute_bench.spec.presets import resolve
-from recompute_bench.spec.rules import validate
+from recompute_bench.config.schema import SECTIONS, Config, BadInput
+from recompute_bench.config.presets import resolve
+from recompute_bench.config.rules import validate
 
 # Fields of Megatron's GPTModel (Bridge's GPTModelProvider) that are no TransformerConfig field, so
 # Bridge's summary never prints them (`ConfigContainer.log_non_default_values` compares against

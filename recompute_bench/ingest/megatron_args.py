@@ -1,6 +1,6 @@
 """Megatron-LM's arguments -> this product's Config (framework megatron).
 
-Megatron's own argument names are this product's field names (`spec/fields.py`), so most arguments
+Megatron's own argument names are this product's field names (`config/fields.py`), so most arguments
 map one to one; the rest are Megatron's spellings of a field (`--swiglu` is `activation swiglu`,
 `--untie-embeddings-and-output-weights` is `share_embeddings_and_output_weights false`, `--bf16` is
 `precision bf16`, the tokenizer names the vocabulary). Three shapes of input are read alike:
@@ -23,9 +23,9 @@ from __future__ import annotations
 import ast
 from typing import Any, Iterable, Mapping
 
-from recompute_bench.spec.config import SECTIONS, Config, BadInput, canonical_modules
-from recompute_bench.spec.pipeline_split import layout_virtual_stages
-from recompute_bench.spec.rules import validate
+from recompute_bench.config.schema import SECTIONS, Config, BadInput, canonical_modules
+from recompute_bench.config.pipeline_split import layout_virtual_stages
+from recompute_bench.config.rules import validate
 
 
 class CannotExpress(BadInput):
@@ -562,7 +562,7 @@ def overrides_as_flags(tables: Mapping[str, Mapping[str, Any]]) -> list[str]:
     """The tables of `megatron_overrides` as this product's command-line options: a dedicated flag
     where the field has one (`--tensor-model-parallel-size 4`), `--set section.attribute=value`
     otherwise; what `estimate` takes to model the same run."""
-    from recompute_bench.spec.fields import fields
+    from recompute_bench.config.fields import fields
 
     by_path = {f.path: f for f in fields()}
     out: list[str] = []

@@ -20,7 +20,7 @@ from typing import Any
 
 from recompute_bench.analysis.megatron import MegatronRun, stage_peak
 from recompute_bench.ingest.megatron_args import config_from_megatron, normalize
-from recompute_bench.spec.config import BadInput
+from recompute_bench.config.schema import BadInput
 
 GOAL = {"median_peak_error": 0.03, "peak_within_5_percent": 0.90, "median_static_error": 0.05}
 """The goal the check is held to, overall and in every category."""

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from recompute_bench.spec.config import BadInput
+from recompute_bench.config.schema import BadInput
 
 
 @dataclass

@@ -17,8 +17,8 @@ from recompute_bench.ingest.parsed import ParsedRun
 from recompute_bench.ingest.timing import window
 from recompute_bench.measure.record import SCHEMA, rank_summary, unmeasured_metrics, unmeasured_rank
 from recompute_bench.measure.telemetry import package_version
-from recompute_bench.spec.config import Config
-from recompute_bench.spec.presets import gpu_type
+from recompute_bench.config.schema import Config
+from recompute_bench.config.presets import gpu_type
 
 
 def rank_stage(cfg: Config, rank: int) -> int:

@@ -12,7 +12,7 @@ The file is one of (detected from its content):
   defaults but none of the GPT model's own fields, which a preset (`--workload`) gives.
 
 Megatron's defaults fill what the file leaves out, as Megatron itself does (`megatron_args`). The
-flags given beside the file override it, as they override a preset (`spec.presets.apply_overrides`),
+flags given beside the file override it, as they override a preset (`config.presets.apply_overrides`),
 and each is echoed with the file's value. The GPU count comes from the file (a log's `world_size`,
 torchrun's `--nproc-per-node` x `--nnodes`, Bridge's data-parallel size once set) or `gpus`; the GPU
 kind from the file (a golden file's platform) or `gpu`; torch's CUBLAS_WORKSPACE_CONFIG from the
@@ -26,16 +26,16 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping
 
-from recompute_bench.analysis.megatron.run import COMPUTE_CAPABILITY, DEFAULT_GPU, MegatronRun
+from recompute_bench.analysis.megatron.gpu import COMPUTE_CAPABILITY, DEFAULT_GPU, MegatronRun
 from recompute_bench.ingest import (argument_list, bridge_config, bridge_log, formats, megatron_golden, megatron_log,
                                     torchtitan_log)
 from recompute_bench.ingest.config import GPT_MODEL_FIELDS, bridge_arguments, bridge_tables
 from recompute_bench.ingest.megatron_args import (ALIASES, SAME_NAME, CannotExpress, field_arguments,
                                                   megatron_overrides, normalize)
 from recompute_bench.ingest.parsed import ParsedRun, bad
-from recompute_bench.spec.config import SECTIONS, BadInput, Config
-from recompute_bench.spec.presets import apply_overrides, command_line_values, config_from_tables, gpu_type, resolve
-from recompute_bench.spec.rules import validate
+from recompute_bench.config.schema import SECTIONS, BadInput, Config
+from recompute_bench.config.presets import apply_overrides, command_line_values, config_from_tables, gpu_type, resolve
+from recompute_bench.config.rules import validate
 
 FORMATS = ("model-config", argument_list.FORMAT, megatron_log.FORMAT, megatron_golden.FORMAT, bridge_config.FORMAT,
            bridge_log.FORMAT)
@@ -69,7 +69,7 @@ class RunSource:
     """The Megatron-LM flags among `refusals` (`--fp8-format`), whatever the file's spelling."""
     parsed: ParsedRun | None = None
     invalid: str | None = None
-    """Why the Config breaks Megatron's rules (`spec.rules.validate`), when it does."""
+    """Why the Config breaks Megatron's rules (`config.rules.validate`), when it does."""
 
     def overrides_line(self) -> str | None:
         """The one line echoing the flags that override the file (None when none did)."""
@@ -304,7 +304,7 @@ def _stated_world(parsed: ParsedRun, args: Mapping[str, Any]) -> int | None:
 
 def _flag(path: str, overrides: Mapping[str, Any]) -> str:
     """How the command line gave the field at `path`: its flag, or --set."""
-    from recompute_bench.spec.fields import fields
+    from recompute_bench.config.fields import fields
 
     f = next((f for f in fields() if f.path == path), None)
     # recompute flags replace the whole setting: the fields they imply are theirs too
@@ -382,7 +382,7 @@ def _megatron_run(parsed: ParsedRun, gpu: str | None, here_gpu: str | None, cubl
 def _origins(parsed: ParsedRun, tables: dict, args: Mapping[str, Any], lines: dict[str, int],
              overrides: Mapping[str, Any], sets, world: int | None, gpus: int | None, path: Path) -> dict[str, str]:
     """Field path -> where its value came from."""
-    from recompute_bench.spec.fields import fields
+    from recompute_bench.config.fields import fields
 
     given = command_line_values(dict(overrides), sets)
     by_path = {f.path: f for f in fields()}

@@ -30,7 +30,7 @@ def check_torch() -> None:
     """BadInput (one line, the fix) when the installed torch is older than TORCH_FLOOR; read from
     torch's files, so this process does not import it. Nothing to say where torch is absent (the
     import that needs it says so) or its version cannot be read."""
-    from recompute_bench.spec.config import BadInput
+    from recompute_bench.config.schema import BadInput
 
     version, _ = torch_build()
     numbers = [int(x) for x in version.split("+")[0].split(".")[:2] if x.isdigit()] if version else []

@@ -38,7 +38,7 @@ import time
 from pathlib import Path
 from typing import Callable
 
-from recompute_bench.spec.config import Config
+from recompute_bench.config.schema import Config
 from recompute_bench.launch.devices import default_device_type, visible_gpu_name
 from recompute_bench.launch.worker import PARENT_PID_ENV, ready_path
 from recompute_bench.measure.record import FAULT_ENV, make_record, unmeasured_metrics, unmeasured_rank

@@ -81,7 +81,7 @@ def verify(argv: list[str]) -> int:
         from recompute_bench.measure.distributed import init_process_group, rank_device, verify_ranks
         from recompute_bench.measure.verify import deterministic
         from recompute_bench.results.store import write_json_atomic
-        from recompute_bench.spec.config import RecomputeConfig
+        from recompute_bench.config.schema import RecomputeConfig
 
         given = json.loads((args.pieces / "verify-in.json").read_text())
         cfg = config_from_dict(given["config"])

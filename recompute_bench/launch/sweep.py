@@ -28,16 +28,16 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterable
 
-from recompute_bench.spec.config import SUPPORTED_RECOMPUTE_MODULES, Config, BadInput, RecomputeConfig, canonical_modules
+from recompute_bench.config.schema import SUPPORTED_RECOMPUTE_MODULES, Config, BadInput, RecomputeConfig, canonical_modules
 from recompute_bench.launch.process import run_isolated
 from recompute_bench.launch.torchrun import Launch, run_ranks
 from recompute_bench.results.rows import point_id
 from recompute_bench.results.store import PLAN_FILE, RESULTS_FILE, RunLock, append_record, load_records, write_json_atomic
-from recompute_bench.spec.fields import fields, flagged, overrides_from_keys
+from recompute_bench.config.fields import fields, flagged, overrides_from_keys
 from recompute_bench.models import spec_for
 from recompute_bench.recompute.settings import all_settings, full_settings, selective_settings
 from recompute_bench.launch.worker import config_from_dict
-from recompute_bench.spec.presets import DEFAULT_WORKLOAD, resolve
+from recompute_bench.config.presets import DEFAULT_WORKLOAD, resolve
 
 PLAN_SCHEMA = "recompute-bench/sweep-plan/v1"
 OLD_PLAN_SCHEMAS = ("recompute-bench/plan/v1",)
@@ -163,7 +163,7 @@ def load_grid(path: Path) -> Grid:
         recompute_granularity = "full"
         recompute_method = "uniform"
         recompute_num_layers = 1
-        seq_length = 4096                   # any field, by its key (spec/fields.py): the flag's name
+        seq_length = 4096                   # any field, by its key (config/fields.py): the flag's name
         set = ["training.measured_steps=10"]
 
     A point without recompute keys measures no recompute.

@@ -39,8 +39,8 @@ from typing import Any, Optional
 
 from recompute_bench.launch.process import innermost_frame, tail_of, failed_record, run_group, worker_env
 from recompute_bench.measure.record import STATUS_ORDER, pipeline_summary, rank_summary, unmeasured_rank
-from recompute_bench.spec.config import SPLIT_BACKWARD_SCHEDULES, Config, BadInput
-from recompute_bench.spec.rules import check_expert_parallel_world
+from recompute_bench.config.schema import SPLIT_BACKWARD_SCHEDULES, Config, BadInput
+from recompute_bench.config.rules import check_expert_parallel_world
 
 DATA_PARALLEL = ("ddp", "fsdp")
 RANK_COMMAND = [sys.executable, "-m", "recompute_bench.launch.rank"]
@@ -125,7 +125,7 @@ def check_launch(cfg: Config, launch: Launch, device_type: str) -> Config:
         raise BadInput("use_distributed_optimizer shards the optimizer state, which FSDP does here; pass "
                           "--data-parallel fsdp or drop --set parallel.use_distributed_optimizer=true")
     if dp * cp > 1 and (p.data_parallel_size == 1 or launch.data_parallel == "fsdp"):  # FSDP also shards over cp
-        from recompute_bench.spec.rules import validate
+        from recompute_bench.config.rules import validate
         cfg = Config(cfg.workload, cfg.model, cfg.training,
                      type(p)(**{**vars(p), "data_parallel_size": p.data_parallel_size if p.data_parallel_size > 1 else dp,
                                 "use_distributed_optimizer": p.use_distributed_optimizer or launch.data_parallel == "fsdp"}),

@@ -24,8 +24,8 @@ import threading
 import time
 from pathlib import Path
 
-from recompute_bench.spec.config import Config
-from recompute_bench.spec.rules import validate
+from recompute_bench.config.schema import Config
+from recompute_bench.config.rules import validate
 
 PARENT_PID_ENV = "RECOMPUTE_BENCH_PARENT_PID"
 """The pid of the process the worker must not outlive (set by launch.process)."""

@@ -21,7 +21,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from recompute_bench.backends.pytorch import CoreAttention
 from recompute_bench.models.cp_attention import SequenceSplit
-from recompute_bench.spec.config import Config
+from recompute_bench.config.schema import Config
 
 
 def layout_mesh(device_type: str, *, pp: int = 1, dp: int, cp: int, tp: int) -> tuple[DeviceMesh, DeviceMesh]:

@@ -36,7 +36,7 @@ from recompute_bench.backends.pytorch import local
 from recompute_bench.measure.layout import DTYPES, SingleRank
 from recompute_bench.measure.optimizer import MainGradAdam, MainGrads, make_adam
 from recompute_bench.measure.step import synthetic_batches
-from recompute_bench.spec.config import Config
+from recompute_bench.config.schema import Config
 
 DATA_PARALLEL = ("ddp", "fsdp")
 

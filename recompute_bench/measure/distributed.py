@@ -25,7 +25,7 @@ from recompute_bench.measure.data_parallel import DataParallel, gathered_loss_an
 from recompute_bench.measure.memory import limit_memory
 from recompute_bench.measure.pipeline import PipelineParallel, pipeline_loss_and_grads
 from recompute_bench.measure.point import pick_device, run_point
-from recompute_bench.spec.config import Config
+from recompute_bench.config.schema import Config
 
 
 def init_process_group(device: torch.device, watchdog_s: float) -> None:
@@ -105,7 +105,7 @@ def verify_ranks(cfg: Config, settings, backends: list[str], device: torch.devic
     layers draw first on their rank, not after stage 0's as on one rank), so that comparison runs
     with dropout off too. Rank 0's result: {"outcomes": [...], "single_rank": [...]}."""
     from recompute_bench.measure.verify import Outcome, max_grad_diff, fp32_with_dropout, loss_and_grads
-    from recompute_bench.spec.config import RecomputeConfig
+    from recompute_bench.config.schema import RecomputeConfig
 
     layout = make_layout(data_parallel, cfg, device.type)
     pipeline = cfg.parallel.pipeline_model_parallel_size > 1

@@ -19,7 +19,7 @@ from recompute_bench.measure.step import Stepper, synthetic_batches
 from recompute_bench.models import spec_for
 from recompute_bench.models.dense.layers import GPT, materialize
 from recompute_bench.recompute.apply import apply_recompute
-from recompute_bench.spec.config import Config
+from recompute_bench.config.schema import Config
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 """The torch dtype of each training precision."""

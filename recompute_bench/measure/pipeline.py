@@ -43,7 +43,7 @@ from recompute_bench.measure.timing import cuda_event
 from recompute_bench.models import spec_for
 from recompute_bench.models.dense.layers import GPT, TransformerLayers
 from recompute_bench.recompute.apply import apply_recompute
-from recompute_bench.spec.config import Config
+from recompute_bench.config.schema import Config
 
 
 class StageLayers(TransformerLayers):

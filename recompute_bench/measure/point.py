@@ -32,7 +32,7 @@ from recompute_bench.measure.step import Stepper
 from recompute_bench.measure.telemetry import device_name, environment, uses_tf32
 from recompute_bench.measure.timing import timed
 from recompute_bench.models import DeviceKernels
-from recompute_bench.spec.config import Config
+from recompute_bench.config.schema import Config
 
 
 @contextmanager

@@ -34,7 +34,7 @@ from recompute_bench.measure.telemetry import device_name
 from recompute_bench.models import spec_for
 from recompute_bench.recompute.apply import apply_recompute
 from recompute_bench.recompute.policy import kind_targets, layer_kind
-from recompute_bench.spec.config import Config, RecomputeConfig
+from recompute_bench.config.schema import Config, RecomputeConfig
 
 
 def _modules(layer: torch.nn.Module, target: str) -> list[torch.nn.Module]:

@@ -11,7 +11,7 @@ from typing import Any
 
 from recompute_bench.analysis import flops
 from recompute_bench.analysis.rank import record_estimate
-from recompute_bench.spec.config import Config
+from recompute_bench.config.schema import Config
 
 SCHEMA = "recompute-bench/result/v1"
 FAULT_ENV = "RECOMPUTE_BENCH_FAULT"

@@ -14,7 +14,7 @@ import torch
 
 from recompute_bench.measure.faults import Fault
 from recompute_bench.measure.probe import SavedTensorProbe
-from recompute_bench.spec.config import Config
+from recompute_bench.config.schema import Config
 
 
 def synthetic_batches(cfg: Config, device: torch.device) -> torch.Tensor:

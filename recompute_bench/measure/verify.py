@@ -26,7 +26,7 @@ import torch
 
 from recompute_bench.models import spec_for
 from recompute_bench.recompute.apply import apply_recompute
-from recompute_bench.spec.config import Config, RecomputeConfig
+from recompute_bench.config.schema import Config, RecomputeConfig
 
 VERIFY_DROPOUT = 0.1
 

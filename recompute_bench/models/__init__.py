@@ -22,7 +22,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Iterable, Protocol
 
-from recompute_bench.spec.config import Config, ModelConfig
+from recompute_bench.config.schema import Config, ModelConfig
 
 ELEMENT_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4, "fp8": 2}
 """Bytes of one activation (and weight, unless FP8 weights are asked for) by precision: fp8 keeps

@@ -32,7 +32,7 @@ from torch import nn
 from recompute_bench.backends import get_backend
 from recompute_bench.recompute.offload import ActivationOffloader
 from recompute_bench.recompute.policy import LayerPolicy, chunks, layer_policies
-from recompute_bench.spec.config import RecomputeConfig
+from recompute_bench.config.schema import RecomputeConfig
 
 
 def _recomputing(module: nn.Module) -> bool:

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from recompute_bench.spec.config import ModelConfig, RecomputeConfig
+from recompute_bench.config.schema import ModelConfig, RecomputeConfig
 
 MOE_MODULES = ("moe", "moe_act", "shared_experts")
 """Selective targets that exist on mixture-of-experts layers only (`mlp` exists on dense layers only)."""

@@ -37,7 +37,7 @@ from typing import Any
 
 from recompute_bench.models import spec_for
 from recompute_bench.recompute.policy import LayerPolicy, chunks, kind_targets, layer_kind, parse_entry
-from recompute_bench.spec.config import RECOMPUTE_MODULES, Config, BadInput, RecomputeConfig
+from recompute_bench.config.schema import RECOMPUTE_MODULES, Config, BadInput, RecomputeConfig
 
 POLICY_SCHEMA = "recompute-bench/policy/v1"
 FIX = "write it with `recompute-bench plan --auto --output FILE` or fix that line"

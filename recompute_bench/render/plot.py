@@ -20,7 +20,7 @@ from pathlib import Path
 import pandas as pd
 
 from recompute_bench import __version__
-from recompute_bench.spec.config import BadInput
+from recompute_bench.config.schema import BadInput
 from recompute_bench.render.tables import NOT_MEASURED, fmt_bytes, fmt_seconds
 from recompute_bench.results.rows import SHAPE_COLUMNS
 from recompute_bench.render.comparison import fmt_tflops

@@ -2,8 +2,8 @@
 
 A point's key is what makes two measurements comparable: the workload and every resolved field
 that changes what is measured: each field of the model, training, parallel and recompute
-dataclasses of `spec/config.py` except the measurement protocol (warm-up and measured steps).
-`KEY_COLUMNS` is derived from the field registry (`spec/fields.py`), so a new config field
+dataclasses of `config/schema.py` except the measurement protocol (warm-up and measured steps).
+`KEY_COLUMNS` is derived from the field registry (`config/fields.py`), so a new config field
 becomes a key column by itself; each value is rendered as a string, the way the golden CSV holds
 it. `config_hash` hashes the record's model/training/parallel tables as written, so a record whose
 config has fields this version does not know (or lacks ones it does) is noticed instead of compared.
@@ -22,12 +22,12 @@ from typing import Any, Iterable
 
 import pandas as pd
 
-from recompute_bench.spec.config import SECTIONS, BadInput, recompute_label
-from recompute_bench.spec.fields import LATER_KEYS, PROTOCOL_KEYS, REQUIRED, fields
+from recompute_bench.config.schema import SECTIONS, BadInput, recompute_label
+from recompute_bench.config.fields import LATER_KEYS, PROTOCOL_KEYS, REQUIRED, fields
 from recompute_bench.results.store import load_records
 
 ENV_COLUMNS = ("device", "device_name", "torch_version", "package_version", "git_sha", "hostname", "time")
-# The key: every registered field that changes what is measured (spec/fields.py), in section and
+# The key: every registered field that changes what is measured (config/fields.py), in section and
 # field order, each column under the field's Megatron name. This is what identifies a point.
 KEY_FIELDS = tuple(f for f in fields() if f.in_key)
 KEY_COLUMNS = ("workload", *(k.key for k in KEY_FIELDS))

@@ -14,7 +14,7 @@ import os
 import secrets
 from pathlib import Path
 
-from recompute_bench.spec.config import BadInput
+from recompute_bench.config.schema import BadInput
 
 # What json.loads returns, in JSON's own words, for the message about a line that is not an object.
 _JSON_TYPES = {int: "number", float: "number", str: "string", list: "array", bool: "boolean", type(None): "null"}

@@ -12,7 +12,7 @@ from recompute_bench.measure.probe import SavedTensorProbe
 from recompute_bench.measure.step import Stepper, synthetic_batches
 from recompute_bench.models.dense.layers import build_model
 from recompute_bench.recompute.apply import apply_recompute
-from recompute_bench.spec.config import RecomputeConfig
+from recompute_bench.config.schema import RecomputeConfig
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 CUDA = torch.device("cuda")

@@ -6,7 +6,7 @@ import torch
 
 from recompute_bench.analysis.gpu_rates import DATASHEET, read_rates_profile, with_profile
 from recompute_bench.measure.rates import cached_rates
-from recompute_bench.spec.presets import gpu_type
+from recompute_bench.config.presets import gpu_type
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 

@@ -24,7 +24,7 @@ Sources (Megatron-LM d98e8a6, TransformerEngine d0067d0, torch 2.13):
 - transformer_engine/pytorch/cpp_extensions/gemm.py (TE's cuBLAS workspace)
 - aten/src/ATen/cuda/CublasHandlePool.cpp (torch's cuBLAS workspaces)
 
-One module per concern: `run` (the GPU kind), `buffers` (workspaces and buffers outside the
+One module per concern: `gpu` (the GPU kind), `buffers` (workspaces and buffers outside the
 parameters), `optimizer` (bytes per parameter), `parameters` (parameters per layer and per stage,
 over Megatron's pipeline split), `attention` (the attention paths), `mla` (multi-latent attention),
 `layer` (one layer), `moe` (a mixture-of-experts layer's MLP part: router, dispatcher, experts,
@@ -38,7 +38,7 @@ move each), `report` (what `estimate`
 prints and records carry).
 """
 
-from recompute_bench.analysis.megatron.run import COMPUTE_CAPABILITY, DEFAULT_GPU, MegatronRun
+from recompute_bench.analysis.megatron.gpu import COMPUTE_CAPABILITY, DEFAULT_GPU, MegatronRun
 from recompute_bench.analysis.megatron.stage import ChunkBytes, StagePeak, chunk_bytes, stage_peak, stage_peaks
 from recompute_bench.analysis.megatron.report import estimate_report, record_estimate, setting_estimate
 

@@ -13,9 +13,9 @@ from dataclasses import dataclass
 from recompute_bench.analysis.megatron import context_parallel
 from recompute_bench.analysis.megatron.context_parallel import layer_attention, rank_tokens
 from recompute_bench.analysis.megatron.fp8 import linear_input_bytes, proj_saves_original_input, runs_fp8
-from recompute_bench.analysis.megatron.run import MegatronRun
+from recompute_bench.analysis.megatron.gpu import MegatronRun
 from recompute_bench.models import ELEMENT_BYTES, FP32_BYTES, MASK_BYTES, SavedBytes
-from recompute_bench.spec.config import Config
+from recompute_bench.config.schema import Config
 
 def attention_path(cfg: Config, run: MegatronRun) -> str:
     """The attention code a layer runs: "local" (Megatron's DotProductAttention, transformer_impl

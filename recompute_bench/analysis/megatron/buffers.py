@@ -16,9 +16,9 @@ from recompute_bench.analysis.megatron.attention import softmax_fused
 from recompute_bench.analysis.megatron.fp8 import layer_runs_fp8, scaling_state_bytes
 from recompute_bench.analysis.megatron.layer import layer_linear_weights
 from recompute_bench.analysis.megatron.moe import allgather_buffer_bytes
-from recompute_bench.analysis.megatron.run import MiB, MegatronRun
+from recompute_bench.analysis.megatron.gpu import MiB, MegatronRun
 from recompute_bench.models import ELEMENT_BYTES, MASK_BYTES
-from recompute_bench.spec.config import Config
+from recompute_bench.config.schema import Config
 
 def te_cublas_workspace_bytes(run: MegatronRun) -> float:
     """Transformer Engine's cuBLAS workspace, one per device (cpp_extensions/gemm.py

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 from recompute_bench.models import ELEMENT_BYTES, FP32_BYTES, MASK_BYTES, SavedBytes
 from recompute_bench.models.context_parallel import comm_levels, layer_comm_types, local_seq_length
-from recompute_bench.spec.config import Config
+from recompute_bench.config.schema import Config
 
 
 def rank_tokens(cfg: Config) -> int:

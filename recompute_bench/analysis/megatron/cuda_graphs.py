@@ -42,7 +42,7 @@ from __future__ import annotations
 
 from recompute_bench.analysis.schedule import chunk_forwards_in_flight
 from recompute_bench.models import ELEMENT_BYTES, MASK_BYTES
-from recompute_bench.spec.config import Config
+from recompute_bench.config.schema import Config
 
 PER_LAYER = ("transformer_engine", "local")
 

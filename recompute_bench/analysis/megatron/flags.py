@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from recompute_bench.spec.config import RecomputeConfig
+from recompute_bench.config.schema import RecomputeConfig
 
 
 def _fields(r: RecomputeConfig) -> dict[str, Any]:

@@ -36,9 +36,9 @@ from __future__ import annotations
 import dataclasses
 import math
 
-from recompute_bench.analysis.megatron.run import MegatronRun
+from recompute_bench.analysis.megatron.gpu import MegatronRun
 from recompute_bench.models import ELEMENT_BYTES, FP32_BYTES
-from recompute_bench.spec.config import BadInput, Config
+from recompute_bench.config.schema import BadInput, Config
 
 FP8_BYTES = 1
 """One E4M3 / E5M2 value (TE stores FP8 data as uint8)."""

@@ -18,9 +18,9 @@ from recompute_bench.analysis.megatron.fp8 import linear_input_bytes
 from recompute_bench.analysis.megatron.mla import mla_attention_saved, up_proj_rebuilt_bytes
 from recompute_bench.analysis.megatron.moe import moe_backward_bytes, moe_saved_bytes
 from recompute_bench.analysis.megatron.mtp import eh_proj_weight, is_mtp_layer
-from recompute_bench.analysis.megatron.run import MegatronRun
+from recompute_bench.analysis.megatron.gpu import MegatronRun
 from recompute_bench.models import ELEMENT_BYTES, FP32_BYTES, MASK_BYTES, SavedBytes
-from recompute_bench.spec.config import Config
+from recompute_bench.config.schema import Config
 
 def is_moe_layer(cfg: Config, layer: int, moe: bool | None = None) -> bool:
     """Whether layer `layer` (0-based) is a mixture-of-experts layer (moe_layer_freq), unless `moe`

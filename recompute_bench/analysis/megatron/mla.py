@@ -26,9 +26,9 @@ from __future__ import annotations
 
 from recompute_bench.analysis.megatron.attention import CoreAttentionInputs, core_attention_saved
 from recompute_bench.analysis.megatron.context_parallel import rank_tokens
-from recompute_bench.analysis.megatron.run import MegatronRun
+from recompute_bench.analysis.megatron.gpu import MegatronRun
 from recompute_bench.models import ELEMENT_BYTES, FP32_BYTES, SavedBytes
-from recompute_bench.spec.config import Config
+from recompute_bench.config.schema import Config
 
 
 def _norm(cfg: Config, width: int) -> int:

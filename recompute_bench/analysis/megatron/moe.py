@@ -39,7 +39,7 @@ import math
 
 from recompute_bench.analysis.megatron.context_parallel import rank_tokens
 from recompute_bench.models import ELEMENT_BYTES, FP32_BYTES, INDEX_BYTES, MASK_BYTES
-from recompute_bench.spec.config import Config
+from recompute_bench.config.schema import Config
 
 ROUTINGS = ("balanced", "bound")
 """The routing assumptions: balanced (the estimate's) and bound (every token of the dispatch group

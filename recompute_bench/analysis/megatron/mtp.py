@@ -39,7 +39,7 @@ from recompute_bench.analysis.megatron.context_parallel import rank_tokens
 from recompute_bench.analysis.megatron.fp8 import linear_input_bytes
 from recompute_bench.analysis.megatron.outside import embedding_saved_bytes, loss_saved_bytes
 from recompute_bench.models import ELEMENT_BYTES, FP32_BYTES, SavedBytes
-from recompute_bench.spec.config import Config
+from recompute_bench.config.schema import Config
 
 
 def mtp_index(cfg: Config, k: int) -> int:

@@ -39,7 +39,7 @@ from __future__ import annotations
 
 from recompute_bench.analysis.megatron.fp8 import FP8_BYTES, runs_fp8
 from recompute_bench.models import ELEMENT_BYTES, FP32_BYTES, MASK_BYTES
-from recompute_bench.spec.config import Config
+from recompute_bench.config.schema import Config
 
 TE_MIN_OFFLOAD_ELEMENTS = 256 * 1024
 """cpu_offload.py `OffloadableLayerState._check_if_offload`: smaller tensors stay on the device."""

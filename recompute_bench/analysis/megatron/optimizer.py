@@ -10,9 +10,9 @@ from typing import Iterable
 from recompute_bench.analysis.megatron.context_parallel import optimizer_shards
 from recompute_bench.analysis.megatron.fp8 import layer_runs_fp8, weight_bytes
 from recompute_bench.analysis.megatron.layer import layer_linear_weights
-from recompute_bench.analysis.megatron.run import MegatronRun
+from recompute_bench.analysis.megatron.gpu import MegatronRun
 from recompute_bench.models import ELEMENT_BYTES, FP32_BYTES
-from recompute_bench.spec.config import Config
+from recompute_bench.config.schema import Config
 
 def bytes_per_parameter(cfg: Config, expert: bool = False) -> dict[str, float]:
     """Megatron's bytes per parameter on a rank, item by item.

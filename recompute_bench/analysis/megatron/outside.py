@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from recompute_bench.analysis.megatron.context_parallel import attention_mask_bytes, rank_tokens
 from recompute_bench.models import ELEMENT_BYTES, FP32_BYTES, INDEX_BYTES, MASK_BYTES, vocab_rows
-from recompute_bench.spec.config import Config
+from recompute_bench.config.schema import Config
 
 def embedding_saved_bytes(cfg: Config) -> float:
     """First stage, per micro-batch: the embedding dropout's mask (LanguageModelEmbedding.forward)."""

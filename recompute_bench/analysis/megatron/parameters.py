@@ -1,6 +1,6 @@
 """Parameters on one Megatron rank: one layer's on a tensor-parallel rank, and a pipeline stage's
 over its model chunks as Megatron splits the model (evenly, unevenly, by layout:
-`spec.pipeline_split.model_chunks`).
+`config.pipeline_split.model_chunks`).
 
 Sources: megatron/core/transformer/attention.py `SelfAttention.__init__` (linear_qkv's width with the
 output gate, its bias with add_qkv_bias, q_layernorm / k_layernorm over one head),
@@ -15,8 +15,8 @@ from recompute_bench.analysis.megatron.moe import moe_layer_parameters
 from recompute_bench.analysis.megatron.mtp import is_mtp_layer, mtp_extra_parameters, mtp_index
 from recompute_bench.models import vocab_rows
 from recompute_bench.models.dense.spec import DENSE
-from recompute_bench.spec.config import Config
-from recompute_bench.spec.pipeline_split import ModelChunk, model_chunks
+from recompute_bench.config.schema import Config
+from recompute_bench.config.pipeline_split import ModelChunk, model_chunks
 
 
 def norm_parameters(cfg: Config, width: int) -> int:

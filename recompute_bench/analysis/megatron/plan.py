@@ -5,7 +5,7 @@ fit, fastest first, with the flags to paste; what would fit when nothing does; a
 a per-stage or per-layer choice would gain over the best uniform setting, which Megatron cannot run.
 
 The plan takes any Config the Megatron memory model accepts: a setting is a candidate when
-`spec.rules.validate` accepts it (Megatron's rules as the product enforces them) and both
+`config.rules.validate` accepts it (Megatron's rules as the product enforces them) and both
 `stage_peaks` and the time model price it; the others are listed with the reason. A Config from
 any source (presets and flags today, a Bridge config or a Megatron log through `--from`) plans the
 same way: `megatron_plan(cfg, run, rates, budget)`. Pure Python.
@@ -21,15 +21,15 @@ from recompute_bench.analysis.allowance import FITS, OVER, TIGHT, allowance_part
 from recompute_bench.analysis.gpu_rates import GpuRates, rates_row
 from recompute_bench.analysis.megatron.flags import megatron_lm, pasteable
 from recompute_bench.analysis.megatron.parameters import stage_parameter_groups
-from recompute_bench.analysis.megatron.run import MegatronRun
+from recompute_bench.analysis.megatron.gpu import MegatronRun
 from recompute_bench.analysis.megatron.stage import stage_peak, stage_peaks
 from recompute_bench.analysis.rank import device_bytes_needed
 from recompute_bench.analysis.time_model import StepTime, step_time
 from recompute_bench.models import spec_for
 from recompute_bench.recompute.policy import LayerPolicy, megatron_setting
 from recompute_bench.recompute.settings import selective_settings
-from recompute_bench.spec.config import OFFLOAD_MODULES, BadInput, Config, RecomputeConfig
-from recompute_bench.spec.rules import layers_per_model_chunk, validate
+from recompute_bench.config.schema import OFFLOAD_MODULES, BadInput, Config, RecomputeConfig
+from recompute_bench.config.rules import layers_per_model_chunk, validate
 
 PLAN_SCHEMA = "recompute-bench/plan-megatron/v1"
 
@@ -428,7 +428,7 @@ def auto_plan(cfg: Config, run: MegatronRun, rates: GpuRates, budget: float, fra
     checkpoint's all-gather with distributed inputs), so the mixes are tried fastest first and the
     memory model is asked only until one fits (its time then taken from `step_time` itself)."""
     from recompute_bench.analysis.time_model import checkpoint_ops, layer_key, layer_seconds, op_times
-    from recompute_bench.spec.pipeline_split import model_chunks
+    from recompute_bench.config.pipeline_split import model_chunks
 
     par = cfg.parallel
     p, vp = par.pipeline_model_parallel_size, par.virtual_pipeline_model_parallel_size or 1

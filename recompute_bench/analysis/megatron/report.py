@@ -11,7 +11,7 @@ from recompute_bench.analysis.megatron.context_parallel import context_parallel_
 from recompute_bench.analysis.megatron.layer import layer_backward_bytes, layer_bytes, layer_saved_bytes
 from recompute_bench.analysis.megatron.moe import ROUTINGS, routed_rows
 from recompute_bench.analysis.megatron.outside import embedding_saved_bytes, loss_saved_bytes, output_saved_bytes
-from recompute_bench.analysis.megatron.run import MegatronRun
+from recompute_bench.analysis.megatron.gpu import MegatronRun
 from recompute_bench.analysis.megatron.stage import StagePeak, chunk_bytes, stage_peaks
 from recompute_bench.analysis.megatron.terms import stage_terms
 from recompute_bench.analysis.paper import (built_minus_paper_bytes, paper_flops_per_step, paper_layer_bytes,
@@ -22,9 +22,9 @@ from recompute_bench.analysis.schedule import chunk_forwards_in_flight
 from recompute_bench.models import spec_for
 from recompute_bench.models.context_parallel import layer_comm_types
 from recompute_bench.recompute.settings import selective_settings
-from recompute_bench.spec.config import Config, RecomputeConfig
-from recompute_bench.spec.pipeline_split import model_chunks
-from recompute_bench.spec.rules import layers_per_model_chunk
+from recompute_bench.config.schema import Config, RecomputeConfig
+from recompute_bench.config.pipeline_split import model_chunks
+from recompute_bench.config.rules import layers_per_model_chunk
 
 def _settings(cfg: Config) -> list[RecomputeConfig]:
     """The settings tabulated: none, every selective subset, full uniform 1 and full block at a few

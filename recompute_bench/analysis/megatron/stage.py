@@ -22,12 +22,12 @@ from recompute_bench.analysis.megatron.optimizer import bytes_per_parameter, fp8
 from recompute_bench.analysis.megatron.outside import (batch_bytes, deferred_wgrad_bytes, embedding_saved_bytes,
                                                        logits, loss_peak_bytes, loss_saved_bytes, output_saved_bytes)
 from recompute_bench.analysis.megatron.parameters import stage_parameter_groups
-from recompute_bench.analysis.megatron.run import MegatronRun
+from recompute_bench.analysis.megatron.gpu import MegatronRun
 from recompute_bench.analysis.schedule import SchedulePeak, schedule_peak
 from recompute_bench.models import ELEMENT_BYTES
 from recompute_bench.recompute.policy import chunks, layer_policies
-from recompute_bench.spec.config import Config
-from recompute_bench.spec.pipeline_split import model_chunks
+from recompute_bench.config.schema import Config
+from recompute_bench.config.pipeline_split import model_chunks
 
 @dataclass(frozen=True)
 class ChunkBytes:
@@ -227,7 +227,7 @@ def stage_peak(cfg: Config, stage: int, run: MegatronRun, routing: str = "balanc
     check_supported(cfg, run)
     par = cfg.parallel
     vp = par.virtual_pipeline_model_parallel_size or 1
-    # the model chunks this rank builds (spec/pipeline_split.py: even, uneven or by layout), each
+    # the model chunks this rank builds (config/pipeline_split.py: even, uneven or by layout), each
     # from its own first layer (layers differ in their kind, dense or MoE, their cp_comm_type, and
     # whether FP8 keeps them in bf16)
     built = model_chunks(cfg, stage)

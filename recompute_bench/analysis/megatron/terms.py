@@ -12,10 +12,10 @@ from __future__ import annotations
 from typing import Any
 
 from recompute_bench.analysis.megatron.outside import embedding_saved_bytes, loss_saved_bytes, output_saved_bytes
-from recompute_bench.analysis.megatron.run import MegatronRun
+from recompute_bench.analysis.megatron.gpu import MegatronRun
 from recompute_bench.analysis.megatron.stage import CHECKPOINT_INPUT, StagePeak, chunk_bytes
-from recompute_bench.spec.config import Config
-from recompute_bench.spec.rules import layers_per_model_chunk
+from recompute_bench.config.schema import Config
+from recompute_bench.config.rules import layers_per_model_chunk
 
 SHARDS = "--tensor/pipeline-model-parallel-size"
 ACTIVATIONS = "--micro-batch-size, --seq-length"

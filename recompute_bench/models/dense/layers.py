@@ -26,7 +26,7 @@ from torch import nn
 
 from recompute_bench.backends import get_backend
 from recompute_bench.backends.pytorch import local
-from recompute_bench.spec.config import ModelConfig
+from recompute_bench.config.schema import ModelConfig
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

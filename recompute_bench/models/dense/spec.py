@@ -27,7 +27,7 @@ from recompute_bench.models import (ELEMENT_BYTES, FP32_BYTES, MASK_BYTES, Saved
 from recompute_bench.models.attention import ATTENTION_KERNELS, FUSED_KERNELS, attention_tiles, causal_pairs
 from recompute_bench.models.context_parallel import (CP_KERNELS, HARNESS_COMM_TYPES, comm_levels, rank_attention_pairs,
                                                    rank_seq_length, torch_ring_applies)
-from recompute_bench.spec.config import Config
+from recompute_bench.config.schema import Config
 
 
 def linear(forward: float) -> Work:

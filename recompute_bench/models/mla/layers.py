@@ -21,7 +21,7 @@ import torch
 from torch import nn
 
 from recompute_bench.models.dense.layers import GPT, apply_rope
-from recompute_bench.spec.config import ModelConfig
+from recompute_bench.config.schema import ModelConfig
 
 
 class MLASelfAttention(nn.Module):

@@ -22,7 +22,7 @@ from typing import Any, Iterable
 from recompute_bench.models import ELEMENT_BYTES, SavedBytes, Work
 from recompute_bench.models.dense.spec import DenseSpec, linear
 from recompute_bench.models.moe.spec import MoESpec, _MoELayer
-from recompute_bench.spec.config import Config, ModelConfig
+from recompute_bench.config.schema import Config, ModelConfig
 
 
 class MLAAttention:

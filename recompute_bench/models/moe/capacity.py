@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 
-from recompute_bench.spec.config import ModelConfig
+from recompute_bench.config.schema import ModelConfig
 
 
 def expert_capacity(tokens: int, topk: int, experts: int, factor: float) -> int:

@@ -25,7 +25,7 @@ from torch import nn
 from recompute_bench.models.dense.layers import GPT, MLP, AttentionFactory, build_model as build_dense
 from recompute_bench.models.moe.dispatch import AllToAllDispatch, LocalDispatch
 from recompute_bench.models.moe.capacity import expert_capacity
-from recompute_bench.spec.config import ModelConfig
+from recompute_bench.config.schema import ModelConfig
 
 
 class _AuxLossGradient(torch.autograd.Function):

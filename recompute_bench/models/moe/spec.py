@@ -26,7 +26,7 @@ from typing import Any, Iterable
 from recompute_bench.models import ELEMENT_BYTES, INDEX_BYTES, SavedBytes, Work
 from recompute_bench.models.dense.spec import DenseSpec, linear
 from recompute_bench.models.moe.capacity import routed_rows
-from recompute_bench.spec.config import Config, ModelConfig
+from recompute_bench.config.schema import Config, ModelConfig
 
 INT32_BYTES = 4  # the grouped matmul's cumulative expert offsets
 MOE_PARTS = ("router", "experts", "shared_experts")

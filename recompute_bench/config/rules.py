@@ -12,10 +12,10 @@ from typing import Any
 
 from recompute_bench.models import spec_for
 from recompute_bench.models.context_parallel import comm_levels, layer_comm_types
-from recompute_bench.spec.pipeline_split import model_chunks, uneven, validate_split
-from recompute_bench.spec.megatron_rules import validate_megatron_settings
-from recompute_bench.spec.performance_rules import validate_cuda_graphs, validate_fp8, validate_offload
-from recompute_bench.spec.config import (ACTIVATIONS, ATTENTION_BACKENDS, CP_COMM_TYPES, FP8_FORMATS, FP8_RECIPES, FRAMEWORKS, GRANULARITIES, INTERLEAVED_SCHEDULES,
+from recompute_bench.config.pipeline_split import model_chunks, uneven, validate_split
+from recompute_bench.config.megatron_rules import validate_megatron_settings
+from recompute_bench.config.performance_rules import validate_cuda_graphs, validate_fp8, validate_offload
+from recompute_bench.config.schema import (ACTIVATIONS, ATTENTION_BACKENDS, CP_COMM_TYPES, FP8_FORMATS, FP8_RECIPES, FRAMEWORKS, GRANULARITIES, INTERLEAVED_SCHEDULES,
                                          MEGATRON_ACTIVATIONS, MEGATRON_ATTENTION_BACKENDS, MEGATRON_ONLY,
                                          MEGATRON_ONLY_SETTINGS, METHODS, NORMALIZATIONS,
                                          PIPELINE_SCHEDULES, POSITION_EMBEDDINGS, TRANSFORMER_IMPLS, PRECISIONS,

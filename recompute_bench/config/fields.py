@@ -1,10 +1,10 @@
 """The field registry: every setting of a point declared once, with the one name it has everywhere.
 
-A field is a dataclass field of `spec.config` (its section and attribute) and its `key`: Megatron's
+A field is a dataclass field of `config.schema` (its section and attribute) and its `key`: Megatron's
 argument name (`num_layers`, `tensor_model_parallel_size`, `recompute_granularity`, ...). That key is
 the CLI flag (`--num-layers`), the grid-file key of a `[[point]]`, the golden/DataFrame key column,
 and the override path `section.attribute` that `--set` takes. The help text of a flag is the
-docstring written under the field in `spec/config.py`.
+docstring written under the field in `config/schema.py`.
 
 Commands take their options from here (`cli/options.py`), the golden key and the DataFrame key
 columns come from here (`results.rows.KEY_FIELDS`), and a grid file's point keys are checked
@@ -21,7 +21,7 @@ import inspect
 from dataclasses import dataclass
 from typing import Any
 
-from recompute_bench.spec.config import SECTIONS
+from recompute_bench.config.schema import SECTIONS
 
 # How a point is measured, not what: left out of the golden key and the config hash.
 PROTOCOL_KEYS = ("warmup_steps", "measured_steps")

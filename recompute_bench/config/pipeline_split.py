@@ -15,7 +15,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-from recompute_bench.spec.config import BadInput, Config
+from recompute_bench.config.schema import BadInput, Config
 
 LAYOUT_SYMBOLS = {"E": "embedding", "L": "loss", "t": "decoder", "m": "mtp"}
 """The layer characters of a layout string (`parse_str_to_list`'s char2layer_type)."""

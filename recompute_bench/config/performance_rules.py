@@ -1,6 +1,6 @@
 """Megatron's rules for its FP8, CUDA-graph and activation-offload settings (framework megatron).
 
-`spec.rules.validate` calls `validate_fp8`, `validate_cuda_graphs` and `validate_offload`; each
+`config.rules.validate` calls `validate_fp8`, `validate_cuda_graphs` and `validate_offload`; each
 raises BadInput with one line naming the problem and the fix, as Megatron's validation would refuse
 the run (megatron/training/arguments.py `validate_args`, megatron/core/transformer/
 transformer_config.py `__post_init__`, megatron/core/transformer/transformer_layer.py
@@ -10,7 +10,7 @@ must keep its default.
 
 from __future__ import annotations
 
-from recompute_bench.spec.config import CUDA_GRAPH_IMPLS, CUDA_GRAPH_MODULES, OFFLOAD_MODULES, BadInput, Config
+from recompute_bench.config.schema import CUDA_GRAPH_IMPLS, CUDA_GRAPH_MODULES, OFFLOAD_MODULES, BadInput, Config
 
 MOE_OFFLOAD_MODULES = ("expert_fc1", "moe_act", "fused_group_mlp")
 MOE_GRAPH_MODULES = ("moe", "moe_router", "moe_preprocess")

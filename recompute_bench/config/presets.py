@@ -18,8 +18,8 @@ import tomllib
 from pathlib import Path
 from typing import Any
 
-from recompute_bench.spec.config import MEGATRON_MOE_DEFAULTS, SECTIONS, Config, BadInput, canonical_modules
-from recompute_bench.spec.rules import validate
+from recompute_bench.config.schema import MEGATRON_MOE_DEFAULTS, SECTIONS, Config, BadInput, canonical_modules
+from recompute_bench.config.rules import validate
 
 # A checkout keeps the presets at the top level (workloads/); a wheel carries them inside the
 # package (recompute_bench/workloads/, mapped in pyproject.toml).

@@ -4,7 +4,7 @@ ModelParallelConfig `__post_init__` reject them. Pure Python."""
 
 from __future__ import annotations
 
-from recompute_bench.spec.config import CROSS_ENTROPY_FUSION_IMPLS, OPTIMIZER_DTYPES, ROPE_TYPES, BadInput, Config
+from recompute_bench.config.schema import CROSS_ENTROPY_FUSION_IMPLS, OPTIMIZER_DTYPES, ROPE_TYPES, BadInput, Config
 
 
 def _choice(name: str, value: object, choices: tuple, fix: str) -> None:

@@ -594,7 +594,7 @@ class Config:
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> "Config":
-        """The inverse of `to_dict` (not validated: pass it to `spec.rules.validate`); BadInput
+        """The inverse of `to_dict` (not validated: pass it to `config.rules.validate`); BadInput
         when `data` is not one."""
         try:
             return cls(data["workload"], **{s: SECTIONS[s](**data[s]) for s in SECTIONS})

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from recompute_bench.spec.config import BadInput
+from recompute_bench.config.schema import BadInput
 
 MiB = 2**20
 
