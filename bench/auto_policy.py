@@ -17,9 +17,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from recompute_bench.analysis.planner import setting_candidates  # noqa: E402
-from recompute_bench.analysis.rank import device_bytes_needed
-from recompute_bench.analysis.auto import auto_plan  # noqa: E402
+from recompute_bench.analysis.allowance import device_bytes_needed
+from recompute_bench.analysis.harness.auto import auto_plan  # noqa: E402
+from recompute_bench.analysis.harness.planner import setting_candidates  # noqa: E402
 from recompute_bench.config.presets import resolve  # noqa: E402
 
 DEFAULT_SETS = ["model.num_layers=8", "training.seq_length=8192"]
@@ -35,7 +35,7 @@ def main() -> None:
     cfg, _ = resolve(args.workload, sets=DEFAULT_SETS if args.sets is None else args.sets, gpu="cpu")
     costs, device = None, "cuda"
     if args.profile:
-        from recompute_bench.analysis.profile_costs import ProfileCosts
+        from recompute_bench.analysis.harness.profile_costs import ProfileCosts
         from recompute_bench.measure.point import pick_device
         from recompute_bench.measure.profile import cached_profile
 

@@ -117,7 +117,7 @@ def sweep(ctx: Context, run_id: str, workload_args: list[str], points: list[tupl
 def oom_limit_gib(gpu: str) -> float:
     """A --memory-limit-gb the llama slice cannot hold without recompute but can with full
     recompute: half way between the two estimated peaks."""
-    from recompute_bench.analysis.rank import record_estimate
+    from recompute_bench.analysis.harness.rank import record_estimate
     from recompute_bench.config.presets import resolve
 
     def estimated(**recompute) -> float:

@@ -1,5 +1,5 @@
 """The time model against the public measurements of recompute's cost in time, side by side
-(`recompute_bench/analysis/time_checks.py`): Korthikanti et al. Table 4 and the seeds' Llama 3 70B
+(`recompute_bench/analysis/megatron/time_checks.py`): Korthikanti et al. Table 4 and the seeds' Llama 3 70B
 FP8 table, each predicted relative throughput beside the measured one and the goal (3 points).
 
     python bench/time_model_check.py
@@ -13,8 +13,14 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from recompute_bench.analysis.time_checks import (GOAL_POINTS, PAPER_SOURCE, SEEDS_BASELINE, SEEDS_SOURCE,  # noqa: E402
-                                                 paper_rows, seeds_rows)
+from recompute_bench.analysis.megatron.time_checks import (  # noqa: E402
+    GOAL_POINTS,
+    PAPER_SOURCE,
+    SEEDS_BASELINE,
+    SEEDS_SOURCE,
+    paper_rows,
+    seeds_rows,
+)
 
 
 def main() -> None:

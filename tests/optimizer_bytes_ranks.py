@@ -14,16 +14,15 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-
+from helpers import all_gathered, config, fsdp_param_groups, held_bytes, storage_bytes
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from helpers import all_gathered, config, fsdp_param_groups, held_bytes, storage_bytes
-from recompute_bench.analysis.rank import fsdp_unsharded_bytes, is_fsdp, optimizer_bytes_per_parameter
-from recompute_bench.analysis.stage import stage_parameters
+from recompute_bench.analysis.harness.rank import fsdp_unsharded_bytes, is_fsdp, optimizer_bytes_per_parameter
+from recompute_bench.analysis.harness.stage import stage_parameters
+from recompute_bench.backends.pytorch import local
 from recompute_bench.measure import data_parallel
 from recompute_bench.measure.data_parallel import DataParallel
 from recompute_bench.measure.distributed import init_process_group
-from recompute_bench.backends.pytorch import local
 from recompute_bench.measure.layout import SingleRank
 from recompute_bench.measure.step import Stepper
 

@@ -8,13 +8,13 @@ import dataclasses
 
 import pytest
 import torch
+from helpers import FAST, config, meta_step_flops, shrunk
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.flop_counter import FlopCounterMode, flop_registry, shape_wrapper
 
-from helpers import FAST, config, meta_step_flops, shrunk
 from recompute_bench.analysis import flops
-from recompute_bench.analysis.layer import attention_kernel
-from recompute_bench.analysis.stage import activation_bytes
+from recompute_bench.analysis.harness.layer import attention_kernel
+from recompute_bench.analysis.harness.stage import activation_bytes
 from recompute_bench.backends import pytorch as backend
 from recompute_bench.measure.point import run_point
 from recompute_bench.models import DeviceKernels

@@ -7,21 +7,23 @@ import json
 
 import pytest
 import torch
+from helpers import config, invoke, probe, probe_step, shrunk
 
-from helpers import config, invoke, probe
-from helpers import probe_step, shrunk
-from recompute_bench.analysis import auto
 from recompute_bench.analysis import flops
-from recompute_bench.analysis.layer import checkpoint_input_bytes, kind_config, layer_activation_bytes
-from recompute_bench.analysis.rank import device_bytes_needed, peak_rank_memory, rank_memory, stage_memories
-from recompute_bench.analysis.stage import StageActivations, activation_bytes, policy_activations, stage_activations
-from recompute_bench.models import spec_for
-from recompute_bench.analysis.profile_costs import ProfileCosts
+from recompute_bench.analysis.allowance import device_bytes_needed
+from recompute_bench.analysis.checkpoint import checkpoint_input_bytes
+from recompute_bench.analysis.harness import auto
+from recompute_bench.analysis.harness.layer import layer_activation_bytes
+from recompute_bench.analysis.harness.profile_costs import ProfileCosts
+from recompute_bench.analysis.harness.rank import peak_rank_memory, rank_memory, stage_memories
+from recompute_bench.analysis.harness.stage import (StageActivations, activation_bytes, policy_activations,
+                                                    stage_activations)
+from recompute_bench.config.schema import RecomputeConfig
+from recompute_bench.models import kind_config, spec_for
 from recompute_bench.recompute.policy import LayerPolicy, layer_policies, megatron_flags, megatron_setting, parse_entry
 from recompute_bench.recompute.policy_file import check, read_policy
 from recompute_bench.recompute.settings import all_settings
 from recompute_bench.results.rows import key_fields, point_id
-from recompute_bench.config.schema import RecomputeConfig
 
 WORKLOADS = ["tiny", "llama3-8b"]  # tiny: GPT, 4 layers; llama3-8b shrunk to 3 layers (RMSNorm, SwiGLU, GQA, RoPE)
 FAST = ["--set", "training.warmup_steps=0", "--set", "training.measured_steps=1"]
@@ -232,7 +234,7 @@ def test_policy_and_recompute_flags_together_are_refused(tmp_path):
 def test_the_solver_and_the_policy_file_import_no_torch():
     import subprocess
     import sys
-    code = ("import sys, recompute_bench.analysis.auto, recompute_bench.recompute.policy_file; "
+    code = ("import sys, recompute_bench.analysis.harness.auto, recompute_bench.recompute.policy_file; "
             "assert 'torch' not in sys.modules")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert done.returncode == 0, done.stderr

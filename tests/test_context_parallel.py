@@ -11,12 +11,12 @@ import itertools
 import pytest
 import torch
 import torch.nn.functional as F
-
 from helpers import blockwise_attention, config, invoke
+
 from recompute_bench.analysis import flops
-from recompute_bench.analysis.layer import layer_saved_bytes
-from recompute_bench.analysis.rank import optimizer_bytes_per_parameter
-from recompute_bench.analysis.stage import activation_bytes, embedding_saved_bytes
+from recompute_bench.analysis.harness.layer import layer_saved_bytes
+from recompute_bench.analysis.harness.rank import optimizer_bytes_per_parameter
+from recompute_bench.analysis.harness.stage import activation_bytes, embedding_saved_bytes
 from recompute_bench.models.context_parallel import (Block, attention_blocks, causal_key_chunks, causal_mask_rows,
                                                      fused_blocks, rank_attention_pairs, rank_chunks, rank_positions,
                                                      rank_ranges)

@@ -7,13 +7,17 @@ import subprocess
 import sys
 
 import pytest
-
 from helpers import SHRUNK, config, invoke, meta_step_flops, probe_step, shrunk
-from recompute_bench.analysis.layer import attention_kernel, checkpoint_input_bytes, layer_activation_bytes
-from recompute_bench.analysis.paper import built_minus_paper_bytes, paper_first_stage_bytes, paper_flops_per_step, paper_layer_bytes, paper_layer_differences
-from recompute_bench.analysis.rank import chunks_in_flight, microbatches_in_flight, optimizer_bytes_per_parameter, rank_memory
-from recompute_bench.analysis.stage import activation_bytes, loss_saved_bytes, loss_workspace_bytes, stage_activations, stage_parameters
+
 from recompute_bench.analysis import flops
+from recompute_bench.analysis.checkpoint import checkpoint_input_bytes
+from recompute_bench.analysis.harness.layer import attention_kernel, layer_activation_bytes
+from recompute_bench.analysis.harness.rank import (chunks_in_flight, microbatches_in_flight,
+                                                   optimizer_bytes_per_parameter, rank_memory)
+from recompute_bench.analysis.harness.stage import (activation_bytes, loss_saved_bytes, loss_workspace_bytes,
+                                                    stage_activations, stage_parameters)
+from recompute_bench.analysis.paper import (built_minus_paper_bytes, paper_first_stage_bytes, paper_flops_per_step,
+                                            paper_layer_bytes, paper_layer_differences)
 from recompute_bench.config.schema import RecomputeConfig
 from recompute_bench.models import DeviceKernels
 from recompute_bench.models.dense.layers import build_model
@@ -33,7 +37,7 @@ def every_setting(workload, backend, dropout):
 def test_the_analysis_imports_no_torch():
     # estimate and plan must start at once and run where torch is absent: a fresh interpreter
     # imports the analysis and the model spec and must not have loaded torch on the way.
-    code = ("import sys, recompute_bench.analysis.planner, recompute_bench.analysis.auto, "
+    code = ("import sys, recompute_bench.analysis.harness.planner, recompute_bench.analysis.harness.auto, "
             "recompute_bench.models.dense.spec, recompute_bench.config.rules; "
             "assert 'torch' not in sys.modules, sorted(m for m in sys.modules if m.startswith('torch'))")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)

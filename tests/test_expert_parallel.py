@@ -5,18 +5,15 @@ modules, and Megatron's rules on ep as one line, exit 2. Two launches in all (~2
 
 from __future__ import annotations
 
-
 import pytest
-
 import torch
+from helpers import CPU, LOSS_RTOL, RANK_SETS, config, invoke, measure
 
-from helpers import CPU, config, invoke, measure
-from recompute_bench.analysis.rank import record_estimate
+from recompute_bench.analysis.harness.rank import record_estimate
+from recompute_bench.config.schema import RecomputeConfig
 from recompute_bench.launch.torchrun import Launch, check_launch, run_ranks, verify_over_ranks
 from recompute_bench.models import spec_for
 from recompute_bench.results.rows import key_fields
-from recompute_bench.config.schema import RecomputeConfig
-from helpers import LOSS_RTOL, RANK_SETS
 
 SLOW = pytest.mark.slow  # launches ranks: `make test-all`; the pure logic here runs in the fast lane
 
@@ -147,6 +144,7 @@ def test_the_expert_parallel_build_allocates_only_this_ranks_experts(monkeypatch
     # single-rank build's rows.
     import torch.distributed as dist
     from torch.testing._internal.distributed.fake_pg import FakeStore
+
     from recompute_bench.measure.data_parallel import DataParallel
     from recompute_bench.measure.layout import SingleRank
 

@@ -4,10 +4,10 @@ and gradients as torch's, and the lean bytes (an fp32 softmax worked in place) i
 import pytest
 import torch
 import torch.nn.functional as F
-
-from recompute_bench.analysis.stage import loss_saved_bytes
-from recompute_bench.backends.pytorch import cross_entropy
 from helpers import config
+
+from recompute_bench.analysis.harness.stage import loss_saved_bytes
+from recompute_bench.backends.pytorch import cross_entropy
 
 
 def _logits(dtype, b=2, s=16, v=96, seed=0):

@@ -19,11 +19,12 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers import config, held_bytes, held_tensors
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from helpers import config, held_bytes, held_tensors
 from recompute_bench.analysis.flops import peak
-from recompute_bench.analysis.rank import optimizer_bytes_per_parameter
+from recompute_bench.analysis.harness.rank import optimizer_bytes_per_parameter
+from recompute_bench.config.schema import RecomputeConfig
 from recompute_bench.measure.layout import DTYPES
 from recompute_bench.measure.optimizer import make_optimizer
 from recompute_bench.measure.point import run_point
@@ -31,7 +32,6 @@ from recompute_bench.measure.probe import SavedTensorProbe
 from recompute_bench.measure.step import Stepper, synthetic_batches
 from recompute_bench.models.dense.layers import build_model
 from recompute_bench.recompute.apply import apply_recompute
-from recompute_bench.config.schema import RecomputeConfig
 
 PACKAGE_ROOT = Path(__file__).resolve().parent.parent
 CPU = torch.device("cpu")

@@ -6,11 +6,11 @@ import json
 from pathlib import Path
 
 import pytest
-
 from helpers import invoke
+
 from recompute_bench.analysis import megatron as mg
 from recompute_bench.analysis.megatron import attention, buffers, layer, moe, optimizer, outside
-from recompute_bench.analysis.schedule import chunk_forwards_in_flight
+from recompute_bench.analysis.megatron_schedule import chunk_forwards_in_flight
 from recompute_bench.ingest.megatron_args import config_from_megatron
 from recompute_bench.ingest.megatron_check import GOAL, check, load_cases, meets_goal, skipped_in, summary
 

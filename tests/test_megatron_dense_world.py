@@ -6,16 +6,16 @@ import json
 from pathlib import Path
 
 import pytest
-
 from helpers import invoke
+
 from recompute_bench.analysis import megatron as mg
 from recompute_bench.analysis.megatron import attention, layer, optimizer, outside
 from recompute_bench.analysis.megatron.parameters import layer_parameters, stage_parameters
 from recompute_bench.analysis.megatron.stage import DEFERRED_WGRAD_ITEM
-from recompute_bench.analysis.schedule import chunk_forwards_in_flight
-from recompute_bench.ingest.megatron_args import config_from_megatron
-from recompute_bench.config.schema import BadInput
+from recompute_bench.analysis.megatron_schedule import chunk_forwards_in_flight
 from recompute_bench.config.pipeline_split import ModelChunk, model_chunks, parse_layout
+from recompute_bench.config.schema import BadInput
+from recompute_bench.ingest.megatron_args import config_from_megatron
 
 CASES = json.loads((Path(__file__).parent / "data" / "megatron" / "cases.json").read_text())
 MiB = 2**20

@@ -6,12 +6,13 @@ for them; and the seeds' Llama 3 70B FP8 configuration, estimated stage by stage
 import json
 
 import pytest
-
 from helpers import invoke
+
 from recompute_bench.analysis import megatron as mg
 from recompute_bench.analysis.megatron import cuda_graphs, layer, offload, outside, stage
-from recompute_bench.analysis.schedule import chunk_forwards_in_flight
-from recompute_bench.ingest.megatron_args import config_from_megatron, megatron_overrides, module_list, overrides_as_flags
+from recompute_bench.analysis.megatron_schedule import chunk_forwards_in_flight
+from recompute_bench.ingest.megatron_args import (config_from_megatron, megatron_overrides, module_list,
+                                                  overrides_as_flags)
 
 MiB = 2**20
 H100 = mg.MegatronRun("h100", ":4096:8")

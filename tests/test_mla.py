@@ -5,15 +5,15 @@ import dataclasses
 
 import pytest
 import torch
-
 from helpers import config, invoke, probe
+
 from recompute_bench.analysis import flops
-from recompute_bench.analysis.stage import activation_bytes, stage_parameters
+from recompute_bench.analysis.harness.stage import activation_bytes, stage_parameters
+from recompute_bench.config.rules import validate
+from recompute_bench.config.schema import RecomputeConfig
 from recompute_bench.measure.layout import DTYPES
 from recompute_bench.measure.verify import verify
 from recompute_bench.models import spec_for
-from recompute_bench.config.schema import RecomputeConfig
-from recompute_bench.config.rules import validate
 
 ONE_STEP = {"training__global_batch_size": 2}
 

@@ -6,18 +6,18 @@ import json
 
 import pytest
 import torch
+from helpers import config, invoke, probe
 from torch.utils.flop_counter import FlopCounterMode
 
-from helpers import config, invoke, probe
 from recompute_bench.analysis import flops
-from recompute_bench.analysis.stage import activation_bytes, stage_parameters
+from recompute_bench.analysis.harness.stage import activation_bytes, stage_parameters
+from recompute_bench.config.rules import validate
+from recompute_bench.config.schema import BadInput, RecomputeConfig
 from recompute_bench.measure.layout import DTYPES
 from recompute_bench.measure.step import synthetic_batches
 from recompute_bench.measure.verify import verify
 from recompute_bench.models import spec_for
 from recompute_bench.recompute.settings import all_settings, selective_settings
-from recompute_bench.config.schema import BadInput, RecomputeConfig
-from recompute_bench.config.rules import validate
 
 ONE_STEP = {"training__global_batch_size": 2}
 # Variants of tiny-moe: the preset (softmax, shared expert, grouped GEMM); DeepSeek's sigmoid router

@@ -5,15 +5,15 @@ import dataclasses
 import pytest
 import torch
 import torch.nn.functional as F
-
 from helpers import config, invoke, probe
+
 from recompute_bench.analysis import flops
-from recompute_bench.analysis.stage import activation_bytes
+from recompute_bench.analysis.harness.stage import activation_bytes
+from recompute_bench.config.schema import RecomputeConfig
 from recompute_bench.measure.probe import tokens_per_expert
 from recompute_bench.measure.verify import verify
 from recompute_bench.models import spec_for
 from recompute_bench.models.moe.capacity import expert_capacity
-from recompute_bench.config.schema import RecomputeConfig
 
 ONE_STEP = {"training__global_batch_size": 2}
 

@@ -6,8 +6,8 @@ import json
 from pathlib import Path
 
 import pytest
-
 from helpers import invoke
+
 from recompute_bench.analysis import gpu_rates
 from recompute_bench.analysis.megatron.plan import megatron_plan
 from recompute_bench.ingest.run_source import read_run
@@ -117,7 +117,7 @@ def test_other_bad_input_beside_from(args, words):
 
 
 def test_the_time_check_plans_the_config_the_seeds_bridge_config_states():
-    from recompute_bench.analysis.time_checks import seeds_config
+    from recompute_bench.analysis.megatron.time_checks import seeds_config
 
     read = read_run(SEED_YAML, gpus=32).config.to_dict()
     checked = seeds_config().to_dict()

@@ -6,15 +6,13 @@ import dataclasses
 import json
 
 import pytest
-
 from helpers import config, invoke
+
 from recompute_bench.analysis import gpu_rates
-from recompute_bench.analysis.allowance import FITS, OVER, TIGHT, fit
-from recompute_bench.analysis.megatron import MegatronRun, stage_peaks
-from recompute_bench.analysis.megatron import flags
+from recompute_bench.analysis.allowance import FITS, OVER, TIGHT, device_bytes_needed, fit
+from recompute_bench.analysis.megatron import MegatronRun, flags, stage_peaks
 from recompute_bench.analysis.megatron.plan import candidate_settings, megatron_plan, speed_order
-from recompute_bench.analysis.rank import device_bytes_needed
-from recompute_bench.analysis.time_model import step_time
+from recompute_bench.analysis.megatron.time_model import step_time
 from recompute_bench.config.schema import RecomputeConfig
 
 RUN = MegatronRun("h100")

@@ -4,11 +4,12 @@ fix, exit code 2; and the interleaved schedule's model chunks in validation and 
 import dataclasses
 
 import pytest
-
 from helpers import config, invoke
+
 from recompute_bench.analysis import flops
-from recompute_bench.analysis.layer import checkpoint_input_bytes, layer_activation_bytes
-from recompute_bench.analysis.stage import stage_activations
+from recompute_bench.analysis.checkpoint import checkpoint_input_bytes
+from recompute_bench.analysis.harness.layer import layer_activation_bytes
+from recompute_bench.analysis.harness.stage import stage_activations
 from recompute_bench.config.schema import BadInput, RecomputeConfig
 
 FULL = ["--recompute-granularity", "full", "--recompute-method"]

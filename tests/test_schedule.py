@@ -1,14 +1,14 @@
-"""Megatron's pipeline schedules (analysis/schedule.py), which both frameworks' estimates follow:
+"""Megatron's pipeline schedules (analysis/megatron_schedule.py), which both frameworks' estimates follow:
 the passes each stage runs, how many chunk forwards wait for their backward, every stage's peak."""
 
 import json
 
 import pytest
-
 from helpers import config, invoke
-from recompute_bench.analysis.rank import microbatches_in_flight, rank_memory, stage_memories
-from recompute_bench.analysis.schedule import chunk_forwards_in_flight, schedule
-from recompute_bench.analysis.stage import stage_activations
+
+from recompute_bench.analysis.harness.rank import microbatches_in_flight, rank_memory, stage_memories
+from recompute_bench.analysis.harness.stage import stage_activations
+from recompute_bench.analysis.megatron_schedule import chunk_forwards_in_flight, schedule
 
 
 def _cfg(p, vp=None, n=8, workload="gpt3-175b"):

@@ -1,18 +1,18 @@
-"""The pipeline schedules the analysis writes out (`analysis/schedules.py`) against torch's own
+"""The pipeline schedules the analysis writes out (`analysis/pipelining_schedule.py`) against torch's own
 (torch.distributed.pipelining builds each rank's order without a process group when its stages are
 stand-ins), the in-flight counts they imply against Megatron's warm-up formulas, and the theoretical
 bubble against (p - 1)/(n vp + p - 1)."""
 
 from __future__ import annotations
 
-
 import pytest
+from helpers import config
 from torch import nn
 from torch.distributed.pipelining import schedules as torch_schedules
 
-from helpers import config
-from recompute_bench.analysis.rank import chunks_in_flight
-from recompute_bench.analysis.schedules import Action, bubble_fraction, peak_chunks, rank_actions, rank_stages, walk
+from recompute_bench.analysis.harness.rank import chunks_in_flight
+from recompute_bench.analysis.pipelining_schedule import (Action, bubble_fraction, peak_chunks, rank_actions,
+                                                          rank_stages, walk)
 
 KIND = {"FORWARD": "F", "FULL_BACKWARD": "B", "BACKWARD_INPUT": "I", "BACKWARD_WEIGHT": "W"}
 CASES = [("1F1B", 1, p, n) for p in (2, 3, 4) for n in (4, 8, 12)] + \

@@ -9,11 +9,10 @@ import json
 import re
 
 import pytest
+from helpers import LOSS_RTOL, RANK_SETS, SMALL_LLAMA, config, invoke, measure, rank_script
 
-from helpers import SMALL_LLAMA, config, invoke, measure
-from recompute_bench.analysis.stage import activation_bytes as estimated_activation_bytes
+from recompute_bench.analysis.harness.stage import activation_bytes as estimated_activation_bytes
 from recompute_bench.measure.record import layout_label
-from helpers import LOSS_RTOL, RANK_SETS, rank_script
 
 SLOW = pytest.mark.slow  # launches ranks: `make test-all`; the pure logic here runs in the fast lane
 

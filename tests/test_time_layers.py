@@ -1,4 +1,4 @@
-"""The time model's layers beyond the dense one (analysis/time_moe.py, time_mla.py,
+"""The time model's layers beyond the dense one (analysis/megatron/time_moe.py, time_mla.py,
 time_attention.py): mixture-of-experts, multi-latent attention and context parallel priced op by op,
 their FLOPs against the FLOPs model split over the ranks, the bytes each collective sends and the
 link that carries them, what each recompute module re-runs, and a step built layer by layer."""
@@ -6,15 +6,15 @@ link that carries them, what each recompute module re-runs, and a step built lay
 import dataclasses
 
 import pytest
-
 from helpers import config
+
 from recompute_bench.analysis import gpu_rates
-from recompute_bench.analysis import time_model as tm
 from recompute_bench.analysis.megatron import MegatronRun
-from recompute_bench.analysis.time_moe import destination_ranks
+from recompute_bench.analysis.megatron import time_model as tm
+from recompute_bench.analysis.megatron.time_moe import destination_ranks
+from recompute_bench.config.schema import RecomputeConfig
 from recompute_bench.models import spec_for
 from recompute_bench.recompute.policy import LayerPolicy
-from recompute_bench.config.schema import RecomputeConfig
 
 H100 = gpu_rates.datasheet_rates("h100")
 RUN = MegatronRun("h100")

@@ -1,18 +1,18 @@
-"""The time model (analysis/time_model.py): its ops' work against the FLOPs model, which ops each
+"""The time model (analysis/megatron/time_model.py): its ops' work against the FLOPs model, which ops each
 recompute module re-runs in Megatron, the roofline and the pipeline's step, the rates and where
 they come from, and the goal against the two public measurements (3 points)."""
 
 import dataclasses
 
 import pytest
-
 from helpers import config
-from recompute_bench.analysis import gpu_rates, time_checks
-from recompute_bench.analysis import time_model as tm
-from recompute_bench.analysis.megatron import MegatronRun, stage_peaks
+
+from recompute_bench.analysis import gpu_rates
+from recompute_bench.analysis.megatron import MegatronRun, stage_peaks, time_checks
+from recompute_bench.analysis.megatron import time_model as tm
+from recompute_bench.config.schema import BadInput, RecomputeConfig
 from recompute_bench.models import spec_for
 from recompute_bench.recompute.policy import LayerPolicy
-from recompute_bench.config.schema import BadInput, RecomputeConfig
 
 H100 = gpu_rates.datasheet_rates("h100")
 RUN = MegatronRun("h100")

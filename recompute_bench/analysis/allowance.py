@@ -2,8 +2,8 @@
 of, whether a setting fits a budget with it, only within it ("tight"), or not at all, and what
 `PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True` changes. Pure Python.
 
-The allowance stays the flat one (`rank.ALLOWANCE_FRACTION` of the allocated peak plus
-`rank.ALLOWANCE_BYTES`), and here is why no better one follows from torch's caching allocator's
+The allowance stays the flat one (`ALLOWANCE_FRACTION` of the allocated peak plus
+`ALLOWANCE_BYTES`), and here is why no better one follows from torch's caching allocator's
 rules (c10/cuda/CUDACachingAllocator.cpp). The rules bound the waste of a single block: a request
 is rounded up to 512 bytes (`kMinBlockSize`); requests up to 1 MiB share 2 MiB segments
 (`kSmallBuffer`), requests up to 10 MiB carve 20 MiB ones (`kLargeBuffer`), larger ones get a
@@ -27,6 +27,19 @@ after the seeds' Llama 3 70B run went out of memory above its logged allocated p
 from __future__ import annotations
 
 from typing import Any
+
+ALLOWANCE_FRACTION = 0.10
+"""Allocator allowance: reserved minus allocated (fragmentation of the caching allocator), as a
+fraction of the estimated allocated peak."""
+ALLOWANCE_BYTES = 2**30
+"""Fixed allowance: CUDA context, cuBLAS/cuDNN workspaces and NCCL buffers, which
+`torch.cuda.max_memory_allocated` does not show but the device must hold."""
+
+
+def device_bytes_needed(peak_allocated: float, allowance_fraction: float = ALLOWANCE_FRACTION,
+                        allowance_bytes: float = ALLOWANCE_BYTES) -> float:
+    """Device memory a rank needs: the allocated peak plus the stated allocator allowance."""
+    return peak_allocated * (1 + allowance_fraction) + allowance_bytes
 
 FITS, TIGHT, OVER = "fits", "tight", "over"
 

@@ -14,11 +14,13 @@ recompute setting repeats in backward. The per-layer terms come from the model's
 
 from __future__ import annotations
 
-from recompute_bench.analysis.layer import kind_config
-from recompute_bench.models import spec_for
-from recompute_bench.config.schema import Config
-from recompute_bench.recompute.policy import LayerPolicy, layer_kind, layer_policies, recomputed_layers as count_recomputed
+import dataclasses
+
 from recompute_bench.config.rules import layers_per_model_chunk
+from recompute_bench.config.schema import Config, RecomputeConfig
+from recompute_bench.models import kind_config, spec_for
+from recompute_bench.recompute.policy import LayerPolicy, layer_kind, layer_policies
+from recompute_bench.recompute.policy import recomputed_layers as count_recomputed
 
 
 def layer_forward_flops(cfg: Config, samples: int | None = None, device: str = "cuda") -> dict[str, float]:
@@ -117,3 +119,13 @@ def peak(device_name: str, precision: str) -> tuple[str, float] | None:
     product, half, tf32 = found
     return (f"{product} {'tf32' if precision == 'fp32' else precision}", tf32 if precision == "fp32" else half)
 
+
+def setting_flops(cfg: Config, device: str = "cuda") -> dict[str, float]:
+    """Model and hardware FLOPs per step, the recompute overhead, and the model TFLOP/s/GPU relative
+    to no recompute, assuming the GPU sustains the same hardware FLOP/s (so time scales with
+    hardware FLOPs; norm recompute, which adds no GEMM FLOPs, shows as free although it costs some
+    memory-bound time)."""
+    none = dataclasses.replace(cfg, recompute=RecomputeConfig())
+    hw, hw_none = hardware_flops_per_step(cfg, device), hardware_flops_per_step(none, device)
+    return {"model_flops_per_step": model_flops_per_step(cfg), "hardware_flops_per_step": hw,
+            "recompute_overhead": hw / hw_none - 1, "relative_tflops_per_gpu": hw_none / hw}

@@ -2,16 +2,16 @@
 Table 2's activation bytes per layer, the first stage's total (Eq. 5/6), the FLOPs of Appendix A
 (Eq. 7 and 8), exactly as published for the paper's GPT-3 layer (math attention, dropout on, GeLU
 4h MLP, LayerNorm, full heads, 16-bit), and how the layer built here differs from it. For the
-paper's layer the built layer (`analysis.layer`) is Table 2 plus the two norms' statistics (mean and
+paper's layer the built layer (`analysis.harness.layer`) is Table 2 plus the two norms' statistics (mean and
 rstd, 2sb elements per norm, fp32 on CUDA), which the paper leaves out as small.
 """
 
 from __future__ import annotations
 
-from recompute_bench.analysis.layer import attention_kernel
+from recompute_bench.analysis.harness.layer import attention_kernel
+from recompute_bench.config.schema import Config
 from recompute_bench.models import ELEMENT_BYTES, spec_for
 from recompute_bench.models.context_parallel import rank_seq_length
-from recompute_bench.config.schema import Config
 
 
 def paper_layer_bytes(s: int, b: int, h: int, a: int, t: int = 1, sequence_parallel: bool = False,

@@ -9,13 +9,13 @@ from typing import Annotated, Optional
 import typer
 from rich.markup import escape
 
-from recompute_bench.analysis.rank import ALLOWANCE_BYTES, ALLOWANCE_FRACTION
+from recompute_bench.analysis.allowance import ALLOWANCE_BYTES, ALLOWANCE_FRACTION
 from recompute_bench.cli.common import DEFAULT_WORKLOAD, JsonOut, err, fail, resolve_point, show_notes
 from recompute_bench.cli.options import PointOptions, point_options
 from recompute_bench.cli.plan_megatron import plan_megatron, resolve_on_gpus, with_gpus
 from recompute_bench.cli.run_from import FromFile, read_from, show_source
-from recompute_bench.config.schema import BadInput
 from recompute_bench.config.rules import check_expert_parallel_world
+from recompute_bench.config.schema import BadInput
 
 ModelDevice = Annotated[str, typer.Option("--device", help="What to model: cuda (the default; masks, norm statistics and "
                                           "attention kernels as on a GPU) or cpu (as `run` measures on a CPU).",
@@ -52,10 +52,10 @@ def estimate(
 ) -> None:
     """Predict activation memory per layer, the whole-rank peak and FLOPs of every recompute setting,
     without running anything (the paper's Table 2 beside the layer built here)."""
-    from recompute_bench.analysis import planner
+    from recompute_bench.analysis.harness import planner
     from recompute_bench.analysis.megatron import estimate_report as megatron_report
-    from recompute_bench.render.estimate import (breakdown_table, layout_line, paper_notes, paper_table, settings_table,
-                                                 stages_table, terms_table)
+    from recompute_bench.render.estimate import (breakdown_table, layout_line, paper_notes, paper_table,
+                                                 settings_table, stages_table, terms_table)
 
     source = None
     try:
@@ -168,7 +168,7 @@ def plan(
     with --auto choose per layer); exit 1 when nothing fits (and say what would). With --framework
     megatron: every setting Megatron can run, each stage's peak and the predicted step time, with
     the flags for Megatron-LM, Megatron Bridge and NeMo."""
-    from recompute_bench.analysis import planner
+    from recompute_bench.analysis.harness import planner
     from recompute_bench.render.estimate import plan_table, would_fit_table
 
     source = None
@@ -232,7 +232,7 @@ def plan(
 def _plan_context_parallel(cfg, gpus: int, memory_gb: float, device: str, allowance_fraction: float,
                            allowance_gb: float, json_out: bool) -> None:
     """plan --gpus: every context-parallel layout of the GPUs with its fastest fitting recompute setting."""
-    from recompute_bench.analysis.cp_plan import plan_context_parallel
+    from recompute_bench.analysis.harness.cp_plan import plan_context_parallel
     from recompute_bench.render.estimate import cp_plan_table
 
     try:
@@ -255,7 +255,7 @@ def _plan_context_parallel(cfg, gpus: int, memory_gb: float, device: str, allowa
 
 def _profile_costs(cfg, device: str, steps: int, host_link_gbps: Optional[float]):
     """The measured costs of `--profile` (cached per device and shape), or exit 2 naming the fix."""
-    from recompute_bench.analysis.profile_costs import ProfileCosts
+    from recompute_bench.analysis.harness.profile_costs import ProfileCosts
     from recompute_bench.launch.devices import default_device_type
     from recompute_bench.measure.point import pick_device
     from recompute_bench.measure.profile import cached_profile
@@ -283,7 +283,7 @@ def _profile_costs(cfg, device: str, steps: int, host_link_gbps: Optional[float]
 def _plan_auto(cfg, memory_gb: float, device: str, allowance_fraction: float, allowance_gb: float,
                output: Optional[Path], json_out: bool, costs=None) -> None:
     """plan --auto: solve, write the policy file, show it beside the best uniform setting."""
-    from recompute_bench.analysis.auto import auto_plan
+    from recompute_bench.analysis.harness.auto import auto_plan
     from recompute_bench.recompute.policy_file import write_policy
     from recompute_bench.render.estimate import auto_stages_table, auto_table, would_fit_table
 

@@ -647,3 +647,11 @@ def canonical_modules(modules: list[str]) -> list[str]:
     seen = dict.fromkeys(m.strip() for m in modules if m.strip())
     order = {m: i for i, m in enumerate(RECOMPUTE_MODULES)}
     return sorted(seen, key=lambda m: (order.get(m, len(order)), m))
+
+
+def with_setting(cfg: Config, r: RecomputeConfig | None = None, **parallel: Any) -> Config:
+    """cfg with recompute setting `r` (kept when None) and the parallel fields given changed."""
+    out = dataclasses.replace(cfg, recompute=r if r is not None else cfg.recompute)
+    if parallel:
+        out = dataclasses.replace(out, parallel=dataclasses.replace(cfg.parallel, **parallel))
+    return out

@@ -10,15 +10,15 @@ from __future__ import annotations
 from typing import Any, Callable
 
 from recompute_bench.analysis import flops
-from recompute_bench.analysis.megatron import (COMPUTE_CAPABILITY, DEFAULT_GPU, MegatronRun, stage_peak,
-                                               record_estimate as megatron_record_estimate)
-from recompute_bench.analysis.rank import rank_memory
+from recompute_bench.analysis.harness.rank import rank_memory
+from recompute_bench.analysis.megatron import COMPUTE_CAPABILITY, DEFAULT_GPU, MegatronRun, stage_peak
+from recompute_bench.analysis.megatron import record_estimate as megatron_record_estimate
+from recompute_bench.config.presets import gpu_type
+from recompute_bench.config.schema import Config
 from recompute_bench.ingest.parsed import ParsedRun
 from recompute_bench.ingest.timing import window
 from recompute_bench.measure.record import SCHEMA, rank_summary, unmeasured_metrics, unmeasured_rank
 from recompute_bench.measure.telemetry import package_version
-from recompute_bench.config.schema import Config
-from recompute_bench.config.presets import gpu_type
 
 
 def rank_stage(cfg: Config, rank: int) -> int:

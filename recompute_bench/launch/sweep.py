@@ -28,16 +28,18 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterable
 
-from recompute_bench.config.schema import SUPPORTED_RECOMPUTE_MODULES, Config, BadInput, RecomputeConfig, canonical_modules
+from recompute_bench.config.fields import fields, flagged, overrides_from_keys
+from recompute_bench.config.presets import DEFAULT_WORKLOAD, resolve
+from recompute_bench.config.schema import (SUPPORTED_RECOMPUTE_MODULES, BadInput, Config, RecomputeConfig,
+                                           canonical_modules)
 from recompute_bench.launch.process import run_isolated
 from recompute_bench.launch.torchrun import Launch, run_ranks
-from recompute_bench.results.rows import point_id
-from recompute_bench.results.store import PLAN_FILE, RESULTS_FILE, RunLock, append_record, load_records, write_json_atomic
-from recompute_bench.config.fields import fields, flagged, overrides_from_keys
+from recompute_bench.launch.worker import config_from_dict
 from recompute_bench.models import spec_for
 from recompute_bench.recompute.settings import all_settings, full_settings, selective_settings
-from recompute_bench.launch.worker import config_from_dict
-from recompute_bench.config.presets import DEFAULT_WORKLOAD, resolve
+from recompute_bench.results.rows import point_id
+from recompute_bench.results.store import (PLAN_FILE, RESULTS_FILE, RunLock, append_record, load_records,
+                                           write_json_atomic)
 
 PLAN_SCHEMA = "recompute-bench/sweep-plan/v1"
 OLD_PLAN_SCHEMAS = ("recompute-bench/plan/v1",)
@@ -288,8 +290,8 @@ def plan_points(req: SweepRequest) -> tuple[list[Point], list[str]]:
 def auto_point(points: list[Point], req: SweepRequest) -> Point:
     """The sweep's Auto point: the policy `plan --auto` chooses for `req.memory_gb` (modelled for
     the sweep's device; a CPU has no allocator to allow for), or the policy file `req.policy`."""
-    from recompute_bench.analysis.auto import auto_plan
-    from recompute_bench.analysis.rank import ALLOWANCE_BYTES, ALLOWANCE_FRACTION
+    from recompute_bench.analysis.allowance import ALLOWANCE_BYTES, ALLOWANCE_FRACTION
+    from recompute_bench.analysis.harness.auto import auto_plan
     from recompute_bench.launch.devices import default_device_type
     from recompute_bench.recompute.policy_file import with_policy
 

@@ -2,7 +2,7 @@
 (`MainGradAdam`), with fp32 master weights under bf16/fp16.
 
 Per parameter held: 2 (16-bit weight) + 4 (main gradient) + 4 (master weight) + 8 (Adam's two
-moments) = 18 bytes under bf16/fp16, 16 in fp32 (`analysis.rank.optimizer_bytes_per_parameter`
+moments) = 18 bytes under bf16/fp16, 16 in fp32 (`analysis.harness.rank.optimizer_bytes_per_parameter`
 counts the same). The data-parallel reduction of the main gradients is `measure.data_parallel.BucketedGrads`.
 """
 

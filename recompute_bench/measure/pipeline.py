@@ -3,7 +3,7 @@
 The ranks form a (pp, dp, tp) mesh: rank = pp_rank x dp x tp + dp_rank x tp + tp_rank (tensor
 parallel innermost, pipeline outermost, as Megatron and torchtitan order them); with context
 parallel (pp, dp, cp, tp), each stage sending this rank's s / cp positions (`measure.context_parallel`). Each pipeline rank
-holds model chunks (virtual stages `analysis.schedules.rank_stages` names: its stage, with virtual
+holds model chunks (virtual stages `analysis.pipelining_schedule.rank_stages` names: its stage, with virtual
 stages r, r + p, ..., under a V schedule r and 2p - 1 - r), each a `GPTStage`: the first virtual
 stage has the embedding, the last the final norm and the output layer (the loss is the schedule's
 loss function), every one its layers under their model-wide names (`layers.4...`), so gradients
@@ -33,8 +33,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from recompute_bench.analysis.schedules import rank_stages
+from recompute_bench.analysis.pipelining_schedule import rank_stages
 from recompute_bench.backends.pytorch import local
+from recompute_bench.config.schema import Config
 from recompute_bench.measure.data_parallel import BUCKET_PARAMETERS, BucketedGrads, DataParallel, fsdp_shard
 from recompute_bench.measure.layout import DTYPES
 from recompute_bench.measure.optimizer import MainGradAdam, MainGrads, make_adam
@@ -43,7 +44,6 @@ from recompute_bench.measure.timing import cuda_event
 from recompute_bench.models import spec_for
 from recompute_bench.models.dense.layers import GPT, TransformerLayers
 from recompute_bench.recompute.apply import apply_recompute
-from recompute_bench.config.schema import Config
 
 
 class StageLayers(TransformerLayers):

@@ -1,6 +1,6 @@
 """`plan --auto --profile`: measure, on this machine's device, what each selective target of one
 layer of each kind costs to run forward and what the layer saves (the format and how the solver
-uses it: `analysis/profile_costs.py`).
+uses it: `analysis/harness/profile_costs.py`).
 
 One layer of each kind the model has (dense, MoE) is built alone (`kind_config`, one layer)
 in the training precision and run forward and backward `warmup` + `steps` times with no recompute.
@@ -23,18 +23,19 @@ from typing import Any
 
 import torch
 
-from recompute_bench.analysis.layer import kind_config, layer_activation_bytes
-from recompute_bench.analysis.profile_costs import PROFILE_DIR, PROFILE_SCHEMA, cache_path, read_cached, shape_key, write_cached
+from recompute_bench.analysis.harness.layer import layer_activation_bytes
+from recompute_bench.analysis.harness.profile_costs import (PROFILE_DIR, PROFILE_SCHEMA, cache_path, read_cached,
+                                                            shape_key, write_cached)
+from recompute_bench.config.schema import Config, RecomputeConfig
 from recompute_bench.measure.layout import DTYPES
 from recompute_bench.measure.point import float32_matmul_precision, pick_device
 from recompute_bench.measure.probe import SavedTensorProbe
 from recompute_bench.measure.step import synthetic_batches
-from recompute_bench.measure.timing import cuda_event
 from recompute_bench.measure.telemetry import device_name
-from recompute_bench.models import spec_for
+from recompute_bench.measure.timing import cuda_event
+from recompute_bench.models import kind_config, spec_for
 from recompute_bench.recompute.apply import apply_recompute
 from recompute_bench.recompute.policy import kind_targets, layer_kind
-from recompute_bench.config.schema import Config, RecomputeConfig
 
 
 def _modules(layer: torch.nn.Module, target: str) -> list[torch.nn.Module]:

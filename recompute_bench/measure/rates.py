@@ -19,10 +19,10 @@ from typing import Any, Callable
 import torch
 
 from recompute_bench.analysis.gpu_rates import RATES_SCHEMA, rates_cache_path, read_rates_profile
-from recompute_bench.analysis.profile_costs import write_cached
-from recompute_bench.measure.timing import cuda_event
-from recompute_bench.measure.telemetry import device_name
+from recompute_bench.analysis.harness.profile_costs import write_cached
 from recompute_bench.config.schema import BadInput
+from recompute_bench.measure.telemetry import device_name
+from recompute_bench.measure.timing import cuda_event
 
 MATMUL_SIZE = 8192
 COPY_BYTES = 2**30

@@ -10,7 +10,7 @@ from __future__ import annotations
 from typing import Any
 
 from recompute_bench.analysis import flops
-from recompute_bench.analysis.rank import record_estimate
+from recompute_bench.analysis.harness.rank import record_estimate
 from recompute_bench.config.schema import Config
 
 SCHEMA = "recompute-bench/result/v1"

@@ -19,6 +19,7 @@ line in `spec_for`. What is the same for every architecture (units, the vocabula
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Any, Iterable, Protocol
 
@@ -123,3 +124,13 @@ def spec_for(model: ModelConfig) -> ModelSpec:
 
         return MoESpec(model)
     return DENSE
+
+
+def kind_config(cfg: Config, kind: str) -> Config:
+    """cfg as a model whose every layer is of `kind` ("dense" or "moe", `policy.layer_kind`), so that
+    the spec's per-layer answers (a mean over the model's layers) are that kind's exactly."""
+    m = cfg.model
+    if not m.num_moe_experts or (kind == "moe" and m.moe_layers == m.num_layers):
+        return cfg
+    model = dataclasses.replace(m, moe_layer_freq=1) if kind == "moe" else dataclasses.replace(m, num_moe_experts=None)
+    return dataclasses.replace(cfg, model=model)

@@ -40,9 +40,9 @@ Python.
 
 from __future__ import annotations
 
-from recompute_bench.analysis.schedule import chunk_forwards_in_flight
-from recompute_bench.models import ELEMENT_BYTES, MASK_BYTES
+from recompute_bench.analysis.megatron_schedule import chunk_forwards_in_flight
 from recompute_bench.config.schema import Config
+from recompute_bench.models import ELEMENT_BYTES, MASK_BYTES
 
 PER_LAYER = ("transformer_engine", "local")
 

@@ -1,6 +1,6 @@
 """`plan --framework megatron`: every recompute setting Megatron can run for a Config, each with
 the peak of every pipeline stage (`stage_peaks`), whether it fits a budget with the allocator
-allowance, and its step time relative to no recompute (`analysis.time_model`); the settings that
+allowance, and its step time relative to no recompute (`analysis.megatron.time_model`); the settings that
 fit, fastest first, with the flags to paste; what would fit when nothing does; and (`--auto`) what
 a per-stage or per-layer choice would gain over the best uniform setting, which Megatron cannot run.
 
@@ -17,19 +17,19 @@ import dataclasses
 from itertools import combinations
 from typing import Any, Callable
 
-from recompute_bench.analysis.allowance import FITS, OVER, TIGHT, allowance_parts, allowance_row, fit
+from recompute_bench.analysis.allowance import (FITS, OVER, TIGHT, allowance_parts, allowance_row,
+                                                device_bytes_needed, fit)
 from recompute_bench.analysis.gpu_rates import GpuRates, rates_row
 from recompute_bench.analysis.megatron.flags import megatron_lm, pasteable
-from recompute_bench.analysis.megatron.parameters import stage_parameter_groups
 from recompute_bench.analysis.megatron.gpu import MegatronRun
+from recompute_bench.analysis.megatron.parameters import stage_parameter_groups
 from recompute_bench.analysis.megatron.stage import stage_peak, stage_peaks
-from recompute_bench.analysis.rank import device_bytes_needed
-from recompute_bench.analysis.time_model import StepTime, step_time
+from recompute_bench.analysis.megatron.time_model import StepTime, step_time
+from recompute_bench.config.rules import layers_per_model_chunk, validate
+from recompute_bench.config.schema import OFFLOAD_MODULES, BadInput, Config, RecomputeConfig
 from recompute_bench.models import spec_for
 from recompute_bench.recompute.policy import LayerPolicy, megatron_setting
 from recompute_bench.recompute.settings import selective_settings
-from recompute_bench.config.schema import OFFLOAD_MODULES, BadInput, Config, RecomputeConfig
-from recompute_bench.config.rules import layers_per_model_chunk, validate
 
 PLAN_SCHEMA = "recompute-bench/plan-megatron/v1"
 
@@ -364,9 +364,9 @@ def _choices(cfg: Config, run: MegatronRun, rates: GpuRates) -> list[tuple[str, 
     fewer bytes (`layer_bytes`) for no less recompute time (`time_model.layer_seconds`): a
     dominated choice never makes a faster mix (a MoE model's seven modules offer 127 subsets, most
     of them dominated)."""
-    from recompute_bench.analysis.layer import checkpoint_input_bytes
+    from recompute_bench.analysis.checkpoint import checkpoint_input_bytes
     from recompute_bench.analysis.megatron.layer import layer_bytes
-    from recompute_bench.analysis.time_model import layer_seconds
+    from recompute_bench.analysis.megatron.time_model import layer_seconds
 
     out: list[tuple[str, Callable[[int], LayerPolicy]]] = [("none", lambda i: LayerPolicy())]
     targets = spec_for(cfg.model).recompute_targets
@@ -427,7 +427,7 @@ def auto_plan(cfg: Config, run: MegatronRun, rates: GpuRates, budget: float, fra
     micro-batch under no recompute plus what each layer re-runs under its choice (and each
     checkpoint's all-gather with distributed inputs), so the mixes are tried fastest first and the
     memory model is asked only until one fits (its time then taken from `step_time` itself)."""
-    from recompute_bench.analysis.time_model import checkpoint_ops, layer_key, layer_seconds, op_times
+    from recompute_bench.analysis.megatron.time_model import checkpoint_ops, layer_key, layer_seconds, op_times
     from recompute_bench.config.pipeline_split import model_chunks
 
     par = cfg.parallel

@@ -5,26 +5,28 @@ from __future__ import annotations
 
 from typing import Any
 
-from recompute_bench.analysis.layer import checkpoint_input_bytes
+from recompute_bench.analysis import ESTIMATE_SCHEMA
+from recompute_bench.analysis.allowance import ALLOWANCE_BYTES, ALLOWANCE_FRACTION, device_bytes_needed
+from recompute_bench.analysis.checkpoint import checkpoint_input_bytes
+from recompute_bench.analysis.flops import setting_flops
 from recompute_bench.analysis.megatron.attention import attention_path
 from recompute_bench.analysis.megatron.context_parallel import context_parallel_report, optimizer_shards, rank_tokens
+from recompute_bench.analysis.megatron.gpu import MegatronRun
 from recompute_bench.analysis.megatron.layer import layer_backward_bytes, layer_bytes, layer_saved_bytes
 from recompute_bench.analysis.megatron.moe import ROUTINGS, routed_rows
 from recompute_bench.analysis.megatron.outside import embedding_saved_bytes, loss_saved_bytes, output_saved_bytes
-from recompute_bench.analysis.megatron.gpu import MegatronRun
 from recompute_bench.analysis.megatron.stage import StagePeak, chunk_bytes, stage_peaks
 from recompute_bench.analysis.megatron.terms import stage_terms
+from recompute_bench.analysis.megatron_schedule import chunk_forwards_in_flight
 from recompute_bench.analysis.paper import (built_minus_paper_bytes, paper_flops_per_step, paper_layer_bytes,
                                             paper_layer_differences)
-from recompute_bench.analysis.planner import ESTIMATE_SCHEMA, compute, with_setting
-from recompute_bench.analysis.rank import ALLOWANCE_BYTES, ALLOWANCE_FRACTION, device_bytes_needed
-from recompute_bench.analysis.schedule import chunk_forwards_in_flight
+from recompute_bench.config.pipeline_split import model_chunks
+from recompute_bench.config.rules import layers_per_model_chunk
+from recompute_bench.config.schema import Config, RecomputeConfig, with_setting
 from recompute_bench.models import spec_for
 from recompute_bench.models.context_parallel import layer_comm_types
 from recompute_bench.recompute.settings import selective_settings
-from recompute_bench.config.schema import Config, RecomputeConfig
-from recompute_bench.config.pipeline_split import model_chunks
-from recompute_bench.config.rules import layers_per_model_chunk
+
 
 def _settings(cfg: Config) -> list[RecomputeConfig]:
     """The settings tabulated: none, every selective subset, full uniform 1 and full block at a few
@@ -61,7 +63,7 @@ def setting_estimate(cfg: Config, run: MegatronRun, routing: str = "balanced") -
         "peak_allocated_bytes": peak.peak_allocated_bytes,
         "peak_stage": peak.stage,
         "peak_phase": peak.phase,
-        **compute(cfg, "cuda"),
+        **setting_flops(cfg, "cuda"),
     }
 
 
@@ -171,6 +173,6 @@ def record_estimate(cfg: Config, run: MegatronRun) -> dict[str, float]:
     return {
         "estimated_activation_bytes": total + outside,
         "estimated_activation_bytes_per_layer": per_layer,
-        "estimated_hardware_flops_per_step": compute(cfg, "cuda")["hardware_flops_per_step"],
+        "estimated_hardware_flops_per_step": setting_flops(cfg, "cuda")["hardware_flops_per_step"],
         "estimated_peak_allocated_bytes": max(r.peak_allocated_bytes for r in stages),
     }

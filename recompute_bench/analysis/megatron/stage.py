@@ -8,12 +8,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from recompute_bench.analysis.layer import checkpoint_input_bytes
+from recompute_bench.analysis.checkpoint import checkpoint_input_bytes
 from recompute_bench.analysis.megatron.buffers import buffer_bytes, fp8_scaling_bytes, te_dummy_wgrad_bytes
 from recompute_bench.analysis.megatron.cuda_graphs import (captured_parts, full_iteration_data_bytes, graphs,
                                                            pool_resident, static_buffer_bytes)
 from recompute_bench.analysis.megatron.cuda_graphs import in_graph as graph_part
 from recompute_bench.analysis.megatron.fp8 import check_supported, layer_config
+from recompute_bench.analysis.megatron.gpu import MegatronRun
 from recompute_bench.analysis.megatron.layer import (layer_backward_bytes, layer_bytes, layer_forward_bytes,
                                                      layer_saved_bytes)
 from recompute_bench.analysis.megatron.mtp import mtp_index, mtp_saved_bytes
@@ -22,12 +23,12 @@ from recompute_bench.analysis.megatron.optimizer import bytes_per_parameter, fp8
 from recompute_bench.analysis.megatron.outside import (batch_bytes, deferred_wgrad_bytes, embedding_saved_bytes,
                                                        logits, loss_peak_bytes, loss_saved_bytes, output_saved_bytes)
 from recompute_bench.analysis.megatron.parameters import stage_parameter_groups
-from recompute_bench.analysis.megatron.gpu import MegatronRun
-from recompute_bench.analysis.schedule import SchedulePeak, schedule_peak
+from recompute_bench.analysis.megatron_schedule import SchedulePeak, schedule_peak
+from recompute_bench.config.pipeline_split import model_chunks
+from recompute_bench.config.schema import Config
 from recompute_bench.models import ELEMENT_BYTES
 from recompute_bench.recompute.policy import chunks, layer_policies
-from recompute_bench.config.schema import Config
-from recompute_bench.config.pipeline_split import model_chunks
+
 
 @dataclass(frozen=True)
 class ChunkBytes:
@@ -219,7 +220,7 @@ def static_items(cfg: Config, stage: int, run: MegatronRun) -> dict[str, float]:
 
 def stage_peak(cfg: Config, stage: int, run: MegatronRun, routing: str = "balanced") -> StagePeak:
     """Megatron's peak allocated bytes on a rank of pipeline stage `stage`: what it holds all run
-    (`static_items`), and the most the step's passes hold at once (analysis/schedule.py): the chunk
+    (`static_items`), and the most the step's passes hold at once (analysis/megatron_schedule.py): the chunk
     forwards waiting for their backward, plus the pass in flight (the loss on the last stage's last
     chunk, whose forward also holds the micro-batch's inputs; a layer's backward). With CUDA graphs
     the most of the eager warm-up steps, the capture and the replays (cuda_graphs.py). MoE layers'

@@ -10,23 +10,16 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from recompute_bench.analysis import flops
-from recompute_bench.analysis.layer import kind_config, layer_parameters, layer_workspace_bytes
-from recompute_bench.analysis.schedule import chunk_forwards_in_flight
-from recompute_bench.analysis.schedules import Walk, bubble_fraction, peak_chunks, rank_actions, rank_stages, walk
-from recompute_bench.analysis.stage import (StageActivations, activation_bytes, embedding_saved_bytes,
-                                            loss_saved_bytes, loss_workspace_bytes, outside_parameters,
-                                            stage_activations, stage_parameters, token_bytes)
-from recompute_bench.models import ELEMENT_BYTES, FP32_BYTES, vocab_rows
-from recompute_bench.models.context_parallel import rank_seq_length
+from recompute_bench.analysis.harness.layer import layer_parameters, layer_workspace_bytes
+from recompute_bench.analysis.harness.stage import (StageActivations, activation_bytes, embedding_saved_bytes,
+                                                    loss_saved_bytes, loss_workspace_bytes, outside_parameters,
+                                                    stage_activations, stage_parameters, token_bytes)
+from recompute_bench.analysis.megatron_schedule import chunk_forwards_in_flight
+from recompute_bench.analysis.pipelining_schedule import (Walk, bubble_fraction, peak_chunks, rank_actions,
+                                                          rank_stages, walk)
 from recompute_bench.config.schema import Config
-
-
-ALLOWANCE_FRACTION = 0.10
-"""Allocator allowance: reserved minus allocated (fragmentation of the caching allocator), as a
-fraction of the estimated allocated peak."""
-ALLOWANCE_BYTES = 2**30
-"""Fixed allowance: CUDA context, cuBLAS/cuDNN workspaces and NCCL buffers, which
-`torch.cuda.max_memory_allocated` does not show but the device must hold."""
+from recompute_bench.models import ELEMENT_BYTES, FP32_BYTES, kind_config, vocab_rows
+from recompute_bench.models.context_parallel import rank_seq_length
 
 
 @dataclass(frozen=True)
@@ -350,12 +343,6 @@ def peak_rank_memory(cfg: Config, device: str = "cuda", acts: StageActivations |
     """The most loaded pipeline rank (every stage is weighed: with virtual stages or a V schedule
     the first and the last are not always the ones)."""
     return max(stage_memories(cfg, device, acts), key=lambda r: r.peak_allocated_bytes)
-
-
-def device_bytes_needed(peak_allocated: float, allowance_fraction: float = ALLOWANCE_FRACTION,
-                        allowance_bytes: float = ALLOWANCE_BYTES) -> float:
-    """Device memory a rank needs: the allocated peak plus the stated allocator allowance."""
-    return peak_allocated * (1 + allowance_fraction) + allowance_bytes
 
 
 def record_estimate(cfg: Config, device: str) -> dict[str, Any]:

@@ -36,10 +36,10 @@ from math import comb
 
 from recompute_bench.analysis.megatron.moe import (dispatch_group, expert_probs_bytes, local_experts, local_tokens,
                                                    routed_rows, router_bytes, sent_rows)
-from recompute_bench.analysis.time_ops import (LayerOps, Op, Shape, linear, linear_backward, mlp_ops, modules, norm,
-                                               norm_backward, quantize)
-from recompute_bench.models import INDEX_BYTES, MASK_BYTES
+from recompute_bench.analysis.megatron.time_ops import (LayerOps, Op, Shape, linear, linear_backward, mlp_ops,
+                                                        modules, norm, norm_backward, quantize)
 from recompute_bench.config.schema import Config
+from recompute_bench.models import INDEX_BYTES, MASK_BYTES
 
 MOE = frozenset({"moe"})
 ACT = frozenset({"moe", "moe_act"})

@@ -1,4 +1,4 @@
-"""The pieces the time model (`analysis.time_model`) builds a Megatron layer from: an op and its
+"""The pieces the time model (`analysis.megatron.time_model`) builds a Megatron layer from: an op and its
 roofline time, a layer's forward and backward op lists, the sizes one rank works on, and the ops of
 Transformer Engine's linears, norms, casts and the tensor-parallel collectives around them. Each op
 states its work on one rank for one micro-batch (matrix FLOPs, HBM bytes, or bytes sent), and which
@@ -24,8 +24,8 @@ from dataclasses import dataclass, field
 
 from recompute_bench.analysis.gpu_rates import GpuRates
 from recompute_bench.analysis.megatron.context_parallel import rank_tokens
-from recompute_bench.models import ELEMENT_BYTES, MASK_BYTES
 from recompute_bench.config.schema import Config
+from recompute_bench.models import ELEMENT_BYTES, MASK_BYTES
 
 FP8_BYTES = 1
 HOST = "host"

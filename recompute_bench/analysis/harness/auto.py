@@ -35,15 +35,16 @@ from dataclasses import dataclass
 from typing import Any, Callable, Protocol
 
 from recompute_bench.analysis import flops
-from recompute_bench.analysis.layer import checkpoint_input_bytes, kind_config, layer_activation_bytes
-from recompute_bench.models import device_kind
-from recompute_bench.analysis.planner import plan, setting_estimate
-from recompute_bench.analysis.rank import ALLOWANCE_BYTES, ALLOWANCE_FRACTION, device_bytes_needed, microbatches_in_flight, rank_memory
-from recompute_bench.analysis.stage import StageActivations
-from recompute_bench.models import spec_for
+from recompute_bench.analysis.allowance import ALLOWANCE_BYTES, ALLOWANCE_FRACTION, device_bytes_needed
+from recompute_bench.analysis.checkpoint import checkpoint_input_bytes
+from recompute_bench.analysis.harness.layer import layer_activation_bytes
+from recompute_bench.analysis.harness.planner import plan, setting_estimate
+from recompute_bench.analysis.harness.rank import microbatches_in_flight, rank_memory
+from recompute_bench.analysis.harness.stage import StageActivations
+from recompute_bench.config.schema import BadInput, Config, RecomputeConfig
+from recompute_bench.models import device_kind, kind_config, spec_for
 from recompute_bench.recompute.policy import (LayerPolicy, kind_targets, layer_kind, layer_policies, megatron_flags,
                                               megatron_setting)
-from recompute_bench.config.schema import Config, BadInput, RecomputeConfig
 
 AUTO_SCHEMA = "recompute-bench/plan-auto/v3"  # v3: `stages`, `megatron`; costs summed over the stages
 Cost = tuple[float, int]

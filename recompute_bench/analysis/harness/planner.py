@@ -8,42 +8,24 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from recompute_bench.analysis import flops
-from recompute_bench.analysis.layer import attention_kernel, checkpoint_input_bytes, layer_activation_bytes, layer_saved_bytes
+from recompute_bench.analysis import ESTIMATE_SCHEMA, flops
+from recompute_bench.analysis.allowance import ALLOWANCE_BYTES, ALLOWANCE_FRACTION, device_bytes_needed
+from recompute_bench.analysis.checkpoint import checkpoint_input_bytes
+from recompute_bench.analysis.harness.layer import attention_kernel, layer_activation_bytes, layer_saved_bytes
+from recompute_bench.analysis.harness.rank import (microbatches_in_flight, optimizer_bytes_per_parameter,
+                                                   peak_rank_memory, stage_memories)
+from recompute_bench.analysis.harness.stage import stage_activations
 from recompute_bench.analysis.paper import (built_minus_paper_bytes, paper_flops_per_step, paper_layer_bytes,
                                             paper_layer_differences)
-from recompute_bench.analysis.rank import (ALLOWANCE_BYTES, ALLOWANCE_FRACTION, device_bytes_needed,
-                                           microbatches_in_flight, optimizer_bytes_per_parameter, peak_rank_memory,
-                                           stage_memories)
-from recompute_bench.analysis.stage import stage_activations
+from recompute_bench.config.rules import layers_per_model_chunk
+from recompute_bench.config.schema import Config, RecomputeConfig, with_setting
 from recompute_bench.models import device_kind, spec_for
 from recompute_bench.models.context_parallel import rank_seq_length
 from recompute_bench.recompute.policy import megatron_flags
 from recompute_bench.recompute.settings import selective_settings
-from recompute_bench.config.schema import Config, RecomputeConfig
-from recompute_bench.config.rules import layers_per_model_chunk
 
-
-ESTIMATE_SCHEMA = "recompute-bench/estimate/v1"
 PLAN_SCHEMA = "recompute-bench/plan/v1"
-
-
-def compute(cfg: Config, device: str = "cuda") -> dict[str, float]:
-    """Model and hardware FLOPs per step, the recompute overhead, and the model TFLOP/s/GPU relative
-    to no recompute, assuming the GPU sustains the same hardware FLOP/s (so time scales with
-    hardware FLOPs; norm recompute, which adds no GEMM FLOPs, shows as free although it costs some
-    memory-bound time)."""
-    none = dataclasses.replace(cfg, recompute=RecomputeConfig())
-    hw, hw_none = flops.hardware_flops_per_step(cfg, device), flops.hardware_flops_per_step(none, device)
-    return {"model_flops_per_step": flops.model_flops_per_step(cfg), "hardware_flops_per_step": hw,
-            "recompute_overhead": hw / hw_none - 1, "relative_tflops_per_gpu": hw_none / hw}
-
-
-def with_setting(cfg: Config, r: RecomputeConfig | None = None, **parallel: Any) -> Config:
-    out = dataclasses.replace(cfg, recompute=r if r is not None else cfg.recompute)
-    if parallel:
-        out = dataclasses.replace(out, parallel=dataclasses.replace(cfg.parallel, **parallel))
-    return out
+"""The version of this harness's `plan --json` layout."""
 
 
 def setting_estimate(cfg: Config, device: str = "cuda") -> dict[str, Any]:
@@ -59,7 +41,7 @@ def setting_estimate(cfg: Config, device: str = "cuda") -> dict[str, Any]:
         "peak_allocated_bytes": rank.peak_allocated_bytes,
         "peak_stage": rank.stage,
         "peak_phase": rank.phase,
-        **compute(cfg, device),
+        **flops.setting_flops(cfg, device),
     }
 
 
@@ -238,5 +220,5 @@ def _what_would_fit(cfg: Config, budget: float, device: str, fraction: float, fi
                                       rank.optimizer_step_bytes - state("step")), fraction, fixed)
     out.append({"change": "offload the optimizer state to host memory (with full uniform 1)", "fits": without <= budget,
                 "setting": "full uniform 1", "device_bytes_needed": without,
-                "recompute_overhead": compute(with_setting(cfg, RecomputeConfig("full", [], "uniform", 1)), device)["recompute_overhead"]})
+                "recompute_overhead": flops.setting_flops(with_setting(cfg, RecomputeConfig("full", [], "uniform", 1)), device)["recompute_overhead"]})
     return out

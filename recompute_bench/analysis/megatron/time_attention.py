@@ -34,9 +34,9 @@ from dataclasses import dataclass
 from recompute_bench.analysis.megatron.attention import attention_path, softmax_fused
 from recompute_bench.analysis.megatron.context_parallel import layer_attention
 from recompute_bench.analysis.megatron.gpu import MegatronRun
-from recompute_bench.analysis.time_ops import LayerOps, Op, Shape
-from recompute_bench.models import FP32_BYTES, MASK_BYTES
+from recompute_bench.analysis.megatron.time_ops import LayerOps, Op, Shape
 from recompute_bench.config.schema import BadInput, Config
+from recompute_bench.models import FP32_BYTES, MASK_BYTES
 
 CORE = frozenset({"core_attn"})
 

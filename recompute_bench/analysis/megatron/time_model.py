@@ -56,16 +56,16 @@ from recompute_bench.analysis.gpu_rates import GpuRates
 from recompute_bench.analysis.megatron.context_parallel import layer_attention
 from recompute_bench.analysis.megatron.fp8 import layer_config, layer_runs_fp8
 from recompute_bench.analysis.megatron.gpu import MegatronRun
-from recompute_bench.analysis.time_attention import Heads, attention_ops
-from recompute_bench.analysis.time_mla import mla_attention_ops
-from recompute_bench.analysis.time_moe import moe_ops
-from recompute_bench.analysis.time_ops import (HOST, LayerOps, Op, Shape, bias_dropout_add, column_input, linear,
-                                               linear_backward, mlp_ops, modules, norm, norm_backward, op_times,
-                                               pass_seconds, quantize, row_output)
+from recompute_bench.analysis.megatron.time_attention import Heads, attention_ops
+from recompute_bench.analysis.megatron.time_mla import mla_attention_ops
+from recompute_bench.analysis.megatron.time_moe import moe_ops
+from recompute_bench.analysis.megatron.time_ops import (HOST, LayerOps, Op, Shape, bias_dropout_add, column_input,
+                                                        linear, linear_backward, mlp_ops, modules, norm,
+                                                        norm_backward, op_times, pass_seconds, quantize, row_output)
+from recompute_bench.config.pipeline_split import model_chunks
+from recompute_bench.config.schema import BadInput, Config
 from recompute_bench.models import ELEMENT_BYTES, FP32_BYTES, MASK_BYTES, vocab_rows
 from recompute_bench.recompute.policy import LayerPolicy, layer_policies
-from recompute_bench.config.schema import BadInput, Config
-from recompute_bench.config.pipeline_split import model_chunks
 
 __all__ = ["LayerOps", "Op", "StepTime", "checkpoint_ops", "embedding_ops", "layer_ops", "layer_seconds", "loss_ops",
            "offload_seconds", "op_times", "optimizer_ops", "pass_seconds", "recompute_ops", "step_time"]

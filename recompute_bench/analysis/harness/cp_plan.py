@@ -16,10 +16,10 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from recompute_bench.analysis import planner
-from recompute_bench.analysis.rank import ALLOWANCE_BYTES, ALLOWANCE_FRACTION
-from recompute_bench.config.schema import BadInput, Config
+from recompute_bench.analysis.allowance import ALLOWANCE_BYTES, ALLOWANCE_FRACTION
+from recompute_bench.analysis.harness import planner
 from recompute_bench.config.rules import validate
+from recompute_bench.config.schema import BadInput, Config
 
 CP_PLAN_SCHEMA = "recompute-bench/cp-plan/v1"
 

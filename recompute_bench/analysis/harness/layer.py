@@ -14,12 +14,10 @@ of which a context-parallel rank holds s / cp x b (`models.context_parallel.rank
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Iterable
 
-from recompute_bench.models import ELEMENT_BYTES, spec_for
-from recompute_bench.models.context_parallel import rank_seq_length
 from recompute_bench.config.schema import Config
+from recompute_bench.models import spec_for
 
 
 def attention_kernel(cfg: Config, device: str = "cuda") -> str:
@@ -39,27 +37,6 @@ def layer_saved_bytes(cfg: Config, modules: Iterable[str] = (), device: str = "c
 def layer_activation_bytes(cfg: Config, modules: Iterable[str] = (), device: str = "cuda") -> float:
     """Sum of `layer_saved_bytes`: one layer, one micro-batch, one tensor-parallel rank."""
     return sum(layer_saved_bytes(cfg, modules, device).values())
-
-
-def checkpoint_input_bytes(cfg: Config) -> float:
-    """What full recompute keeps per checkpoint: the chunk's [s, b, h] input, sharded over the
-    tensor-parallel group with sequence parallelism or `distribute_saved_activations`; under
-    context parallel a rank's s/cp tokens (`models.context_parallel.local_seq_length`)."""
-    tr, par = cfg.training, cfg.parallel
-    nbytes = ELEMENT_BYTES[tr.precision] * rank_seq_length(cfg) * tr.micro_batch_size * cfg.model.hidden_size
-    if par.sequence_parallel or cfg.recompute.distribute_saved_activations:
-        nbytes /= par.tensor_model_parallel_size
-    return nbytes
-
-
-def kind_config(cfg: Config, kind: str) -> Config:
-    """cfg as a model whose every layer is of `kind` ("dense" or "moe", `policy.layer_kind`), so that
-    the spec's per-layer answers (a mean over the model's layers) are that kind's exactly."""
-    m = cfg.model
-    if not m.num_moe_experts or (kind == "moe" and m.moe_layers == m.num_layers):
-        return cfg
-    model = dataclasses.replace(m, moe_layer_freq=1) if kind == "moe" else dataclasses.replace(m, num_moe_experts=None)
-    return dataclasses.replace(cfg, model=model)
 
 
 def layer_workspace_bytes(cfg: Config, device: str = "cuda") -> float:

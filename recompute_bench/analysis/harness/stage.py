@@ -1,7 +1,7 @@
 """One pipeline stage and one micro-batch: the activations of a stage's layers under a recompute
 setting (stored until backward, and the peak while the micro-batch runs its backward), what lies
 outside the layers (token ids, embedding, final norm, output layer, loss), what `run`'s probe measures
-for one micro-batch, and the parameters a stage holds. Composes `analysis.layer` over layers and model
+for one micro-batch, and the parameters a stage holds. Composes `analysis.harness.layer` over layers and model
 chunks; the embedding, the output layer and the loss count Megatron's padded vocabulary (`vocab_rows`).
 """
 
@@ -9,14 +9,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from recompute_bench.analysis.schedules import rank_stages
-from recompute_bench.analysis.layer import (checkpoint_input_bytes, kind_config, layer_activation_bytes,
-                                            layer_parameters)
-from recompute_bench.models import ELEMENT_BYTES, FP32_BYTES, INDEX_BYTES, MASK_BYTES, spec_for, vocab_rows
+from recompute_bench.analysis.checkpoint import checkpoint_input_bytes
+from recompute_bench.analysis.harness.layer import layer_activation_bytes, layer_parameters
+from recompute_bench.analysis.pipelining_schedule import rank_stages
+from recompute_bench.config.rules import layers_per_model_chunk
+from recompute_bench.config.schema import Config
+from recompute_bench.models import ELEMENT_BYTES, FP32_BYTES, INDEX_BYTES, MASK_BYTES, kind_config, spec_for, vocab_rows
 from recompute_bench.models.context_parallel import rank_seq_length
 from recompute_bench.recompute.policy import LayerPolicy, chunks, layer_kind, layer_policies
-from recompute_bench.config.schema import Config
-from recompute_bench.config.rules import layers_per_model_chunk
 
 
 @dataclass(frozen=True)

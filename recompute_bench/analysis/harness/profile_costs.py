@@ -25,7 +25,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from recompute_bench.config.schema import Config, BadInput
+from recompute_bench.config.schema import BadInput, Config
 
 PROFILE_SCHEMA = "recompute-bench/profile/v1"
 PROFILE_DIR = Path("results/profiles")

@@ -28,9 +28,9 @@ from typing import Any
 from recompute_bench.analysis.gpu_rates import GpuRates, datasheet_rates
 from recompute_bench.analysis.megatron.gpu import MegatronRun
 from recompute_bench.analysis.megatron.parameters import stage_parameter_groups
-from recompute_bench.analysis.time_model import layer_seconds, step_time
-from recompute_bench.recompute.policy import LayerPolicy
+from recompute_bench.analysis.megatron.time_model import layer_seconds, step_time
 from recompute_bench.config.schema import Config, RecomputeConfig
+from recompute_bench.recompute.policy import LayerPolicy
 
 GOAL_POINTS = 0.03
 """Each predicted relative throughput within 3 percentage points of the measured one."""

@@ -20,11 +20,11 @@ Pure Python.
 
 from __future__ import annotations
 
-from recompute_bench.analysis.megatron.mla import mla_rope_fused
 from recompute_bench.analysis.megatron.gpu import MegatronRun
-from recompute_bench.analysis.time_attention import Heads, attention_ops
-from recompute_bench.analysis.time_ops import (LayerOps, Op, Shape, column_input, linear, linear_backward, modules, norm,
-                                               norm_backward, quantize, row_output)
+from recompute_bench.analysis.megatron.mla import mla_rope_fused
+from recompute_bench.analysis.megatron.time_attention import Heads, attention_ops
+from recompute_bench.analysis.megatron.time_ops import (LayerOps, Op, Shape, column_input, linear, linear_backward,
+                                                        modules, norm, norm_backward, quantize, row_output)
 from recompute_bench.config.schema import Config
 
 UP = frozenset({"mla_up_proj"})
