@@ -20,7 +20,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from recompute_bench.analysis.allowance import device_bytes_needed
 from recompute_bench.analysis.harness.auto import auto_plan  # noqa: E402
 from recompute_bench.analysis.harness.planner import setting_candidates  # noqa: E402
-from recompute_bench.config.presets import resolve  # noqa: E402
+from recompute_bench.workload import resolve  # noqa: E402
 
 DEFAULT_SETS = ["model.num_layers=8", "training.seq_length=8192"]
 

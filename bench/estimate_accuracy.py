@@ -18,7 +18,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from recompute_bench.config.schema import RecomputeConfig  # noqa: E402
 from recompute_bench.measure.point import run_point  # noqa: E402
 from recompute_bench.recompute.settings import all_settings  # noqa: E402
-from recompute_bench.config.presets import resolve  # noqa: E402
+from recompute_bench.workload import resolve  # noqa: E402
 
 SHAPES = {
     "tiny": {},

@@ -118,7 +118,7 @@ def oom_limit_gib(gpu: str) -> float:
     """A --memory-limit-gb the llama slice cannot hold without recompute but can with full
     recompute: half way between the two estimated peaks."""
     from recompute_bench.analysis.harness.rank import record_estimate
-    from recompute_bench.config.presets import resolve
+    from recompute_bench.workload import resolve
 
     def estimated(**recompute) -> float:
         overrides = {"model.num_layers": 4, "training.seq_length": 8192, "training.micro_batch_size": 1,

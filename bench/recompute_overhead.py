@@ -22,7 +22,7 @@ from recompute_bench.measure.probe import SavedTensorProbe
 from recompute_bench.measure.step import Stepper, synthetic_batches
 from recompute_bench.models.dense.layers import build_model
 from recompute_bench.recompute.apply import apply_recompute
-from recompute_bench.config.presets import resolve
+from recompute_bench.workload import resolve
 
 SETTINGS = {
     "none": {},

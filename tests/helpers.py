@@ -31,7 +31,7 @@ from recompute_bench.recompute.apply import apply_recompute
 from recompute_bench.models.context_parallel import attention_blocks, chunk_length, rank_chunks, rank_positions
 from recompute_bench.models.cp_attention import BlockKernel, merge
 from recompute_bench.results.rows import record_row
-from recompute_bench.config.presets import resolve
+from recompute_bench.workload import resolve
 
 CPU = torch.device("cpu")
 FAST = ["training.warmup_steps=0", "training.measured_steps=1"]

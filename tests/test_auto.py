@@ -24,6 +24,7 @@ from recompute_bench.recompute.policy import LayerPolicy, layer_policies, megatr
 from recompute_bench.recompute.policy_file import check, read_policy
 from recompute_bench.recompute.settings import all_settings
 from recompute_bench.results.rows import key_fields, point_id
+from recompute_bench.workload import resolved
 
 WORKLOADS = ["tiny", "llama3-8b"]  # tiny: GPT, 4 layers; llama3-8b shrunk to 3 layers (RMSNorm, SwiGLU, GQA, RoPE)
 FAST = ["--set", "training.warmup_steps=0", "--set", "training.measured_steps=1"]
@@ -476,7 +477,7 @@ def piped(workload, pp):
 def test_plan_auto_solves_every_stage_against_exhaustive_search_of_that_stage(workload, pp):
     cfg = piped(workload, pp)
     n = cfg.model.num_layers // pp
-    stage_policies = list(every_policy(dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, num_layers=n))))
+    stage_policies = list(every_policy(resolved(dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, num_layers=n)))))
     # reference: each stage's whole-rank peak from the rank model with the candidate's activations
     needs = [[rank_memory(cfg, s, "cpu", policy_activations(cfg, p, "cpu", s * n)).peak_allocated_bytes
               for p in stage_policies] for s in range(pp)]

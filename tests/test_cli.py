@@ -210,7 +210,7 @@ def test_workloads_lists_every_preset_with_its_shape():
 
 def test_per_gpu_recompute_table_and_user_preset_file(tmp_path):
     assert config("llama3-70b").recompute.granularity == "none"
-    from recompute_bench.config.presets import resolve
+    from recompute_bench.workload import resolve
     cfg, _ = resolve("llama3-70b", gpu="h100")
     assert (cfg.recompute.granularity, cfg.recompute.modules) == ("selective", ["core_attn"])
     cfg, _ = resolve("llama3-70b", gpu="h100", overrides={"recompute.granularity": "full", "recompute.method": "uniform",

@@ -17,10 +17,9 @@ from recompute_bench.analysis import flops
 from recompute_bench.analysis.harness.layer import layer_saved_bytes
 from recompute_bench.analysis.harness.rank import optimizer_bytes_per_parameter
 from recompute_bench.analysis.harness.stage import activation_bytes, embedding_saved_bytes
-from recompute_bench.models.context_parallel import (Block, attention_blocks, causal_key_chunks, causal_mask_rows,
-                                                     fused_blocks, rank_attention_pairs, rank_chunks, rank_positions,
-                                                     rank_ranges)
+from recompute_bench.models.context_parallel import (Block, attention_blocks, causal_key_chunks, causal_mask_rows, fused_blocks, rank_attention_pairs, rank_chunks, rank_positions, rank_ranges)
 from recompute_bench.models.cp_attention import BlockKernel, _keep_mask, merge
+from recompute_bench.workload import resolved
 
 
 @pytest.mark.parametrize("cp", [1, 2, 3, 4])
@@ -157,12 +156,12 @@ def test_model_flops_follow_megatrons_formula_and_hardware_flops_each_variants_b
     assert flops.model_flops_per_step(cp2["p2p"]) == flops.model_flops_per_step(base)
     # Hardware FLOPs: with dropout (the written-out kernel) every block's whole rectangle, for QK^T and
     # PV forward and the backward's three QK-sized and two PV-sized matmuls.
-    drop = {comm: dataclasses.replace(c, model=dataclasses.replace(c.model, attention_dropout=0.1)) for comm, c in cp2.items()}
+    drop = {comm: resolved(dataclasses.replace(c, model=dataclasses.replace(c.model, attention_dropout=0.1))) for comm, c in cp2.items()}
     b, a, d, n = 4, 4, 16, 32  # the global batch's 4 sequences of 128 = 4 chunks of n
     width = a * d
     for comm, pairs in (("p2p", 2 * (4 * n * n + 2 * n * n)), ("all_gather", 2 * 5 * n * n)):
         attention = b * pairs * (2 * width * 2) + b * pairs * (3 * 2 * width + 2 * 2 * width)
-        without = flops.hardware_flops_per_step(dataclasses.replace(drop[comm], model=dataclasses.replace(drop[comm].model, num_layers=0)), "cpu")
+        without = flops.hardware_flops_per_step(resolved(dataclasses.replace(drop[comm], model=dataclasses.replace(drop[comm].model, num_layers=0))), "cpu")
         assert flops.hardware_flops_per_step(drop[comm], "cpu") - without == pytest.approx(
             4 * (attention + _layer_gemm_flops(base, b)))
     # core_attn recompute re-runs each rank's forward blocks once more.

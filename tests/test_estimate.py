@@ -22,6 +22,7 @@ from recompute_bench.config.schema import RecomputeConfig
 from recompute_bench.models import DeviceKernels
 from recompute_bench.models.dense.layers import build_model
 from recompute_bench.recompute.settings import all_settings
+from recompute_bench.workload import resolved
 
 MiB, GiB = 2**20, 2**30
 PAPER_PRESETS = ["gpt3-22b", "gpt3-175b", "gpt3-530b", "gpt3-1t"]
@@ -146,8 +147,8 @@ def test_fused_kernels_skip_the_tiles_the_causal_mask_hides(kernel, seq):
     # Longer sequences than a tile: hardware FLOPs are FlopCounterMode's full square less what the
     # kernel's tiles skip (flash at s = 512: 4 x 4 tiles, 6 hidden both ways: 37.5% of the square).
     for cfg in every_setting("tiny", "sdpa", 0.0)[:4]:
-        cfg = dataclasses.replace(cfg, training=dataclasses.replace(cfg.training, seq_length=seq),
-                                  model=dataclasses.replace(cfg.model, max_position_embeddings=seq))
+        cfg = resolved(dataclasses.replace(cfg, training=dataclasses.replace(cfg.training, seq_length=seq),
+                                           model=dataclasses.replace(cfg.model, max_position_embeddings=seq)))
         device = DeviceKernels("cuda", kernel)
         hidden = _hidden_tile_flops(cfg, kernel)
         assert hidden > 0
@@ -392,7 +393,7 @@ def test_paper_flops_reproduce_table_5_and_show_the_selective_inconsistency():
             Bs2hL = 316_659_348_799_488
             assert f["hardware_flops_per_step"] - f["model_flops_per_step"] == pytest.approx(12 * Bs2hL)
             assert f["hardware_flops_per_step_from_text"] - f["model_flops_per_step"] == pytest.approx(4 * Bs2hL)
-            paper = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, attention_backend="math"))
+            paper = resolved(dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, attention_backend="math")))
             selective = dataclasses.replace(paper, recompute=RecomputeConfig("selective", ["core_attn"]))
             assert flops.hardware_flops_per_step(selective) - flops.hardware_flops_per_step(paper) == 4 * Bs2hL
 

@@ -72,7 +72,7 @@ def test_every_planned_sweep_is_a_plan_the_cli_accepts(tmp_path):
 
 def test_the_oom_limit_lies_between_the_estimated_peaks():
     from recompute_bench.analysis.harness.rank import record_estimate
-    from recompute_bench.config.presets import resolve
+    from recompute_bench.workload import resolve
 
     overrides = {"model.num_layers": 4, "training.seq_length": 8192, "training.micro_batch_size": 1,
                  "training.global_batch_size": 1}

@@ -292,7 +292,7 @@ def test_the_sweep_parent_launches_a_worker_and_names_the_gpu_without_torch(tmp_
         from recompute_bench.launch.devices import visible_gpu_name
         from recompute_bench.measure.telemetry import host_environment
         from recompute_bench.cli.common import this_gpu
-        from recompute_bench.config.presets import resolve
+        from recompute_bench.workload import resolve
         cfg, _ = resolve("tiny", gpu="cpu")
         env = host_environment("cpu", visible_gpu_name())
         # A worker that writes a record: the parent's side of a point that went well.
@@ -310,7 +310,7 @@ def test_the_whole_sweep_parent_path_imports_no_torch(tmp_path):
     done = _run_without_torch("""
         from recompute_bench.launch import sweep
         from recompute_bench.launch.process import failed_record
-        from recompute_bench.config.presets import resolve
+        from recompute_bench.workload import resolve
         cfg, _ = resolve("tiny", gpu="cpu")
         record = failed_record(cfg, "error", {"rank": 0, "step": None, "phase": None, "message": "x"})
         assert record["metrics"]["model_flops_per_step"] > 0 and record["env"]["device"] == "cpu"

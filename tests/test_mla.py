@@ -14,6 +14,7 @@ from recompute_bench.config.schema import RecomputeConfig
 from recompute_bench.measure.layout import DTYPES
 from recompute_bench.measure.verify import verify
 from recompute_bench.models import spec_for
+from recompute_bench.workload import resolved
 
 ONE_STEP = {"training__global_batch_size": 2}
 
@@ -23,7 +24,7 @@ def dense_mla(**overrides):
     explicit attention: core attention keeps q, k and v as they come, so mla_up_proj frees them."""
     cfg = config("tiny-mla", training__precision="fp32", training__micro_batch_size=1, training__global_batch_size=1,
                  model__attention_backend="math", **overrides)
-    cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, num_moe_experts=None, q_lora_rank=None))
+    cfg = resolved(dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, num_moe_experts=None, q_lora_rank=None)))
     validate(cfg)
     return cfg
 
@@ -69,7 +70,7 @@ def test_mla_up_proj_frees_q_k_v_and_re_runs_only_the_up_projections():
     # the plain q projection h -> n(qk + r) and kv_up kv_lora_rank -> n(qk + v), once more per layer
     assert f_up - f_none == m.num_layers * 2 * t * (m.hidden_size * n * (qk + r) + m.kv_lora_rank * n * (qk + v))
     # with a q latent the q up-projection starts from q_lora_rank instead
-    latent = dataclasses.replace(none, model=dataclasses.replace(none.model, q_lora_rank=32))
+    latent = resolved(dataclasses.replace(none, model=dataclasses.replace(none.model, q_lora_rank=32)))
     (_, f_latent), (_, f_latent_up) = measure(latent), measure(with_recompute(latent, "mla_up_proj"))
     assert f_latent_up - f_latent == m.num_layers * 2 * t * (32 * n * (qk + r) + m.kv_lora_rank * n * (qk + v))
 
@@ -92,7 +93,7 @@ def test_model_flops_follow_megatron_s_mla_formula():
     # num_floating_point_operations' MLA term, written out for tiny-mla (q latent) and without it
     for q_lora in (32, None):
         cfg = config("tiny-mla")
-        cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, q_lora_rank=q_lora))
+        cfg = resolved(dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, q_lora_rank=q_lora)))
         m, B, s = cfg.model, cfg.training.global_batch_size, cfg.training.seq_length
         h, n, L = m.hidden_size, m.num_attention_heads, m.num_layers
         q_term = h * n * (16 + 8) if q_lora is None else 32 * (h + n * (16 + 8) + 1)
@@ -118,7 +119,7 @@ def test_deepseek_v3_has_its_published_size_and_megatron_s_flops():
 @pytest.mark.parametrize("q_lora", [32, None])
 def test_parameter_count_matches_the_built_model(q_lora):
     cfg = config("tiny-mla")
-    cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, q_lora_rank=q_lora))
+    cfg = resolved(dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, q_lora_rank=q_lora)))
     built = sum(p.numel() for p in spec_for(cfg.model).build(cfg, "meta").parameters())
     assert built == stage_parameters(cfg, 0)
 

@@ -18,6 +18,7 @@ from recompute_bench.measure.step import synthetic_batches
 from recompute_bench.measure.verify import verify
 from recompute_bench.models import spec_for
 from recompute_bench.recompute.settings import all_settings, selective_settings
+from recompute_bench.workload import resolved
 
 ONE_STEP = {"training__global_batch_size": 2}
 # Variants of tiny-moe: the preset (softmax, shared expert, grouped GEMM); DeepSeek's sigmoid router
@@ -41,7 +42,7 @@ def measure(cfg):
 def settings_of(variant, precision):
     base = config("tiny-moe", training__precision=precision, **ONE_STEP, **VARIANTS[variant])
     if variant == "sigmoid-gelu":  # and no shared expert (an unset field: not an override)
-        base = dataclasses.replace(base, model=dataclasses.replace(base.model, moe_shared_expert_intermediate_size=None))
+        base = resolved(dataclasses.replace(base, model=dataclasses.replace(base.model, moe_shared_expert_intermediate_size=None)))
         validate(base)
     targets = spec_for(base.model).recompute_targets
     sizes = {"tiny-moe": (1, 2, len(targets)), "loop-freq2": (1, len(targets)), "aux-loss": (1,)}.get(variant)  # test time
@@ -119,9 +120,9 @@ def test_model_flops_follow_megatron_s_moe_formula():
     mm, t = mixed.model, mixed.training.global_batch_size * mixed.training.seq_length
     mlp = 3 * 2 * mm.hidden_size * 3 * (2 * mm.ffn_hidden_size + 2 * (mm.moe_ffn * 2 + 64))
     assert flops.model_flops_per_step(mixed) - flops.model_flops_per_step(
-        dataclasses.replace(mixed, model=dataclasses.replace(mm, ffn_hidden_size=0, moe_ffn_hidden_size=0,
+        resolved(dataclasses.replace(mixed, model=dataclasses.replace(mm, ffn_hidden_size=0, moe_ffn_hidden_size=0,
                                                              moe_shared_expert_intermediate_size=None,
-                                                             num_moe_experts=None))) == pytest.approx(t * mlp)
+                                                             num_moe_experts=None)))) == pytest.approx(t * mlp)
 
 
 @pytest.mark.parametrize("workload,overrides", [("tiny-moe", {}), ("tiny-moe", VARIANTS["loop-freq2"])])
@@ -170,7 +171,7 @@ def test_moe_bad_input_is_one_line_and_exit_2(argv, needle):
 
 def test_shared_experts_recompute_needs_shared_experts():
     cfg = config("tiny-moe", recompute__granularity="selective", recompute__modules=["shared_experts"])
-    cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, moe_shared_expert_intermediate_size=None))
+    cfg = resolved(dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, moe_shared_expert_intermediate_size=None)))
     with pytest.raises(BadInput, match="^recompute module shared_experts needs mixture-of-experts layers with shared"):
         validate(cfg)
 

@@ -14,6 +14,7 @@ from recompute_bench.measure.probe import tokens_per_expert
 from recompute_bench.measure.verify import verify
 from recompute_bench.models import spec_for
 from recompute_bench.models.moe.capacity import expert_capacity
+from recompute_bench.workload import resolved
 
 ONE_STEP = {"training__global_batch_size": 2}
 
@@ -64,7 +65,7 @@ def test_capacity_bytes_and_flops_are_what_the_probe_and_the_flop_counter_measur
     total, _, _, counted = probe(cfg)
     assert activation_bytes(cfg, "cpu")["activation_bytes"] == total
     assert flops.hardware_flops_per_step(cfg, "cpu") == counted
-    dropless = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, moe_expert_capacity_factor=None))
+    dropless = resolved(dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, moe_expert_capacity_factor=None)))
     assert flops.hardware_flops_per_step(cfg, "cpu") < flops.hardware_flops_per_step(dropless, "cpu")
 
 

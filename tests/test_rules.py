@@ -11,6 +11,7 @@ from recompute_bench.analysis.checkpoint import checkpoint_input_bytes
 from recompute_bench.analysis.harness.layer import layer_activation_bytes
 from recompute_bench.analysis.harness.stage import stage_activations
 from recompute_bench.config.schema import BadInput, RecomputeConfig
+from recompute_bench.workload import resolved
 
 FULL = ["--recompute-granularity", "full", "--recompute-method"]
 VPP = "parallel.virtual_pipeline_model_parallel_size"
@@ -156,8 +157,8 @@ def test_block_recompute_repeats_the_first_layers_of_every_model_chunk():
 
     def hardware(r: RecomputeConfig, vpp=3) -> float:
         cfg = _vpp(r, vpp)
-        return flops.hardware_flops_per_step(dataclasses.replace(cfg, model=dataclasses.replace(
-            cfg.model, attention_backend="math")))
+        return flops.hardware_flops_per_step(resolved(dataclasses.replace(cfg, model=dataclasses.replace(
+            cfg.model, attention_backend="math"))))
 
     # 8 stages x 3 chunks, the first 2 layers of each: 48 of the 96 layers are run again.
     assert hardware(RecomputeConfig("full", [], "block", 2)) - hardware(RecomputeConfig()) == 48 * layer_forward

@@ -18,19 +18,19 @@ import dataclasses
 
 from recompute_bench.config.rules import layers_per_model_chunk
 from recompute_bench.config.schema import Config, RecomputeConfig
-from recompute_bench.models import kind_config, spec_for
+from recompute_bench.models import kind_config
 from recompute_bench.recompute.policy import LayerPolicy, layer_kind, layer_policies
 from recompute_bench.recompute.policy import recomputed_layers as count_recomputed
 
 
 def layer_forward_flops(cfg: Config, samples: int | None = None, device: str = "cuda") -> dict[str, float]:
     """Forward FLOPs of one layer for `samples` sequences (default: one micro-batch), by part."""
-    return {name: work.forward for name, work in spec_for(cfg.model).layer_flops(cfg, samples, device).items()}
+    return {name: work.forward for name, work in cfg.spec.layer_flops(cfg, samples, device).items()}
 
 
 def model_flops_per_step(cfg: Config) -> float:
     """Megatron's model FLOPs for one optimizer step over the global batch (recompute excluded)."""
-    spec, batch = spec_for(cfg.model), cfg.training.global_batch_size
+    spec, batch = cfg.spec, cfg.training.global_batch_size
     return cfg.model.num_layers * spec.layer_model_flops(cfg, batch) + spec.logits_model_flops(cfg, batch)
 
 
@@ -45,7 +45,7 @@ def recomputed_layers(cfg: Config) -> int:
 
 def recompute_forward_flops(cfg: Config, samples: int | None = None, device: str = "cuda") -> float:
     """Forward FLOPs that the recompute setting runs a second time, for `samples` sequences."""
-    spec, r = spec_for(cfg.model), cfg.recompute
+    spec, r = cfg.spec, cfg.recompute
     if r.layer_policy:
         return policy_recompute_flops(cfg, layer_policies(r, cfg.model.num_layers), samples, device)
     if r.granularity == "full":
@@ -69,7 +69,7 @@ def policy_recompute_flops(cfg: Config, policies: list[LayerPolicy], samples: in
         key = (layer_kind(cfg.model, first + i), None if p.chunk is not None else p.modules)
         if key not in cache:
             c = kind_config(cfg, key[0])
-            spec = spec_for(c.model)
+            spec = c.spec
             cache[key] = (sum(w.forward for w in spec.layer_flops(c, samples, device).values()) if key[1] is None
                           else spec.selective_recompute_flops(c, sorted(key[1]), samples, device))
         total += cache[key]
@@ -79,7 +79,7 @@ def policy_recompute_flops(cfg: Config, policies: list[LayerPolicy], samples: in
 def hardware_flops_per_step(cfg: Config, device: str = "cuda") -> float:
     """FLOPs one step executes over the global batch on `device`'s kernels: every layer's forward
     and backward, the output layer's, and the forward work recompute repeats."""
-    spec, batch = spec_for(cfg.model), cfg.training.global_batch_size
+    spec, batch = cfg.spec, cfg.training.global_batch_size
     layer = sum(w.total for w in spec.layer_flops(cfg, batch, device).values())
     return (cfg.model.num_layers * layer + spec.output_layer_flops(cfg, batch).total
             + recompute_forward_flops(cfg, batch, device))

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from recompute_bench.analysis.harness.layer import attention_kernel
 from recompute_bench.config.schema import Config
-from recompute_bench.models import ELEMENT_BYTES, spec_for
+from recompute_bench.models import ELEMENT_BYTES
 from recompute_bench.models.context_parallel import rank_seq_length
 
 
@@ -100,4 +100,4 @@ def built_minus_paper_bytes(cfg: Config, device: str = "cuda") -> float:
     """For the paper's layer, built minus Table 2: the two norms' statistics the paper leaves out."""
     par, tr = cfg.parallel, cfg.training
     t = par.tensor_model_parallel_size if par.sequence_parallel else 1
-    return 2 * spec_for(cfg.model).norm_stats_bytes(cfg, device, rank_seq_length(cfg) * tr.micro_batch_size) / t
+    return 2 * cfg.spec.norm_stats_bytes(cfg, device, rank_seq_length(cfg) * tr.micro_batch_size) / t

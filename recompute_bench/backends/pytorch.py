@@ -151,13 +151,23 @@ class CoreAttention(nn.Module):
         return out.transpose(1, 2).reshape(b, s, -1)
 
     def _across_split(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        from recompute_bench.models.cp_attention import attention_kernel
-
         p = self.attention_dropout if self.training else 0.0
-        kernel = attention_kernel(self.attention_backend, q.device, q.dtype, p, q.shape[-1])
+        kernel = split_attention_kernel(self.attention_backend, q.device, q.dtype, p, q.shape[-1])
         if torch.is_grad_enabled():
             self.attention_kernel = kernel
         return self.context_parallel.attention(q, k, v, kernel, self.scale, p)
+
+
+def split_attention_kernel(attention_backend: str, device: torch.device, dtype: torch.dtype, dropout_p: float,
+                     head_dim: int) -> str:
+    """The block kernel the attention over a context-parallel split runs (`models.cp_attention`): torch's fused flash kernel where it takes
+    the block (sdpa; no dropout; on CUDA 16-bit and a head dimension up to 256, as `sdpa` would pick
+    flash for one rank), else the fp32 formulas (`sdpa_math`)."""
+    if attention_backend != "sdpa" or dropout_p > 0:
+        return "sdpa_math"
+    if device.type == "cuda":
+        return "flash" if dtype in (torch.float16, torch.bfloat16) and head_dim <= 256 else "sdpa_math"
+    return "flash"
 
 
 def core_attention(attention_backend: str, heads: int, groups: int, head_dim: int,

@@ -12,7 +12,8 @@ from rich.markup import escape
 
 from recompute_bench.cli.options import PointOptions
 from recompute_bench.config.schema import Config, BadInput
-from recompute_bench.config.presets import DEFAULT_WORKLOAD, resolve
+from recompute_bench.config.presets import DEFAULT_WORKLOAD
+from recompute_bench.workload import resolve
 
 # People's output goes to stderr; stdout carries data (--json) only. Off a terminal the width is
 # fixed, so CI logs do not wrap tables at 80 columns.

@@ -47,7 +47,8 @@ def resolve_on_gpus(workload: str, point, gpus: Optional[int]) -> tuple[Config, 
     given), so that Megatron's rules that depend on it (the experts' layout over tp x cp x dp) judge
     the run as it will be laid out; without --gpus, as given."""
     from recompute_bench.config.schema import SECTIONS, ParallelConfig
-    from recompute_bench.config.presets import apply_overrides, load_preset, resolve
+    from recompute_bench.config.presets import apply_overrides, load_preset
+    from recompute_bench.workload import resolve
 
     overrides = dict(point.overrides)
     if gpus is not None and gpus > 0 and "parallel.data_parallel_size" not in overrides:

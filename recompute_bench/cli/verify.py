@@ -40,7 +40,6 @@ def verify(
     import torch
 
     from recompute_bench.measure.verify import determinism, verify as run_verify
-    from recompute_bench.models import spec_for
     from recompute_bench.recompute.settings import all_settings
 
     try:
@@ -53,7 +52,8 @@ def verify(
         backends = attention_backend or (["sdpa"] if cfg.parallel.context_parallel_size > 1 else ["sdpa", "math"])
         if cfg.parallel.context_parallel_size > 1 and "math" in backends:
             from recompute_bench.config.rules import validate
-            validate(dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, attention_backend="math")))
+            from recompute_bench.workload import resolved
+            validate(resolved(dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, attention_backend="math"))))
         cfg = with_policy_file(cfg, point, policy)
         if any("offload" in e for e in cfg.recompute.layer_policy):
             raise BadInput("verify checks recompute, and offload recomputes nothing; write none for offloaded layers")
@@ -63,7 +63,7 @@ def verify(
     except BadInput as e:
         raise fail(str(e)) from None
     show_notes(notes)
-    targets = spec_for(cfg.model).recompute_targets
+    targets = cfg.spec.recompute_targets
     settings = ([cfg.recompute] if point.given("recompute") or policy
                 else all_settings(cfg.model.num_layers, targets))
     if cfg.parallel.pipeline_model_parallel_size > 1:

@@ -9,7 +9,8 @@ import typer
 from rich.table import Table
 
 from recompute_bench.cli.common import err, json_flag
-from recompute_bench.config.presets import load_preset, resolve, workload_names
+from recompute_bench.config.presets import load_preset, workload_names
+from recompute_bench.workload import resolve
 
 COLUMNS = {"workload": "workload", "num_layers": "L", "hidden_size": "h", "num_attention_heads": "a",
            "num_query_groups": "g", "ffn_hidden_size": "ffn", "vocab_size": "vocab", "seq_length": "s",

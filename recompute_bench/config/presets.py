@@ -1,7 +1,8 @@
-"""Workload presets (`workloads/*.toml`) plus command-line overrides -> a validated Config.
+"""Workload presets (`workloads/*.toml`) plus command-line overrides -> the Config of a point
+(resolved and validated by `recompute_bench.workload.resolve`).
 
 A preset is data: `[model]`, `[training]`, `[parallel]` and `[recompute]` tables whose keys are
-the fields of the dataclasses in `config.py`, and optional `[recompute.gpu.<type>]` tables that
+the fields of the dataclasses in `config/schema.py`, and optional `[recompute.gpu.<type>]` tables that
 replace the recompute setting on one kind of GPU (`h100`, `h200`, `a100`, `b200`, `gb200`, ...).
 
 Overrides apply in this order: preset, the preset's per-GPU recompute, `--set section.key=value`,
@@ -19,7 +20,6 @@ from pathlib import Path
 from typing import Any
 
 from recompute_bench.config.schema import MEGATRON_MOE_DEFAULTS, SECTIONS, Config, BadInput, canonical_modules
-from recompute_bench.config.rules import validate
 
 # A checkout keeps the presets at the top level (workloads/); a wheel carries them inside the
 # package (recompute_bench/workloads/, mapped in pyproject.toml).
@@ -83,9 +83,10 @@ def gpu_type(device_name: str) -> str:
     return "cpu" if name in ("", "cpu") or "cpu" in name else name.split()[-1]
 
 
-def resolve(workload: str = DEFAULT_WORKLOAD, *, overrides: dict[str, Any] | None = None,
-            sets: list[str] | tuple[str, ...] = (), gpu: str | None = None) -> tuple[Config, list[str]]:
-    """Build the validated Config of one point, and the notes to show the user about it.
+def read_point(workload: str = DEFAULT_WORKLOAD, *, overrides: dict[str, Any] | None = None,
+               sets: list[str] | tuple[str, ...] = (), gpu: str | None = None) -> tuple[Config, list[str]]:
+    """The Config of one point (not yet resolved nor validated: `recompute_bench.workload.resolve`
+    does both), and the notes to show the user about it.
 
     `overrides` maps "section.key" to a value from a dedicated flag; None values are ignored.
     """
@@ -109,9 +110,7 @@ def resolve(workload: str = DEFAULT_WORKLOAD, *, overrides: dict[str, Any] | Non
             for key, value in MEGATRON_MOE_DEFAULTS.items():
                 tables["model"].setdefault(key, value)
     name = Path(workload).stem if workload.endswith(".toml") else workload
-    cfg = config_from_tables(name, tables, notes)
-    validate(cfg)
-    return cfg, notes
+    return config_from_tables(name, tables, notes), notes
 
 
 def command_line_values(overrides: dict[str, Any], sets: list[str] | tuple[str, ...] = ()) -> dict[str, Any]:

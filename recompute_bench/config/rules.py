@@ -10,18 +10,17 @@ import dataclasses
 import math
 from typing import Any
 
-from recompute_bench.models import spec_for
-from recompute_bench.models.context_parallel import comm_levels, layer_comm_types
 from recompute_bench.config.pipeline_split import model_chunks, uneven, validate_split
 from recompute_bench.config.megatron_rules import validate_megatron_settings
 from recompute_bench.config.performance_rules import validate_cuda_graphs, validate_fp8, validate_offload
-from recompute_bench.config.schema import (ACTIVATIONS, ATTENTION_BACKENDS, CP_COMM_TYPES, FP8_FORMATS, FP8_RECIPES, FRAMEWORKS, GRANULARITIES, INTERLEAVED_SCHEDULES,
-                                         MEGATRON_ACTIVATIONS, MEGATRON_ATTENTION_BACKENDS, MEGATRON_ONLY,
-                                         MEGATRON_ONLY_SETTINGS, METHODS, NORMALIZATIONS,
-                                         PIPELINE_SCHEDULES, POSITION_EMBEDDINGS, TRANSFORMER_IMPLS, PRECISIONS,
-                                         RECOMPUTE_MODULES, ROUTER_DTYPES, ROUTER_SCORE_FUNCTIONS,
-                                         LOAD_BALANCING_TYPES, TOKEN_DISPATCHER_TYPES, SECTIONS, TOKEN_DROP_POLICIES, V_SCHEDULES,
-                                         _MODULE_NEEDS, Config, BadInput)
+from recompute_bench.config.schema import (_MODULE_NEEDS, ACTIVATIONS, ATTENTION_BACKENDS, CP_COMM_TYPES, FP8_FORMATS,
+                                           FP8_RECIPES, FRAMEWORKS, GRANULARITIES, HARNESS_COMM_TYPES,
+                                           INTERLEAVED_SCHEDULES, LOAD_BALANCING_TYPES, MEGATRON_ACTIVATIONS,
+                                           MEGATRON_ATTENTION_BACKENDS, MEGATRON_ONLY, MEGATRON_ONLY_SETTINGS,
+                                           METHODS, NORMALIZATIONS, PIPELINE_SCHEDULES, POSITION_EMBEDDINGS,
+                                           PRECISIONS, RECOMPUTE_MODULES, ROUTER_DTYPES, ROUTER_SCORE_FUNCTIONS,
+                                           SECTIONS, TOKEN_DISPATCHER_TYPES, TOKEN_DROP_POLICIES, TRANSFORMER_IMPLS,
+                                           V_SCHEDULES, BadInput, comm_levels, Config, layer_comm_types)
 
 VPP_FLAG = "--set parallel.virtual_pipeline_model_parallel_size"
 
@@ -249,8 +248,6 @@ def _validate_context_parallel(cfg: Config) -> None:
 def _validate_harness_context_parallel(cfg: Config) -> None:
     """What this harness runs under context parallel (`models.cp_attention`): dense attention split
     by an all-gather of K and V or a ring of them, through sdpa's kernels."""
-    from recompute_bench.models.context_parallel import HARNESS_COMM_TYPES
-
     m, p = cfg.model, cfg.parallel
     if p.cp_comm_type not in HARNESS_COMM_TYPES:
         raise BadInput(f"this harness splits attention over context-parallel ranks with p2p (a ring of K and V) or "
@@ -497,7 +494,7 @@ def _validate_mla(cfg: Config) -> None:
 
 def _validate_recompute(cfg: Config) -> None:
     m, p, r = cfg.model, cfg.parallel, cfg.recompute
-    chunk, offered = layers_per_model_chunk(cfg), spec_for(m).recompute_targets
+    chunk, offered = layers_per_model_chunk(cfg), cfg.spec.recompute_targets
     _choice("recompute_granularity", r.granularity, GRANULARITIES, "pass --recompute-granularity none, selective or full")
 
     if r.layer_policy and (len(r.layer_policy) != m.num_layers or r.granularity != "none"

@@ -83,6 +83,8 @@ runs (transformer_config.py: moe_token_dispatcher_type "allgather"; the harness 
 all-to-all)."""
 CP_COMM_TYPES = ("p2p", "all_gather", "a2a", "a2a+p2p")
 """Megatron's --cp-comm-type values (TransformerConfig.cp_comm_type)."""
+HARNESS_COMM_TYPES = ("p2p", "all_gather")
+"""The cp_comm_type values this harness runs (`models.cp_attention`); a2a and a2a+p2p are Megatron's too."""
 PIPELINE_SCHEDULES = ("1F1B", "Interleaved1F1B", "GPipe", "InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV")
 """torch.distributed.pipelining's schedule names (its `get_schedule_class`), as torchtitan's
 `pipeline_parallel_schedule` takes them."""
@@ -98,7 +100,7 @@ SPLIT_BACKWARD_SCHEDULES = ("InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV
 # order of a module list in records and golden keys.
 RECOMPUTE_MODULES = ("core_attn", "mlp", "layernorm", "moe", "moe_act", "shared_experts", "mla_up_proj")
 # The modules every dense layer offers (what sweeps and verify enumerate by default); the rest need
-# MoE or MLA layers (a model's own list: `models.spec_for(cfg.model).recompute_targets`).
+# MoE or MLA layers (a model's own list: `Config.spec.recompute_targets`).
 SUPPORTED_RECOMPUTE_MODULES = ("core_attn", "mlp", "layernorm")
 # What each module other than core_attn and layernorm needs of the model, for the refusal's message.
 _MODULE_NEEDS = {
@@ -574,13 +576,27 @@ class RecomputeConfig:
 
 @dataclass
 class Config:
-    """A fully resolved measurement point."""
+    """A fully resolved measurement point: its four sections, and the model spec of its architecture
+    (`spec`), resolved once where the config is made (`recompute_bench.workload.resolved`) and
+    handed down with it."""
 
     workload: str
     model: ModelConfig
     training: TrainingConfig
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     recompute: RecomputeConfig = field(default_factory=RecomputeConfig)
+    _resolved: Any = field(default=None, compare=False, repr=False)
+    """(the ModelConfig, its model spec) as `workload.resolved` set them; a copy with another model
+    must be resolved again."""
+
+    @property
+    def spec(self) -> Any:
+        """The model spec (`models.ModelSpec`: FLOPs, saved bytes, parameters, recompute targets,
+        `build`) of this config's model, resolved where the config was made."""
+        if self._resolved is None or self._resolved[0] is not self.model:
+            raise RuntimeError(f"config {self.workload!r} is used before its model spec is resolved: make it through "
+                               "recompute_bench.workload (resolve, resolved)")
+        return self._resolved[1]
 
     @property
     def num_microbatches(self) -> int:
@@ -655,3 +671,32 @@ def with_setting(cfg: Config, r: RecomputeConfig | None = None, **parallel: Any)
     if parallel:
         out = dataclasses.replace(out, parallel=dataclasses.replace(cfg.parallel, **parallel))
     return out
+
+
+def layer_comm_types(cp_comm_type: str, num_layers: int) -> list[str]:
+    """The --cp-comm-type of each layer: one type for every layer, or one per layer written in
+    order (Megatron's TransformerConfig.cp_comm_type list, which transformer_layer.py indexes by
+    layer_number - 1). Words may be separated by spaces or commas."""
+    types = cp_comm_type.replace(",", " ").split()
+    return types * num_layers if len(types) == 1 else types
+
+
+def comm_levels(comm_type: str, cp: int, hierarchical: list[int] | None) -> tuple[str, int, int]:
+    """What a layer's attention runs under context parallel: (kind, a2a ranks, K/V ranks), the
+    ranks over which the all-to-all spreads the heads and those whose keys and values a rank visits.
+
+    a2a spreads the heads over all cp ranks (Transformer Engine's AttnFuncWithCPAndQKVOA2A); p2p
+    passes K/V around a ring of cp ranks (AttnFuncWithCPAndKVP2P); all_gather gathers K/V from all
+    (AttnFuncWithCPAndKVAllGather); a2a+p2p runs the all-to-all over the first level of
+    `hierarchical` and the ring over the second (Megatron passes both groups), and
+    `attn_forward_func_with_cp` runs plain p2p or a2a when one level has a single rank."""
+    if comm_type == "a2a":
+        return "a2a", cp, 1
+    if comm_type != "a2a+p2p":
+        return comm_type, 1, cp
+    a2a, ring = hierarchical
+    if a2a == 1:
+        return "p2p", 1, ring
+    if ring == 1:
+        return "a2a", a2a, 1
+    return "a2a+p2p", a2a, ring

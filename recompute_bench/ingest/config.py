@@ -24,7 +24,7 @@ from recompute_bench.ingest.megatron_args import (ALIASES, CannotExpress, config
                                                   normalize)
 from recompute_bench.ingest.parsed import ParsedRun, bad
 from recompute_bench.config.schema import SECTIONS, Config, BadInput
-from recompute_bench.config.presets import resolve
+from recompute_bench.workload import resolve, resolved
 from recompute_bench.config.rules import validate
 
 # Fields of Megatron's GPTModel (Bridge's GPTModelProvider) that are no TransformerConfig field, so
@@ -109,7 +109,7 @@ def _bridge_config(run: ParsedRun, base: Config, overrides: dict[str, Any], labe
         raise bad(run.path, None, f"states {', '.join(clash)} itself (a value its summary omits is Megatron Core's "
                                   "default); drop the flag(s) for it")
     try:
-        cfg = Config(label, **{s: SECTIONS[s](**tables[s]) for s in SECTIONS})
+        cfg = resolved(Config(label, **{s: SECTIONS[s](**tables[s]) for s in SECTIONS}))
         validate(cfg)
     except (TypeError, BadInput) as e:
         raise bad(run.path, None, f"the stated configuration with preset {base.workload} is invalid: {e}") from None

@@ -26,6 +26,7 @@ from typing import Any, Iterable, Mapping
 from recompute_bench.config.schema import SECTIONS, Config, BadInput, canonical_modules
 from recompute_bench.config.pipeline_split import layout_virtual_stages
 from recompute_bench.config.rules import validate
+from recompute_bench.workload import resolved
 
 
 class CannotExpress(BadInput):
@@ -551,7 +552,7 @@ def config_from_megatron(args: Mapping[str, Any], world_size: int | None = None,
     `megatron_overrides`); BadInput (CannotExpress for an argument the estimate cannot express)."""
     tables = megatron_overrides(args, world_size)
     try:
-        cfg = Config(workload, **{s: SECTIONS[s](**tables[s]) for s in SECTIONS})
+        cfg = resolved(Config(workload, **{s: SECTIONS[s](**tables[s]) for s in SECTIONS}))
     except TypeError as e:
         raise BadInput(f"Megatron arguments do not make a config ({e})") from None
     validate(cfg)

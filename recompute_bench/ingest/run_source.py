@@ -34,7 +34,8 @@ from recompute_bench.ingest.megatron_args import (ALIASES, SAME_NAME, CannotExpr
                                                   megatron_overrides, normalize)
 from recompute_bench.ingest.parsed import ParsedRun, bad
 from recompute_bench.config.schema import SECTIONS, BadInput, Config
-from recompute_bench.config.presets import apply_overrides, command_line_values, config_from_tables, gpu_type, resolve
+from recompute_bench.config.presets import apply_overrides, command_line_values, config_from_tables, gpu_type
+from recompute_bench.workload import resolve, resolved
 from recompute_bench.config.rules import validate
 
 FORMATS = ("model-config", argument_list.FORMAT, megatron_log.FORMAT, megatron_golden.FORMAT, bridge_config.FORMAT,
@@ -243,7 +244,7 @@ def read_run(path: Path | str, *, overrides: Mapping[str, Any] | None = None, se
 
     name = path.stem if parsed.format != megatron_golden.FORMAT else (parsed.name or path.stem)
     try:
-        cfg = config_from_tables(name, tables, notes)
+        cfg = resolved(config_from_tables(name, tables, notes))
     except BadInput as e:
         raise bad(source_path, None, f"{e}") from None
     refusals = [_refusal(parsed, e, lines) for e in refused]

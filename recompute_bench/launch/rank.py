@@ -77,7 +77,7 @@ def verify(argv: list[str]) -> int:
     @record
     def run() -> int:
         import torch.distributed as dist
-        from recompute_bench.launch.worker import config_from_dict
+        from recompute_bench.workload import config_from_dict
         from recompute_bench.measure.distributed import init_process_group, rank_device, verify_ranks
         from recompute_bench.measure.verify import deterministic
         from recompute_bench.results.store import write_json_atomic
@@ -115,7 +115,7 @@ def measure(argv: list[str]) -> int:
 
     @record
     def run() -> int:
-        from recompute_bench.launch.worker import config_from_dict
+        from recompute_bench.workload import config_from_dict
         from recompute_bench.measure.distributed import leave_group, measure_rank
 
         cfg = config_from_dict(json.loads((args.pieces / "config.json").read_text()))

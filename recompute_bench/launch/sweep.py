@@ -29,13 +29,13 @@ from pathlib import Path
 from typing import Any, Callable, Iterable
 
 from recompute_bench.config.fields import fields, flagged, overrides_from_keys
-from recompute_bench.config.presets import DEFAULT_WORKLOAD, resolve
+from recompute_bench.config.presets import DEFAULT_WORKLOAD
+from recompute_bench.workload import resolve
 from recompute_bench.config.schema import (SUPPORTED_RECOMPUTE_MODULES, BadInput, Config, RecomputeConfig,
                                            canonical_modules)
 from recompute_bench.launch.process import run_isolated
 from recompute_bench.launch.torchrun import Launch, run_ranks
-from recompute_bench.launch.worker import config_from_dict
-from recompute_bench.models import spec_for
+from recompute_bench.workload import config_from_dict
 from recompute_bench.recompute.settings import all_settings, full_settings, selective_settings
 from recompute_bench.results.rows import point_id
 from recompute_bench.results.store import (PLAN_FILE, RESULTS_FILE, RunLock, append_record, load_records,
@@ -131,7 +131,7 @@ def plan_from_flags(workload: str, *, overrides: dict[str, Any], sets: list[str]
     """Resolve every point the flags expand to; returns (points, notes). BadInput on bad input."""
     notes: list[str] = []
     base, base_notes = resolve(workload, overrides=overrides, sets=sets, gpu=gpu)
-    settings = expand(num_layers=base.model.num_layers, targets=spec_for(base.model).recompute_targets,
+    settings = expand(num_layers=base.model.num_layers, targets=base.spec.recompute_targets,
                       modules=modules, methods=methods,
                       num_layers_recompute=num_layers_recompute, baseline=baseline, notes=notes)
     configs = []

@@ -29,6 +29,8 @@ rank; each node's launcher merges the pieces it can read.
 
 from __future__ import annotations
 
+import dataclasses
+
 import json
 import re
 import shutil
@@ -126,10 +128,9 @@ def check_launch(cfg: Config, launch: Launch, device_type: str) -> Config:
                           "--data-parallel fsdp or drop --set parallel.use_distributed_optimizer=true")
     if dp * cp > 1 and (p.data_parallel_size == 1 or launch.data_parallel == "fsdp"):  # FSDP also shards over cp
         from recompute_bench.config.rules import validate
-        cfg = Config(cfg.workload, cfg.model, cfg.training,
-                     type(p)(**{**vars(p), "data_parallel_size": p.data_parallel_size if p.data_parallel_size > 1 else dp,
-                                "use_distributed_optimizer": p.use_distributed_optimizer or launch.data_parallel == "fsdp"}),
-                     cfg.recompute)
+        cfg = dataclasses.replace(cfg, parallel=dataclasses.replace(
+            p, data_parallel_size=p.data_parallel_size if p.data_parallel_size > 1 else dp,
+            use_distributed_optimizer=p.use_distributed_optimizer or launch.data_parallel == "fsdp"))
         validate(cfg)  # the global batch must still split into micro-batches over the ranks
         p = cfg.parallel
     if p.expert_model_parallel_size > 1 and launch.data_parallel == "fsdp":

@@ -24,8 +24,7 @@ import threading
 import time
 from pathlib import Path
 
-from recompute_bench.config.schema import Config
-from recompute_bench.config.rules import validate
+from recompute_bench.workload import config_from_dict
 
 PARENT_PID_ENV = "RECOMPUTE_BENCH_PARENT_PID"
 """The pid of the process the worker must not outlive (set by launch.process)."""
@@ -76,12 +75,6 @@ def ready_path(out: Path) -> Path:
     the launcher's time limit for the point runs from then."""
     return out.with_name(out.name + ".ready")
 
-
-def config_from_dict(data: dict) -> Config:
-    """The config a worker is given (`Config.to_dict()`), validated again; BadInput if it is not one."""
-    cfg = Config.from_dict(data)
-    validate(cfg)
-    return cfg
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -25,6 +25,7 @@ same global batch. Pipeline stages over these layouts are `measure.pipeline`'s.
 
 from __future__ import annotations
 
+import dataclasses
 import statistics
 from contextlib import AbstractContextManager, contextmanager
 from typing import Iterator
@@ -160,8 +161,7 @@ class DataParallel(SingleRank):
         """Micro-batches r, r + dp, r + 2 dp, ... of the global batch's, r this rank's data-parallel
         rank (every rank of a tensor-parallel group takes the same)."""
         p = cfg.parallel
-        whole = Config(cfg.workload, cfg.model, cfg.training,
-                       type(p)(**{**vars(p), "data_parallel_size": 1}), cfg.recompute)
+        whole = dataclasses.replace(cfg, parallel=dataclasses.replace(p, data_parallel_size=1))
         return synthetic_batches(whole, device)[self.dp_rank::self.dp_size].contiguous()
 
     def mean(self, value: torch.Tensor) -> torch.Tensor:

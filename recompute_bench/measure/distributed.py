@@ -26,6 +26,7 @@ from recompute_bench.measure.memory import limit_memory
 from recompute_bench.measure.pipeline import PipelineParallel, pipeline_loss_and_grads
 from recompute_bench.measure.point import pick_device, run_point
 from recompute_bench.config.schema import Config
+from recompute_bench.workload import resolved
 
 
 def init_process_group(device: torch.device, watchdog_s: float) -> None:
@@ -121,8 +122,8 @@ def verify_ranks(cfg: Config, settings, backends: list[str], device: torch.devic
         base_loss, base_grads = run(run_cfg, tokens[layout.dp_rank], device, layout)
         alone_cfg, alone_base = run_cfg, (base_loss, base_grads)
         if layout.tensor or layout.context or pipeline:
-            alone_cfg = dataclasses.replace(run_cfg, model=dataclasses.replace(run_cfg.model, hidden_dropout=0.0,
-                                                                               attention_dropout=0.0))
+            alone_cfg = resolved(dataclasses.replace(run_cfg, model=dataclasses.replace(
+                run_cfg.model, hidden_dropout=0.0, attention_dropout=0.0)))
             alone_base = run(alone_cfg, tokens[layout.dp_rank], device, layout)
         if layout.rank == 0:
             alone = [loss_and_grads(alone_cfg, RecomputeConfig(), t, device)

@@ -16,7 +16,6 @@ import torch
 from recompute_bench.measure.optimizer import make_optimizer
 from recompute_bench.measure.probe import SavedTensorProbe
 from recompute_bench.measure.step import Stepper, synthetic_batches
-from recompute_bench.models import spec_for
 from recompute_bench.models.dense.layers import GPT, materialize
 from recompute_bench.recompute.apply import apply_recompute
 from recompute_bench.config.schema import Config
@@ -47,7 +46,7 @@ class SingleRank:
         the initialisation leaves (one whole parameter at a time) is handed back, so that the reserved
         peak measures the training, not the build."""
         dtype = dtype or DTYPES[cfg.training.precision]
-        spec = spec_for(cfg.model)
+        spec = cfg.spec
         if self.splits:
             model = apply_recompute(self.split(spec.build(cfg, "meta", dtype)), cfg.recompute, self.tensor_group)
             model = materialize(self.shard(model, cfg), device, cfg.training.seed)

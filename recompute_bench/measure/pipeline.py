@@ -41,7 +41,6 @@ from recompute_bench.measure.layout import DTYPES
 from recompute_bench.measure.optimizer import MainGradAdam, MainGrads, make_adam
 from recompute_bench.measure.step import Stepper
 from recompute_bench.measure.timing import cuda_event
-from recompute_bench.models import spec_for
 from recompute_bench.models.dense.layers import GPT, TransformerLayers
 from recompute_bench.recompute.apply import apply_recompute
 
@@ -155,7 +154,7 @@ class PipelineParallel(DataParallel):
         values one rank's build holds (`GPT.init_weights` draws every parameter of the whole model in
         order and drops the other stages'). Under DDP the optimizer reduces the main gradients."""
         fsdp = self.kind == "fsdp" and self.grad_ranks > 1
-        whole = spec_for(cfg.model).build(cfg, "meta", torch.float32 if fsdp else dtype or DTYPES[cfg.training.precision])
+        whole = cfg.spec.build(cfg, "meta", torch.float32 if fsdp else dtype or DTYPES[cfg.training.precision])
         self.whole_parameters = sum(p.numel() for p in whole.parameters())
         per = cfg.model.num_layers // self.num_stages
         chunks = PipelineChunks()

@@ -33,9 +33,10 @@ from recompute_bench.measure.probe import SavedTensorProbe
 from recompute_bench.measure.step import synthetic_batches
 from recompute_bench.measure.telemetry import device_name
 from recompute_bench.measure.timing import cuda_event
-from recompute_bench.models import kind_config, spec_for
+from recompute_bench.models import kind_config
 from recompute_bench.recompute.apply import apply_recompute
 from recompute_bench.recompute.policy import kind_targets, layer_kind
+from recompute_bench.workload import resolved
 
 
 def _modules(layer: torch.nn.Module, target: str) -> list[torch.nn.Module]:
@@ -80,9 +81,9 @@ class _Spans:
 
 def _layer_model(cfg: Config, kind: str, device: torch.device, r: RecomputeConfig | None = None):
     one = kind_config(cfg, kind)
-    one = dataclasses.replace(one, model=dataclasses.replace(one.model, num_layers=1),
-                              recompute=r or RecomputeConfig())
-    model = spec_for(one.model).build(one, device, DTYPES[cfg.training.precision])
+    one = resolved(dataclasses.replace(one, model=dataclasses.replace(one.model, num_layers=1),
+                                       recompute=r or RecomputeConfig()))
+    model = one.spec.build(one, device, DTYPES[cfg.training.precision])
     return one, apply_recompute(model, one.recompute).train()
 
 
@@ -140,7 +141,7 @@ def _host_link(nbytes: int, device: torch.device, steps: int) -> float:
 def measure_profile(cfg: Config, device: torch.device, warmup: int = 1, steps: int = 5) -> dict[str, Any]:
     """The profile of cfg's layers on `device` (see the module docstring)."""
     device = pick_device(device)  # the current device: every span's event and kernel on it
-    targets = spec_for(cfg.model).recompute_targets
+    targets = cfg.spec.recompute_targets
     kinds = sorted({layer_kind(cfg.model, i) for i in range(cfg.model.num_layers)})
     torch.manual_seed(cfg.training.seed)
     with float32_matmul_precision(device, cfg.training.precision):

@@ -24,9 +24,9 @@ from typing import Iterator
 
 import torch
 
-from recompute_bench.models import spec_for
 from recompute_bench.recompute.apply import apply_recompute
 from recompute_bench.config.schema import Config, RecomputeConfig
+from recompute_bench.workload import resolved
 
 VERIFY_DROPOUT = 0.1
 
@@ -75,7 +75,7 @@ class Outcome:
 def loss_and_grads(cfg: Config, recompute: RecomputeConfig, tokens: torch.Tensor,
                    device: torch.device) -> tuple[torch.Tensor, dict[str, torch.Tensor | None]]:
     """Loss and gradients by parameter name of one micro-batch (seeded weights and dropout)."""
-    model = apply_recompute(spec_for(cfg.model).build(cfg, device, torch.float32), recompute)
+    model = apply_recompute(cfg.spec.build(cfg, device, torch.float32), recompute)
     model.train()
     tokens = tokens.to(device)
     with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
@@ -91,7 +91,7 @@ def fp32_with_dropout(cfg: Config, attention_backend: str) -> Config:
         cfg.model, attention_backend=attention_backend,
         hidden_dropout=cfg.model.hidden_dropout or VERIFY_DROPOUT,
         attention_dropout=cfg.model.attention_dropout or VERIFY_DROPOUT)
-    return dataclasses.replace(cfg, model=model, training=dataclasses.replace(cfg.training, precision="fp32"))
+    return resolved(dataclasses.replace(cfg, model=model, training=dataclasses.replace(cfg.training, precision="fp32")))
 
 
 def max_grad_diff(base: dict[str, torch.Tensor | None], other: dict[str, torch.Tensor | None]) -> tuple[float, str]:

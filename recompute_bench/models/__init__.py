@@ -128,9 +128,10 @@ def spec_for(model: ModelConfig) -> ModelSpec:
 
 def kind_config(cfg: Config, kind: str) -> Config:
     """cfg as a model whose every layer is of `kind` ("dense" or "moe", `policy.layer_kind`), so that
-    the spec's per-layer answers (a mean over the model's layers) are that kind's exactly."""
+    the spec's per-layer answers (a mean over the model's layers) are that kind's exactly. The
+    copy carries its own model's spec (a dense model's for "dense")."""
     m = cfg.model
     if not m.num_moe_experts or (kind == "moe" and m.moe_layers == m.num_layers):
         return cfg
     model = dataclasses.replace(m, moe_layer_freq=1) if kind == "moe" else dataclasses.replace(m, num_moe_experts=None)
-    return dataclasses.replace(cfg, model=model)
+    return dataclasses.replace(cfg, model=model, _resolved=(model, spec_for(model)))

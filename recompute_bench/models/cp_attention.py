@@ -37,9 +37,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from recompute_bench.models.context_parallel import (CP_KERNELS, Block, attention_blocks, causal_mask_rows,
-                                                     chunk_length, fused_blocks, rank_chunks, rank_ranges,
-                                                     torch_ring_applies)
+from recompute_bench.models.context_parallel import (CP_KERNELS, Block, attention_blocks, causal_mask_rows, chunk_length, fused_blocks, rank_chunks, rank_ranges, torch_ring_applies)
 
 # ----- merging partial softmaxes -----------------------------------------------------------------
 
@@ -381,15 +379,3 @@ class SequenceSplit:
         if torch.is_grad_enabled():
             self.path = path
         return out
-
-
-def attention_kernel(attention_backend: str, device: torch.device, dtype: torch.dtype, dropout_p: float,
-                     head_dim: int) -> str:
-    """The block kernel the attention over the split runs: torch's fused flash kernel where it takes
-    the block (sdpa; no dropout; on CUDA 16-bit and a head dimension up to 256, as `sdpa` would pick
-    flash for one rank), else the fp32 formulas (`sdpa_math`)."""
-    if attention_backend != "sdpa" or dropout_p > 0:
-        return "sdpa_math"
-    if device.type == "cuda":
-        return "flash" if dtype in (torch.float16, torch.bfloat16) and head_dim <= 256 else "sdpa_math"
-    return "flash"

@@ -35,7 +35,6 @@ import tomllib
 from pathlib import Path
 from typing import Any
 
-from recompute_bench.models import spec_for
 from recompute_bench.recompute.policy import LayerPolicy, chunks, kind_targets, layer_kind, parse_entry
 from recompute_bench.config.schema import RECOMPUTE_MODULES, Config, BadInput, RecomputeConfig
 
@@ -124,7 +123,7 @@ def check(entries: list[str], cfg: Config, where: str = "the policy") -> list[La
     if len(entries) != n:
         raise BadInput(f"{where} lists {len(entries)} layers but {cfg.workload} has {n}; write one entry per "
                           f"layer or pass --num-layers {len(entries)}")
-    offered = spec_for(cfg.model).recompute_targets
+    offered = cfg.spec.recompute_targets
     policies = []
     for i, entry in enumerate(entries):
         try:

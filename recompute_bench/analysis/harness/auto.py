@@ -42,7 +42,7 @@ from recompute_bench.analysis.harness.planner import plan, setting_estimate
 from recompute_bench.analysis.harness.rank import microbatches_in_flight, rank_memory
 from recompute_bench.analysis.harness.stage import StageActivations
 from recompute_bench.config.schema import BadInput, Config, RecomputeConfig
-from recompute_bench.models import device_kind, kind_config, spec_for
+from recompute_bench.models import device_kind, kind_config
 from recompute_bench.recompute.policy import (LayerPolicy, kind_targets, layer_kind, layer_policies, megatron_flags,
                                               megatron_setting)
 
@@ -104,7 +104,7 @@ def choices(cfg: Config, kind: str, costs: Costs, device: str = "cuda") -> list[
     """For a layer of `kind`: none, every selective subset of the targets it has and (where the
     costs price it and there is one pipeline stage, Megatron's rule) offload, without those another
     choice beats on bytes and cost (they can never be part of a best policy)."""
-    targets = kind_targets(spec_for(cfg.model).recompute_targets, kind)
+    targets = kind_targets(cfg.spec.recompute_targets, kind)
     c = kind_config(cfg, kind)
     out = []
     for modules in (frozenset(x) for n in range(len(targets) + 1) for x in itertools.combinations(targets, n)):
@@ -135,7 +135,7 @@ def solve(cfg: Config, layers: int, fits: Callable[[StageActivations], bool],
     kinds = [layer_kind(cfg.model, first + i) for i in range(layers)]
     options = {k: choices(cfg, k, costs, device) for k in set(kinds)}
     full_bytes = {k: layer_activation_bytes(kind_config(cfg, k), (), device) for k in set(kinds)}
-    full_cost = {k: (costs.full(k), len(spec_for(cfg.model).recompute_targets) + 1) for k in set(kinds)}
+    full_cost = {k: (costs.full(k), len(cfg.spec.recompute_targets) + 1) for k in set(kinds)}
     ckpt = checkpoint_input_bytes(cfg)
     # frontier[i]: (stored, peak, brought) -> (cost, previous state key, previous i, step taken) after i layers
     frontier: list[dict[tuple[float, float, float], tuple]] = [dict() for _ in range(layers + 1)]
@@ -282,7 +282,7 @@ def auto_plan(cfg: Config, budget_bytes: float, device: str = "cuda",
     costs = costs or FlopCosts(cfg, device)
     p = cfg.parallel.pipeline_model_parallel_size
     layers = cfg.model.num_layers // p
-    targets = spec_for(cfg.model).recompute_targets
+    targets = cfg.spec.recompute_targets
     base = dataclasses.replace(cfg, recompute=RecomputeConfig())
 
     def fitting(peak: Callable[[StageActivations], float]) -> Callable[[StageActivations], bool]:

@@ -17,21 +17,20 @@ from __future__ import annotations
 from typing import Iterable
 
 from recompute_bench.config.schema import Config
-from recompute_bench.models import spec_for
 
 
 def attention_kernel(cfg: Config, device: str = "cuda") -> str:
     """What the core attention runs on `device`: "math", "sdpa_math", or a fused kernel, "flash",
     "efficient" or "cudnn": the one measured where `device` carries it (`models.DeviceKernels`),
     else the spec's prediction (see `DenseSpec.attention_kernel`)."""
-    return spec_for(cfg.model).attention_kernel(cfg, device)
+    return cfg.spec.attention_kernel(cfg, device)
 
 
 def layer_saved_bytes(cfg: Config, modules: Iterable[str] = (), device: str = "cuda") -> dict[str, float]:
     """Bytes one transformer layer keeps for backward for one micro-batch on one tensor-parallel
     rank, storage by storage, when the layer is not inside a full-recompute checkpoint and
     `modules` are recomputed selectively."""
-    return spec_for(cfg.model).layer_saved_bytes(cfg, modules, device)
+    return cfg.spec.layer_saved_bytes(cfg, modules, device)
 
 
 def layer_activation_bytes(cfg: Config, modules: Iterable[str] = (), device: str = "cuda") -> float:
@@ -48,4 +47,4 @@ def layer_workspace_bytes(cfg: Config, device: str = "cuda") -> float:
 def layer_parameters(cfg: Config) -> dict[str, float]:
     """Parameters of one layer on one tensor-parallel rank: "sharded" (QKV, projections, MLP
     weights and column-parallel biases) and "replicated" (norms, row-parallel biases)."""
-    return spec_for(cfg.model).layer_parameters(cfg)
+    return cfg.spec.layer_parameters(cfg)

@@ -19,7 +19,7 @@ from recompute_bench.analysis.paper import (built_minus_paper_bytes, paper_flops
                                             paper_layer_differences)
 from recompute_bench.config.rules import layers_per_model_chunk
 from recompute_bench.config.schema import Config, RecomputeConfig, with_setting
-from recompute_bench.models import device_kind, spec_for
+from recompute_bench.models import device_kind
 from recompute_bench.models.context_parallel import rank_seq_length
 from recompute_bench.recompute.policy import megatron_flags
 from recompute_bench.recompute.settings import selective_settings
@@ -49,7 +49,7 @@ def listed_settings(cfg: Config, device: str = "cuda") -> list[RecomputeConfig]:
     """The settings `estimate` tabulates: none, every selective subset, full uniform 1 and the
     uniform chunk with the lowest peak, and full block at a few layer counts (of a model chunk)."""
     n_layers = layers_per_model_chunk(cfg)
-    out = [RecomputeConfig()] + selective_settings(spec_for(cfg.model).recompute_targets) + [RecomputeConfig("full", [], "uniform", 1)]
+    out = [RecomputeConfig()] + selective_settings(cfg.spec.recompute_targets) + [RecomputeConfig("full", [], "uniform", 1)]
     best = _best_uniform(cfg, n_layers, device)
     if best != 1:
         out.append(RecomputeConfig("full", [], "uniform", best))
@@ -123,7 +123,7 @@ def setting_candidates(cfg: Config, device: str) -> list[dict[str, Any]]:
     """Every setting worth planning with: none, each selective subset, the best uniform chunk and
     every block count (uniform chunks all cost the same FLOPs; block trades FLOPs for memory)."""
     n_layers = layers_per_model_chunk(cfg)
-    settings = [RecomputeConfig()] + selective_settings(spec_for(cfg.model).recompute_targets)
+    settings = [RecomputeConfig()] + selective_settings(cfg.spec.recompute_targets)
     settings.append(RecomputeConfig("full", [], "uniform", _best_uniform(cfg, n_layers, device)))
     settings += [RecomputeConfig("full", [], "block", n) for n in range(1, n_layers + 1)]
     return [setting_estimate(with_setting(cfg, r), device) for r in settings]

@@ -14,7 +14,7 @@ from recompute_bench.analysis.harness.layer import layer_activation_bytes, layer
 from recompute_bench.analysis.pipelining_schedule import rank_stages
 from recompute_bench.config.rules import layers_per_model_chunk
 from recompute_bench.config.schema import Config
-from recompute_bench.models import ELEMENT_BYTES, FP32_BYTES, INDEX_BYTES, MASK_BYTES, kind_config, spec_for, vocab_rows
+from recompute_bench.models import ELEMENT_BYTES, FP32_BYTES, INDEX_BYTES, MASK_BYTES, kind_config, vocab_rows
 from recompute_bench.models.context_parallel import rank_seq_length
 from recompute_bench.recompute.policy import LayerPolicy, chunks, layer_kind, layer_policies
 
@@ -130,7 +130,7 @@ def loss_saved_bytes(cfg: Config, device: str = "cuda") -> dict[str, float]:
     t_sp = t if par.sequence_parallel else 1
     return {
         "final_layernorm.input": e * tokens * m.hidden_size / t_sp,
-        "final_layernorm.stats": spec_for(m).norm_stats_bytes(cfg, device, tokens) / t_sp,
+        "final_layernorm.stats": cfg.spec.norm_stats_bytes(cfg, device, tokens) / t_sp,
         "output_layer.input": e * tokens * m.hidden_size / t_sp,
         "loss.softmax": FP32_BYTES * tokens * vocab_rows(cfg) / t,  # fp32, worked in place, vocab-parallel
         "loss.masked_target": INDEX_BYTES * tokens,

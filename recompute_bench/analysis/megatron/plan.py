@@ -27,7 +27,6 @@ from recompute_bench.analysis.megatron.stage import stage_peak, stage_peaks
 from recompute_bench.analysis.megatron.time_model import StepTime, step_time
 from recompute_bench.config.rules import layers_per_model_chunk, validate
 from recompute_bench.config.schema import OFFLOAD_MODULES, BadInput, Config, RecomputeConfig
-from recompute_bench.models import spec_for
 from recompute_bench.recompute.policy import LayerPolicy, megatron_setting
 from recompute_bench.recompute.settings import selective_settings
 
@@ -59,13 +58,13 @@ def offload_groups(cfg: Config, run: MegatronRun) -> tuple[list[str], list[str]]
 
 def candidate_settings(cfg: Config, run: MegatronRun | None = None) -> list[RecomputeConfig]:
     """Every setting worth asking Megatron about for cfg's model: none; selective with every
-    non-empty subset of the model's modules (dense, MoE and MLA: `spec_for(model).recompute_targets`);
+    non-empty subset of the model's modules (dense, MoE and MLA: `cfg.spec.recompute_targets`);
     full uniform and block with every recompute_num_layers of a model chunk, each also with
     distribute_saved_activations; CPU offloading of every layer count; and, given the run, fine-grained
     offloading of every subset of the offload modules that move bytes (`offload_groups`) beside none
     and every selective setting. Megatron's rules (`validate`) then drop what it refuses."""
     n = layers_per_model_chunk(cfg)
-    selective = [RecomputeConfig(), *selective_settings(spec_for(cfg.model).recompute_targets)]
+    selective = [RecomputeConfig(), *selective_settings(cfg.spec.recompute_targets)]
     out = list(selective)
     for method in ("uniform", "block"):
         for k in range(1, n + 1):
@@ -369,7 +368,7 @@ def _choices(cfg: Config, run: MegatronRun, rates: GpuRates) -> list[tuple[str, 
     from recompute_bench.analysis.megatron.time_model import layer_seconds
 
     out: list[tuple[str, Callable[[int], LayerPolicy]]] = [("none", lambda i: LayerPolicy())]
-    targets = spec_for(cfg.model).recompute_targets
+    targets = cfg.spec.recompute_targets
     for k in range(1, len(targets) + 1):
         for subset in combinations(targets, k):
             try:
@@ -500,7 +499,7 @@ def auto_plan(cfg: Config, run: MegatronRun, rates: GpuRates, budget: float, fra
                 micro = step_time(c, run, rates, planner.parameters).microbatch_seconds[s]
             except BadInput:
                 continue
-            setting = megatron_setting(cfg.model, pattern, spec_for(cfg.model).recompute_targets)
+            setting = megatron_setting(cfg.model, pattern, cfg.spec.recompute_targets)
             words = name_b if name_a == name_b else f"{k} {name_a} + {n - k} {name_b}"
             words += " +distribute" if distribute else ""
             best = {"stage": s, "setting": words, "microbatch_seconds": micro,

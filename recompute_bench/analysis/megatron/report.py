@@ -23,8 +23,7 @@ from recompute_bench.analysis.paper import (built_minus_paper_bytes, paper_flops
 from recompute_bench.config.pipeline_split import model_chunks
 from recompute_bench.config.rules import layers_per_model_chunk
 from recompute_bench.config.schema import Config, RecomputeConfig, with_setting
-from recompute_bench.models import spec_for
-from recompute_bench.models.context_parallel import layer_comm_types
+from recompute_bench.config.schema import layer_comm_types
 from recompute_bench.recompute.settings import selective_settings
 
 
@@ -32,7 +31,7 @@ def _settings(cfg: Config) -> list[RecomputeConfig]:
     """The settings tabulated: none, every selective subset, full uniform 1 and full block at a few
     layer counts of a model chunk, and cfg's own."""
     n = layers_per_model_chunk(cfg)
-    offered = list(spec_for(cfg.model).recompute_targets)
+    offered = list(cfg.spec.recompute_targets)
     if len(offered) <= 4:
         selective = selective_settings(offered)
     else:  # a MoE model offers up to seven modules: each alone and all of them

@@ -45,7 +45,7 @@ SEEDS_SOURCE = "seeds/003: Llama 3 70B SFT FP8 (current scaling), 32 x H100, tp 
 
 def paper_config() -> Config:
     """The 22B layout of Table 4 as Megatron ran it: tp 8, Megatron's local layers and attention."""
-    from recompute_bench.config.presets import resolve
+    from recompute_bench.workload import resolve
 
     cfg, _ = resolve("gpt3-22b", overrides={"training.framework": "megatron", "model.transformer_impl": "local",
                                             "model.attention_backend": "local", "training.precision": "fp16",
@@ -59,7 +59,7 @@ def seeds_config() -> Config:
     states it: FP8 current scaling with FP8 weights, TE's fused cross-entropy, TE's CUDA graphs of
     the MLP, tensor-parallel communication overlap, the output layer's deferred weight gradient,
     the unpadded vocabulary."""
-    from recompute_bench.config.presets import resolve
+    from recompute_bench.workload import resolve
 
     cfg, _ = resolve("llama3-70b", overrides={
         "training.framework": "megatron", "training.seq_length": 4096, "training.micro_batch_size": 1,
