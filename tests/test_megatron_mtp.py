@@ -13,7 +13,6 @@ from recompute_bench.analysis.megatron.outside import logits
 from recompute_bench.analysis.megatron.parameters import layer_parameter_groups, stage_parameter_groups
 from recompute_bench.analysis.megatron.stage import chunk_bytes
 from recompute_bench.ingest.megatron_args import config_from_megatron
-from recompute_bench.models import vocab_rows
 from recompute_bench.config.schema import BadInput
 from recompute_bench.config.pipeline_split import model_chunks
 
@@ -54,7 +53,7 @@ def test_an_mtp_layer_adds_an_embedding_its_norms_eh_proj_and_a_layer_of_the_las
     assert last["expert"] > 0 and added["expert"] == last["expert"]
     # the chunk's own embedding copy (words over tp, learned positions whole), enorm + hnorm +
     # final_layernorm (LayerNorm: 2h each), eh_proj [h/t, 2h]
-    assert added["dense"] == last["dense"] + vocab_rows(cfg) * h / t + 1024 * h + 3 * 2 * h + 2 * h * h / t
+    assert added["dense"] == last["dense"] + cfg.vocab_rows * h / t + 1024 * h + 3 * 2 * h + 2 * h * h / t
     assert stage_parameter_groups(cfg, 0) == stage_parameter_groups(plain, 0)
     assert layer_linear_weights(cfg, 4)["eh_proj"] == (h // t, 2 * h)
 

@@ -599,6 +599,12 @@ class Config:
         return self._resolved[1]
 
     @property
+    def vocab_rows(self) -> int:
+        """Rows of the word embedding and the output layer: Megatron's padded vocabulary (a multiple
+        of make_vocab_size_divisible_by x tensor-parallel size), which its FLOPs and memory count."""
+        return self.model.padded_vocab_size(self.parallel.tensor_model_parallel_size)
+
+    @property
     def num_microbatches(self) -> int:
         t = self.training
         return t.global_batch_size // (t.micro_batch_size * self.parallel.data_parallel_size)

@@ -53,12 +53,6 @@ class DeviceKernels(str):
         return self
 
 
-def vocab_rows(cfg: Config) -> int:
-    """Rows of the word embedding and the output layer: Megatron's padded vocabulary (a multiple of
-    make_vocab_size_divisible_by x tensor-parallel size), which its FLOPs and memory count."""
-    return cfg.model.padded_vocab_size(cfg.parallel.tensor_model_parallel_size)
-
-
 @dataclass(frozen=True)
 class Work:
     """FLOPs of one part for some samples: its forward, and its backward as its kernels run it."""

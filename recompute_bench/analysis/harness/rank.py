@@ -18,7 +18,7 @@ from recompute_bench.analysis.megatron_schedule import chunk_forwards_in_flight
 from recompute_bench.analysis.pipelining_schedule import (Walk, bubble_fraction, peak_chunks, rank_actions,
                                                           rank_stages, walk)
 from recompute_bench.config.schema import Config
-from recompute_bench.models import ELEMENT_BYTES, FP32_BYTES, kind_config, vocab_rows
+from recompute_bench.models import ELEMENT_BYTES, FP32_BYTES, kind_config
 from recompute_bench.models.context_parallel import rank_seq_length
 
 
@@ -321,7 +321,7 @@ def pipeline_buffer_bytes(cfg: Config, stage: int) -> float:
     held = peak_chunks(rank_actions(par.schedule, p, vp, cfg.num_microbatches, stage))
     e, t, s = ELEMENT_BYTES[tr.precision], par.tensor_model_parallel_size, rank_seq_length(cfg)
     hidden = e * tr.micro_batch_size * s * m.hidden_size / (t if par.sequence_parallel else 1)
-    logits = e * tr.micro_batch_size * s * vocab_rows(cfg) / t
+    logits = e * tr.micro_batch_size * s * cfg.vocab_rows / t
     mine = set(rank_stages(par.schedule, p, vp, stage))
     n, total = cfg.num_microbatches, 0.0
     for v in sorted(mine):

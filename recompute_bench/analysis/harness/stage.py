@@ -14,7 +14,7 @@ from recompute_bench.analysis.harness.layer import layer_activation_bytes, layer
 from recompute_bench.analysis.pipelining_schedule import rank_stages
 from recompute_bench.config.rules import layers_per_model_chunk
 from recompute_bench.config.schema import Config
-from recompute_bench.models import ELEMENT_BYTES, FP32_BYTES, INDEX_BYTES, MASK_BYTES, kind_config, vocab_rows
+from recompute_bench.models import ELEMENT_BYTES, FP32_BYTES, INDEX_BYTES, MASK_BYTES, kind_config
 from recompute_bench.models.context_parallel import rank_seq_length
 from recompute_bench.recompute.policy import LayerPolicy, chunks, layer_kind, layer_policies
 
@@ -132,7 +132,7 @@ def loss_saved_bytes(cfg: Config, device: str = "cuda") -> dict[str, float]:
         "final_layernorm.input": e * tokens * m.hidden_size / t_sp,
         "final_layernorm.stats": cfg.spec.norm_stats_bytes(cfg, device, tokens) / t_sp,
         "output_layer.input": e * tokens * m.hidden_size / t_sp,
-        "loss.softmax": FP32_BYTES * tokens * vocab_rows(cfg) / t,  # fp32, worked in place, vocab-parallel
+        "loss.softmax": FP32_BYTES * tokens * cfg.vocab_rows / t,  # fp32, worked in place, vocab-parallel
         "loss.masked_target": INDEX_BYTES * tokens,
         "loss.target_mask": MASK_BYTES * tokens,
     }
@@ -154,7 +154,7 @@ def loss_workspace_bytes(cfg: Config) -> float:
     e = ELEMENT_BYTES[tr.precision]
     if e >= FP32_BYTES:
         return 0.0
-    return e * rank_seq_length(cfg) * tr.micro_batch_size * vocab_rows(cfg) / cfg.parallel.tensor_model_parallel_size
+    return e * rank_seq_length(cfg) * tr.micro_batch_size * cfg.vocab_rows / cfg.parallel.tensor_model_parallel_size
 
 
 def activation_bytes(cfg: Config, device: str = "cuda") -> dict[str, float]:
@@ -180,7 +180,7 @@ def outside_parameters(cfg: Config, stage: int) -> float:
     m, par = cfg.model, cfg.parallel
     p, t = par.pipeline_model_parallel_size, par.tensor_model_parallel_size
     vp = par.virtual_pipeline_model_parallel_size or 1
-    vocab = vocab_rows(cfg) * m.hidden_size / t  # the padded vocabulary's rows, sharded over TP
+    vocab = cfg.vocab_rows * m.hidden_size / t  # the padded vocabulary's rows, sharded over TP
     mine = set(rank_stages(par.schedule, p, vp, stage)) if p > 1 else {0, vp - 1}
     first, last = 0 in mine, p * vp - 1 in mine
     n = 0.0

@@ -10,7 +10,7 @@ pretrain_gpt.py get_batch."""
 from __future__ import annotations
 
 from recompute_bench.analysis.megatron.context_parallel import attention_mask_bytes, rank_tokens
-from recompute_bench.models import ELEMENT_BYTES, FP32_BYTES, INDEX_BYTES, MASK_BYTES, vocab_rows
+from recompute_bench.models import ELEMENT_BYTES, FP32_BYTES, INDEX_BYTES, MASK_BYTES
 from recompute_bench.config.schema import Config
 
 def embedding_saved_bytes(cfg: Config) -> float:
@@ -34,7 +34,7 @@ def output_saved_bytes(cfg: Config) -> float:
 
 def logits(cfg: Config) -> float:
     """Logits on one tensor-parallel rank: s/cp x b x padded vocabulary / t."""
-    return rank_tokens(cfg) * vocab_rows(cfg) / cfg.parallel.tensor_model_parallel_size
+    return rank_tokens(cfg) * cfg.vocab_rows / cfg.parallel.tensor_model_parallel_size
 
 
 def loss_saved_bytes(cfg: Config) -> float:

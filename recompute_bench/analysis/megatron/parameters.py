@@ -13,7 +13,6 @@ from __future__ import annotations
 from recompute_bench.analysis.megatron.mla import mla_attention_parameters
 from recompute_bench.analysis.megatron.moe import moe_layer_parameters
 from recompute_bench.analysis.megatron.mtp import is_mtp_layer, mtp_extra_parameters, mtp_index
-from recompute_bench.models import vocab_rows
 from recompute_bench.models.dense.spec import DENSE
 from recompute_bench.config.schema import Config
 from recompute_bench.config.pipeline_split import ModelChunk, model_chunks
@@ -81,7 +80,7 @@ def chunk_parameter_groups(cfg: Config, chunk: ModelChunk, holds_embedding: bool
     final norm and the output layer (tied to the embedding: a copy of it unless this rank
     `holds_embedding` too)."""
     m, t = cfg.model, cfg.parallel.tensor_model_parallel_size
-    vocab = vocab_rows(cfg) * m.hidden_size / t
+    vocab = cfg.vocab_rows * m.hidden_size / t
     groups = {"dense": 0.0, "expert": 0.0}
     indices = [*range(chunk.first_layer, chunk.first_layer + chunk.layers),
                *(mtp_index(cfg, k) for k in range(chunk.mtp))]

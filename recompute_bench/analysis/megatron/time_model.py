@@ -64,7 +64,7 @@ from recompute_bench.analysis.megatron.time_ops import (HOST, LayerOps, Op, Shap
                                                         norm_backward, op_times, pass_seconds, quantize, row_output)
 from recompute_bench.config.pipeline_split import model_chunks
 from recompute_bench.config.schema import BadInput, Config
-from recompute_bench.models import ELEMENT_BYTES, FP32_BYTES, MASK_BYTES, vocab_rows
+from recompute_bench.models import ELEMENT_BYTES, FP32_BYTES, MASK_BYTES
 from recompute_bench.recompute.policy import LayerPolicy, layer_policies
 
 __all__ = ["LayerOps", "Op", "StepTime", "checkpoint_ops", "embedding_ops", "layer_ops", "layer_seconds", "loss_ops",
@@ -155,7 +155,7 @@ def embedding_ops(cfg: Config) -> LayerOps:
     reduce-scatter with sequence parallel); backward scatters the gradient into a dense gradient of
     the rank's vocabulary shard, which Megatron's DDP hook adds into the fp32 main gradient."""
     sh = Shape(cfg)
-    rows = vocab_rows(cfg) / sh.t
+    rows = cfg.vocab_rows / sh.t
     fwd = [Op("embedding", "memory", bytes=2 * sh.e * sh.tokens * sh.h)]
     if sh.t > 1:
         kind = "reduce_scatter" if sh.sp else "all_reduce"
@@ -178,7 +178,7 @@ def loss_ops(cfg: Config) -> LayerOps:
     sh = Shape(cfg)
     precision = "bf16" if sh.fp8 else cfg.training.precision
     e = sh.e
-    vocab = vocab_rows(cfg) / sh.t
+    vocab = cfg.vocab_rows / sh.t
     logits = sh.tokens * vocab
     fwd = [norm("final_layernorm", sh, frozenset(), quantized_output=False)]
     if sh.sp:

@@ -22,8 +22,7 @@ from __future__ import annotations
 
 from typing import Any, Iterable
 
-from recompute_bench.models import (ELEMENT_BYTES, FP32_BYTES, MASK_BYTES, SavedBytes, Work, device_kind,
-                                    vocab_rows)
+from recompute_bench.models import (ELEMENT_BYTES, FP32_BYTES, MASK_BYTES, SavedBytes, Work, device_kind)
 from recompute_bench.models.attention import ATTENTION_KERNELS, FUSED_KERNELS, attention_tiles, causal_pairs
 from recompute_bench.models.context_parallel import (CP_KERNELS, rank_attention_pairs, rank_seq_length, torch_ring_applies)
 from recompute_bench.config.schema import HARNESS_COMM_TYPES, comm_levels
@@ -205,13 +204,13 @@ class DenseSpec:
     def output_layer_flops(self, cfg: Config, samples: int | None = None) -> Work:
         """The output layer over Megatron's padded vocabulary (a linear: backward twice forward)."""
         b = cfg.training.micro_batch_size if samples is None else samples
-        forward = 2 * b * cfg.training.seq_length * cfg.model.hidden_size * vocab_rows(cfg)
+        forward = 2 * b * cfg.training.seq_length * cfg.model.hidden_size * cfg.vocab_rows
         return Work(forward, 2 * forward)
 
     def logits_model_flops(self, cfg: Config, samples: int | None = None) -> float:
         """The logits term of Megatron's model FLOPs: 3 x 2 x h x padded vocabulary per token."""
         b = cfg.training.micro_batch_size if samples is None else samples
-        return 3 * 2 * b * cfg.training.seq_length * cfg.model.hidden_size * vocab_rows(cfg)
+        return 3 * 2 * b * cfg.training.seq_length * cfg.model.hidden_size * cfg.vocab_rows
 
     # ----- bytes ----------------------------------------------------------------------------------
 
