@@ -107,7 +107,7 @@ def test_a_pipeline_step_times_its_actions_by_events_and_waits_for_nothing_insid
     # is bracketed by events on cuda:1's stream; nothing waits for the device inside the step (a
     # synchronize per action serialised the pipeline and biased the bubble); the times are read
     # once the step is over: 3 actions of 2 ms in a schedule span of 14 ms.
-    from recompute_bench.measure.pipeline import PipelineStepper
+    from recompute_bench.measure.pipeline_step import PipelineStepper
 
     stepper = object.__new__(PipelineStepper)
 

@@ -21,13 +21,14 @@ earlier stage without one. The loss function divides by the micro-batches and `s
 so each micro-batch's backward is the single rank's `(loss / n).backward()`, operation for operation.
 An embedding tied to the output layer and held by two ranks is two copies whose gradients are summed
 over the two ranks after the step (Megatron's embedding group).
+
+A step through the schedule is `measure.pipeline_step.PipelineStepper`'s, the saved tensors over it
+`measure.pipeline_probe.ScheduleProbe`'s.
 """
 
 from __future__ import annotations
 
-import time
-from contextlib import contextmanager, nullcontext
-from typing import Any, Iterator
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -39,8 +40,8 @@ from recompute_bench.config.schema import Config
 from recompute_bench.measure.data_parallel import BUCKET_PARAMETERS, BucketedGrads, DataParallel, fsdp_shard
 from recompute_bench.measure.layout import DTYPES
 from recompute_bench.measure.optimizer import MainGradAdam, MainGrads, make_adam
-from recompute_bench.measure.step import Stepper
-from recompute_bench.measure.timing import cuda_event
+from recompute_bench.measure.pipeline_probe import ScheduleProbe
+from recompute_bench.measure.pipeline_step import PipelineStepper
 from recompute_bench.models.dense.layers import GPT, TransformerLayers
 from recompute_bench.recompute.apply import apply_recompute
 
@@ -221,10 +222,10 @@ class PipelineParallel(DataParallel):
         return {"pipeline_stage": self.pp_rank, "model_chunks": list(self.stages),
                 **(self.context.place() if self.context else {})}
 
-    def stepper(self, cfg: Config, model: PipelineChunks, optimizer, batches: torch.Tensor) -> "PipelineStepper":
+    def stepper(self, cfg: Config, model: PipelineChunks, optimizer, batches: torch.Tensor) -> PipelineStepper:
         return PipelineStepper(cfg, model, optimizer, batches, self)
 
-    def probe(self, model: PipelineChunks) -> "ScheduleProbe":
+    def probe(self, model: PipelineChunks) -> ScheduleProbe:
         return ScheduleProbe(model, self.stages)
 
     def sum_tied_embedding(self, model: PipelineChunks) -> None:
@@ -271,269 +272,6 @@ class PipelineParallel(DataParallel):
         cls = get_schedule_class(self.schedule_name)
         single = issubclass(cls, PipelineScheduleSingle)
         return cls(stages[0] if single else stages, n, loss_fn=loss_fn, scale_grads=False), stages
-
-
-class PipelineStepper(Stepper):
-    """Training steps through torch's pipeline schedule: every micro-batch of the step in one
-    `schedule.step`, then the tied embedding's gradient summed over its two ranks, then the optimizer.
-    The stage methods the schedule calls are wrapped to keep the phase (for a failure's record), to
-    inject faults, to time the compute (for the measured bubble) and to feed the probe.
-
-    Timing never waits for the device inside the step: a `torch.cuda.synchronize` per action would
-    wait for NCCL's P2P streams at every forward and backward and stop the host from launching
-    ahead (the measured bubble would be a serialised pipeline's), and under the runtime schedules
-    (Interleaved1F1B, the zero-bubble ones, DualPipeV) a rank blocked there while its peer waits for
-    its send could wait in a cycle. On CUDA each action and the schedule's whole span are bracketed
-    by events on the device's current stream (`timing.cuda_event`), read in `fields` once the steps
-    are over (each step ends with the device synchronised: `timing.timed`, or the loss read after a
-    step); on a CPU the ops run as they are called, so the host's clock times them."""
-
-    def __init__(self, cfg: Config, model: PipelineChunks, optimizer, batches: torch.Tensor, layout: PipelineParallel):
-        super().__init__(cfg, model, optimizer, batches)
-        self.layout = layout
-        self.device = batches.device
-        self.schedule, stages = layout.schedule(model, cfg, batches.device)
-        self.probe: ScheduleProbe | None = None
-        self.spans: list[tuple[Any, list[Any]]] = []
-        """Per step: (the schedule's span, this rank's actions: forward, backward, weight pass, loss),
-        each a (start, end) pair of CUDA events, or seconds on a CPU; the rest of the span it waited."""
-        self._actions: list[Any] = []
-        for stage in stages:
-            self._wrap(stage)
-        self.loss_fn = self.schedule._loss_fn
-        self.schedule._loss_fn = self._loss
-
-    def _wrap(self, stage) -> None:
-        forward, backward, weight = stage.forward_one_chunk, stage.backward_one_chunk, stage.backward_weight_one_chunk
-
-        def forward_one_chunk(i: int, *args: Any, **kwargs: Any):
-            self.phase = "forward"
-            self.check_fault("forward")
-            probe = self.probe.chunk_forward(stage.stage_index, i) if self.probe else nullcontext()
-            with self._timed(), probe:
-                return forward(i, *args, **kwargs)
-
-        grads = getattr(self.optimizer, "grads", None)  # the main gradients (not under FSDP)
-        params = [p for p in stage.submod.parameters() if p.requires_grad]
-
-        def backward_one_chunk(i: int, *args: Any, **kwargs: Any):
-            self.phase = "backward"
-            self.check_fault("backward")
-            with self._timed():
-                return backward(i, *args, **kwargs)
-
-        def backward_weight_one_chunk(i: int, *args: Any, **kwargs: Any):
-            with self._timed():
-                weight(i, *args, **kwargs)
-                if grads is not None:
-                    # The weight pass assigns `.grad` (stage_backward_weight) instead of accumulating
-                    # it, so no post-accumulate hook moved it into the main gradients: move it here.
-                    for p in params:
-                        if p.grad is not None:
-                            grads._accumulate(p)
-
-        stage.forward_one_chunk, stage.backward_one_chunk = forward_one_chunk, backward_one_chunk
-        stage.backward_weight_one_chunk = backward_weight_one_chunk
-
-    def _loss(self, output: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        with self._timed():
-            loss = self.loss_fn(output, labels)
-        if self.probe:
-            self.probe.sample()  # the last stage's saved tensors include the loss's
-        return loss
-
-    def _mark(self) -> Any:
-        """Now: an event on the device's current stream (CUDA), the host's clock (CPU)."""
-        return cuda_event(self.device) if self.device.type == "cuda" else time.perf_counter()
-
-    @contextmanager
-    def _timed(self) -> Iterator[None]:
-        """Around one action of the schedule: its span joins this step's actions (nothing waits)."""
-        start = self._mark()
-        try:
-            yield
-        finally:
-            self._actions.append((start, self._mark()))
-
-    @staticmethod
-    def _seconds(span: tuple[Any, Any]) -> float:
-        start, end = span
-        if isinstance(start, float):
-            return end - start
-        end.synchronize()  # recorded by a step that has ended: returns at once
-        return start.elapsed_time(end) / 1e3
-
-    def step(self, probe: "ScheduleProbe | None" = None) -> torch.Tensor:
-        """One optimizer step over every micro-batch through the schedule; returns the step's mean loss
-        (on the last stage; zero elsewhere) as a 0-dim fp32 tensor on the device."""
-        layout = self.layout
-        rows = self.batches.reshape(-1, self.batches.shape[-1]) if self.batches.numel() else None  # views of the step's tokens
-        args = (rows[:, :-1],) if layout.first else ()
-        target = rows[:, 1:] if layout.last else None
-        losses: list[torch.Tensor] = []
-        self._actions, self.probe = [], probe
-        grads = getattr(self.optimizer, "grads", None)
-        # Main gradients only accumulate in the schedule; the optimizer's step reduces them over the
-        # data-parallel ranks (`finish`): a rank may hold one parameter in two chunks (a tied
-        # embedding under a V schedule), so no chunk's last backward is the parameter's last.
-        with probe.watch() if probe else nullcontext(), grads.no_sync() if grads else nullcontext():
-            begin = self._mark()
-            self.schedule.step(*args, target=target, losses=losses if layout.last else None, return_outputs=False)
-            self.spans.append(((begin, self._mark()), self._actions))
-        self.probe = None
-        layout.sum_tied_embedding(self.model)
-        self.phase = "optimizer"
-        self.check_fault("optimizer")
-        self.optimizer.step()
-        self.model.zero_grad(set_to_none=True)
-        self.step_index += 1
-        total = torch.stack([x.detach().float() for x in losses]).sum() if losses else torch.zeros((), device=self.device)
-        return total
-
-    def fields(self, step_times_s: list[float]) -> dict[str, Any]:
-        """The rank's pipeline figures over the measured steps, read now that they are over: the
-        seconds of each step's schedule (`schedule_times_s`, the optimizer's step after it left out),
-        the seconds this rank computed in it (`compute_times_s`), and the median share of the
-        schedule it waited (`bubble_fraction`, its bubble: Megatron's (p - 1)/(m·vp + p - 1) is a
-        share of the forward-backward pass)."""
-        measured = self.spans[-len(step_times_s):] if step_times_s else []
-        schedule = [self._seconds(span) for span, _ in measured]
-        compute = [sum(self._seconds(a) for a in actions) for _, actions in measured]
-        share = sorted(c / t for c, t in zip(compute, schedule) if t > 0)
-        return {"schedule_times_s": schedule, "compute_times_s": compute,
-                "bubble_fraction": 1 - share[len(share) // 2] if share else None}
-
-
-class _Held:
-    """What autograd keeps for a saved tensor while the probe watches: the tensor without its
-    autograd history (a saved output that kept its own grad_fn would keep its node, and so every
-    saved tensor upstream, alive in a reference cycle after the backward meant to free it)."""
-
-    __slots__ = ("tensor", "__weakref__")
-
-    def __init__(self, tensor: torch.Tensor):
-        self.tensor = tensor
-
-
-class ScheduleProbe:
-    """The saved-tensor probe over a whole pipeline step: every storage autograd keeps for backward
-    (de-duplicated, parameters and buffers excluded, a DTensor's local shard) is followed from the
-    chunk-forward that first saved it until autograd lets go of its last reference to it; after each
-    chunk-forward (and the loss) the bytes held are summed. The largest sum is the stage's saved
-    activations at its peak (`activation_peak_bytes`), with the chunk-forwards holding them then; the
-    first micro-batch's own bytes through each chunk give `activation_bytes`, as one rank measures."""
-
-    def __init__(self, model: PipelineChunks, stages: list[int]):
-        self.model, self.stages = model, stages
-        self.num_layers = sum(len(c.layers) for c in model)
-        self.excluded: set[int] = set()
-        self.live: dict[int, list] = {}  # storage key -> [weakref to it, references held, first tag, in layers]
-        self.tags: dict[tuple[int, int], int] = {}  # (virtual stage, micro-batch) -> references its forward saved, still held
-        self._refs: set = set()
-        self.tag: tuple[int, int] = (-1, -1)
-        self.in_layers = False
-        self.peak = self.peak_layers = 0
-        self.held: dict[int, int] = {}
-        self.first: dict[int, tuple[int, int]] = {}  # virtual stage -> (bytes, in-layer bytes) of micro-batch 0
-
-    def _exclude_parameters(self, *_: Any) -> None:
-        # FSDP2 swaps unsharded parameters in at a module's forward: read them where each runs.
-        for chunk in self.model:
-            for t in list(chunk.parameters()) + list(chunk.buffers()):
-                self.excluded.add(local(t).untyped_storage()._cdata)
-
-    def _pack(self, t: torch.Tensor):
-        import weakref
-
-        storage = local(t).untyped_storage()
-        key = storage._cdata
-        if key in self.excluded:
-            return t
-        entry = self.live.get(key)
-        if entry is None:
-            entry = self.live[key] = [weakref.ref(storage), 0, self.tag, self.in_layers]
-        entry[1] += 1
-        tag = self.tag
-        self.tags[tag] = self.tags.get(tag, 0) + 1
-        held = _Held(t.detach())
-
-        def release(_ref, key=key) -> None:
-            self._refs.discard(_ref)
-            self.tags[tag] -= 1
-            e = self.live.get(key)
-            if e is not None:
-                e[1] -= 1
-                if e[1] == 0:
-                    del self.live[key]
-
-        self._refs.add(weakref.ref(held, release))
-        return held
-
-    @staticmethod
-    def _unpack(held):
-        return held.tensor if isinstance(held, _Held) else held
-
-    @contextmanager
-    def watch(self) -> Iterator["ScheduleProbe"]:
-        """Follow what the schedule's step saves."""
-        handles = []
-        for stage in self.model:
-            handles += [stage.layers.register_forward_pre_hook(self._enter), stage.layers.register_forward_hook(self._leave)]
-            for module in [stage, *stage.layers]:
-                handles.append(module.register_forward_pre_hook(self._exclude_parameters))
-        self._exclude_parameters()
-        try:
-            with torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack):
-                yield self
-        finally:
-            for h in handles:
-                h.remove()
-            self.live.clear()
-            self.tags.clear()
-            self._refs.clear()
-
-    def _enter(self, *_: Any) -> None:
-        self.in_layers = True
-
-    def _leave(self, *_: Any) -> None:
-        self.in_layers = False
-
-    @contextmanager
-    def chunk_forward(self, stage: int, microbatch: int) -> Iterator[None]:
-        """Around one chunk-forward: what it saves is tagged with it; the sum is read after it."""
-        self.tag = (stage, microbatch)
-        yield
-        self.sample()
-
-    def sample(self) -> None:
-        """Sum what is held now; keep the largest sum, and micro-batch 0's own bytes per chunk."""
-        total = layers = 0
-        for ref, count, _tag, in_layers in self.live.values():
-            storage = ref()
-            nbytes = storage.nbytes() if storage is not None and count else 0  # freed: holds nothing
-            total += nbytes
-            layers += nbytes if in_layers else 0
-        if total > self.peak:
-            self.peak, self.peak_layers = total, layers
-            self.held = {}
-            for stage, _mb in (t for t, refs in self.tags.items() if refs and t[0] >= 0):
-                self.held[stage] = self.held.get(stage, 0) + 1
-        stage, microbatch = self.tag
-        if microbatch == 0:
-            mine = [(s.nbytes() if (s := e[0]()) is not None else 0, e[3]) for e in self.live.values() if e[2] == self.tag]
-            self.first[stage] = (sum(b for b, _ in mine), sum(b for b, inside in mine if inside))
-
-    def bytes(self) -> tuple[int, int]:
-        """(bytes, in-layer bytes) micro-batch 0 saves through this rank's chunks, each read when its
-        chunk-forward (and loss) ended."""
-        return sum(b for b, _ in self.first.values()), sum(x for _, x in self.first.values())
-
-    def fields(self) -> dict[str, Any]:
-        """The rank's pipeline figures: its stage, chunks, saved bytes at the peak and the micro-batches
-        held then (chunk-forwards over chunks per rank)."""
-        return {"activation_peak_bytes": self.peak, "activation_peak_layer_bytes": self.peak_layers,
-                "microbatches_in_flight": sum(self.held.values()) / len(self.stages),
-                "chunks_in_flight": {str(k): v for k, v in sorted(self.held.items())}}
 
 
 def pipeline_loss_and_grads(cfg: Config, tokens: torch.Tensor, device: torch.device,

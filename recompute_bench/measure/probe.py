@@ -4,7 +4,7 @@ this rank runs (`LocalFlopCounter`), and the routed tokens per expert of a MoE m
 The probe step is the point's first step, not timed: `FlopCounterMode` counts every FLOP of the whole
 step, recompute included (a tensor-parallel DTensor op by its local shards), and saved-tensor hooks
 around the first micro-batch's forward collect the storages autograd keeps for backward (a
-DTensor's local shard). `measure.pipeline.ScheduleProbe` is the pipeline's probe, with the same methods.
+DTensor's local shard). `measure.pipeline_probe.ScheduleProbe` is the pipeline's probe, with the same methods.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """One training step over the step's micro-batches (`Stepper`), and those micro-batches (`synthetic_batches`).
 
-A layout's stepper runs its steps (`measure.pipeline.PipelineStepper` through torch's pipeline
+A layout's stepper runs its steps (`measure.pipeline_step.PipelineStepper` through torch's pipeline
 schedule); it remembers the step and phase it is in, so a failure can say where, and injects the
 point's fault there (`measure.faults`).
 """
