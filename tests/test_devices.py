@@ -288,16 +288,21 @@ def nccl_like_group():
     dist.destroy_process_group()
 
 
-def test_a_pipelines_world_flops_are_summed_on_the_ranks_device(nccl_like_group, monkeypatch):
+@pytest.mark.parametrize("layout_kind", ["pipeline", "context parallel"])
+def test_world_flops_summed_over_ranks_are_summed_on_the_ranks_device(nccl_like_group, monkeypatch, layout_kind):
     # Every pipeline point on CUDA used to end in "No backend type associated with device type cpu"
-    # right after its probe step: the FLOPs were all-reduced as a CPU tensor. Here CUDA tensors are
-    # torch's fake tensors (shapes and devices, no data), so the sum itself cannot be read.
+    # right after its probe step: the FLOPs were all-reduced as a CPU tensor; a context-parallel
+    # point (its ranks' FLOPs differ too) had the same sum. Here CUDA tensors are torch's fake
+    # tensors (shapes and devices, no data), so the sum itself cannot be read.
     import torch.distributed as dist
     from torch._subclasses.fake_tensor import DataDependentOutputException, FakeTensorMode
+    from recompute_bench.measure.data_parallel import DataParallel
     from recompute_bench.measure.pipeline import PipelineParallel
 
-    layout = object.__new__(PipelineParallel)  # its mesh needs CUDA; world_flops needs only its device
+    # their meshes need CUDA; world_flops needs only the device (and, data parallel, its context)
+    layout = object.__new__(PipelineParallel if layout_kind == "pipeline" else DataParallel)
     layout.device_type = "cuda"
+    layout.context = object()
     seen = []
     real = dist.all_reduce
     monkeypatch.setattr(dist, "all_reduce", lambda t, *a, **k: seen.append(t.device.type) or real(t, *a, **k))

@@ -174,7 +174,12 @@ class DataParallel(SingleRank):
         blocks are its own), else this rank's times the world."""
         if self.context is None:
             return super().world_flops(local_flops)
-        total = torch.tensor(float(local_flops), dtype=torch.float64)
+        return self.summed_flops(local_flops)
+
+    def summed_flops(self, local_flops: int) -> int:
+        """Every rank's FLOPs summed, on this rank's device (NCCL reduces CUDA tensors only; "cuda"
+        is the current GPU, which `rank_device` set)."""
+        total = torch.tensor(float(local_flops), dtype=torch.float64, device=self.device_type)
         dist.all_reduce(total)
         return int(total.item())
 

@@ -210,11 +210,8 @@ class PipelineParallel(DataParallel):
 
     def world_flops(self, local_flops: int) -> int:
         """The step's FLOPs over every rank (stages differ: the first embeds, the last has the output
-        layer), summed on this rank's device (`DataParallel.device_type`; "cuda" is the current GPU,
-        which `rank_device` set)."""
-        total = torch.tensor(float(local_flops), dtype=torch.float64, device=self.device_type)
-        dist.all_reduce(total)
-        return int(total.item())
+        layer), summed (`DataParallel.summed_flops`)."""
+        return self.summed_flops(local_flops)
 
     def place(self) -> dict[str, Any]:
         """This rank's pipeline stage and model chunks (virtual stages), known before anything runs,
