@@ -17,8 +17,8 @@ from recompute_bench.analysis import flops
 from recompute_bench.analysis.harness.layer import layer_saved_bytes
 from recompute_bench.analysis.harness.rank import optimizer_bytes_per_parameter
 from recompute_bench.analysis.harness.stage import activation_bytes, embedding_saved_bytes
-from recompute_bench.models.context_parallel import (Block, attention_blocks, causal_key_chunks, causal_mask_rows, fused_blocks, rank_attention_pairs, rank_chunks, rank_positions, rank_ranges)
-from recompute_bench.models.cp_attention import BlockKernel, _keep_mask, merge
+from recompute_bench.models.context_parallel import (Block, attention_blocks, causal_key_chunks, fused_blocks, rank_attention_pairs, rank_chunks, rank_positions, rank_ranges)
+from recompute_bench.models.cp_attention import BlockKernel, _keep_mask, causal_block_mask, merge
 from recompute_bench.workload import resolved
 
 
@@ -32,6 +32,18 @@ def test_the_split_covers_the_sequence_once_and_balances_causal_work(cp):
     if cp == 2:
         assert rank_chunks(0, 2) == (0, 3) and rank_chunks(1, 2) == (1, 2)
         assert rank_ranges(16, 1, 2) == [(4, 8), (8, 12)]
+
+
+def causal_mask_rows(block: Block, n: int) -> list[int]:
+    """How many leading keys each query row of `block` keeps under the mask the block kernel applies
+    (`models.cp_attention.causal_block_mask`; a "full" block keeps every key)."""
+    rows, cols = n * len(block.q_chunks), n * len(block.k_chunks)
+    hidden = causal_block_mask(block, n, torch.device("cpu"))
+    if hidden is None:
+        return [cols] * rows
+    kept = (~hidden).sum(1)
+    assert torch.equal(hidden, torch.arange(cols).unsqueeze(0) >= kept.unsqueeze(1))  # the kept keys lead each row
+    return kept.tolist()
 
 
 def _kept_pairs(cp: int, comm: str, n: int, fused: bool) -> list[tuple[int, int]]:

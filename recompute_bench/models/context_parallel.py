@@ -149,19 +149,6 @@ def fused_blocks(blocks: list[Block]) -> list[Block]:
     return out
 
 
-def causal_mask_rows(block: Block, n: int) -> list[int]:
-    """For each query row of `block` (chunks of n positions), how many of its leading keys the causal
-    mask keeps: the keys whose sequence position is at most the query's. Keys are laid out in
-    `block.k_chunks` order, so the count is the keys of the chunks before the query's own chunk plus
-    the query's offset within its chunk + 1 (or every key of a chunk wholly before it)."""
-    kept = []
-    for qc in block.q_chunks:
-        for i in range(n):
-            position = qc * n + i
-            kept.append(sum(min(n, max(0, position - kc * n + 1)) for kc in block.k_chunks))
-    return kept
-
-
 def rank_attention_pairs(seq_length: int, cp: int, comm_type: str, fused: bool, kernel_pairs=None) -> int:
     """(query, key) pairs the attention of one sequence evaluates over all cp ranks: each rank's
     blocks (`attention_blocks`, as a fused kernel runs them when `fused`), each block whole except a

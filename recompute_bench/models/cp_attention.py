@@ -37,7 +37,8 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from recompute_bench.models.context_parallel import (CP_KERNELS, Block, attention_blocks, causal_mask_rows, chunk_length, fused_blocks, rank_chunks, rank_ranges, torch_ring_applies)
+from recompute_bench.models.context_parallel import (CP_KERNELS, Block, attention_blocks, chunk_count, chunk_length, fused_blocks, rank_chunks,
+                                                     rank_positions, rank_ranges, torch_ring_applies)
 
 # ----- merging partial softmaxes -----------------------------------------------------------------
 
@@ -58,13 +59,17 @@ def _keep_mask(shape, p: float, seed: int, device: torch.device) -> torch.Tensor
     return torch.empty(shape, device=device).bernoulli_(1 - p, generator=g).bool()
 
 
-def _explicit_mask(block: Block, n: int, device: torch.device) -> Optional[torch.Tensor]:
-    """True where the causal mask hides a (query, key) pair of `block` (None: a "full" block)."""
+def _positions(chunks: tuple[int, ...], n: int, device: torch.device) -> torch.Tensor:
+    """The sequence positions of `chunks` (n positions each), in order, made on `device`."""
+    return torch.cat([torch.arange(c * n, (c + 1) * n, device=device) for c in chunks])
+
+
+def causal_block_mask(block: Block, n: int, device: torch.device) -> Optional[torch.Tensor]:
+    """True where the causal mask hides a (query, key) pair of `block`: the key's sequence position is
+    after the query's (None: a "full" block). Made on the device, with no host loop, at every call."""
     if block.kind == "full":
         return None
-    kept = torch.tensor(causal_mask_rows(block, n), device=device)
-    cols = torch.arange(n * len(block.k_chunks), device=device)
-    return cols.unsqueeze(0) >= kept.unsqueeze(1)
+    return _positions(block.k_chunks, n, device).unsqueeze(0) > _positions(block.q_chunks, n, device).unsqueeze(1)
 
 
 def _repeat_kv(t: torch.Tensor, heads: int) -> torch.Tensor:
@@ -120,7 +125,7 @@ class BlockKernel:
     def _probs(self, q, k, block: Block, lse=None):
         heads = q.shape[1]
         scores = torch.matmul(q.float(), _repeat_kv(k, heads).float().transpose(-2, -1)) * self.scale
-        hidden = _explicit_mask(block, self.n, q.device)
+        hidden = causal_block_mask(block, self.n, q.device)
         if hidden is not None:
             scores = scores.masked_fill(hidden, float("-inf"))
         if lse is None:
@@ -197,8 +202,7 @@ class _Peers:
 
 def _sequence_order(cp: int, n: int, device: torch.device) -> torch.Tensor:
     """For the ranks' local positions laid end to end in rank order, each one's sequence position."""
-    return torch.tensor([start + i for r in range(cp) for start, stop in rank_ranges(2 * cp * n, r, cp)
-                         for i in range(stop - start)], device=device)
+    return torch.tensor([p for r in range(cp) for p in rank_positions(2 * cp * n, r, cp)], device=device)
 
 
 def _rows(block: Block, mine: tuple[int, ...], n: int) -> slice:
@@ -260,7 +264,7 @@ class _AttentionWithCP(torch.autograd.Function):
             whole = _kv_all_gather(peers, k, v, split.order)
             grads = torch.zeros(whole.shape, dtype=torch.float32, device=q.device)
             for i, block in enumerate(blocks):
-                keys = slice(block.k_chunks[0] * n, (block.k_chunks[-1] + 1) * n)
+                keys = _key_cols(block, n, split.all_chunks)
                 dk, dv = block_grads(i, block, whole[:, :, :, keys])
                 grads[0, :, :, keys] += dk
                 grads[1, :, :, keys] += dv
@@ -278,8 +282,7 @@ class _AttentionWithCP(torch.autograd.Function):
                 mine_now = torch.zeros(kv.shape, dtype=torch.float32, device=q.device)
                 theirs = rank_chunks((peers.rank - step) % peers.size, peers.size)
                 for i, block in blocks_now:
-                    first = theirs.index(block.k_chunks[0])
-                    cols = slice(first * n, (first + len(block.k_chunks)) * n)
+                    cols = _key_cols(block, n, theirs)
                     dk, dv = block_grads(i, block, kv[:, :, :, cols])
                     mine_now[0, :, :, cols] += dk
                     mine_now[1, :, :, cols] += dv
@@ -316,13 +319,19 @@ def _by_step(blocks: list[Block], steps: int) -> list[list[tuple[int, Block]]]:
     return out
 
 
+def _key_cols(block: Block, n: int, held: tuple[int, ...]) -> slice:
+    """The columns of `block`'s keys in a K/V buffer holding chunks `held` in order (the whole
+    sequence under all_gather, one rank's two chunks in the ring)."""
+    first = held.index(block.k_chunks[0])
+    return slice(first * n, (first + len(block.k_chunks)) * n)
+
+
 def _keys(split: "SequenceSplit", block: Block, kv, n: int) -> torch.Tensor:
     """The [2, b, groups, len, d] keys and values `block` reads from what `_walk` handed it."""
     if split.comm_type == "all_gather":
-        return kv[:, :, :, block.k_chunks[0] * n:(block.k_chunks[-1] + 1) * n]
+        return kv[:, :, :, _key_cols(block, n, split.all_chunks)]
     buffer, src = kv
-    first = rank_chunks(src, split.peers.size).index(block.k_chunks[0])
-    return buffer[:, :, :, first * n:(first + len(block.k_chunks)) * n]
+    return buffer[:, :, :, _key_cols(block, n, rank_chunks(src, split.peers.size))]
 
 
 # ----- torch's context_parallel (CUDA) ---------------------------------------------------------------
@@ -353,6 +362,8 @@ class SequenceSplit:
         self.peers = _Peers(group, cp_rank, cp)
         self.comm_type, self.seq_length, self.mesh = comm_type, seq_length, mesh
         self.chunks = rank_chunks(cp_rank, cp)
+        self.all_chunks = tuple(range(chunk_count(cp)))
+        """Every chunk of a sequence in order: what an all-gathered K/V buffer holds."""
         self.ranges = rank_ranges(seq_length, cp_rank, cp)
         self.n = chunk_length(seq_length, cp)
         self.order: Optional[torch.Tensor] = None
