@@ -292,7 +292,7 @@ def test_a_single_rank_sweep_passes_its_memory_limit_to_the_worker_and_records_i
     # "Would this fit a 40 GB card": the sweep's worker is started with the limit and caps its
     # allocator before it measures; the point's record says so in its launch, as `run`'s does.
     from recompute_bench.launch import worker
-    from recompute_bench.launch.sweep import Point, run_sweep
+    from recompute_bench.launch.sweep import Point, RunSettings, run_sweep
     from recompute_bench.launch.torchrun import Launch
     from recompute_bench.measure import memory, point
 
@@ -305,8 +305,8 @@ def test_a_single_rank_sweep_passes_its_memory_limit_to_the_worker_and_records_i
         return 0
 
     monkeypatch.setattr(launch, "run_group", fake_group)
-    [record] = run_sweep([Point("Baseline", config())], tmp_path / "capped", timeout_s=60, device="cuda",
-                         launch=Launch(memory_limit_gb=40.0))
+    [record] = run_sweep([Point("Baseline", config())], tmp_path / "capped",
+                         RunSettings(Launch(memory_limit_gb=40.0), device="cuda", timeout_s=60))
     assert commands[0][commands[0].index("--memory-limit-gb") + 1] == "40"
     assert record["launch"]["memory_limit_gb"] == 40.0 and record["launch"]["world_size"] == 1
 

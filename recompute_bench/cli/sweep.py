@@ -75,10 +75,11 @@ def sweep(
     try:
         if timeout <= 0:
             raise BadInput(f"--timeout must be a positive number of seconds, got {timeout:g}")
+        settings = RunSettings(launch, device, timeout, peak_tflops)
         saved = load_run_settings(results_dir / check_run_id(resume)) if resume else None
         if saved is not None:  # the resumed sweep's ranks, device, limits: as saved, unless retried otherwise
-            ran = saved.resumed(RunSettings(launch, device, timeout, peak_tflops), _given_on_the_command_line(ctx), resume)
-            launch, device, timeout, peak_tflops = ran.launch, ran.device, ran.timeout_s, ran.peak_tflops
+            settings = saved.resumed(settings, _given_on_the_command_line(ctx), resume)
+            launch, device, timeout = settings.launch, settings.device, settings.timeout_s
         kind = hardware_kind(device, point.gpu)
         request = SweepRequest(workload, point.overrides, point.sets, point.gpu or kind, split_list(modules),
                                split_list(methods), split_list(num_layers_recompute), baseline, grid,
@@ -105,8 +106,8 @@ def sweep(
     err.print(f"sweep {run}: {len(points)} points into {run_dir}/", highlight=False)
     try:
         with SweepProgress(len(points)) as progress:
-            records = run_sweep(points, run_dir, timeout_s=timeout, device=device, peak_tflops=peak_tflops,
-                                resume=bool(resume), launch=launch, on_start=progress.start, on_done=progress.done)
+            records = run_sweep(points, run_dir, settings, resume=bool(resume), on_start=progress.start,
+                                on_done=progress.done)
     except BadInput as e:
         raise fail(str(e)) from None
     except KeyboardInterrupt:

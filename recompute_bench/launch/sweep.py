@@ -330,8 +330,7 @@ class RunSettings:
     ones were."""
 
     def to_dict(self) -> dict[str, Any]:
-        return {"launch": dataclasses.asdict(self.launch), "device": self.device, "timeout_s": self.timeout_s,
-                "peak_tflops": self.peak_tflops}
+        return dataclasses.asdict(self)
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> "RunSettings":
@@ -339,8 +338,8 @@ class RunSettings:
 
     def values(self) -> dict[str, Any]:
         """Every setting by its field name (the launch's own included)."""
-        return {**dataclasses.asdict(self.launch), "device": self.device, "timeout_s": self.timeout_s,
-                "peak_tflops": self.peak_tflops}
+        own = self.to_dict()
+        return {**own.pop("launch"), **own}
 
     def resumed(self, given: "RunSettings", named: set[str], run: str) -> "RunSettings":
         """These saved settings with what a `--resume` command line `named` (field names) from
@@ -353,9 +352,10 @@ class RunSettings:
                 was = f"{flag} {saved[name]}" if saved[name] is not None else f"no {flag}"
                 raise BadInput(f"run {run} was launched with {was}, and a resumed sweep measures its remaining "
                                f"points as its first ones; drop {flag} {asked[name]}")
-        merged = {k: asked[k] if k in named and k in self.RETRY else v for k, v in saved.items()}
-        launch = Launch(**{f.name: merged[f.name] for f in dataclasses.fields(Launch)})
-        return RunSettings(launch, merged["device"], merged["timeout_s"], merged["peak_tflops"])
+        retried = {name: asked[name] for name in named if name in self.RETRY}
+        of_launch = {f.name for f in dataclasses.fields(Launch)}
+        launch = dataclasses.replace(self.launch, **{k: v for k, v in retried.items() if k in of_launch})
+        return dataclasses.replace(self, launch=launch, **{k: v for k, v in retried.items() if k not in of_launch})
 
 
 def plan_to_dict(points: list[Point], settings: RunSettings | None = None) -> dict:
@@ -430,8 +430,7 @@ def ctrl_c_interrupts():
         signal.signal(signal.SIGINT, previous)
 
 
-def run_sweep(points: list[Point], run_dir: Path, *, timeout_s: float, device: str | None = None,
-              peak_tflops: float | None = None, resume: bool = False, launch: Launch | None = None,
+def run_sweep(points: list[Point], run_dir: Path, settings: RunSettings, *, resume: bool = False,
               on_start: Callable[[Point, int], None] | None = None,
               on_done: Callable[[Point, dict, float, bool], None] | None = None) -> list[dict]:
     """Measure every point of the plan into `run_dir` and return one record per point, in plan order.
@@ -440,9 +439,10 @@ def run_sweep(points: list[Point], run_dir: Path, *, timeout_s: float, device: s
     plan; a run that already has results is only continued with `resume=True`. `on_start(point,
     index)` and `on_done(point, record, seconds, skipped)` let the caller show progress. Ctrl-C
     raises KeyboardInterrupt (even when SIGINT was ignored at start) once the running point's
-    worker is killed; every finished record is already in `results.jsonl`. With a `launch` of more
-    than one rank, each point runs under torchrun (`launch.torchrun.run_ranks`).
+    worker is killed; every finished record is already in `results.jsonl`. With a launch of more
+    than one rank (`settings.launch`), each point runs under torchrun (`launch.torchrun.run_ranks`).
     """
+    launch, device, timeout_s, peak_tflops = settings.launch, settings.device, settings.timeout_s, settings.peak_tflops
     run_dir = Path(run_dir)
     results_file = run_dir / RESULTS_FILE
     with ctrl_c_interrupts(), RunLock(run_dir):
@@ -451,8 +451,7 @@ def run_sweep(points: list[Point], run_dir: Path, *, timeout_s: float, device: s
                               f"`{resume_command(run_dir)}` or pass another --run-id")
         if not (run_dir / PLAN_FILE).exists() or load_run_settings(run_dir) is None:
             # a new plan, or one saved before plans kept their launch: from now on it does
-            write_json_atomic(run_dir / PLAN_FILE, plan_to_dict(points, RunSettings(launch or Launch(), device,
-                                                                                    timeout_s, peak_tflops)))
+            write_json_atomic(run_dir / PLAN_FILE, plan_to_dict(points, settings))
         done = done_points(results_file) if resume else {}
         records = []
         for index, point in enumerate(points):
@@ -466,16 +465,15 @@ def run_sweep(points: list[Point], run_dir: Path, *, timeout_s: float, device: s
                 on_start(point, index)
             t0 = time.monotonic()
             safe = point.name.replace(" ", "_").replace("/", "_")
-            if launch is not None and launch.world_size > 1:
+            if launch.world_size > 1:
                 record = run_ranks(point.cfg, launch, name=point.name, pieces=run_dir / "work" / safe,
                                    log_path=run_dir / "logs" / f"{safe}.log", timeout_s=timeout_s,
                                    device=device, peak_tflops=peak_tflops)
             else:
-                one = launch or Launch()
                 record = run_isolated(point.cfg, name=point.name, out_path=run_dir / "work" / f"{safe}.json",
                                       log_path=run_dir / "logs" / f"{safe}.log", timeout_s=timeout_s,
-                                      device=device, peak_tflops=peak_tflops, memory_limit_gb=one.memory_limit_gb)
-                record["launch"] = one.record()  # as `run` records it: the memory limit included
+                                      device=device, peak_tflops=peak_tflops, memory_limit_gb=launch.memory_limit_gb)
+                record["launch"] = launch.record()  # as `run` records it: the memory limit included
             record["point"] = {"name": point.name, "index": index, "run_id": run_dir.name}
             append_record(results_file, record)
             records.append(record)
