@@ -243,9 +243,10 @@ def test_plan_over_gpus_answers_the_long_sequence_question_as_the_docs_show_it()
     result = invoke(*shlex.split(blocks[i].strip())[1:], "--json")
     assert result.exit_code == 0, result.output
     printed = " ".join(result.output.split())
-    for row in blocks[i + 1].splitlines():
-        if row.startswith(("│", "recommended", "in Megatron")):
-            assert " ".join(row.split()) in printed, row
+    shown = [row for row in blocks[i + 1].splitlines() if row.startswith(("│", "recommended", "in Megatron"))]
+    assert len(shown) == 6  # four layouts, the recommendation, its flags
+    for row in shown:
+        assert " ".join(row.split()) in printed, row
     import json
     plan = json.loads(result.stdout)
     rows = {r["context_parallel_size"]: r for r in plan["layouts"]}
