@@ -102,10 +102,16 @@ class Planner:
         self.cfg, self.run, self.rates = cfg, run, rates
         self.budget, self.fraction, self.fixed = budget, fraction, fixed
         self.parameters = [stage_parameter_groups(cfg, s) for s in range(cfg.parallel.pipeline_model_parallel_size)]
+        self.times: dict[str, StepTime] = {}
+        """Each setting's step time, by its label: priced once however often the plan asks."""
+        self.searched: tuple[list[dict[str, Any]], list[dict[str, str]]] | None = None
         self.none_step = self.time(RecomputeConfig()).step_seconds
 
     def time(self, r: RecomputeConfig) -> StepTime:
-        return step_time(with_recompute(self.cfg, r), self.run, self.rates, self.parameters)
+        key = label(r)
+        if key not in self.times:
+            self.times[key] = step_time(with_recompute(self.cfg, r), self.run, self.rates, self.parameters)
+        return self.times[key]
 
     def row(self, r: RecomputeConfig) -> dict[str, Any]:
         """One setting priced: BadInput where Megatron refuses it or a model cannot price it."""
@@ -128,15 +134,18 @@ class Planner:
         }
 
     def search(self) -> tuple[list[dict[str, Any]], list[dict[str, str]]]:
-        """Every candidate priced, and those left out with the reason (one line per reason)."""
-        rows, excluded = [], {}
-        for r in candidate_settings(self.cfg, self.run):
-            try:
-                rows.append(self.row(r))
-            except BadInput as e:
-                reason = str(e).split(";")[0]
-                excluded.setdefault(reason, []).append(label(r))
-        return rows, [{"reason": reason, "settings": _span(labels)} for reason, labels in excluded.items()]
+        """Every candidate priced, and those left out with the reason (one line per reason); searched
+        once, the same rows handed to every later caller."""
+        if self.searched is None:
+            rows, excluded = [], {}
+            for r in candidate_settings(self.cfg, self.run):
+                try:
+                    rows.append(self.row(r))
+                except BadInput as e:
+                    reason = str(e).split(";")[0]
+                    excluded.setdefault(reason, []).append(label(r))
+            self.searched = rows, [{"reason": reason, "settings": _span(labels)} for reason, labels in excluded.items()]
+        return self.searched
 
 
 def _span(labels: list[str]) -> str:
@@ -196,11 +205,12 @@ def shown(rows: list[dict[str, Any]], current: str | None = None) -> tuple[list[
 
 
 def megatron_plan(cfg: Config, run: MegatronRun, rates: GpuRates, budget: float, fraction: float, fixed: float,
-                  gpus: int | None = None, mark_current: bool = False) -> dict[str, Any]:
+                  gpus: int | None = None, mark_current: bool = False, auto: bool = False) -> dict[str, Any]:
     """The plan: every setting priced (`settings`), those that fit fastest first (`fits`), the one
     to use (`recommended`, with its flags and its time's parts), and when nothing fits the layouts
     that would (`would_fit`). `mark_current`: cfg's own recompute setting is the run's (read from
-    its file), listed wherever it fits and named in `current`."""
+    its file), listed wherever it fits and named in `current`. `auto`: also what a per-stage or
+    per-layer choice would gain (`auto`, `auto_plan` over the same priced settings)."""
     planner = Planner(cfg, run, rates, budget, fraction, fixed)
     rows, excluded = planner.search()
     if not rows:
@@ -240,13 +250,15 @@ def megatron_plan(cfg: Config, run: MegatronRun, rates: GpuRates, budget: float,
                              f"allocator holds under {(budget - best['peak_allocated_bytes'] - fixed) / gib:.1f} GiB above "
                              f"its {best['peak_allocated_bytes'] / gib:.1f} GiB allocated peak: run with "
                              f"PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True")
-        return out
-    out["reason"] = (f"nothing fits: the smallest setting ({smallest['label']}) peaks at "
-                     f"{smallest['peak_allocated_bytes'] / 2**30:.1f} GiB allocated on stage {smallest['peak_stage']}, "
-                     f"{smallest['device_bytes_needed'] / 2**30:.1f} GiB with the allowance, of {budget / 2**30:.1f} GiB")
-    if static + fixed > budget:
-        out["reason"] += f" (parameters, gradients and optimizer state alone hold {static / 2**30:.1f} GiB)"
-    out["would_fit"] = would_fit(cfg, run, rates, budget, fraction, fixed, gpus, planner.none_step)
+    else:
+        out["reason"] = (f"nothing fits: the smallest setting ({smallest['label']}) peaks at "
+                         f"{smallest['peak_allocated_bytes'] / 2**30:.1f} GiB allocated on stage {smallest['peak_stage']}, "
+                         f"{smallest['device_bytes_needed'] / 2**30:.1f} GiB with the allowance, of {budget / 2**30:.1f} GiB")
+        if static + fixed > budget:
+            out["reason"] += f" (parameters, gradients and optimizer state alone hold {static / 2**30:.1f} GiB)"
+        out["would_fit"] = would_fit(cfg, run, rates, budget, fraction, fixed, gpus, planner.none_step)
+    if auto:
+        out["auto"] = auto_plan(planner, next((r for r in fits if r["fit"] == FITS), None))
     return out
 
 
@@ -411,10 +423,10 @@ def _policy_config(cfg: Config, pattern: list[LayerPolicy], distribute: bool = F
     return with_recompute(cfg, RecomputeConfig(layer_policy=entries, distribute_saved_activations=distribute))
 
 
-def auto_plan(cfg: Config, run: MegatronRun, rates: GpuRates, budget: float, fraction: float, fixed: float,
-              uniform: dict[str, Any] | None) -> dict[str, Any]:
+def auto_plan(planner: Planner, uniform: dict[str, Any] | None) -> dict[str, Any]:
     """What choosing per pipeline stage, or per layer within each stage's model chunks, would gain
-    over the best uniform setting `uniform` (a row of `megatron_plan`, or None when none fits).
+    over the best uniform setting `uniform` (a row of `megatron_plan`, or None when none fits), with
+    `planner`'s settings and step times (those `megatron_plan` priced, not priced again).
     Per stage: each stage runs the fastest uniform setting that fits it. Per layer: each stage runs,
     in every model chunk, k layers of one choice and the rest of another (none, a selective subset,
     or a whole-layer checkpoint), the fastest such mix that fits. The pipeline is paced by its
@@ -429,10 +441,11 @@ def auto_plan(cfg: Config, run: MegatronRun, rates: GpuRates, budget: float, fra
     from recompute_bench.analysis.megatron.time_model import checkpoint_ops, layer_key, layer_seconds, op_times
     from recompute_bench.config.pipeline_split import model_chunks
 
+    cfg, run, rates = planner.cfg, planner.run, planner.rates
+    budget, fraction, fixed = planner.budget, planner.fraction, planner.fixed
     par = cfg.parallel
     p, vp = par.pipeline_model_parallel_size, par.virtual_pipeline_model_parallel_size or 1
     n = layers_per_model_chunk(cfg)
-    planner = Planner(cfg, run, rates, budget, fraction, fixed)
 
     def fits_stage(c: Config, s: int) -> bool:
         return fit(stage_peak(c, s, run).peak_allocated_bytes, budget, fraction, fixed) == FITS
@@ -441,12 +454,12 @@ def auto_plan(cfg: Config, run: MegatronRun, rates: GpuRates, budget: float, fra
         return (cfg.num_microbatches + (p - 1) / vp) * max(stage_micro) + planner.time(RecomputeConfig()).optimizer_seconds
 
     rows, _ = planner.search()
-    times = {row["label"]: planner.time(RecomputeConfig(**row["recompute"])) for row in rows}
+    times = planner.times  # every row's, priced by the search
     per_stage: list[dict[str, Any] | None] = []
     for s in range(p):
         best = None
         for row in sorted(speed_order(rows), key=lambda r: round(times[r["label"]].microbatch_seconds[s], 12)):
-            if fits_stage(with_recompute(cfg, RecomputeConfig(**row["recompute"])), s):
+            if fit(row["stages"][s]["peak_allocated_bytes"], budget, fraction, fixed) == FITS:
                 best = {"stage": s, "setting": row["label"], "microbatch_seconds": times[row["label"]].microbatch_seconds[s]}
                 break
         per_stage.append(best)
