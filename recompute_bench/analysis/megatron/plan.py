@@ -26,15 +26,11 @@ from recompute_bench.analysis.megatron.parameters import stage_parameter_groups
 from recompute_bench.analysis.megatron.stage import stage_peak, stage_peaks
 from recompute_bench.analysis.megatron.time_model import StepTime, step_time
 from recompute_bench.config.rules import layers_per_model_chunk, validate
-from recompute_bench.config.schema import OFFLOAD_MODULES, BadInput, Config, RecomputeConfig
+from recompute_bench.config.schema import OFFLOAD_MODULES, BadInput, Config, RecomputeConfig, with_setting
 from recompute_bench.recompute.policy import LayerPolicy, megatron_setting
 from recompute_bench.recompute.settings import selective_settings
 
 PLAN_SCHEMA = "recompute-bench/plan-megatron/v1"
-
-
-def with_recompute(cfg: Config, r: RecomputeConfig) -> Config:
-    return dataclasses.replace(cfg, recompute=r)
 
 
 def offload_groups(cfg: Config, run: MegatronRun) -> tuple[list[str], list[str]]:
@@ -49,7 +45,7 @@ def offload_groups(cfg: Config, run: MegatronRun) -> tuple[list[str], list[str]]
     moving, inert = [], []
     for module in OFFLOAD_MODULES:
         listed = [module, "core_attn"] if module == "attn_proj" else [module]
-        probe = with_recompute(cfg, RecomputeConfig(fine_grained_activation_offloading=True, offload_modules=listed))
+        probe = with_setting(cfg, RecomputeConfig(fine_grained_activation_offloading=True, offload_modules=listed))
         moved = any(offload_group(name) == module
                     for i in kinds.values() for name in fine_grained_offloaded(probe, layer_saved_bytes(probe, run, (), i)))
         (moving if moved else inert).append(module)
@@ -110,12 +106,12 @@ class Planner:
     def time(self, r: RecomputeConfig) -> StepTime:
         key = label(r)
         if key not in self.times:
-            self.times[key] = step_time(with_recompute(self.cfg, r), self.run, self.rates, self.parameters)
+            self.times[key] = step_time(with_setting(self.cfg, r), self.run, self.rates, self.parameters)
         return self.times[key]
 
     def row(self, r: RecomputeConfig) -> dict[str, Any]:
         """One setting priced: BadInput where Megatron refuses it or a model cannot price it."""
-        cfg = with_recompute(self.cfg, r)
+        cfg = with_setting(self.cfg, r)
         validate(cfg)
         stages = stage_peaks(cfg, self.run)
         st = self.time(r)
@@ -218,7 +214,7 @@ def megatron_plan(cfg: Config, run: MegatronRun, rates: GpuRates, budget: float,
     current = label(cfg.recompute) if mark_current and any(r["label"] == label(cfg.recompute) for r in rows) else None
     fits, same, dominated = shown(rows, current)
     smallest = min(rows, key=lambda r: r["peak_allocated_bytes"])
-    static = max(st.static_bytes for st in stage_peaks(with_recompute(cfg, RecomputeConfig()), run))
+    static = max(st.static_bytes for st in stage_peaks(with_setting(cfg, RecomputeConfig()), run))
     out: dict[str, Any] = {
         "schema": PLAN_SCHEMA, "framework": "megatron", "workload": cfg.workload, "config": cfg.to_dict(),
         "gpu": run.gpu, "gpus": gpus if gpus is not None else cfg.parallel.world_size, "rates": rates_row(rates),
@@ -288,7 +284,7 @@ def time_notes(cfg: Config, run: MegatronRun) -> list[str]:
 def check_budget(cfg: Config, run: MegatronRun, budget: float, fixed: float) -> None:
     """BadInput when the budget is below what a rank holds with no activations at all: its
     parameters, gradients, optimizer state and buffers, plus the fixed allowance."""
-    stages = stage_peaks(with_recompute(cfg, RecomputeConfig()), run)
+    stages = stage_peaks(with_setting(cfg, RecomputeConfig()), run)
     worst = max(stages, key=lambda s: s.static_bytes)
     if worst.static_bytes + fixed > budget:
         raise BadInput(f"--memory-gb {budget / 2**30:g} is below what stage {worst.stage} holds before any activation: "
@@ -306,8 +302,8 @@ def _layout(cfg: Config, gpus: int | None, **parallel: Any) -> Config:
         model_parallel = par.tensor_model_parallel_size * par.pipeline_model_parallel_size * par.context_parallel_size
         if gpus % model_parallel:
             raise BadInput(f"{gpus} GPUs do not divide into tp x pp x cp = {model_parallel}")
-        par = dataclasses.replace(par, data_parallel_size=gpus // model_parallel)
-    return dataclasses.replace(cfg, parallel=par)
+        parallel["data_parallel_size"] = gpus // model_parallel
+    return with_setting(cfg, **parallel)
 
 
 def layout_changes(cfg: Config, gpus: int | None) -> list[tuple[str, Callable[[], Config]]]:
@@ -384,7 +380,7 @@ def _choices(cfg: Config, run: MegatronRun, rates: GpuRates) -> list[tuple[str, 
     for k in range(1, len(targets) + 1):
         for subset in combinations(targets, k):
             try:
-                validate(with_recompute(cfg, RecomputeConfig("selective", list(subset))))
+                validate(with_setting(cfg, RecomputeConfig("selective", list(subset))))
             except BadInput:
                 continue
             out.append((f"selective[{','.join(subset)}]", lambda i, s=frozenset(subset): LayerPolicy(modules=s)))
@@ -420,7 +416,7 @@ def _policy_config(cfg: Config, pattern: list[LayerPolicy], distribute: bool = F
     n = len(pattern)
     entries = [dataclasses.replace(pattern[j % n], chunk=j).entry if pattern[j % n].chunk is not None
                else pattern[j % n].entry for j in range(cfg.model.num_layers)]
-    return with_recompute(cfg, RecomputeConfig(layer_policy=entries, distribute_saved_activations=distribute))
+    return with_setting(cfg, RecomputeConfig(layer_policy=entries, distribute_saved_activations=distribute))
 
 
 def auto_plan(planner: Planner, uniform: dict[str, Any] | None) -> dict[str, Any]:
@@ -467,7 +463,7 @@ def auto_plan(planner: Planner, uniform: dict[str, Any] | None) -> dict[str, Any
     per_layer: list[dict[str, Any] | None] = []
     choices = _choices(cfg, run, rates)
     try:  # Megatron's rule: distributed checkpoint inputs need tensor parallel without sequence parallel
-        validate(with_recompute(cfg, RecomputeConfig("full", [], "block", 1, distribute_saved_activations=True)))
+        validate(with_setting(cfg, RecomputeConfig("full", [], "block", 1, distribute_saved_activations=True)))
         distributions = [False, True]
     except BadInput:
         distributions = [False]
@@ -480,7 +476,7 @@ def auto_plan(planner: Planner, uniform: dict[str, Any] | None) -> dict[str, Any
             rerun[key] = layer_seconds(cfg, run, rates, policy, layer)["recompute"]
         return rerun[key]
 
-    distributed = with_recompute(cfg, RecomputeConfig("full", [], "block", 1, distribute_saved_activations=True))
+    distributed = with_setting(cfg, RecomputeConfig("full", [], "block", 1, distribute_saved_activations=True))
     checkpoint_cost = sum(op_times(checkpoint_ops(distributed, [LayerPolicy(chunk=0)]), rates).values()) \
         if True in distributions else 0.0
     pairs = [(x, x) for x in choices] + [(x, y) for x in choices for y in choices if x[0] != y[0]]
