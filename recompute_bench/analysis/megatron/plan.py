@@ -20,14 +20,14 @@ from typing import Any, Callable
 from recompute_bench.analysis.allowance import (FITS, OVER, TIGHT, allowance_parts, allowance_row,
                                                 device_bytes_needed, fit)
 from recompute_bench.analysis.gpu_rates import GpuRates, rates_row
-from recompute_bench.analysis.megatron.flags import megatron_lm, pasteable
+from recompute_bench.analysis.megatron.flags import pasteable
 from recompute_bench.analysis.megatron.gpu import MegatronRun
 from recompute_bench.analysis.megatron.parameters import stage_parameter_groups
 from recompute_bench.analysis.megatron.stage import stage_peak, stage_peaks
 from recompute_bench.analysis.megatron.time_model import StepTime, step_time
 from recompute_bench.config.rules import layers_per_model_chunk, validate
 from recompute_bench.config.schema import OFFLOAD_MODULES, BadInput, Config, RecomputeConfig, with_setting
-from recompute_bench.recompute.policy import LayerPolicy, megatron_setting
+from recompute_bench.recompute.policy import LayerPolicy, megatron_flags, megatron_setting
 from recompute_bench.recompute.settings import selective_settings
 
 PLAN_SCHEMA = "recompute-bench/plan-megatron/v1"
@@ -538,7 +538,7 @@ def _megatron_note(out: dict[str, Any], uniform: dict[str, Any] | None) -> str:
     """Whether Megatron can run the per-layer plan, and what to run instead."""
     layer = out["per_layer"]
     instead = (f"run the best uniform setting instead: {uniform['label']} ("
-               + (" ".join(megatron_lm(RecomputeConfig(**uniform["recompute"]))) or "no recompute flags") + ")"
+               + (" ".join(megatron_flags(RecomputeConfig(**uniform["recompute"]))) or "no recompute flags") + ")"
                if uniform else "no uniform setting fits")
     if layer is None or layer["step_seconds"] is None:
         return f"no per-layer policy fits either; {instead}"
