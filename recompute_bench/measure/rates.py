@@ -18,8 +18,8 @@ from typing import Any, Callable
 
 import torch
 
+from recompute_bench.analysis.cache import read_or_measure
 from recompute_bench.analysis.gpu_rates import RATES_SCHEMA, rates_cache_path, read_rates_profile
-from recompute_bench.analysis.harness.profile_costs import write_cached
 from recompute_bench.config.schema import BadInput
 from recompute_bench.measure.telemetry import device_name
 from recompute_bench.measure.timing import cuda_event
@@ -77,10 +77,5 @@ def cached_rates(folder: Path = Path("results/profiles")) -> tuple[dict[str, Any
         raise BadInput("--profile measures this machine's GPU, and there is none here; drop --profile (the datasheet "
                        "rates of --gpu price the plan)")
     device = torch.device("cuda", torch.cuda.current_device())
-    path = rates_cache_path(device_name(device), folder)
-    cached = read_rates_profile(path)
-    if cached is not None:
-        return cached, path, True
-    profile = measure_rates(device)
-    write_cached(path, profile)
-    return profile, path, False
+    return read_or_measure(rates_cache_path(device_name(device), folder), read_rates_profile,
+                           lambda: measure_rates(device))
