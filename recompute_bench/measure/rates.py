@@ -7,7 +7,8 @@ machine's GPU, and cache them (the format and how they override the datasheet:
   (what Transformer Engine's FP8 GEMMs run on Hopper and newer), where this GPU and torch run it;
 - HBM bytes/s: a device-to-device copy of 1 GiB (it reads and writes 1 GiB each).
 
-Each run is timed with CUDA events on the device's stream. NVLink needs two GPUs and is not measured.
+Each run is timed with CUDA events on the device's stream (`measure.timing.timed`). NVLink needs two
+GPUs and is not measured.
 """
 
 from __future__ import annotations
@@ -22,23 +23,17 @@ from recompute_bench.analysis.cache import read_or_measure
 from recompute_bench.analysis.gpu_rates import RATES_SCHEMA, rates_cache_path, read_rates_profile
 from recompute_bench.config.schema import BadInput
 from recompute_bench.measure.telemetry import device_name
-from recompute_bench.measure.timing import cuda_event
+from recompute_bench.measure.timing import timed
 
 MATMUL_SIZE = 8192
 COPY_BYTES = 2**30
 
 
 def _median_seconds(device: torch.device, fn: Callable[[], Any], warmup: int, steps: int) -> float:
+    """The median of `steps` runs of `fn` on `device`, each timed by `measure.timing.timed`, after `warmup` runs."""
     for _ in range(warmup):
         fn()
-    times = []
-    for _ in range(steps):
-        start = cuda_event(device)
-        fn()
-        stop = cuda_event(device)
-        stop.synchronize()
-        times.append(start.elapsed_time(stop) / 1e3)
-    return statistics.median(times)
+    return statistics.median([timed(device, fn) for _ in range(steps)])
 
 
 def _fp8_flops(device: torch.device, warmup: int, steps: int) -> float | None:
