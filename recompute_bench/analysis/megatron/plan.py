@@ -462,8 +462,9 @@ def auto_plan(planner: Planner, uniform: dict[str, Any] | None) -> dict[str, Any
 
     per_layer: list[dict[str, Any] | None] = []
     choices = _choices(cfg, run, rates)
+    distributed = with_setting(cfg, RecomputeConfig("full", [], "block", 1, distribute_saved_activations=True))
     try:  # Megatron's rule: distributed checkpoint inputs need tensor parallel without sequence parallel
-        validate(with_setting(cfg, RecomputeConfig("full", [], "block", 1, distribute_saved_activations=True)))
+        validate(distributed)
         distributions = [False, True]
     except BadInput:
         distributions = [False]
@@ -476,7 +477,6 @@ def auto_plan(planner: Planner, uniform: dict[str, Any] | None) -> dict[str, Any
             rerun[key] = layer_seconds(cfg, run, rates, policy, layer)["recompute"]
         return rerun[key]
 
-    distributed = with_setting(cfg, RecomputeConfig("full", [], "block", 1, distribute_saved_activations=True))
     checkpoint_cost = sum(op_times(checkpoint_ops(distributed, [LayerPolicy(chunk=0)]), rates).values()) \
         if True in distributions else 0.0
     pairs = [(x, x) for x in choices] + [(x, y) for x in choices for y in choices if x[0] != y[0]]
