@@ -206,7 +206,9 @@ def megatron_plan(cfg: Config, run: MegatronRun, rates: GpuRates, budget: float,
     to use (`recommended`, with its flags and its time's parts), and when nothing fits the layouts
     that would (`would_fit`). `mark_current`: cfg's own recompute setting is the run's (read from
     its file), listed wherever it fits and named in `current`. `auto`: also what a per-stage or
-    per-layer choice would gain (`auto`, `auto_plan` over the same priced settings)."""
+    per-layer choice would gain (`auto`, `auto_plan` over the same priced settings). BadInput when
+    the budget is below what a rank holds before any activation (`check_budget`)."""
+    check_budget(cfg, run, budget, fixed)
     planner = Planner(cfg, run, rates, budget, fraction, fixed)
     rows, excluded = planner.search()
     if not rows:
@@ -214,7 +216,6 @@ def megatron_plan(cfg: Config, run: MegatronRun, rates: GpuRates, budget: float,
     current = label(cfg.recompute) if mark_current and any(r["label"] == label(cfg.recompute) for r in rows) else None
     fits, same, dominated = shown(rows, current)
     smallest = min(rows, key=lambda r: r["peak_allocated_bytes"])
-    static = max(st.static_bytes for st in stage_peaks(with_setting(cfg, RecomputeConfig()), run))
     out: dict[str, Any] = {
         "schema": PLAN_SCHEMA, "framework": "megatron", "workload": cfg.workload, "config": cfg.to_dict(),
         "gpu": run.gpu, "gpus": gpus if gpus is not None else cfg.parallel.world_size, "rates": rates_row(rates),
@@ -250,8 +251,6 @@ def megatron_plan(cfg: Config, run: MegatronRun, rates: GpuRates, budget: float,
         out["reason"] = (f"nothing fits: the smallest setting ({smallest['label']}) peaks at "
                          f"{smallest['peak_allocated_bytes'] / 2**30:.1f} GiB allocated on stage {smallest['peak_stage']}, "
                          f"{smallest['device_bytes_needed'] / 2**30:.1f} GiB with the allowance, of {budget / 2**30:.1f} GiB")
-        if static + fixed > budget:
-            out["reason"] += f" (parameters, gradients and optimizer state alone hold {static / 2**30:.1f} GiB)"
         out["would_fit"] = would_fit(cfg, run, rates, budget, fraction, fixed, gpus, planner.none_step)
     if auto:
         out["auto"] = auto_plan(planner, next((r for r in fits if r["fit"] == FITS), None))
