@@ -14,6 +14,7 @@ from recompute_bench.analysis.megatron import MegatronRun, flags, stage_peaks
 from recompute_bench.analysis.megatron.plan import candidate_settings, megatron_plan, speed_order
 from recompute_bench.analysis.megatron.time_model import step_time
 from recompute_bench.config.schema import RecomputeConfig
+from recompute_bench.recompute.policy import megatron_flags
 
 RUN = MegatronRun("h100")
 H100 = gpu_rates.datasheet_rates("h100")
@@ -153,15 +154,21 @@ def test_flags_for_each_kind_of_setting():
     assert flags.bridge_perf_script(RecomputeConfig("full", [], "uniform", 2)) == \
         ["model.recompute_granularity=full", "model.recompute_method=uniform", "model.recompute_num_layers=2"]
     none = RecomputeConfig()
-    assert flags.megatron_lm(none) == []
+    assert megatron_flags(none) == []
     assert flags.bridge_overrides(none) == ["cfg.model.recompute_granularity = None", "cfg.model.recompute_modules = []"]
     assert flags.bridge_perf_script(none) == ["model.recompute_granularity=null", "model.recompute_modules=[]"]
     distributed = RecomputeConfig("full", [], "uniform", 1, distribute_saved_activations=True)
-    assert flags.megatron_lm(distributed)[-1] == "--distribute-saved-activations"
+    assert megatron_flags(distributed)[-1] == "--distribute-saved-activations"
     assert "cfg.model.distribute_saved_activations = True" in flags.bridge_overrides(distributed)
     offload = RecomputeConfig(activation_offload_layers=3)
-    assert flags.megatron_lm(offload) == ["--cpu-offloading-num-layers", "3"]
+    # Megatron-LM switches layer offload on with --cpu-offloading (newer releases also from N > 0)
+    assert megatron_flags(offload) == ["--cpu-offloading", "--cpu-offloading-num-layers", "3"]
+    assert flags.pasteable(offload)["megatron_lm"] == megatron_flags(offload)
     assert flags.bridge_perf_script(offload) == ["-ol", "3"]
+    fine = RecomputeConfig("selective", ["mlp"], fine_grained_activation_offloading=True,
+                           offload_modules=["qkv_linear", "core_attn"])
+    assert megatron_flags(fine) == ["--recompute-granularity", "selective", "--recompute-modules", "mlp",
+                                    "--fine-grained-activation-offloading", "--offload-modules", "qkv_linear", "core_attn"]
 
 
 def test_nothing_fits_exits_1_and_says_which_layouts_would():

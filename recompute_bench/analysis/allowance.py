@@ -58,7 +58,7 @@ def allowance_parts(peak_allocated: float, fraction: float, fixed: float) -> dic
 def fit(peak_allocated: float, budget: float, fraction: float, fixed: float) -> str:
     """FITS: the peak plus the whole allowance fits the budget; TIGHT: only the peak plus the fixed
     part does (it fits if the allocator's fragmentation stays below what is left); OVER: not even that."""
-    if peak_allocated * (1 + fraction) + fixed <= budget:
+    if device_bytes_needed(peak_allocated, fraction, fixed) <= budget:
         return FITS
     if peak_allocated + fixed <= budget:
         return TIGHT

@@ -12,12 +12,11 @@ a roofline, and where a kernel runs below it the docs say which (docs/plan-megat
 from __future__ import annotations
 
 import dataclasses
-import hashlib
-import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from recompute_bench.analysis.cache import cache_file, read_json
 from recompute_bench.config.schema import BadInput
 
 RATES_SCHEMA = "recompute-bench/gpu-rates/v1"
@@ -140,19 +139,14 @@ PROFILE_FIELDS = ("bf16_flops", "fp8_flops", "hbm_bytes_per_s")
 
 def rates_cache_path(device_name: str, folder: Path = Path("results/profiles")) -> Path:
     """results/profiles/rates-<device>-<hash of the name>.json."""
-    digest = hashlib.sha256(device_name.encode()).hexdigest()[:8]
-    slug = "".join(c if c.isalnum() else "-" for c in device_name.lower()).strip("-")
-    return Path(folder) / f"rates-{slug}-{digest}.json"
+    return cache_file(folder, device_name, device_name, 8, prefix="rates-")
 
 
 def read_rates_profile(path: Path) -> dict[str, Any] | None:
     """The rates profile at `path`, or None when there is none; BadInput when it is not one."""
-    try:
-        data = json.loads(Path(path).read_text())
-    except FileNotFoundError:
+    data = read_json(path, "rates profile")
+    if data is None:
         return None
-    except (OSError, ValueError) as e:
-        raise BadInput(f"rates profile {path} cannot be read ({e}); delete it to measure again") from None
     if data.get("schema") != RATES_SCHEMA or not isinstance(data.get("measured"), dict):
         raise BadInput(f"{path} is not a rates profile ({RATES_SCHEMA}); delete it to measure again")
     return data

@@ -99,7 +99,7 @@ def plan_megatron(cfg: Config, notes: list[str], *, run, memory_gb: float, gpus:
                   source=None) -> None:
     """Plan cfg for Megatron and print it; exit 1 when nothing fits, 2 on bad input. `source`: the
     run read by `--from` (`ingest.run_source.RunSource`), echoed as `estimate --from` echoes it."""
-    from recompute_bench.analysis.megatron.plan import auto_plan, check_budget, megatron_plan
+    from recompute_bench.analysis.megatron.plan import megatron_plan
     from recompute_bench.cli.common import show_notes
     from recompute_bench.render.plan_megatron import (allowance_lines, auto_table, flags_lines, layout_line, parts_table,
                                                       settings_table, would_fit_table)
@@ -109,11 +109,8 @@ def plan_megatron(cfg: Config, notes: list[str], *, run, memory_gb: float, gpus:
         check_expressible(cfg)
         rates = gpu_rates(run, profile)
         rates.matrix_rate("fp8" if cfg.training.precision == "fp8" else cfg.training.precision)
-        check_budget(cfg, run, budget, fixed)
-        result = megatron_plan(cfg, run, rates, budget, allowance_fraction, fixed, gpus, mark_current=source is not None)
-        uniform = next((r for r in result["fits"] if r["fit"] == "fits"), None)
-        if auto:
-            result["auto"] = auto_plan(cfg, run, rates, budget, allowance_fraction, fixed, uniform)
+        result = megatron_plan(cfg, run, rates, budget, allowance_fraction, fixed, gpus, mark_current=source is not None,
+                               auto=auto)
     except BadInput as e:
         raise fail(str(e)) from None
     if source is not None:

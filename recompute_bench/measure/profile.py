@@ -23,9 +23,9 @@ from typing import Any
 
 import torch
 
+from recompute_bench.analysis.cache import read_or_measure
 from recompute_bench.analysis.harness.layer import layer_activation_bytes
-from recompute_bench.analysis.harness.profile_costs import (PROFILE_DIR, PROFILE_SCHEMA, cache_path, read_cached,
-                                                            shape_key, write_cached)
+from recompute_bench.analysis.harness.profile_costs import PROFILE_DIR, PROFILE_SCHEMA, cache_path, read_cached, shape_key
 from recompute_bench.config.schema import Config, RecomputeConfig
 from recompute_bench.measure.layout import DTYPES
 from recompute_bench.measure.point import float32_matmul_precision, pick_device
@@ -159,10 +159,5 @@ def cached_profile(cfg: Config, device: torch.device, steps: int = 5,
     """(the profile, its cache file, whether it was read from the cache): measured on `device`
     unless `folder` already holds one for this device and shape."""
     key = shape_key(cfg, device_name(device))
-    path = cache_path(key, folder)
-    found = read_cached(path, key)
-    if found is not None:
-        return found, path, True
-    profile = measure_profile(cfg, device, steps=steps)
-    write_cached(path, profile)
-    return profile, path, False
+    return read_or_measure(cache_path(key, folder), lambda path: read_cached(path, key),
+                           lambda: measure_profile(cfg, device, steps=steps))

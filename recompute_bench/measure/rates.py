@@ -7,7 +7,8 @@ machine's GPU, and cache them (the format and how they override the datasheet:
   (what Transformer Engine's FP8 GEMMs run on Hopper and newer), where this GPU and torch run it;
 - HBM bytes/s: a device-to-device copy of 1 GiB (it reads and writes 1 GiB each).
 
-Each run is timed with CUDA events on the device's stream. NVLink needs two GPUs and is not measured.
+Each run is timed with CUDA events on the device's stream (`measure.timing.timed`). NVLink needs two
+GPUs and is not measured.
 """
 
 from __future__ import annotations
@@ -18,27 +19,21 @@ from typing import Any, Callable
 
 import torch
 
+from recompute_bench.analysis.cache import read_or_measure
 from recompute_bench.analysis.gpu_rates import RATES_SCHEMA, rates_cache_path, read_rates_profile
-from recompute_bench.analysis.harness.profile_costs import write_cached
 from recompute_bench.config.schema import BadInput
 from recompute_bench.measure.telemetry import device_name
-from recompute_bench.measure.timing import cuda_event
+from recompute_bench.measure.timing import timed
 
 MATMUL_SIZE = 8192
 COPY_BYTES = 2**30
 
 
 def _median_seconds(device: torch.device, fn: Callable[[], Any], warmup: int, steps: int) -> float:
+    """The median of `steps` runs of `fn` on `device`, each timed by `measure.timing.timed`, after `warmup` runs."""
     for _ in range(warmup):
         fn()
-    times = []
-    for _ in range(steps):
-        start = cuda_event(device)
-        fn()
-        stop = cuda_event(device)
-        stop.synchronize()
-        times.append(start.elapsed_time(stop) / 1e3)
-    return statistics.median(times)
+    return statistics.median([timed(device, fn) for _ in range(steps)])
 
 
 def _fp8_flops(device: torch.device, warmup: int, steps: int) -> float | None:
@@ -77,10 +72,5 @@ def cached_rates(folder: Path = Path("results/profiles")) -> tuple[dict[str, Any
         raise BadInput("--profile measures this machine's GPU, and there is none here; drop --profile (the datasheet "
                        "rates of --gpu price the plan)")
     device = torch.device("cuda", torch.cuda.current_device())
-    path = rates_cache_path(device_name(device), folder)
-    cached = read_rates_profile(path)
-    if cached is not None:
-        return cached, path, True
-    profile = measure_rates(device)
-    write_cached(path, profile)
-    return profile, path, False
+    return read_or_measure(rates_cache_path(device_name(device), folder), read_rates_profile,
+                           lambda: measure_rates(device))

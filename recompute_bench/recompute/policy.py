@@ -150,14 +150,22 @@ def megatron_setting(model: ModelConfig, policies: list[LayerPolicy], targets: t
 
 
 def megatron_flags(r: RecomputeConfig) -> list[str]:
-    """Megatron-LM's command-line flags (`megatron/training/arguments.py`) for the setting `r`:
+    """Megatron-LM's command-line arguments (`megatron/training/arguments.py`) for the setting `r`:
     `--recompute-granularity`, `--recompute-modules`, `--recompute-method`, `--recompute-num-layers`,
-    and `--cpu-offloading --cpu-offloading-num-layers N` for offload; none for no recompute."""
+    `--distribute-saved-activations`; `--cpu-offloading --cpu-offloading-num-layers N` for layer
+    offload (`--cpu-offloading` switches it on: newer Megatron-LM also turns it on from N > 0, older
+    releases only from the flag); `--fine-grained-activation-offloading --offload-modules a b` for
+    fine-grained offload; none for no recompute."""
+    out: list[str] = []
     if r.granularity == "selective":
-        return ["--recompute-granularity", "selective", "--recompute-modules", *r.modules]
-    if r.granularity == "full":
-        return ["--recompute-granularity", "full", "--recompute-method", str(r.method),
+        out += ["--recompute-granularity", "selective", "--recompute-modules", *r.modules]
+    elif r.granularity == "full":
+        out += ["--recompute-granularity", "full", "--recompute-method", str(r.method),
                 "--recompute-num-layers", str(r.num_layers)]
+        if r.distribute_saved_activations:
+            out.append("--distribute-saved-activations")
     if r.activation_offload_layers:
-        return ["--cpu-offloading", "--cpu-offloading-num-layers", str(r.activation_offload_layers)]
-    return []
+        out += ["--cpu-offloading", "--cpu-offloading-num-layers", str(r.activation_offload_layers)]
+    if r.fine_grained_activation_offloading:
+        out += ["--fine-grained-activation-offloading", "--offload-modules", *r.offload_modules]
+    return out

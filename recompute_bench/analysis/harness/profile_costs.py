@@ -20,12 +20,12 @@ backward; one layer's activations while it comes back (`stage.policy_activations
 
 from __future__ import annotations
 
-import hashlib
 import json
 from pathlib import Path
 from typing import Any
 
-from recompute_bench.config.schema import BadInput, Config
+from recompute_bench.analysis.cache import cache_file, read_json
+from recompute_bench.config.schema import Config
 
 PROFILE_SCHEMA = "recompute-bench/profile/v1"
 PROFILE_DIR = Path("results/profiles")
@@ -41,30 +41,17 @@ def shape_key(cfg: Config, device_name: str) -> dict[str, Any]:
 
 def cache_path(key: dict[str, Any], folder: Path = PROFILE_DIR) -> Path:
     """results/profiles/<device>-<hash of the key>.json."""
-    digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:12]
-    device = "".join(c if c.isalnum() else "-" for c in key["device_name"].lower()).strip("-")
-    return Path(folder) / f"{device}-{digest}.json"
+    return cache_file(folder, key["device_name"], json.dumps(key, sort_keys=True), 12)
 
 
 def read_cached(path: Path, key: dict[str, Any]) -> dict[str, Any] | None:
     """The profile cached at `path` for `key`, or None when there is none (or it is for another key)."""
-    try:
-        data = json.loads(Path(path).read_text())
-    except FileNotFoundError:
+    data = read_json(path, "profile cache")
+    if data is None:
         return None
-    except (OSError, ValueError) as e:
-        raise BadInput(f"profile cache {path} cannot be read ({e}); delete it to measure again") from None
     if data.get("schema") != PROFILE_SCHEMA or data.get("key") != key:
         return None
     return data
-
-
-def write_cached(path: Path, profile: dict[str, Any]) -> None:
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(profile, indent=2) + "\n")
-    tmp.replace(path)
 
 
 class ProfileCosts:

@@ -4,8 +4,9 @@ and NeMo 2.0's recipe fields.
 
 - Megatron-LM (megatron/training/arguments.py; the TransformerConfig fields as flags):
   `--recompute-granularity`, `--recompute-modules`, `--recompute-method`, `--recompute-num-layers`,
-  `--distribute-saved-activations`, `--cpu-offloading-num-layers N` (arguments.py turns
-  `cpu_offloading` on when N > 0), `--fine-grained-activation-offloading --offload-modules a b`.
+  `--distribute-saved-activations`, `--cpu-offloading --cpu-offloading-num-layers N`,
+  `--fine-grained-activation-offloading --offload-modules a b` (`recompute.policy.megatron_flags`,
+  which the harness's plans print too).
 - Megatron Bridge: the same fields on the model provider, `cfg.model.<field>`. Its performance
   script (scripts/performance, utils/overrides.py `_set_recompute_overrides`) has three flags:
   `--recompute_modules a,b` (selective), `-rl N` (full, method hard-wired to block) and `-ol N`
@@ -21,6 +22,7 @@ from __future__ import annotations
 from typing import Any
 
 from recompute_bench.config.schema import RecomputeConfig
+from recompute_bench.recompute.policy import megatron_flags
 
 
 def _fields(r: RecomputeConfig) -> dict[str, Any]:
@@ -47,23 +49,6 @@ def _python(value: Any) -> str:
     if isinstance(value, list):
         return "[" + ", ".join(_python(v) for v in value) + "]"
     return repr(value)
-
-
-def megatron_lm(r: RecomputeConfig) -> list[str]:
-    """Megatron-LM's arguments for `r` (none: no recompute argument at all)."""
-    out: list[str] = []
-    if r.granularity == "selective":
-        out += ["--recompute-granularity", "selective", "--recompute-modules", *r.modules]
-    elif r.granularity == "full":
-        out += ["--recompute-granularity", "full", "--recompute-method", str(r.method),
-                "--recompute-num-layers", str(r.num_layers)]
-        if r.distribute_saved_activations:
-            out.append("--distribute-saved-activations")
-    if r.activation_offload_layers:
-        out += ["--cpu-offloading-num-layers", str(r.activation_offload_layers)]
-    if r.fine_grained_activation_offloading:
-        out += ["--fine-grained-activation-offloading", "--offload-modules", *r.offload_modules]
-    return out
 
 
 def bridge_overrides(r: RecomputeConfig) -> list[str]:
@@ -102,5 +87,5 @@ def nemo2(r: RecomputeConfig) -> list[str]:
 
 def pasteable(r: RecomputeConfig) -> dict[str, list[str]]:
     """Every spelling of `r`, by framework (the keys `plan --json` carries)."""
-    return {"megatron_lm": megatron_lm(r), "bridge": bridge_overrides(r), "bridge_perf_script": bridge_perf_script(r),
+    return {"megatron_lm": megatron_flags(r), "bridge": bridge_overrides(r), "bridge_perf_script": bridge_perf_script(r),
             "nemo2": nemo2(r)}

@@ -20,21 +20,17 @@ from typing import Any, Callable
 from recompute_bench.analysis.allowance import (FITS, OVER, TIGHT, allowance_parts, allowance_row,
                                                 device_bytes_needed, fit)
 from recompute_bench.analysis.gpu_rates import GpuRates, rates_row
-from recompute_bench.analysis.megatron.flags import megatron_lm, pasteable
+from recompute_bench.analysis.megatron.flags import pasteable
 from recompute_bench.analysis.megatron.gpu import MegatronRun
 from recompute_bench.analysis.megatron.parameters import stage_parameter_groups
 from recompute_bench.analysis.megatron.stage import stage_peak, stage_peaks
 from recompute_bench.analysis.megatron.time_model import StepTime, step_time
 from recompute_bench.config.rules import layers_per_model_chunk, validate
-from recompute_bench.config.schema import OFFLOAD_MODULES, BadInput, Config, RecomputeConfig
-from recompute_bench.recompute.policy import LayerPolicy, megatron_setting
+from recompute_bench.config.schema import OFFLOAD_MODULES, BadInput, Config, RecomputeConfig, with_setting
+from recompute_bench.recompute.policy import LayerPolicy, megatron_flags, megatron_setting
 from recompute_bench.recompute.settings import selective_settings
 
 PLAN_SCHEMA = "recompute-bench/plan-megatron/v1"
-
-
-def with_recompute(cfg: Config, r: RecomputeConfig) -> Config:
-    return dataclasses.replace(cfg, recompute=r)
 
 
 def offload_groups(cfg: Config, run: MegatronRun) -> tuple[list[str], list[str]]:
@@ -49,7 +45,7 @@ def offload_groups(cfg: Config, run: MegatronRun) -> tuple[list[str], list[str]]
     moving, inert = [], []
     for module in OFFLOAD_MODULES:
         listed = [module, "core_attn"] if module == "attn_proj" else [module]
-        probe = with_recompute(cfg, RecomputeConfig(fine_grained_activation_offloading=True, offload_modules=listed))
+        probe = with_setting(cfg, RecomputeConfig(fine_grained_activation_offloading=True, offload_modules=listed))
         moved = any(offload_group(name) == module
                     for i in kinds.values() for name in fine_grained_offloaded(probe, layer_saved_bytes(probe, run, (), i)))
         (moving if moved else inert).append(module)
@@ -102,14 +98,20 @@ class Planner:
         self.cfg, self.run, self.rates = cfg, run, rates
         self.budget, self.fraction, self.fixed = budget, fraction, fixed
         self.parameters = [stage_parameter_groups(cfg, s) for s in range(cfg.parallel.pipeline_model_parallel_size)]
+        self.times: dict[str, StepTime] = {}
+        """Each setting's step time, by its label: priced once however often the plan asks."""
+        self.searched: tuple[list[dict[str, Any]], list[dict[str, str]]] | None = None
         self.none_step = self.time(RecomputeConfig()).step_seconds
 
     def time(self, r: RecomputeConfig) -> StepTime:
-        return step_time(with_recompute(self.cfg, r), self.run, self.rates, self.parameters)
+        key = label(r)
+        if key not in self.times:
+            self.times[key] = step_time(with_setting(self.cfg, r), self.run, self.rates, self.parameters)
+        return self.times[key]
 
     def row(self, r: RecomputeConfig) -> dict[str, Any]:
         """One setting priced: BadInput where Megatron refuses it or a model cannot price it."""
-        cfg = with_recompute(self.cfg, r)
+        cfg = with_setting(self.cfg, r)
         validate(cfg)
         stages = stage_peaks(cfg, self.run)
         st = self.time(r)
@@ -128,15 +130,18 @@ class Planner:
         }
 
     def search(self) -> tuple[list[dict[str, Any]], list[dict[str, str]]]:
-        """Every candidate priced, and those left out with the reason (one line per reason)."""
-        rows, excluded = [], {}
-        for r in candidate_settings(self.cfg, self.run):
-            try:
-                rows.append(self.row(r))
-            except BadInput as e:
-                reason = str(e).split(";")[0]
-                excluded.setdefault(reason, []).append(label(r))
-        return rows, [{"reason": reason, "settings": _span(labels)} for reason, labels in excluded.items()]
+        """Every candidate priced, and those left out with the reason (one line per reason); searched
+        once, the same rows handed to every later caller."""
+        if self.searched is None:
+            rows, excluded = [], {}
+            for r in candidate_settings(self.cfg, self.run):
+                try:
+                    rows.append(self.row(r))
+                except BadInput as e:
+                    reason = str(e).split(";")[0]
+                    excluded.setdefault(reason, []).append(label(r))
+            self.searched = rows, [{"reason": reason, "settings": _span(labels)} for reason, labels in excluded.items()]
+        return self.searched
 
 
 def _span(labels: list[str]) -> str:
@@ -196,11 +201,14 @@ def shown(rows: list[dict[str, Any]], current: str | None = None) -> tuple[list[
 
 
 def megatron_plan(cfg: Config, run: MegatronRun, rates: GpuRates, budget: float, fraction: float, fixed: float,
-                  gpus: int | None = None, mark_current: bool = False) -> dict[str, Any]:
+                  gpus: int | None = None, mark_current: bool = False, auto: bool = False) -> dict[str, Any]:
     """The plan: every setting priced (`settings`), those that fit fastest first (`fits`), the one
     to use (`recommended`, with its flags and its time's parts), and when nothing fits the layouts
     that would (`would_fit`). `mark_current`: cfg's own recompute setting is the run's (read from
-    its file), listed wherever it fits and named in `current`."""
+    its file), listed wherever it fits and named in `current`. `auto`: also what a per-stage or
+    per-layer choice would gain (`auto`, `auto_plan` over the same priced settings). BadInput when
+    the budget is below what a rank holds before any activation (`check_budget`)."""
+    check_budget(cfg, run, budget, fixed)
     planner = Planner(cfg, run, rates, budget, fraction, fixed)
     rows, excluded = planner.search()
     if not rows:
@@ -208,7 +216,6 @@ def megatron_plan(cfg: Config, run: MegatronRun, rates: GpuRates, budget: float,
     current = label(cfg.recompute) if mark_current and any(r["label"] == label(cfg.recompute) for r in rows) else None
     fits, same, dominated = shown(rows, current)
     smallest = min(rows, key=lambda r: r["peak_allocated_bytes"])
-    static = max(st.static_bytes for st in stage_peaks(with_recompute(cfg, RecomputeConfig()), run))
     out: dict[str, Any] = {
         "schema": PLAN_SCHEMA, "framework": "megatron", "workload": cfg.workload, "config": cfg.to_dict(),
         "gpu": run.gpu, "gpus": gpus if gpus is not None else cfg.parallel.world_size, "rates": rates_row(rates),
@@ -240,13 +247,13 @@ def megatron_plan(cfg: Config, run: MegatronRun, rates: GpuRates, budget: float,
                              f"allocator holds under {(budget - best['peak_allocated_bytes'] - fixed) / gib:.1f} GiB above "
                              f"its {best['peak_allocated_bytes'] / gib:.1f} GiB allocated peak: run with "
                              f"PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True")
-        return out
-    out["reason"] = (f"nothing fits: the smallest setting ({smallest['label']}) peaks at "
-                     f"{smallest['peak_allocated_bytes'] / 2**30:.1f} GiB allocated on stage {smallest['peak_stage']}, "
-                     f"{smallest['device_bytes_needed'] / 2**30:.1f} GiB with the allowance, of {budget / 2**30:.1f} GiB")
-    if static + fixed > budget:
-        out["reason"] += f" (parameters, gradients and optimizer state alone hold {static / 2**30:.1f} GiB)"
-    out["would_fit"] = would_fit(cfg, run, rates, budget, fraction, fixed, gpus, planner.none_step)
+    else:
+        out["reason"] = (f"nothing fits: the smallest setting ({smallest['label']}) peaks at "
+                         f"{smallest['peak_allocated_bytes'] / 2**30:.1f} GiB allocated on stage {smallest['peak_stage']}, "
+                         f"{smallest['device_bytes_needed'] / 2**30:.1f} GiB with the allowance, of {budget / 2**30:.1f} GiB")
+        out["would_fit"] = would_fit(cfg, run, rates, budget, fraction, fixed, gpus, planner.none_step)
+    if auto:
+        out["auto"] = auto_plan(planner, next((r for r in fits if r["fit"] == FITS), None))
     return out
 
 
@@ -276,7 +283,7 @@ def time_notes(cfg: Config, run: MegatronRun) -> list[str]:
 def check_budget(cfg: Config, run: MegatronRun, budget: float, fixed: float) -> None:
     """BadInput when the budget is below what a rank holds with no activations at all: its
     parameters, gradients, optimizer state and buffers, plus the fixed allowance."""
-    stages = stage_peaks(with_recompute(cfg, RecomputeConfig()), run)
+    stages = stage_peaks(with_setting(cfg, RecomputeConfig()), run)
     worst = max(stages, key=lambda s: s.static_bytes)
     if worst.static_bytes + fixed > budget:
         raise BadInput(f"--memory-gb {budget / 2**30:g} is below what stage {worst.stage} holds before any activation: "
@@ -294,8 +301,8 @@ def _layout(cfg: Config, gpus: int | None, **parallel: Any) -> Config:
         model_parallel = par.tensor_model_parallel_size * par.pipeline_model_parallel_size * par.context_parallel_size
         if gpus % model_parallel:
             raise BadInput(f"{gpus} GPUs do not divide into tp x pp x cp = {model_parallel}")
-        par = dataclasses.replace(par, data_parallel_size=gpus // model_parallel)
-    return dataclasses.replace(cfg, parallel=par)
+        parallel["data_parallel_size"] = gpus // model_parallel
+    return with_setting(cfg, **parallel)
 
 
 def layout_changes(cfg: Config, gpus: int | None) -> list[tuple[str, Callable[[], Config]]]:
@@ -372,7 +379,7 @@ def _choices(cfg: Config, run: MegatronRun, rates: GpuRates) -> list[tuple[str, 
     for k in range(1, len(targets) + 1):
         for subset in combinations(targets, k):
             try:
-                validate(with_recompute(cfg, RecomputeConfig("selective", list(subset))))
+                validate(with_setting(cfg, RecomputeConfig("selective", list(subset))))
             except BadInput:
                 continue
             out.append((f"selective[{','.join(subset)}]", lambda i, s=frozenset(subset): LayerPolicy(modules=s)))
@@ -408,13 +415,13 @@ def _policy_config(cfg: Config, pattern: list[LayerPolicy], distribute: bool = F
     n = len(pattern)
     entries = [dataclasses.replace(pattern[j % n], chunk=j).entry if pattern[j % n].chunk is not None
                else pattern[j % n].entry for j in range(cfg.model.num_layers)]
-    return with_recompute(cfg, RecomputeConfig(layer_policy=entries, distribute_saved_activations=distribute))
+    return with_setting(cfg, RecomputeConfig(layer_policy=entries, distribute_saved_activations=distribute))
 
 
-def auto_plan(cfg: Config, run: MegatronRun, rates: GpuRates, budget: float, fraction: float, fixed: float,
-              uniform: dict[str, Any] | None) -> dict[str, Any]:
+def auto_plan(planner: Planner, uniform: dict[str, Any] | None) -> dict[str, Any]:
     """What choosing per pipeline stage, or per layer within each stage's model chunks, would gain
-    over the best uniform setting `uniform` (a row of `megatron_plan`, or None when none fits).
+    over the best uniform setting `uniform` (a row of `megatron_plan`, or None when none fits), with
+    `planner`'s settings and step times (those `megatron_plan` priced, not priced again).
     Per stage: each stage runs the fastest uniform setting that fits it. Per layer: each stage runs,
     in every model chunk, k layers of one choice and the rest of another (none, a selective subset,
     or a whole-layer checkpoint), the fastest such mix that fits. The pipeline is paced by its
@@ -429,10 +436,11 @@ def auto_plan(cfg: Config, run: MegatronRun, rates: GpuRates, budget: float, fra
     from recompute_bench.analysis.megatron.time_model import checkpoint_ops, layer_key, layer_seconds, op_times
     from recompute_bench.config.pipeline_split import model_chunks
 
+    cfg, run, rates = planner.cfg, planner.run, planner.rates
+    budget, fraction, fixed = planner.budget, planner.fraction, planner.fixed
     par = cfg.parallel
     p, vp = par.pipeline_model_parallel_size, par.virtual_pipeline_model_parallel_size or 1
     n = layers_per_model_chunk(cfg)
-    planner = Planner(cfg, run, rates, budget, fraction, fixed)
 
     def fits_stage(c: Config, s: int) -> bool:
         return fit(stage_peak(c, s, run).peak_allocated_bytes, budget, fraction, fixed) == FITS
@@ -441,20 +449,21 @@ def auto_plan(cfg: Config, run: MegatronRun, rates: GpuRates, budget: float, fra
         return (cfg.num_microbatches + (p - 1) / vp) * max(stage_micro) + planner.time(RecomputeConfig()).optimizer_seconds
 
     rows, _ = planner.search()
-    times = {row["label"]: planner.time(RecomputeConfig(**row["recompute"])) for row in rows}
+    times = planner.times  # every row's, priced by the search
     per_stage: list[dict[str, Any] | None] = []
     for s in range(p):
         best = None
         for row in sorted(speed_order(rows), key=lambda r: round(times[r["label"]].microbatch_seconds[s], 12)):
-            if fits_stage(with_recompute(cfg, RecomputeConfig(**row["recompute"])), s):
+            if fit(row["stages"][s]["peak_allocated_bytes"], budget, fraction, fixed) == FITS:
                 best = {"stage": s, "setting": row["label"], "microbatch_seconds": times[row["label"]].microbatch_seconds[s]}
                 break
         per_stage.append(best)
 
     per_layer: list[dict[str, Any] | None] = []
     choices = _choices(cfg, run, rates)
+    distributed = with_setting(cfg, RecomputeConfig("full", [], "block", 1, distribute_saved_activations=True))
     try:  # Megatron's rule: distributed checkpoint inputs need tensor parallel without sequence parallel
-        validate(with_recompute(cfg, RecomputeConfig("full", [], "block", 1, distribute_saved_activations=True)))
+        validate(distributed)
         distributions = [False, True]
     except BadInput:
         distributions = [False]
@@ -467,7 +476,6 @@ def auto_plan(cfg: Config, run: MegatronRun, rates: GpuRates, budget: float, fra
             rerun[key] = layer_seconds(cfg, run, rates, policy, layer)["recompute"]
         return rerun[key]
 
-    distributed = with_recompute(cfg, RecomputeConfig("full", [], "block", 1, distribute_saved_activations=True))
     checkpoint_cost = sum(op_times(checkpoint_ops(distributed, [LayerPolicy(chunk=0)]), rates).values()) \
         if True in distributions else 0.0
     pairs = [(x, x) for x in choices] + [(x, y) for x in choices for y in choices if x[0] != y[0]]
@@ -529,7 +537,7 @@ def _megatron_note(out: dict[str, Any], uniform: dict[str, Any] | None) -> str:
     """Whether Megatron can run the per-layer plan, and what to run instead."""
     layer = out["per_layer"]
     instead = (f"run the best uniform setting instead: {uniform['label']} ("
-               + (" ".join(megatron_lm(RecomputeConfig(**uniform["recompute"]))) or "no recompute flags") + ")"
+               + (" ".join(megatron_flags(RecomputeConfig(**uniform["recompute"]))) or "no recompute flags") + ")"
                if uniform else "no uniform setting fits")
     if layer is None or layer["step_seconds"] is None:
         return f"no per-layer policy fits either; {instead}"

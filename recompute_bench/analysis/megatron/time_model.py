@@ -249,11 +249,12 @@ class StepTime:
 
 
 class _Layers:
-    """Each distinct layer's ops and op times, built once per step."""
+    """Each distinct layer's ops and op times, and its offload time under each policy, built once per step."""
 
     def __init__(self, cfg: Config, run: MegatronRun, rates: GpuRates):
         self.cfg, self.run, self.rates = cfg, run, rates
         self.built: dict[tuple, tuple[LayerOps, dict[str, float], dict[str, float]]] = {}
+        self.offloads: dict[tuple, float] = {}
 
     def __call__(self, layer: int) -> tuple[LayerOps, dict[str, float], dict[str, float]]:
         key = layer_key(self.cfg, layer)
@@ -261,6 +262,23 @@ class _Layers:
             ops = layer_ops(self.cfg, self.run, layer)
             self.built[key] = (ops, op_times(ops.forward, self.rates), op_times(ops.backward, self.rates))
         return self.built[key]
+
+    def offload(self, layer: int, policy: LayerPolicy) -> float:
+        """`offload_seconds` of layer `layer` under `policy` (the same for every layer of its key)."""
+        key = (layer_key(self.cfg, layer), policy)
+        if key not in self.offloads:
+            _, times_f, times_b = self(layer)
+            self.offloads[key] = offload_seconds(self.cfg, self.run, self.rates, policy, layer, sum(times_f.values()),
+                                                 sum(times_b.values()))
+        return self.offloads[key]
+
+
+def _add_times(parts: dict[tuple[str, str, str | None, str], float], ops: list[Op], rates: GpuRates,
+               pass_name: str) -> None:
+    """Each op's seconds on `rates` added to `parts` under (name, kind, no module, `pass_name`)."""
+    for name, sec in op_times(ops, rates).items():
+        op = next(o for o in ops if o.name == name)
+        parts[(name, op.kind, None, pass_name)] += sec
 
 
 def step_time(cfg: Config, run: MegatronRun, rates: GpuRates,
@@ -287,19 +305,14 @@ def step_time(cfg: Config, run: MegatronRun, rates: GpuRates,
                     parts[(op.name, op.kind, None, "backward")] += times_b[op.name]
                 for op in recompute_ops(ops, policy):
                     parts[(op.name, op.kind, op.module, "recompute")] += times_f[op.name]
-                offload = offload_seconds(cfg, run, rates, policy, index, sum(times_f.values()), sum(times_b.values()))
+                offload = layers.offload(index, policy)
                 if offload:
                     parts[("activation offload", "comm", None, "offload")] += offload
-            checkpoints = checkpoint_ops(cfg, policies)
-            for name, sec in op_times(checkpoints, rates).items():
-                op = next(o for o in checkpoints if o.name == name)
-                parts[(name, op.kind, None, "recompute")] += sec
+            _add_times(parts, checkpoint_ops(cfg, policies), rates, "recompute")
             ends = (["embedding"] if chunk.embedding else []) + (["loss"] if chunk.loss else [])
             for end in ends:
-                for pass_name, ops in (("forward", outside[end].forward), ("backward", outside[end].backward)):
-                    for name, sec in op_times(ops, rates).items():
-                        op = next(o for o in ops if o.name == name)
-                        parts[(name, op.kind, None, pass_name)] += sec
+                _add_times(parts, outside[end].forward, rates, "forward")
+                _add_times(parts, outside[end].backward, rates, "backward")
         stages.append(parts)
     micro = [sum(parts.values()) for parts in stages]
     pacing = max(range(p), key=lambda s: micro[s])
