@@ -246,26 +246,34 @@ def stage_peak(cfg: Config, stage: int, run: MegatronRun, routing: str = "balanc
         return built[c].loss
 
     output, kept = output_saved_bytes(cfg), loss_saved_bytes(cfg)
-
-    def outside(c: int) -> float:
-        return (embedding_saved_bytes(cfg) if embeds(c) else 0.0) + ((output + kept) if loses(c) else 0.0)
+    embedding, inputs, loss_peak = embedding_saved_bytes(cfg), batch_bytes(cfg), loss_peak_bytes(cfg)
+    # What each model chunk's passes hold, worked out once per chunk (the schedule asks per pass).
+    stored_bytes: list[float] = []
+    forward_bytes: list[float] = []
+    backward_bytes: list[float] = []
+    for c, ch in enumerate(chunk):
+        outside = (embedding if embeds(c) else 0.0) + ((output + kept) if loses(c) else 0.0)
+        # fine-grained offloading keeps the last layer's groups of the chunk whose backward is next
+        stored_bytes.append(ch.stored + outside + (ch.last_layer_offloaded if loses(c) else 0.0))
+        # full_iteration's inputs sit in static buffers: counted in `static`
+        extra = inputs if (embeds(c) or loses(c)) and not full_iteration else 0.0
+        # the layers' attention runs before the output layer and the loss, whose bytes stored(c) holds
+        layers = ch.forward - ((output + kept) if loses(c) else 0.0)
+        forward_bytes.append(extra + max(loss_peak - kept if loses(c) else 0.0, layers))
+        layers = ch.backward - ch.stored
+        if loses(c):  # the loss's backward first, then the layers' with the loss and output freed
+            backward_bytes.append(max(loss_peak - kept, layers - output - kept))
+        else:
+            backward_bytes.append(layers)
 
     def stored(c: int) -> float:
-        # fine-grained offloading keeps the last layer's groups of the chunk whose backward is next
-        return chunk[c].stored + outside(c) + (chunk[c].last_layer_offloaded if loses(c) else 0.0)
+        return stored_bytes[c]
 
     def forward(c: int) -> float:
-        # full_iteration's inputs sit in static buffers: counted in `static`
-        extra = batch_bytes(cfg) if (embeds(c) or loses(c)) and not full_iteration else 0.0
-        # the layers' attention runs before the output layer and the loss, whose bytes stored(c) holds
-        layers = chunk[c].forward - ((output + kept) if loses(c) else 0.0)
-        return extra + max(loss_peak_bytes(cfg) - kept if loses(c) else 0.0, layers)
+        return forward_bytes[c]
 
     def backward(c: int) -> float:
-        layers = chunk[c].backward - chunk[c].stored
-        if loses(c):  # the loss's backward first, then the layers' with the loss and output freed
-            return max(loss_peak_bytes(cfg) - kept, layers - output - kept)
-        return layers
+        return backward_bytes[c]
 
     def retained(mb: int, c: int) -> float:
         return deferred_wgrad_bytes(cfg, mb) if loses(c) else 0.0
