@@ -52,6 +52,9 @@ class ChunkBytes:
     terms: dict[str, float] = field(default_factory=dict)
     """`stored`, tensor by tensor over the chunk's layers (layer_saved_bytes' names, less what
     offloading moves to the host, and a full-recompute checkpoint's input)."""
+    layer_backward: float = 0.0
+    """The most one of the chunk's layers' backward holds beyond the saved tensors
+    (`layer_backward_bytes` over its layers, multi-token-prediction layers included)."""
 
 
 CHECKPOINT_INPUT = "checkpoint input"
@@ -128,10 +131,10 @@ def chunk_bytes(cfg: Config, run: MegatronRun, layers: int, first_layer: int = 0
         in_graph += sum(graph_part(lcfg, inner).values())
         pool += sum(pool_resident(lcfg, inner, first_in_chunk=False).values())
     forward = max(layer_forward_bytes(cfg, run, i) for i in indices)
-    backward = max(layer_backward_bytes(cfg, run, i, routing) for i in indices)
-    if reruns_attention:
-        backward = max(backward, forward)
-    return ChunkBytes(stored, max(stored, rebuilt) + backward + reload, forward, in_graph, pool, last, terms)
+    layer_backward = max(layer_backward_bytes(cfg, run, i, routing) for i in indices)
+    backward = max(layer_backward, forward) if reruns_attention else layer_backward
+    return ChunkBytes(stored, max(stored, rebuilt) + backward + reload, forward, in_graph, pool, last, terms,
+                      layer_backward)
 
 
 @dataclass
@@ -160,6 +163,8 @@ class StagePeak:
     peak_kind: str = ""
     """"F" or "B": whether the peak is in a forward or a backward ("" at the optimizer step)."""
     peak_chunk: int = 0
+    chunks: list[ChunkBytes] = field(default_factory=list)
+    """The activations of each model chunk this rank builds (`chunk_bytes`), by chunk."""
 
     @property
     def peak_allocated_bytes(self) -> float:
@@ -296,9 +301,7 @@ def stage_peak(cfg: Config, stage: int, run: MegatronRun, routing: str = "balanc
                            schedule_peak(cfg, stage, stored, backward, forward, retained)))
         else:
             mlp_graphed = "mlp" in captured_parts(cfg)
-            transient = max((layer_backward_bytes(cfg, run, i, routing) for c in built
-                             for i in [*range(c.first_layer, c.first_layer + c.layers),
-                                       *(mtp_index(cfg, k) for k in range(c.mtp))]), default=0.0)
+            transient = max((ch.layer_backward for ch in chunk), default=0.0)
             phases.append((" (CUDA graph capture)", at_capture, schedule_peak(
                 cfg, stage, lambda c: chunk[c].in_graph, lambda c: transient if mlp_graphed else 0.0)))
             phases.append((" (CUDA graph replay)", static, schedule_peak(
@@ -343,7 +346,8 @@ def stage_peak(cfg: Config, stage: int, run: MegatronRun, routing: str = "balanc
         first, first_phase = first_iteration_peak(items, phase, step)
     at_step = phase == "the optimizer step"
     return StagePeak(stage, params, items, phase, copies, sum(static.values()), totals if len(totals) > 1 else {},
-                     first, first_phase, () if at_step else peak.held, "" if at_step else peak.kind, peak.chunk)
+                     first, first_phase, () if at_step else peak.held, "" if at_step else peak.kind, peak.chunk,
+                     chunk)
 
 
 def first_iteration_peak(items: dict[str, float], phase: str, step: dict[str, float]) -> tuple[dict[str, float], str]:
@@ -373,12 +377,12 @@ def combined_pair_bytes(cfg: Config, run: MegatronRun, chunk: ChunkBytes, first_
     beside micro-batch i's layer L - 1 - j, so L + 1 layers are stored at most, beside micro-batch i's
     16-bit logits (the loss node's inputs, released after the layers) and its inputs; then the loss
     of micro-batch i + 1 runs as in 1F1B. Returns (micro-batch i's part, the forward micro-batch's and
-    the extra layer, the pair's transient)."""
+    the extra layer, the pair's transient: `chunk`'s layer backward, whose MTP layers, of the decoder
+    layers' kinds, add nothing over the decoder layers this pipeline-less chunk holds)."""
     numbers = range(first_layer, first_layer + layers)
     layer = max(layer_bytes(cfg, run, (), i, routing) for i in numbers)
     e = ELEMENT_BYTES[cfg.training.precision]
-    transient = max(layer_backward_bytes(cfg, run, i, routing) for i in numbers)
-    return (chunk.stored + e * logits(cfg) + batch_bytes(cfg), layer + batch_bytes(cfg), transient)
+    return (chunk.stored + e * logits(cfg) + batch_bytes(cfg), layer + batch_bytes(cfg), chunk.layer_backward)
 
 
 def stage_peaks(cfg: Config, run: MegatronRun, routing: str = "balanced") -> list[StagePeak]:
