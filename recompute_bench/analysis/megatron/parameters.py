@@ -13,14 +13,9 @@ from __future__ import annotations
 from recompute_bench.analysis.megatron.mla import mla_attention_parameters
 from recompute_bench.analysis.megatron.moe import moe_layer_parameters
 from recompute_bench.analysis.megatron.mtp import is_mtp_layer, mtp_extra_parameters, mtp_index
-from recompute_bench.models.dense.spec import DENSE
+from recompute_bench.models.dense.spec import DENSE, norm_parameters
 from recompute_bench.config.schema import Config
 from recompute_bench.config.pipeline_split import ModelChunk, model_chunks
-
-
-def norm_parameters(cfg: Config, width: int) -> int:
-    """A norm over `width` features: LayerNorm's weight and bias, RMSNorm's weight."""
-    return (2 if cfg.model.normalization == "LayerNorm" else 1) * width
 
 
 def layer_parameters(cfg: Config) -> float:
