@@ -10,7 +10,7 @@ from recompute_bench.analysis.allowance import ALLOWANCE_BYTES, ALLOWANCE_FRACTI
 from recompute_bench.analysis.checkpoint import checkpoint_input_bytes
 from recompute_bench.analysis.flops import setting_flops
 from recompute_bench.analysis.megatron.attention import attention_path
-from recompute_bench.analysis.megatron.context_parallel import context_parallel_report, optimizer_shards, rank_tokens
+from recompute_bench.analysis.megatron.context_parallel import context_parallel_report, optimizer_shards
 from recompute_bench.analysis.megatron.gpu import MegatronRun
 from recompute_bench.analysis.megatron.layer import layer_bytes, layer_saved_bytes
 from recompute_bench.analysis.megatron.moe import ROUTINGS, routed_rows
@@ -24,6 +24,7 @@ from recompute_bench.config.pipeline_split import model_chunks
 from recompute_bench.config.rules import layers_per_model_chunk
 from recompute_bench.config.schema import Config, RecomputeConfig, with_setting
 from recompute_bench.config.schema import layer_comm_types
+from recompute_bench.models.context_parallel import rank_seq_length
 from recompute_bench.recompute.settings import selective_settings
 
 
@@ -96,7 +97,7 @@ def estimate_report(cfg: Config, run: MegatronRun, allowance_fraction: float = A
     for row in settings:
         row["device_bytes_needed"] = device_bytes_needed(row["peak_allocated_bytes"], allowance_fraction, allowance_bytes)
     # The paper has no context parallel: its formula is taken at a CP rank's s/cp tokens.
-    cp, local = par.context_parallel_size, rank_tokens(cfg) // tr.micro_batch_size
+    cp, local = par.context_parallel_size, rank_seq_length(cfg)
     paper_rows = []
     for name, modules, kind in (("none", (), "none"), ("selective", ("core_attn",), "selective"), ("full", None, "full")):
         paper_rows.append({"recompute": name,
