@@ -49,6 +49,12 @@ def mtp_index(cfg: Config, k: int) -> int:
     return cfg.model.num_layers + k
 
 
+def chunk_layer_indices(cfg: Config, first_layer: int, layers: int, mtp: int = 0) -> list[int]:
+    """The layer indices of a model chunk: its `layers` decoder layers from global layer
+    `first_layer` on, then its `mtp` multi-token-prediction layers (`mtp_index`)."""
+    return [*range(first_layer, first_layer + layers), *(mtp_index(cfg, k) for k in range(mtp))]
+
+
 def is_mtp_layer(cfg: Config, index: int) -> bool:
     """Whether layer `index` is a multi-token-prediction layer."""
     return index >= cfg.model.num_layers

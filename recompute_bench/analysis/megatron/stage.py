@@ -17,7 +17,7 @@ from recompute_bench.analysis.megatron.fp8 import check_supported, layer_config
 from recompute_bench.analysis.megatron.gpu import MegatronRun
 from recompute_bench.analysis.megatron.layer import (layer_backward_bytes, layer_bytes, layer_forward_bytes,
                                                      layer_saved_bytes)
-from recompute_bench.analysis.megatron.mtp import mtp_index, mtp_saved_bytes
+from recompute_bench.analysis.megatron.mtp import chunk_layer_indices, mtp_index, mtp_saved_bytes
 from recompute_bench.analysis.megatron.offload import fine_grained_offloaded, layer_offloaded
 from recompute_bench.analysis.megatron.optimizer import bytes_per_parameter, fp8_weight_bytes
 from recompute_bench.analysis.megatron.outside import (batch_bytes, deferred_wgrad_bytes, embedding_saved_bytes,
@@ -111,12 +111,11 @@ def chunk_bytes(cfg: Config, run: MegatronRun, layers: int, first_layer: int = 0
                 terms[name] = terms.get(name, 0.0) + nbytes - moved.get(name, 0.0)
         in_graph += sum(graph_part(lcfg, saved).values())
         pool += sum(pool_resident(lcfg, saved, first_in_chunk=start == 0).values())
-    indices = [first_layer + i for i in range(layers)]
+    indices = chunk_layer_indices(cfg, first_layer, layers, mtp)
     full = cfg.recompute.granularity == "full"
     modules = frozenset(cfg.recompute.modules) if cfg.recompute.granularity == "selective" else frozenset()
     for k in range(mtp):
         index = mtp_index(cfg, k)
-        indices.append(index)
         lcfg = layer_config(cfg, index)
         inner = layer_saved_bytes(lcfg, run, () if full else modules, index, routing)
         extras = mtp_saved_bytes(lcfg, k)
@@ -206,8 +205,8 @@ def static_items(cfg: Config, stage: int, run: MegatronRun) -> dict[str, float]:
             if b and count and name != "fp32 gradient copies":
                 static[name] = static.get(name, 0.0) + b * count
     built = model_chunks(cfg, stage)
-    layers = [c.first_layer + i for c in built for i in range(c.layers)] + \
-        [mtp_index(cfg, k) for c in built for k in range(c.mtp)]
+    # the MTP layers are built by the last chunk (the loss's): every decoder layer comes first
+    layers = [i for c in built for i in chunk_layer_indices(cfg, c.first_layer, c.layers, c.mtp)]
     for item, nbytes in fp8_weight_bytes(cfg, run, layers).items():
         static[item] = static.get(item, 0.0) + nbytes
     static.update(buffer_bytes(cfg, run))
