@@ -24,7 +24,7 @@ from recompute_bench.analysis.megatron.outside import (batch_bytes, deferred_wgr
                                                        logits, loss_peak_bytes, loss_saved_bytes, output_saved_bytes)
 from recompute_bench.analysis.megatron.parameters import stage_parameter_groups
 from recompute_bench.analysis.megatron_schedule import SchedulePeak, schedule_peak
-from recompute_bench.config.pipeline_split import model_chunks
+from recompute_bench.config.pipeline_split import ModelChunk, model_chunks
 from recompute_bench.config.schema import Config
 from recompute_bench.models import ELEMENT_BYTES
 from recompute_bench.recompute.policy import chunks, layer_policies
@@ -196,6 +196,13 @@ def static_items(cfg: Config, stage: int, run: MegatronRun) -> dict[str, float]:
     expert-data-parallel group), FP8's weight copies or FP8 weights (`fp8_weight_bytes`), the
     buffers (`buffer_bytes`), TE's placeholder weight gradients under gradient-accumulation fusion
     (`te_dummy_wgrad_bytes`), FP8's scaling state, CUDA graphs' static buffers."""
+    return _held_all_run(cfg, stage, run, model_chunks(cfg, stage))[0]
+
+
+def _held_all_run(cfg: Config, stage: int, run: MegatronRun,
+                  built: list[ModelChunk]) -> tuple[dict[str, float], dict[str, float]]:
+    """`static_items` of the rank whose model chunks are `built`, and of them CUDA graphs' static
+    buffers (`static_buffer_bytes`), which come only with the capture."""
     groups = stage_parameter_groups(cfg, stage)
     # The fp32 gradient copies live from the optimizer step to the next step's zero_grad, which
     # runs before the forward: they never meet the activations.
@@ -204,7 +211,6 @@ def static_items(cfg: Config, stage: int, run: MegatronRun) -> dict[str, float]:
         for name, b in bytes_per_parameter(cfg, expert=group == "expert").items():
             if b and count and name != "fp32 gradient copies":
                 static[name] = static.get(name, 0.0) + b * count
-    built = model_chunks(cfg, stage)
     # the MTP layers are built by the last chunk (the loss's): every decoder layer comes first
     layers = [i for c in built for i in chunk_layer_indices(cfg, c.first_layer, c.layers, c.mtp)]
     for item, nbytes in fp8_weight_bytes(cfg, run, layers).items():
@@ -216,10 +222,11 @@ def static_items(cfg: Config, stage: int, run: MegatronRun) -> dict[str, float]:
     scaling = fp8_scaling_bytes(cfg, layers)
     if scaling:
         static["FP8 scaling state"] = scaling
-    static.update(static_buffer_bytes(cfg, stage, max(c.layers + c.mtp for c in built)))
+    graph_buffers = static_buffer_bytes(cfg, stage, max(c.layers + c.mtp for c in built))
+    static.update(graph_buffers)
     if any(c.embedding or c.loss for c in built) and graphs(cfg) == "full_iteration":
         static["CUDA graph static inputs (every micro-batch's data)"] = full_iteration_data_bytes(cfg, batch_bytes(cfg))
-    return static
+    return static, graph_buffers
 
 
 def stage_peak(cfg: Config, stage: int, run: MegatronRun, routing: str = "balanced") -> StagePeak:
@@ -239,7 +246,7 @@ def stage_peak(cfg: Config, stage: int, run: MegatronRun, routing: str = "balanc
     chunk = [chunk_bytes(cfg, run, c.layers, c.first_layer, routing, c.mtp) for c in built]
     groups = stage_parameter_groups(cfg, stage)
     params = sum(groups.values())
-    static = static_items(cfg, stage, run)
+    static, graph_buffers = _held_all_run(cfg, stage, run, built)
     impl, steps = graphs(cfg), cfg.training.cuda_graph_warmup_steps
     full_iteration = impl == "full_iteration"
 
@@ -282,12 +289,20 @@ def stage_peak(cfg: Config, stage: int, run: MegatronRun, routing: str = "balanc
     def retained(mb: int, c: int) -> float:
         return deferred_wgrad_bytes(cfg, mb) if loses(c) else 0.0
 
+    def at_peak(held: dict[str, float], peak: SchedulePeak, label: str) -> tuple[dict[str, float], str]:
+        """A phase's items at its schedule peak (what it holds all run, and the passes' activations
+        and transient), and where that peak is."""
+        items = {**held, "activations of the other micro-batches in flight": peak.others,
+                 "activations of the pass at the peak": peak.own, "transient of the pass at the peak": peak.transient}
+        phase = ("the loss's " if loses(peak.chunk) and peak.total else "") + \
+            ("forward" if peak.kind == "F" else "backward") + (f" of model chunk {peak.chunk}" if vp > 1 else "") + label
+        return items, phase
+
     phases: list[tuple[str, dict[str, float], SchedulePeak]] = []
 
     def without(*names: str) -> dict[str, float]:
         return {k: v for k, v in static.items() if k not in names}
 
-    graph_buffers = static_buffer_bytes(cfg, stage, max(c.layers + c.mtp for c in built))
     if impl == "none" or steps >= 1:  # the eager steps (all of them without graphs)
         # TE's per-layer static buffers come with the capture (TECudaGraphHelper.create_cudagraphs)
         absent = (*graph_buffers, *(() if impl == "none" or steps >= 2 else ("Adam moments",)))
@@ -308,12 +323,9 @@ def stage_peak(cfg: Config, stage: int, run: MegatronRun, routing: str = "balanc
                 lambda c: backward(c) - (transient if mlp_graphed and not loses(c) else 0.0), forward, retained)))
     totals = {(label.strip(" ()") or "eager"): sum(held.values()) + peak.total for label, held, peak in phases}
     label, held, peak = max(phases, key=lambda ph: sum(ph[1].values()) + ph[2].total)
-    items = {**held, "activations of the other micro-batches in flight": peak.others,
-             "activations of the pass at the peak": peak.own, "transient of the pass at the peak": peak.transient}
+    items, phase = at_peak(held, peak, label)
     if peak.retained:
         items[DEFERRED_WGRAD_ITEM] = peak.retained
-    phase = ("the loss's " if loses(peak.chunk) and peak.total else "") + ("forward" if peak.kind == "F" else "backward") + \
-        (f" of model chunk {peak.chunk}" if vp > 1 else "") + label
     if par.overlap_moe_expert_parallel_comm:
         first = built[0]
         pair = combined_pair_bytes(cfg, run, chunk[0], first.first_layer, first.layers, routing)
@@ -331,13 +343,9 @@ def stage_peak(cfg: Config, stage: int, run: MegatronRun, routing: str = "balanc
         # cuda_graph_warmup_steps iterations (training.py; Bridge train.py: `step - start_iteration
         # == cuda_graph_warmup_steps`)
         label, held, eager = phases[0]
-        eager_items = {**held, "activations of the other micro-batches in flight": eager.others,
-                       "activations of the pass at the peak": eager.own,
-                       "transient of the pass at the peak": eager.transient}
+        eager_items, eager_phase = at_peak(held, eager, label)
         captured = (*graph_buffers, "CUDA graph static inputs (every micro-batch's data)")
         eager_step = {k: v for k, v in step.items() if k not in captured}
-        eager_phase = ("the loss's " if loses(eager.chunk) and eager.total else "") + \
-            ("forward" if eager.kind == "F" else "backward") + (f" of model chunk {eager.chunk}" if vp > 1 else "") + label
         if sum(eager_step.values()) > sum(eager_items.values()):
             eager_items, eager_phase = eager_step, "the optimizer step"
         first, first_phase = first_iteration_peak(eager_items, eager_phase, eager_step)
