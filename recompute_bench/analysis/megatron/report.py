@@ -13,7 +13,7 @@ from recompute_bench.analysis.megatron.attention import attention_path
 from recompute_bench.analysis.megatron.context_parallel import context_parallel_report, optimizer_shards
 from recompute_bench.analysis.megatron.gpu import MegatronRun
 from recompute_bench.analysis.megatron.layer import layer_bytes, layer_saved_bytes
-from recompute_bench.analysis.megatron.moe import ROUTINGS, routed_rows
+from recompute_bench.analysis.megatron.moe import routing_spread
 from recompute_bench.analysis.megatron.outside import embedding_saved_bytes, loss_saved_bytes, output_saved_bytes
 from recompute_bench.analysis.megatron.stage import ChunkBytes, StagePeak, chunk_bytes, stage_peaks
 from recompute_bench.analysis.megatron.terms import stage_terms
@@ -160,7 +160,7 @@ def _routing(cfg: Config, run: MegatronRun, peak: StagePeak) -> dict[str, Any] |
     if not cfg.model.num_moe_experts:
         return None
     bound = max(stage_peaks(cfg, run, "bound"), key=lambda r: r.peak_allocated_bytes)
-    return {"assumption": "balanced", "routed_rows": {r: routed_rows(cfg, r) for r in ROUTINGS},
+    return {"assumption": "balanced", "routed_rows": routing_spread(cfg),
             "peak_allocated_bytes": {"balanced": peak.peak_allocated_bytes, "bound": bound.peak_allocated_bytes},
             "dispatcher": cfg.model.moe_token_dispatcher_type}
 
