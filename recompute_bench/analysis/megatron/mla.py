@@ -88,15 +88,14 @@ def mla_attention_saved(saved: SavedBytes, cfg: Config, run: MegatronRun, mods: 
     qk, v = m.qk_head_dim + r, m.v_head_dim
     rows = cfg.spec.norm_stats_bytes(cfg, "cuda", tokens)  # mu and rsigma (LayerNorm) or rsigma per token
     up_proj = "mla_up_proj" in mods
+    if m.q_lora_rank is not None:
+        saved.add("linear_q_down_proj.output", e * tokens * m.q_lora_rank, "sp")
     if up_proj:
-        if m.q_lora_rank is not None:
-            saved.add("linear_q_down_proj.output", e * tokens * m.q_lora_rank, "sp")
         saved.add("linear_kv_down_proj.output", e * tokens * (m.kv_lora_rank + r), "sp")
         if par.sequence_parallel and par.tensor_model_parallel_size > 1:  # gather_from_sequence_parallel_region
             saved.add("k_pos_emb.gathered", e * tokens * r, "none")
     else:
         if m.q_lora_rank is not None:
-            saved.add("linear_q_down_proj.output", e * tokens * m.q_lora_rank, "sp")
             if m.qk_layernorm:
                 saved.add("linear_q_up_proj.norm_stats", rows, "sp")
                 saved.add("linear_q_up_proj.ln_out", e * tokens * m.q_lora_rank, "sp")

@@ -14,7 +14,7 @@ from typing import Any
 
 from recompute_bench.analysis.megatron.outside import embedding_saved_bytes, loss_saved_bytes, output_saved_bytes
 from recompute_bench.analysis.megatron.gpu import MegatronRun
-from recompute_bench.analysis.megatron.stage import CHECKPOINT_INPUT, StagePeak
+from recompute_bench.analysis.megatron.stage import ACTIVATION_ITEMS, CHECKPOINT_INPUT, StagePeak
 from recompute_bench.config.pipeline_split import model_chunks
 from recompute_bench.config.schema import Config
 
@@ -94,10 +94,8 @@ def stage_terms(cfg: Config, run: MegatronRun, peak: StagePeak) -> list[dict[str
     saved tensors of the layers with how many layers hold them (`layers`). Their bytes add up to
     `peak.peak_allocated_bytes`."""
     out: list[dict[str, Any]] = []
-    activation_items = ("activations of the other micro-batches in flight", "activations of the pass at the peak",
-                        "transient of the pass at the peak")
     for item, nbytes in peak.items.items():
-        if item in activation_items:
+        if item in ACTIVATION_ITEMS[:3]:  # the deferred weight gradients stay a term of their own
             continue
         megatron, knobs = _static(cfg, item)
         out.append({"term": item, "megatron": megatron, "bytes": nbytes, "knobs": knobs})
