@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from helpers import invoke
+from helpers import config, invoke
 from recompute_bench.analysis.megatron import MegatronRun, stage_peak, stage_peaks
 from recompute_bench.analysis.megatron.terms import stage_terms
 from recompute_bench.ingest import formats
@@ -369,6 +369,22 @@ def test_every_stages_terms_add_up_to_its_peak(flags):
         terms = stage_terms(cfg, run, peak)
         assert sum(t["bytes"] for t in terms) == pytest.approx(peak.peak_allocated_bytes, rel=1e-12)
         assert len({t["term"] for t in terms}) == len(terms) and all(t["megatron"] and t["knobs"] for t in terms)
+
+
+@pytest.mark.parametrize("workload, overrides", [
+    ("tiny-mla", {}),  # stage 0 a dense layer, stage 1 a MoE layer
+    ("tiny", {"parallel__decoder_first_pipeline_num_layers": 1}),  # 1 layer on stage 0, 3 on stage 1
+    ("tiny", {"model__mtp_num_layers": 1}),  # the last stage's chunk also holds the MTP layer
+])
+def test_a_stages_terms_are_its_own_chunks_and_add_up_to_its_peak(workload, overrides):
+    """The saved-tensor terms are those of the model chunks the stage holds at its peak (their
+    first layer, their layers' kinds, their multi-token-prediction layers), not a chunk from
+    layer 0: every stage's terms add up to its peak."""
+    cfg = config(workload, training__framework="megatron", parallel__pipeline_model_parallel_size=2, **overrides)
+    run = MegatronRun("h100")
+    for peak in stage_peaks(cfg, run):
+        terms = stage_terms(cfg, run, peak)
+        assert sum(t["bytes"] for t in terms) == pytest.approx(peak.peak_allocated_bytes, rel=1e-12), peak.stage
 
 
 def test_the_terms_name_what_allocates_them_and_the_layers_they_hold():

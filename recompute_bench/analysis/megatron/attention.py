@@ -70,7 +70,7 @@ def attention_saved(saved: SavedBytes, cfg: Config, run: MegatronRun, mods: set[
         # q_layernorm / k_layernorm (TENorm over one head; TE ops/basic/layer_norm.py and rmsnorm.py
         # `op_forward`) save `input_.contiguous()` (a copy of a view) and fp32 statistics per row, and
         # return new tensors, which RoPE (if any) replaces again.
-        rows = (2 if m.normalization == "LayerNorm" else 1) * FP32_BYTES * tokens
+        rows = cfg.spec.norm_stats_bytes(cfg, "cuda", tokens)
         saved.add("q_layernorm.input", e * tokens * a * d, "tp")
         saved.add("q_layernorm.norm_stats", rows * a, "tp")
         saved.add("k_layernorm.input", e * tokens * g * d, "tp")

@@ -23,15 +23,14 @@ from dataclasses import dataclass
 
 from recompute_bench.models import ELEMENT_BYTES, FP32_BYTES, MASK_BYTES, SavedBytes
 from recompute_bench.config.schema import comm_levels, layer_comm_types
-from recompute_bench.models.context_parallel import local_seq_length
+from recompute_bench.models.context_parallel import rank_seq_length
 from recompute_bench.config.schema import Config
 
 
 def rank_tokens(cfg: Config) -> int:
     """Tokens of one micro-batch on a context-parallel rank: s / cp x b (get_batch_on_this_cp_rank
     keeps 2 of the 2cp chunks of every sequence)."""
-    tr = cfg.training
-    return local_seq_length(tr.seq_length, cfg.parallel.context_parallel_size) * tr.micro_batch_size
+    return rank_seq_length(cfg) * cfg.training.micro_batch_size
 
 
 def attention_mask_bytes(cfg: Config) -> float:

@@ -40,9 +40,11 @@ Python.
 
 from __future__ import annotations
 
+from recompute_bench.analysis.megatron.context_parallel import attention_mask_bytes
 from recompute_bench.analysis.megatron_schedule import chunk_forwards_in_flight
 from recompute_bench.config.schema import Config
-from recompute_bench.models import ELEMENT_BYTES, MASK_BYTES
+from recompute_bench.models import ELEMENT_BYTES
+from recompute_bench.models.context_parallel import rank_seq_length
 
 PER_LAYER = ("transformer_engine", "local")
 
@@ -98,8 +100,8 @@ def static_buffer_bytes(cfg: Config, stage: int, layers_per_chunk: int) -> dict[
     m, tr, par = cfg.model, cfg.training, cfg.parallel
     if impl != "transformer_engine":
         return {}
-    cp, t = par.context_parallel_size, par.tensor_model_parallel_size
-    s, b = tr.seq_length // cp, tr.micro_batch_size
+    t = par.tensor_model_parallel_size
+    s, b = rank_seq_length(cfg), tr.micro_batch_size
     rows = s // t if par.sequence_parallel else s
     hidden = ELEMENT_BYTES["bf16"] * rows * b * m.hidden_size  # get_layer_static_inputs: torch.bfloat16
     # Without pipeline parallel TECudaGraphHelper captures one micro-batch; with it every one, whose
@@ -109,7 +111,7 @@ def static_buffer_bytes(cfg: Config, stage: int, layers_per_chunk: int) -> dict[
     out = {"CUDA graph static inputs (hidden states)": buffers * hidden}
     if "attn" in captured_parts(cfg):
         # the rotary table it passes is RotaryEmbedding.forward's lru-cached one, shared with eager
-        out["CUDA graph static inputs (attention masks)"] = buffers * MASK_BYTES * b * s * tr.seq_length
+        out["CUDA graph static inputs (attention masks)"] = buffers * attention_mask_bytes(cfg)
     # graph.py: one static grad-output per output signature, and the last captured grad-input
     out["CUDA graph static gradients"] = 2 * hidden
     return out

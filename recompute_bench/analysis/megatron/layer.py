@@ -19,7 +19,7 @@ from recompute_bench.analysis.megatron.mla import mla_attention_saved, up_proj_r
 from recompute_bench.analysis.megatron.moe import moe_backward_bytes, moe_saved_bytes
 from recompute_bench.analysis.megatron.mtp import eh_proj_weight, is_mtp_layer
 from recompute_bench.analysis.megatron.gpu import MegatronRun
-from recompute_bench.models import ELEMENT_BYTES, FP32_BYTES, MASK_BYTES, SavedBytes
+from recompute_bench.models import ELEMENT_BYTES, MASK_BYTES, SavedBytes
 from recompute_bench.config.schema import Config
 
 def is_moe_layer(cfg: Config, layer: int, moe: bool | None = None) -> bool:
@@ -48,7 +48,7 @@ def layer_saved_bytes(cfg: Config, run: MegatronRun, modules: Iterable[str] = ()
     saved = SavedBytes()
     te = m.transformer_impl == "transformer_engine"
     norms_kept = te or "layernorm" not in mods
-    stats = (2 if m.normalization == "LayerNorm" else 1) * FP32_BYTES * tokens  # mu and rsigma, fp32
+    stats = cfg.spec.norm_stats_bytes(cfg, "cuda", tokens)  # mu and rsigma (LayerNorm) or rsigma, fp32
     # TE's _LayerNormLinear.forward saves `inputmat` and `ln_out` (and mu, rsigma); the local spec's
     # norm saves its input and statistics and ColumnParallelLinear saves the norm's output.
     mla = m.multi_latent_attention

@@ -27,12 +27,9 @@ from __future__ import annotations
 from recompute_bench.analysis.megatron.attention import CoreAttentionInputs, core_attention_saved
 from recompute_bench.analysis.megatron.context_parallel import rank_tokens
 from recompute_bench.analysis.megatron.gpu import MegatronRun
-from recompute_bench.models import ELEMENT_BYTES, FP32_BYTES, SavedBytes
+from recompute_bench.models import ELEMENT_BYTES, SavedBytes
+from recompute_bench.models.dense.spec import norm_parameters
 from recompute_bench.config.schema import Config
-
-
-def _norm(cfg: Config, width: int) -> int:
-    return (2 if cfg.model.normalization == "LayerNorm" else 1) * width
 
 
 def mla_rope_fused(cfg: Config) -> bool:
@@ -52,14 +49,14 @@ def mla_attention_parameters(cfg: Config) -> tuple[float, float]:
     h, n, r = m.hidden_size, m.num_attention_heads, m.qk_pos_emb_head_dim
     q_width, kv_width = n * (m.qk_head_dim + r), n * (m.qk_head_dim + m.v_head_dim)
     sharded = kv_width * m.kv_lora_rank + n * m.v_head_dim * h
-    replicated = _norm(cfg, h) + h * (m.kv_lora_rank + r) + (h if m.add_bias_linear else 0)
+    replicated = norm_parameters(cfg, h) + h * (m.kv_lora_rank + r) + (h if m.add_bias_linear else 0)
     if m.q_lora_rank is None:
         sharded += h * q_width
-        replicated += _norm(cfg, h) if m.qk_layernorm else 0
+        replicated += norm_parameters(cfg, h) if m.qk_layernorm else 0
     else:
         sharded += m.q_lora_rank * q_width
-        replicated += h * m.q_lora_rank + (_norm(cfg, m.q_lora_rank) if m.qk_layernorm else 0)
-    replicated += _norm(cfg, m.kv_lora_rank) if m.qk_layernorm else 0
+        replicated += h * m.q_lora_rank + (norm_parameters(cfg, m.q_lora_rank) if m.qk_layernorm else 0)
+    replicated += norm_parameters(cfg, m.kv_lora_rank) if m.qk_layernorm else 0
     return sharded, replicated
 
 
@@ -89,17 +86,16 @@ def mla_attention_saved(saved: SavedBytes, cfg: Config, run: MegatronRun, mods: 
     e, b, s = ELEMENT_BYTES[tr.precision], tr.micro_batch_size, tr.seq_length
     tokens, n, r = s * b, m.num_attention_heads, m.qk_pos_emb_head_dim
     qk, v = m.qk_head_dim + r, m.v_head_dim
-    rows = (2 if m.normalization == "LayerNorm" else 1) * FP32_BYTES * tokens  # mu and rsigma per token
+    rows = cfg.spec.norm_stats_bytes(cfg, "cuda", tokens)  # mu and rsigma (LayerNorm) or rsigma per token
     up_proj = "mla_up_proj" in mods
+    if m.q_lora_rank is not None:
+        saved.add("linear_q_down_proj.output", e * tokens * m.q_lora_rank, "sp")
     if up_proj:
-        if m.q_lora_rank is not None:
-            saved.add("linear_q_down_proj.output", e * tokens * m.q_lora_rank, "sp")
         saved.add("linear_kv_down_proj.output", e * tokens * (m.kv_lora_rank + r), "sp")
         if par.sequence_parallel and par.tensor_model_parallel_size > 1:  # gather_from_sequence_parallel_region
             saved.add("k_pos_emb.gathered", e * tokens * r, "none")
     else:
         if m.q_lora_rank is not None:
-            saved.add("linear_q_down_proj.output", e * tokens * m.q_lora_rank, "sp")
             if m.qk_layernorm:
                 saved.add("linear_q_up_proj.norm_stats", rows, "sp")
                 saved.add("linear_q_up_proj.ln_out", e * tokens * m.q_lora_rank, "sp")

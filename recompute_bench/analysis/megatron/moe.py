@@ -39,6 +39,7 @@ import math
 
 from recompute_bench.analysis.megatron.context_parallel import rank_tokens
 from recompute_bench.models import ELEMENT_BYTES, FP32_BYTES, INDEX_BYTES, MASK_BYTES
+from recompute_bench.models.dense.spec import norm_parameters
 from recompute_bench.config.schema import Config
 
 ROUTINGS = ("balanced", "bound")
@@ -273,7 +274,7 @@ def moe_saved_bytes(cfg: Config, modules=(), routing: str = "balanced") -> dict[
     m, e = cfg.model, ELEMENT_BYTES[cfg.training.precision]
     mods = set(modules)
     n, h = local_tokens(cfg), m.hidden_size
-    stats = (2 if m.normalization == "LayerNorm" else 1) * FP32_BYTES * n
+    stats = cfg.spec.norm_stats_bytes(cfg, "cuda", n)
     out = {"pre_mlp_layernorm.input": e * n * h}
     if "layernorm" not in mods:
         out["pre_mlp_layernorm.norm_stats"] = stats
@@ -317,7 +318,7 @@ def moe_layer_parameters(cfg: Config) -> dict[str, float]:
     [h, f / etp], reduced and sharded over the expert-data-parallel group)."""
     m, par = cfg.model, cfg.parallel
     h, widths = m.hidden_size, (3 if m.activation == "swiglu" else 2)
-    norm = (2 if m.normalization == "LayerNorm" else 1) * h
+    norm = norm_parameters(cfg, h)
     shared = widths * h * (m.moe_shared_expert_intermediate_size or 0) / par.tensor_model_parallel_size
     gate = h if m.moe_shared_expert_gate and m.moe_shared_expert_intermediate_size else 0
     experts = local_experts(cfg) * widths * h * m.moe_ffn / par.expert_tensor_parallel

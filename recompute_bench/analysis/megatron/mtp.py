@@ -38,7 +38,8 @@ from __future__ import annotations
 from recompute_bench.analysis.megatron.context_parallel import rank_tokens
 from recompute_bench.analysis.megatron.fp8 import linear_input_bytes
 from recompute_bench.analysis.megatron.outside import embedding_saved_bytes, loss_saved_bytes
-from recompute_bench.models import ELEMENT_BYTES, FP32_BYTES, SavedBytes
+from recompute_bench.models import ELEMENT_BYTES, SavedBytes
+from recompute_bench.models.dense.spec import norm_parameters
 from recompute_bench.config.schema import Config
 
 
@@ -46,6 +47,12 @@ def mtp_index(cfg: Config, k: int) -> int:
     """The layer index MTP layer `k` takes in this package's per-layer terms: num_layers + k (its
     kind is the last decoder layer's: ModelConfig.decoder_layer_of)."""
     return cfg.model.num_layers + k
+
+
+def chunk_layer_indices(cfg: Config, first_layer: int, layers: int, mtp: int = 0) -> list[int]:
+    """The layer indices of a model chunk: its `layers` decoder layers from global layer
+    `first_layer` on, then its `mtp` multi-token-prediction layers (`mtp_index`)."""
+    return [*range(first_layer, first_layer + layers), *(mtp_index(cfg, k) for k in range(mtp))]
 
 
 def is_mtp_layer(cfg: Config, index: int) -> bool:
@@ -57,7 +64,7 @@ def mtp_extra_parameters(cfg: Config) -> float:
     """An MTP layer's parameters beside its transformer layer, on one tensor-parallel rank: enorm,
     hnorm and final_layernorm over h (replicated), eh_proj [h / t, 2h] (column-parallel, no bias)."""
     m = cfg.model
-    norm = (2 if m.normalization == "LayerNorm" else 1) * m.hidden_size
+    norm = norm_parameters(cfg, m.hidden_size)
     return 3 * norm + 2 * m.hidden_size * m.hidden_size / cfg.parallel.tensor_model_parallel_size
 
 
@@ -79,7 +86,7 @@ def mtp_saved_bytes(cfg: Config, k: int, checkpointed: bool = False) -> dict[str
     and the hidden states, instead of those layers' tensors."""
     m, tr, par = cfg.model, cfg.training, cfg.parallel
     e, tokens, h = ELEMENT_BYTES[tr.precision], rank_tokens(cfg), m.hidden_size
-    stats = (2 if m.normalization == "LayerNorm" else 1) * FP32_BYTES * tokens
+    stats = cfg.spec.norm_stats_bytes(cfg, "cuda", tokens)
     saved = SavedBytes()
     if embedding_saved_bytes(cfg):
         saved.add("mtp.embedding.dropout_mask", embedding_saved_bytes(cfg), "none")  # already per rank

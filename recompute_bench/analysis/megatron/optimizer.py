@@ -43,6 +43,9 @@ def bytes_per_parameter(cfg: Config, expert: bool = False) -> dict[str, float]:
         return {"weights": 4, "main gradients": 4, "master weights": 0, "Adam moments": 8 / shards,
                 "fp32 gradient copies": 0}
     grads = main_gradient_bytes(cfg)
+    # Adam's exp_avg and exp_avg_sq: fp32 (Megatron's optimizer), or TE's FusedAdam's dtypes
+    moments = OPTIMIZER_DTYPE_BYTES[tr.exp_avg_dtype] + OPTIMIZER_DTYPE_BYTES[tr.exp_avg_sq_dtype] \
+        if tr.use_precision_aware_optimizer else 8
     if tr.use_precision_aware_optimizer and precision_aware_holds_master(cfg):
         # optimizer/__init__.py: TE's FusedAdam with master_weights, master_weight_dtype main_params_dtype,
         # exp_avg_dtype / exp_avg_sq_dtype and store_param_remainders (OptimizerConfig default True),
@@ -50,12 +53,9 @@ def bytes_per_parameter(cfg: Config, expert: bool = False) -> dict[str, float]:
         # fused_adam.py `_initialize_state`: with fp32 master weights of bf16 parameters only the
         # trailing 16 bits are kept (int16); an fp8 moment is a uint8 Float8Tensor (scales aside).
         master = 2 if tr.main_params_dtype == "fp32" and precision != "fp16" else OPTIMIZER_DTYPE_BYTES[tr.main_params_dtype]
-        moments = OPTIMIZER_DTYPE_BYTES[tr.exp_avg_dtype] + OPTIMIZER_DTYPE_BYTES[tr.exp_avg_sq_dtype]
         return {"weights": weights, "main gradients": grads, "master weights": master / shards,
                 "Adam moments": moments / shards, "fp32 gradient copies": 0}
-    moments = 8
-    if tr.use_precision_aware_optimizer:  # Megatron keeps fp32 master weights; TE's FusedAdam the moments
-        moments = OPTIMIZER_DTYPE_BYTES[tr.exp_avg_dtype] + OPTIMIZER_DTYPE_BYTES[tr.exp_avg_sq_dtype]
+    # precision-aware without TE's master weights: Megatron keeps fp32 master weights, FusedAdam the moments
     return {"weights": weights, "main gradients": grads, "master weights": 4 / shards, "Adam moments": moments / shards,
             "fp32 gradient copies": (4 / shards) if grads == 2 else 0}
 

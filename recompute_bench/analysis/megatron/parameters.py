@@ -12,15 +12,10 @@ from __future__ import annotations
 
 from recompute_bench.analysis.megatron.mla import mla_attention_parameters
 from recompute_bench.analysis.megatron.moe import moe_layer_parameters
-from recompute_bench.analysis.megatron.mtp import is_mtp_layer, mtp_extra_parameters, mtp_index
-from recompute_bench.models.dense.spec import DENSE
+from recompute_bench.analysis.megatron.mtp import chunk_layer_indices, is_mtp_layer, mtp_extra_parameters
+from recompute_bench.models.dense.spec import DENSE, norm_parameters
 from recompute_bench.config.schema import Config
 from recompute_bench.config.pipeline_split import ModelChunk, model_chunks
-
-
-def norm_parameters(cfg: Config, width: int) -> int:
-    """A norm over `width` features: LayerNorm's weight and bias, RMSNorm's weight."""
-    return (2 if cfg.model.normalization == "LayerNorm" else 1) * width
 
 
 def layer_parameters(cfg: Config) -> float:
@@ -82,9 +77,7 @@ def chunk_parameter_groups(cfg: Config, chunk: ModelChunk, holds_embedding: bool
     m, t = cfg.model, cfg.parallel.tensor_model_parallel_size
     vocab = cfg.vocab_rows * m.hidden_size / t
     groups = {"dense": 0.0, "expert": 0.0}
-    indices = [*range(chunk.first_layer, chunk.first_layer + chunk.layers),
-               *(mtp_index(cfg, k) for k in range(chunk.mtp))]
-    for i in indices:
+    for i in chunk_layer_indices(cfg, chunk.first_layer, chunk.layers, chunk.mtp):
         for group, count in layer_parameter_groups(cfg, i).items():
             groups[group] += count
     n = 0.0

@@ -10,12 +10,12 @@ from recompute_bench.analysis.allowance import ALLOWANCE_BYTES, ALLOWANCE_FRACTI
 from recompute_bench.analysis.checkpoint import checkpoint_input_bytes
 from recompute_bench.analysis.flops import setting_flops
 from recompute_bench.analysis.megatron.attention import attention_path
-from recompute_bench.analysis.megatron.context_parallel import context_parallel_report, optimizer_shards, rank_tokens
+from recompute_bench.analysis.megatron.context_parallel import context_parallel_report, optimizer_shards
 from recompute_bench.analysis.megatron.gpu import MegatronRun
-from recompute_bench.analysis.megatron.layer import layer_backward_bytes, layer_bytes, layer_saved_bytes
-from recompute_bench.analysis.megatron.moe import ROUTINGS, routed_rows
+from recompute_bench.analysis.megatron.layer import layer_bytes, layer_saved_bytes
+from recompute_bench.analysis.megatron.moe import routing_spread
 from recompute_bench.analysis.megatron.outside import embedding_saved_bytes, loss_saved_bytes, output_saved_bytes
-from recompute_bench.analysis.megatron.stage import StagePeak, chunk_bytes, stage_peaks
+from recompute_bench.analysis.megatron.stage import ChunkBytes, StagePeak, chunk_bytes, stage_peaks
 from recompute_bench.analysis.megatron.terms import stage_terms
 from recompute_bench.analysis.megatron_schedule import chunk_forwards_in_flight
 from recompute_bench.analysis.paper import (built_minus_paper_bytes, paper_flops_per_step, paper_layer_bytes,
@@ -24,6 +24,7 @@ from recompute_bench.config.pipeline_split import model_chunks
 from recompute_bench.config.rules import layers_per_model_chunk
 from recompute_bench.config.schema import Config, RecomputeConfig, with_setting
 from recompute_bench.config.schema import layer_comm_types
+from recompute_bench.models.context_parallel import rank_seq_length
 from recompute_bench.recompute.settings import selective_settings
 
 
@@ -48,10 +49,8 @@ def setting_estimate(cfg: Config, run: MegatronRun, routing: str = "balanced") -
     chunks; MoE layers under the `routing` assumption), the peak rank, FLOPs."""
     peak = max(stage_peaks(cfg, run, routing), key=lambda r: r.peak_allocated_bytes)
     built = model_chunks(cfg, peak.stage)
-    chunks = [chunk_bytes(cfg, run, c.layers, c.first_layer, routing) for c in built]
-    last = built[-1]
-    transient = max((layer_backward_bytes(cfg, run, i, routing) for i in range(last.first_layer, last.first_layer + last.layers)),
-                    default=0.0)
+    chunks = decoder_chunks(cfg, run, peak, routing)
+    transient = chunks[-1].layer_backward
     stored = sum(c.stored for c in chunks)
     return {
         "label": cfg.recompute.label,
@@ -64,6 +63,14 @@ def setting_estimate(cfg: Config, run: MegatronRun, routing: str = "balanced") -
         "peak_phase": peak.phase,
         **setting_flops(cfg, "cuda"),
     }
+
+
+def decoder_chunks(cfg: Config, run: MegatronRun, peak: StagePeak, routing: str = "balanced") -> list[ChunkBytes]:
+    """The model chunks of `peak`'s stage without their multi-token-prediction layers (what the
+    settings table and a record count per decoder layer): the stage's own chunks where they hold
+    none, built again without them where they do."""
+    return [ch if not c.mtp else chunk_bytes(cfg, run, c.layers, c.first_layer, routing)
+            for c, ch in zip(model_chunks(cfg, peak.stage), peak.chunks)]
 
 
 def _stage_row(cfg: Config, run: MegatronRun, r: StagePeak, fraction: float, fixed: float) -> dict[str, Any]:
@@ -90,7 +97,7 @@ def estimate_report(cfg: Config, run: MegatronRun, allowance_fraction: float = A
     for row in settings:
         row["device_bytes_needed"] = device_bytes_needed(row["peak_allocated_bytes"], allowance_fraction, allowance_bytes)
     # The paper has no context parallel: its formula is taken at a CP rank's s/cp tokens.
-    cp, local = par.context_parallel_size, rank_tokens(cfg) // tr.micro_batch_size
+    cp, local = par.context_parallel_size, rank_seq_length(cfg)
     paper_rows = []
     for name, modules, kind in (("none", (), "none"), ("selective", ("core_attn",), "selective"), ("full", None, "full")):
         paper_rows.append({"recompute": name,
@@ -153,7 +160,7 @@ def _routing(cfg: Config, run: MegatronRun, peak: StagePeak) -> dict[str, Any] |
     if not cfg.model.num_moe_experts:
         return None
     bound = max(stage_peaks(cfg, run, "bound"), key=lambda r: r.peak_allocated_bytes)
-    return {"assumption": "balanced", "routed_rows": {r: routed_rows(cfg, r) for r in ROUTINGS},
+    return {"assumption": "balanced", "routed_rows": routing_spread(cfg),
             "peak_allocated_bytes": {"balanced": peak.peak_allocated_bytes, "bound": bound.peak_allocated_bytes},
             "dispatcher": cfg.model.moe_token_dispatcher_type}
 
@@ -163,12 +170,11 @@ def record_estimate(cfg: Config, run: MegatronRun) -> dict[str, float]:
     `rank.record_estimate`): one micro-batch's activations over the whole model and per layer, as
     Megatron's layers keep them, the hardware FLOPs, and the steady-state peak of the most loaded
     stage (iteration 2 on)."""
+    stages = stage_peaks(cfg, run)
     # every model chunk of every stage (their layer kinds differ with moe_layer_freq)
-    total = sum(chunk_bytes(cfg, run, c.layers, c.first_layer).stored
-                for stage in range(cfg.parallel.pipeline_model_parallel_size) for c in model_chunks(cfg, stage))
+    total = sum(c.stored for peak in stages for c in decoder_chunks(cfg, run, peak))
     per_layer = total / cfg.model.num_layers
     outside = embedding_saved_bytes(cfg) + output_saved_bytes(cfg) + loss_saved_bytes(cfg)
-    stages = stage_peaks(cfg, run)
     return {
         "estimated_activation_bytes": total + outside,
         "estimated_activation_bytes_per_layer": per_layer,

@@ -17,14 +17,14 @@ from recompute_bench.analysis.megatron.fp8 import check_supported, layer_config
 from recompute_bench.analysis.megatron.gpu import MegatronRun
 from recompute_bench.analysis.megatron.layer import (layer_backward_bytes, layer_bytes, layer_forward_bytes,
                                                      layer_saved_bytes)
-from recompute_bench.analysis.megatron.mtp import mtp_index, mtp_saved_bytes
+from recompute_bench.analysis.megatron.mtp import chunk_layer_indices, mtp_index, mtp_saved_bytes
 from recompute_bench.analysis.megatron.offload import fine_grained_offloaded, layer_offloaded
 from recompute_bench.analysis.megatron.optimizer import bytes_per_parameter, fp8_weight_bytes
 from recompute_bench.analysis.megatron.outside import (batch_bytes, deferred_wgrad_bytes, embedding_saved_bytes,
                                                        logits, loss_peak_bytes, loss_saved_bytes, output_saved_bytes)
 from recompute_bench.analysis.megatron.parameters import stage_parameter_groups
 from recompute_bench.analysis.megatron_schedule import SchedulePeak, schedule_peak
-from recompute_bench.config.pipeline_split import model_chunks
+from recompute_bench.config.pipeline_split import ModelChunk, model_chunks
 from recompute_bench.config.schema import Config
 from recompute_bench.models import ELEMENT_BYTES
 from recompute_bench.recompute.policy import chunks, layer_policies
@@ -52,6 +52,9 @@ class ChunkBytes:
     terms: dict[str, float] = field(default_factory=dict)
     """`stored`, tensor by tensor over the chunk's layers (layer_saved_bytes' names, less what
     offloading moves to the host, and a full-recompute checkpoint's input)."""
+    layer_backward: float = 0.0
+    """The most one of the chunk's layers' backward holds beyond the saved tensors
+    (`layer_backward_bytes` over its layers, multi-token-prediction layers included)."""
 
 
 CHECKPOINT_INPUT = "checkpoint input"
@@ -108,12 +111,11 @@ def chunk_bytes(cfg: Config, run: MegatronRun, layers: int, first_layer: int = 0
                 terms[name] = terms.get(name, 0.0) + nbytes - moved.get(name, 0.0)
         in_graph += sum(graph_part(lcfg, saved).values())
         pool += sum(pool_resident(lcfg, saved, first_in_chunk=start == 0).values())
-    indices = [first_layer + i for i in range(layers)]
+    indices = chunk_layer_indices(cfg, first_layer, layers, mtp)
     full = cfg.recompute.granularity == "full"
     modules = frozenset(cfg.recompute.modules) if cfg.recompute.granularity == "selective" else frozenset()
     for k in range(mtp):
         index = mtp_index(cfg, k)
-        indices.append(index)
         lcfg = layer_config(cfg, index)
         inner = layer_saved_bytes(lcfg, run, () if full else modules, index, routing)
         extras = mtp_saved_bytes(lcfg, k)
@@ -128,10 +130,10 @@ def chunk_bytes(cfg: Config, run: MegatronRun, layers: int, first_layer: int = 0
         in_graph += sum(graph_part(lcfg, inner).values())
         pool += sum(pool_resident(lcfg, inner, first_in_chunk=False).values())
     forward = max(layer_forward_bytes(cfg, run, i) for i in indices)
-    backward = max(layer_backward_bytes(cfg, run, i, routing) for i in indices)
-    if reruns_attention:
-        backward = max(backward, forward)
-    return ChunkBytes(stored, max(stored, rebuilt) + backward + reload, forward, in_graph, pool, last, terms)
+    layer_backward = max(layer_backward_bytes(cfg, run, i, routing) for i in indices)
+    backward = max(layer_backward, forward) if reruns_attention else layer_backward
+    return ChunkBytes(stored, max(stored, rebuilt) + backward + reload, forward, in_graph, pool, last, terms,
+                      layer_backward)
 
 
 @dataclass
@@ -160,6 +162,8 @@ class StagePeak:
     peak_kind: str = ""
     """"F" or "B": whether the peak is in a forward or a backward ("" at the optimizer step)."""
     peak_chunk: int = 0
+    chunks: list[ChunkBytes] = field(default_factory=list)
+    """The activations of each model chunk this rank builds (`chunk_bytes`), by chunk."""
 
     @property
     def peak_allocated_bytes(self) -> float:
@@ -192,6 +196,13 @@ def static_items(cfg: Config, stage: int, run: MegatronRun) -> dict[str, float]:
     expert-data-parallel group), FP8's weight copies or FP8 weights (`fp8_weight_bytes`), the
     buffers (`buffer_bytes`), TE's placeholder weight gradients under gradient-accumulation fusion
     (`te_dummy_wgrad_bytes`), FP8's scaling state, CUDA graphs' static buffers."""
+    return _held_all_run(cfg, stage, run, model_chunks(cfg, stage))[0]
+
+
+def _held_all_run(cfg: Config, stage: int, run: MegatronRun,
+                  built: list[ModelChunk]) -> tuple[dict[str, float], dict[str, float]]:
+    """`static_items` of the rank whose model chunks are `built`, and of them CUDA graphs' static
+    buffers (`static_buffer_bytes`), which come only with the capture."""
     groups = stage_parameter_groups(cfg, stage)
     # The fp32 gradient copies live from the optimizer step to the next step's zero_grad, which
     # runs before the forward: they never meet the activations.
@@ -200,9 +211,8 @@ def static_items(cfg: Config, stage: int, run: MegatronRun) -> dict[str, float]:
         for name, b in bytes_per_parameter(cfg, expert=group == "expert").items():
             if b and count and name != "fp32 gradient copies":
                 static[name] = static.get(name, 0.0) + b * count
-    built = model_chunks(cfg, stage)
-    layers = [c.first_layer + i for c in built for i in range(c.layers)] + \
-        [mtp_index(cfg, k) for c in built for k in range(c.mtp)]
+    # the MTP layers are built by the last chunk (the loss's): every decoder layer comes first
+    layers = [i for c in built for i in chunk_layer_indices(cfg, c.first_layer, c.layers, c.mtp)]
     for item, nbytes in fp8_weight_bytes(cfg, run, layers).items():
         static[item] = static.get(item, 0.0) + nbytes
     static.update(buffer_bytes(cfg, run))
@@ -212,10 +222,11 @@ def static_items(cfg: Config, stage: int, run: MegatronRun) -> dict[str, float]:
     scaling = fp8_scaling_bytes(cfg, layers)
     if scaling:
         static["FP8 scaling state"] = scaling
-    static.update(static_buffer_bytes(cfg, stage, max(c.layers + c.mtp for c in built)))
+    graph_buffers = static_buffer_bytes(cfg, stage, max(c.layers + c.mtp for c in built))
+    static.update(graph_buffers)
     if any(c.embedding or c.loss for c in built) and graphs(cfg) == "full_iteration":
         static["CUDA graph static inputs (every micro-batch's data)"] = full_iteration_data_bytes(cfg, batch_bytes(cfg))
-    return static
+    return static, graph_buffers
 
 
 def stage_peak(cfg: Config, stage: int, run: MegatronRun, routing: str = "balanced") -> StagePeak:
@@ -235,7 +246,7 @@ def stage_peak(cfg: Config, stage: int, run: MegatronRun, routing: str = "balanc
     chunk = [chunk_bytes(cfg, run, c.layers, c.first_layer, routing, c.mtp) for c in built]
     groups = stage_parameter_groups(cfg, stage)
     params = sum(groups.values())
-    static = static_items(cfg, stage, run)
+    static, graph_buffers = _held_all_run(cfg, stage, run, built)
     impl, steps = graphs(cfg), cfg.training.cuda_graph_warmup_steps
     full_iteration = impl == "full_iteration"
 
@@ -246,36 +257,52 @@ def stage_peak(cfg: Config, stage: int, run: MegatronRun, routing: str = "balanc
         return built[c].loss
 
     output, kept = output_saved_bytes(cfg), loss_saved_bytes(cfg)
-
-    def outside(c: int) -> float:
-        return (embedding_saved_bytes(cfg) if embeds(c) else 0.0) + ((output + kept) if loses(c) else 0.0)
+    embedding, inputs, loss_peak = embedding_saved_bytes(cfg), batch_bytes(cfg), loss_peak_bytes(cfg)
+    # What each model chunk's passes hold, worked out once per chunk (the schedule asks per pass).
+    stored_bytes: list[float] = []
+    forward_bytes: list[float] = []
+    backward_bytes: list[float] = []
+    for c, ch in enumerate(chunk):
+        outside = (embedding if embeds(c) else 0.0) + ((output + kept) if loses(c) else 0.0)
+        # fine-grained offloading keeps the last layer's groups of the chunk whose backward is next
+        stored_bytes.append(ch.stored + outside + (ch.last_layer_offloaded if loses(c) else 0.0))
+        # full_iteration's inputs sit in static buffers: counted in `static`
+        extra = inputs if (embeds(c) or loses(c)) and not full_iteration else 0.0
+        # the layers' attention runs before the output layer and the loss, whose bytes stored(c) holds
+        layers = ch.forward - ((output + kept) if loses(c) else 0.0)
+        forward_bytes.append(extra + max(loss_peak - kept if loses(c) else 0.0, layers))
+        layers = ch.backward - ch.stored
+        if loses(c):  # the loss's backward first, then the layers' with the loss and output freed
+            backward_bytes.append(max(loss_peak - kept, layers - output - kept))
+        else:
+            backward_bytes.append(layers)
 
     def stored(c: int) -> float:
-        # fine-grained offloading keeps the last layer's groups of the chunk whose backward is next
-        return chunk[c].stored + outside(c) + (chunk[c].last_layer_offloaded if loses(c) else 0.0)
+        return stored_bytes[c]
 
     def forward(c: int) -> float:
-        # full_iteration's inputs sit in static buffers: counted in `static`
-        extra = batch_bytes(cfg) if (embeds(c) or loses(c)) and not full_iteration else 0.0
-        # the layers' attention runs before the output layer and the loss, whose bytes stored(c) holds
-        layers = chunk[c].forward - ((output + kept) if loses(c) else 0.0)
-        return extra + max(loss_peak_bytes(cfg) - kept if loses(c) else 0.0, layers)
+        return forward_bytes[c]
 
     def backward(c: int) -> float:
-        layers = chunk[c].backward - chunk[c].stored
-        if loses(c):  # the loss's backward first, then the layers' with the loss and output freed
-            return max(loss_peak_bytes(cfg) - kept, layers - output - kept)
-        return layers
+        return backward_bytes[c]
 
     def retained(mb: int, c: int) -> float:
         return deferred_wgrad_bytes(cfg, mb) if loses(c) else 0.0
+
+    def at_peak(held: dict[str, float], peak: SchedulePeak, label: str) -> tuple[dict[str, float], str]:
+        """A phase's items at its schedule peak (what it holds all run, and the passes' activations
+        and transient), and where that peak is."""
+        items = {**held, "activations of the other micro-batches in flight": peak.others,
+                 "activations of the pass at the peak": peak.own, "transient of the pass at the peak": peak.transient}
+        phase = ("the loss's " if loses(peak.chunk) and peak.total else "") + \
+            ("forward" if peak.kind == "F" else "backward") + (f" of model chunk {peak.chunk}" if vp > 1 else "") + label
+        return items, phase
 
     phases: list[tuple[str, dict[str, float], SchedulePeak]] = []
 
     def without(*names: str) -> dict[str, float]:
         return {k: v for k, v in static.items() if k not in names}
 
-    graph_buffers = static_buffer_bytes(cfg, stage, max(c.layers + c.mtp for c in built))
     if impl == "none" or steps >= 1:  # the eager steps (all of them without graphs)
         # TE's per-layer static buffers come with the capture (TECudaGraphHelper.create_cudagraphs)
         absent = (*graph_buffers, *(() if impl == "none" or steps >= 2 else ("Adam moments",)))
@@ -288,9 +315,7 @@ def stage_peak(cfg: Config, stage: int, run: MegatronRun, routing: str = "balanc
                            schedule_peak(cfg, stage, stored, backward, forward, retained)))
         else:
             mlp_graphed = "mlp" in captured_parts(cfg)
-            transient = max((layer_backward_bytes(cfg, run, i, routing) for c in built
-                             for i in [*range(c.first_layer, c.first_layer + c.layers),
-                                       *(mtp_index(cfg, k) for k in range(c.mtp))]), default=0.0)
+            transient = max((ch.layer_backward for ch in chunk), default=0.0)
             phases.append((" (CUDA graph capture)", at_capture, schedule_peak(
                 cfg, stage, lambda c: chunk[c].in_graph, lambda c: transient if mlp_graphed else 0.0)))
             phases.append((" (CUDA graph replay)", static, schedule_peak(
@@ -298,12 +323,9 @@ def stage_peak(cfg: Config, stage: int, run: MegatronRun, routing: str = "balanc
                 lambda c: backward(c) - (transient if mlp_graphed and not loses(c) else 0.0), forward, retained)))
     totals = {(label.strip(" ()") or "eager"): sum(held.values()) + peak.total for label, held, peak in phases}
     label, held, peak = max(phases, key=lambda ph: sum(ph[1].values()) + ph[2].total)
-    items = {**held, "activations of the other micro-batches in flight": peak.others,
-             "activations of the pass at the peak": peak.own, "transient of the pass at the peak": peak.transient}
+    items, phase = at_peak(held, peak, label)
     if peak.retained:
         items[DEFERRED_WGRAD_ITEM] = peak.retained
-    phase = ("the loss's " if loses(peak.chunk) and peak.total else "") + ("forward" if peak.kind == "F" else "backward") + \
-        (f" of model chunk {peak.chunk}" if vp > 1 else "") + label
     if par.overlap_moe_expert_parallel_comm:
         first = built[0]
         pair = combined_pair_bytes(cfg, run, chunk[0], first.first_layer, first.layers, routing)
@@ -321,13 +343,9 @@ def stage_peak(cfg: Config, stage: int, run: MegatronRun, routing: str = "balanc
         # cuda_graph_warmup_steps iterations (training.py; Bridge train.py: `step - start_iteration
         # == cuda_graph_warmup_steps`)
         label, held, eager = phases[0]
-        eager_items = {**held, "activations of the other micro-batches in flight": eager.others,
-                       "activations of the pass at the peak": eager.own,
-                       "transient of the pass at the peak": eager.transient}
+        eager_items, eager_phase = at_peak(held, eager, label)
         captured = (*graph_buffers, "CUDA graph static inputs (every micro-batch's data)")
         eager_step = {k: v for k, v in step.items() if k not in captured}
-        eager_phase = ("the loss's " if loses(eager.chunk) and eager.total else "") + \
-            ("forward" if eager.kind == "F" else "backward") + (f" of model chunk {eager.chunk}" if vp > 1 else "") + label
         if sum(eager_step.values()) > sum(eager_items.values()):
             eager_items, eager_phase = eager_step, "the optimizer step"
         first, first_phase = first_iteration_peak(eager_items, eager_phase, eager_step)
@@ -335,7 +353,8 @@ def stage_peak(cfg: Config, stage: int, run: MegatronRun, routing: str = "balanc
         first, first_phase = first_iteration_peak(items, phase, step)
     at_step = phase == "the optimizer step"
     return StagePeak(stage, params, items, phase, copies, sum(static.values()), totals if len(totals) > 1 else {},
-                     first, first_phase, () if at_step else peak.held, "" if at_step else peak.kind, peak.chunk)
+                     first, first_phase, () if at_step else peak.held, "" if at_step else peak.kind, peak.chunk,
+                     chunk)
 
 
 def first_iteration_peak(items: dict[str, float], phase: str, step: dict[str, float]) -> tuple[dict[str, float], str]:
@@ -365,12 +384,12 @@ def combined_pair_bytes(cfg: Config, run: MegatronRun, chunk: ChunkBytes, first_
     beside micro-batch i's layer L - 1 - j, so L + 1 layers are stored at most, beside micro-batch i's
     16-bit logits (the loss node's inputs, released after the layers) and its inputs; then the loss
     of micro-batch i + 1 runs as in 1F1B. Returns (micro-batch i's part, the forward micro-batch's and
-    the extra layer, the pair's transient)."""
+    the extra layer, the pair's transient: `chunk`'s layer backward, whose MTP layers, of the decoder
+    layers' kinds, add nothing over the decoder layers this pipeline-less chunk holds)."""
     numbers = range(first_layer, first_layer + layers)
     layer = max(layer_bytes(cfg, run, (), i, routing) for i in numbers)
     e = ELEMENT_BYTES[cfg.training.precision]
-    transient = max(layer_backward_bytes(cfg, run, i, routing) for i in numbers)
-    return (chunk.stored + e * logits(cfg) + batch_bytes(cfg), layer + batch_bytes(cfg), transient)
+    return (chunk.stored + e * logits(cfg) + batch_bytes(cfg), layer + batch_bytes(cfg), chunk.layer_backward)
 
 
 def stage_peaks(cfg: Config, run: MegatronRun, routing: str = "balanced") -> list[StagePeak]:

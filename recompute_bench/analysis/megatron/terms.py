@@ -9,13 +9,14 @@ tensor_parallel/random.py, tensor_parallel/cross_entropy.py, pretrain_gpt.py get
 
 from __future__ import annotations
 
+from collections import Counter
 from typing import Any
 
 from recompute_bench.analysis.megatron.outside import embedding_saved_bytes, loss_saved_bytes, output_saved_bytes
 from recompute_bench.analysis.megatron.gpu import MegatronRun
-from recompute_bench.analysis.megatron.stage import CHECKPOINT_INPUT, StagePeak, chunk_bytes
+from recompute_bench.analysis.megatron.stage import ACTIVATION_ITEMS, CHECKPOINT_INPUT, StagePeak
+from recompute_bench.config.pipeline_split import model_chunks
 from recompute_bench.config.schema import Config
-from recompute_bench.config.rules import layers_per_model_chunk
 
 SHARDS = "--tensor/pipeline-model-parallel-size"
 ACTIVATIONS = "--micro-batch-size, --seq-length"
@@ -93,10 +94,8 @@ def stage_terms(cfg: Config, run: MegatronRun, peak: StagePeak) -> list[dict[str
     saved tensors of the layers with how many layers hold them (`layers`). Their bytes add up to
     `peak.peak_allocated_bytes`."""
     out: list[dict[str, Any]] = []
-    activation_items = ("activations of the other micro-batches in flight", "activations of the pass at the peak",
-                        "transient of the pass at the peak")
     for item, nbytes in peak.items.items():
-        if item in activation_items:
+        if item in ACTIVATION_ITEMS[:3]:  # the deferred weight gradients stay a term of their own
             continue
         megatron, knobs = _static(cfg, item)
         out.append({"term": item, "megatron": megatron, "bytes": nbytes, "knobs": knobs})
@@ -104,15 +103,21 @@ def stage_terms(cfg: Config, run: MegatronRun, peak: StagePeak) -> list[dict[str
         return out  # the optimizer step: no activations
     par = cfg.parallel
     vp = par.virtual_pipeline_model_parallel_size or 1
-    layers = layers_per_model_chunk(cfg)
-    chunk = chunk_bytes(cfg, run, layers)
-    held = len(peak.held_chunks)
-    for name, nbytes in chunk.terms.items():
-        units = held * (layers if name != CHECKPOINT_INPUT else 1)
+    # each held model chunk's own saved tensors (a stage's chunks differ in their layers' kinds)
+    built = model_chunks(cfg, peak.stage)
+    saved: dict[str, dict[str, float]] = {}
+    for c, held in Counter(peak.held_chunks).items():
+        layers = built[c].layers + built[c].mtp
+        for name, nbytes in peak.chunks[c].terms.items():
+            term = saved.setdefault(name, {"bytes": 0.0, "layers": 0, "units": 0})
+            term["bytes"] += held * nbytes
+            term["layers"] += held * layers
+            term["units"] += held * (layers if name != CHECKPOINT_INPUT else 1)
+    for name, term in saved.items():
         megatron = ("saved for backward by a full-recompute checkpoint (CheckpointFunction)" if name == CHECKPOINT_INPUT
                     else "saved for backward by each TransformerLayer")
-        out.append({"term": name, "megatron": megatron, "bytes": held * nbytes, "knobs": _activation_knobs(name),
-                    "layers": held * layers, "units": units})
+        out.append({"term": name, "megatron": megatron, "bytes": term["bytes"], "knobs": _activation_knobs(name),
+                    "layers": term["layers"], "units": term["units"]})
     first, last = peak.stage == 0, peak.stage == par.pipeline_model_parallel_size - 1
     embeds = sum(1 for c in peak.held_chunks if first and c == 0)
     loses = sum(1 for c in peak.held_chunks if last and c == vp - 1)

@@ -34,6 +34,11 @@ def linear(forward: float) -> Work:
     return Work(forward, 2 * forward)
 
 
+def norm_parameters(cfg: Config, width: int) -> int:
+    """A norm over `width` features: LayerNorm's weight and bias, RMSNorm's weight."""
+    return (2 if cfg.model.normalization == "LayerNorm" else 1) * width
+
+
 class DenseSpec:
     """The dense GPT (GPT-3 and Llama layers: LayerNorm or RMSNorm, GeLU or SwiGLU, MHA or GQA,
     learned or rotary positions)."""
@@ -362,13 +367,8 @@ class DenseSpec:
         bias = 1 if m.add_bias_linear else 0
         attention = self._attention_parameters(cfg)
         sharded = attention["sharded"] + h * fc1 + bias * fc1 + f * h
-        replicated = 2 * self._norm_parameters(cfg, h) + bias * h + attention["replicated"]
+        replicated = 2 * norm_parameters(cfg, h) + bias * h + attention["replicated"]
         return {"sharded": sharded / t, "replicated": replicated}
-
-    @staticmethod
-    def _norm_parameters(cfg: Config, width: int) -> int:
-        """A norm over `width` features: LayerNorm's weight and bias, RMSNorm's weight."""
-        return (2 if cfg.model.normalization == "LayerNorm" else 1) * width
 
     def _attention_parameters(self, cfg: Config) -> dict[str, int]:
         """The attention block's parameters on one rank before the tensor-parallel split: "sharded"

@@ -20,7 +20,7 @@ from __future__ import annotations
 from typing import Any, Iterable
 
 from recompute_bench.models import ELEMENT_BYTES, SavedBytes, Work
-from recompute_bench.models.dense.spec import DenseSpec, linear
+from recompute_bench.models.dense.spec import DenseSpec, linear, norm_parameters
 from recompute_bench.models.moe.spec import MoESpec, _MoELayer
 from recompute_bench.config.schema import Config, ModelConfig
 
@@ -85,7 +85,7 @@ class MLAAttention:
         m = cfg.model
         h, n, r, bias = m.hidden_size, m.num_attention_heads, m.qk_pos_emb_head_dim, 1 if m.add_bias_linear else 0
         q_width, kv_width = n * (m.qk_head_dim + r), n * (m.qk_head_dim + m.v_head_dim)
-        norm = self._norm_parameters  # type: ignore[attr-defined]
+        norm = norm_parameters
         if m.q_lora_rank:
             q = (h + bias) * m.q_lora_rank + norm(cfg, m.q_lora_rank) + (m.q_lora_rank + bias) * q_width
         else:
