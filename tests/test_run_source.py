@@ -87,7 +87,7 @@ def test_the_seeds_configuration_is_estimated_stage_by_stage():
         peaks = stage_peaks(source.config, source.run)
         assert len(peaks) == 4
         for peak in peaks:
-            assert sum(t["bytes"] for t in stage_terms(source.config, source.run, peak)) == \
+            assert sum(t["bytes"] for t in stage_terms(source.config, peak)) == \
                 pytest.approx(peak.peak_allocated_bytes, rel=1e-12)
         first = peaks[0]  # stage 0 (rank 0, whose line the table reports) holds the most, with stage 3
         assert first.first_iteration_peak_allocated_bytes == \
@@ -366,7 +366,7 @@ def test_every_stages_terms_add_up_to_its_peak(flags):
     cfg = config_from_megatron({k: v for k, v in args.items() if v is not False}, world_size=16)
     run = MegatronRun("h100")
     for peak in stage_peaks(cfg, run):
-        terms = stage_terms(cfg, run, peak)
+        terms = stage_terms(cfg, peak)
         assert sum(t["bytes"] for t in terms) == pytest.approx(peak.peak_allocated_bytes, rel=1e-12)
         assert len({t["term"] for t in terms}) == len(terms) and all(t["megatron"] and t["knobs"] for t in terms)
 
@@ -383,7 +383,7 @@ def test_a_stages_terms_are_its_own_chunks_and_add_up_to_its_peak(workload, over
     cfg = config(workload, training__framework="megatron", parallel__pipeline_model_parallel_size=2, **overrides)
     run = MegatronRun("h100")
     for peak in stage_peaks(cfg, run):
-        terms = stage_terms(cfg, run, peak)
+        terms = stage_terms(cfg, peak)
         assert sum(t["bytes"] for t in terms) == pytest.approx(peak.peak_allocated_bytes, rel=1e-12), peak.stage
 
 

@@ -82,7 +82,7 @@ def _stage_row(cfg: Config, run: MegatronRun, r: StagePeak, fraction: float, fix
             "first_iteration_phase": r.first_iteration_phase,
             "first_iteration_breakdown": dict(r.first_iteration_items),
             "bytes_after_step": r.static_bytes, "parameters_on_rank": r.parameters, "breakdown": dict(r.items),
-            "phase_peaks": dict(r.phase_peaks), "terms": stage_terms(cfg, run, r)}
+            "phase_peaks": dict(r.phase_peaks), "terms": stage_terms(cfg, r)}
 
 
 def estimate_report(cfg: Config, run: MegatronRun, allowance_fraction: float = ALLOWANCE_FRACTION,

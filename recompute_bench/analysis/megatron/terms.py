@@ -13,7 +13,6 @@ from collections import Counter
 from typing import Any
 
 from recompute_bench.analysis.megatron.outside import embedding_saved_bytes, loss_saved_bytes, output_saved_bytes
-from recompute_bench.analysis.megatron.gpu import MegatronRun
 from recompute_bench.analysis.megatron.stage import ACTIVATION_ITEMS, CHECKPOINT_INPUT, StagePeak
 from recompute_bench.config.pipeline_split import model_chunks
 from recompute_bench.config.schema import Config
@@ -89,7 +88,7 @@ def _transient(cfg: Config, peak: StagePeak) -> tuple[str, str, str]:
             "a full-recompute checkpoint's rebuilt layers", "--recompute-granularity full, --ffn-hidden-size")
 
 
-def stage_terms(cfg: Config, run: MegatronRun, peak: StagePeak) -> list[dict[str, Any]]:
+def stage_terms(cfg: Config, peak: StagePeak) -> list[dict[str, Any]]:
     """The terms of one stage's steady-state peak: {"term", "megatron", "bytes", "knobs"} each, the
     saved tensors of the layers with how many layers hold them (`layers`). Their bytes add up to
     `peak.peak_allocated_bytes`."""
