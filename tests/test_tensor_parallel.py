@@ -5,6 +5,7 @@ gathers every gradient and compares it; bad combinations are one line, exit 2.""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 
@@ -101,6 +102,12 @@ def test_tp2_distribute_saved_activations_halves_the_checkpointed_inputs(two_ran
     kept = config(sets=[*RANK_SETS, *TP2, *FULL_1])  # the same tp=2 point keeping whole inputs, estimated
     assert alone["metrics"]["activation_bytes_per_layer"] == estimated_activation_bytes(kept, "cpu")[
         "activation_bytes_per_layer"]
+    # Its tables and golden rows (a record's `recompute` object) name it apart from the same setting
+    # keeping whole inputs.
+    from recompute_bench.results.rows import setting_label
+    distributed = config(sets=[*RANK_SETS, *TP2, *FULL_1, "recompute.distribute_saved_activations=true"])
+    assert distributed.recompute.label == "full uniform 1 +distribute" and kept.recompute.label == "full uniform 1"
+    assert setting_label({"recompute": dataclasses.asdict(distributed.recompute)}) == "full uniform 1 +distribute"
 
 
 @SLOW

@@ -565,7 +565,8 @@ class RecomputeConfig:
         """The setting in a few words, as tables show it."""
         return recompute_label(self.granularity, self.modules, self.method, self.num_layers,
                                self.activation_offload_layers, layer_policy=self.layer_policy,
-                               offload_modules=self.offload_modules)
+                               offload_modules=self.offload_modules,
+                               distribute_saved_activations=self.distribute_saved_activations)
 
     @property
     def recomputes(self) -> bool:
@@ -640,8 +641,10 @@ SECTIONS = {"model": ModelConfig, "training": TrainingConfig, "parallel": Parall
 
 
 def recompute_label(granularity: str, modules=(), method: str | None = None, num_layers: int | None = None,
-                    activation_offload_layers: int = 0, layer_policy=(), offload_modules=(), **_: Any) -> str:
+                    activation_offload_layers: int = 0, layer_policy=(), offload_modules=(),
+                    distribute_saved_activations: bool = False, **_: Any) -> str:
     """A recompute setting in a few words: "none", "selective[core_attn,mlp]", "full uniform 1",
+    "full block 4 +distribute" (its checkpoints' inputs split over tensor parallel),
     "policy 2 full, 3 selective[mlp]" (a per-layer policy, counted by choice in layer order),
     "offload 4" (layer offloading), "selective[mlp] offload[core_attn,attn_proj]" (fine-grained).
     Takes a record's `recompute` object as keywords (the fields that do not change the words too)."""
@@ -658,7 +661,7 @@ def recompute_label(granularity: str, modules=(), method: str | None = None, num
     if granularity == "selective":
         return "selective[" + ",".join(modules) + "]" + offload
     if granularity == "full":
-        return f"full {method} {num_layers}" + offload
+        return f"full {method} {num_layers}" + (" +distribute" if distribute_saved_activations else "") + offload
     if activation_offload_layers:
         return f"offload {activation_offload_layers}"
     return offload.strip() or "none"

@@ -76,11 +76,6 @@ def candidate_settings(cfg: Config, run: MegatronRun | None = None) -> list[Reco
     return out
 
 
-def label(r: RecomputeConfig) -> str:
-    """The setting in a few words, distribute_saved_activations marked."""
-    return r.label + (" +distribute" if r.distribute_saved_activations else "")
-
-
 def _family(r: RecomputeConfig) -> tuple:
     """Settings that differ only in how many layers they recompute or offload (the plan lists the
     fastest of each family that fits)."""
@@ -104,7 +99,7 @@ class Planner:
         self.none_step = self.time(RecomputeConfig()).step_seconds
 
     def time(self, r: RecomputeConfig) -> StepTime:
-        key = label(r)
+        key = r.label
         if key not in self.times:
             self.times[key] = step_time(with_setting(self.cfg, r), self.run, self.rates, self.parameters)
         return self.times[key]
@@ -118,7 +113,7 @@ class Planner:
         peak = max(stages, key=lambda s: s.peak_allocated_bytes)
         need = device_bytes_needed(peak.peak_allocated_bytes, self.fraction, self.fixed)
         return {
-            "label": label(r), "recompute": dataclasses.asdict(r),
+            "label": r.label, "recompute": dataclasses.asdict(r),
             "stages": [{"stage": s.stage, "peak_allocated_bytes": s.peak_allocated_bytes, "phase": s.phase,
                         "device_bytes_needed": device_bytes_needed(s.peak_allocated_bytes, self.fraction, self.fixed)}
                        for s in stages],
@@ -139,7 +134,7 @@ class Planner:
                     rows.append(self.row(r))
                 except BadInput as e:
                     reason = str(e).split(";")[0]
-                    excluded.setdefault(reason, []).append(label(r))
+                    excluded.setdefault(reason, []).append(r.label)
             self.searched = rows, [{"reason": reason, "settings": _span(labels)} for reason, labels in excluded.items()]
         return self.searched
 
@@ -213,7 +208,7 @@ def megatron_plan(cfg: Config, run: MegatronRun, rates: GpuRates, budget: float,
     rows, excluded = planner.search()
     if not rows:
         raise BadInput("no recompute setting of this run can be priced: " + "; ".join(e["reason"] for e in excluded))
-    current = label(cfg.recompute) if mark_current and any(r["label"] == label(cfg.recompute) for r in rows) else None
+    current = cfg.recompute.label if mark_current and any(r["label"] == cfg.recompute.label for r in rows) else None
     fits, same, dominated = shown(rows, current)
     smallest = min(rows, key=lambda r: r["peak_allocated_bytes"])
     out: dict[str, Any] = {
@@ -511,8 +506,8 @@ def auto_plan(planner: Planner, uniform: dict[str, Any] | None) -> dict[str, Any
             words = name_b if name_a == name_b else f"{k} {name_a} + {n - k} {name_b}"
             words += " +distribute" if distribute else ""
             best = {"stage": s, "setting": words, "microbatch_seconds": micro,
-                    "megatron_setting": None if setting is None else label(dataclasses.replace(
-                        setting, distribute_saved_activations=distribute))}
+                    "megatron_setting": None if setting is None else dataclasses.replace(
+                        setting, distribute_saved_activations=distribute).label}
             break
         per_layer.append(best)
 
