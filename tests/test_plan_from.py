@@ -109,7 +109,8 @@ def test_an_argument_megatron_cannot_run_beside_the_file():
 @pytest.mark.parametrize("args,words", [
     (["--from", str(SEED_YAML), "--gpus", "32", "--framework", "recompute-bench"], "drop --framework recompute-bench"),
     (["--from", str(SEED_YAML), "--gpus", "32", "-w", "tiny"], "states the run's whole configuration; drop --workload"),
-    (["--from", str(SEED_YAML), "--gpus", "24"], "24 GPUs are not divisible by tensor x pipeline x context parallel = 16"),
+    (["--from", str(SEED_YAML), "--gpus", "24"],
+     "24 GPUs are not a positive multiple of tensor x pipeline x context parallel = 4 x 4 x 1 = 16"),
     (["--from", str(BRIDGE_LOG), "--gpus", "32"], "pass --workload PRESET for them"),
 ])
 def test_other_bad_input_beside_from(args, words):

@@ -15,7 +15,7 @@ import typer
 from rich.markup import escape
 
 from recompute_bench.cli.common import err, fail
-from recompute_bench.config.schema import BadInput, Config
+from recompute_bench.config.schema import BadInput, Config, data_parallel_size
 
 MEGATRON_SCHEDULES = (None, "1F1B", "Interleaved1F1B")
 """Megatron's pipeline schedules (schedules.py: 1F1B, interleaved 1F1B with virtual stages)."""
@@ -27,11 +27,8 @@ def with_gpus(cfg: Config, gpus: Optional[int], dp_given: bool) -> Config:
     if gpus is None:
         return cfg
     par = cfg.parallel
-    model_parallel = par.tensor_model_parallel_size * par.pipeline_model_parallel_size * par.context_parallel_size
-    if gpus < 1 or gpus % model_parallel:
-        raise BadInput(f"--gpus {gpus} is not a multiple of tp x pp x cp = {model_parallel}; pass --gpus as a multiple "
-                       f"of {model_parallel}")
-    dp = gpus // model_parallel
+    dp = data_parallel_size(gpus, par.tensor_model_parallel_size, par.pipeline_model_parallel_size,
+                            par.context_parallel_size)
     if dp_given and dp != par.data_parallel_size:
         raise BadInput(f"--gpus {gpus} makes the data-parallel size {dp}, but --dp says {par.data_parallel_size}; "
                        "drop one of them")

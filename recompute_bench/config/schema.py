@@ -532,6 +532,17 @@ class ParallelConfig:
                 * self.data_parallel_size)
 
 
+def data_parallel_size(gpus: int, tp: int, pp: int, cp: int, flag: str = "--gpus") -> int:
+    """The data-parallel size `gpus` GPUs leave to tensor, pipeline and context parallel (Megatron's
+    arguments.py validate_args: world_size // (tp x pp x cp)); BadInput naming `flag`, where the GPU
+    count is given, when it is not a positive multiple of tp x pp x cp."""
+    model_parallel = tp * pp * cp
+    if gpus < 1 or gpus % model_parallel:
+        raise BadInput(f"{gpus} GPUs are not a positive multiple of tensor x pipeline x context parallel = "
+                       f"{tp} x {pp} x {cp} = {model_parallel}; pass {flag} as a multiple of {model_parallel}")
+    return gpus // model_parallel
+
+
 @dataclass
 class RecomputeConfig:
     """Activation recomputation, with Megatron Core's meaning."""

@@ -23,7 +23,7 @@ from __future__ import annotations
 import ast
 from typing import Any, Iterable, Mapping
 
-from recompute_bench.config.schema import SECTIONS, Config, BadInput, canonical_modules
+from recompute_bench.config.schema import SECTIONS, Config, BadInput, canonical_modules, data_parallel_size
 from recompute_bench.config.pipeline_split import layout_virtual_stages
 from recompute_bench.config.rules import validate
 from recompute_bench.workload import resolved
@@ -307,10 +307,7 @@ def megatron_overrides(args: Mapping[str, Any], world_size: int | None = None,
     if a.get("data_parallel_size"):
         par["data_parallel_size"] = a["data_parallel_size"]
     elif world:
-        if world % (tp * pp * cp):
-            raise BadInput(f"world size {world} is not divisible by tensor x pipeline x context parallel "
-                           f"{tp} x {pp} x {cp}")
-        par["data_parallel_size"] = world // (tp * pp * cp)
+        par["data_parallel_size"] = data_parallel_size(world, tp, pp, cp, "--world-size")
     par["sequence_parallel"] = bool(a.get("sequence_parallel")) and tp > 1  # validate_args: no SP when tp == 1
     vpp = _virtual_stages(a, m["num_layers"], pp)
     if vpp:

@@ -33,7 +33,7 @@ from recompute_bench.ingest.config import GPT_MODEL_FIELDS, bridge_arguments, br
 from recompute_bench.ingest.megatron_args import (ALIASES, SAME_NAME, CannotExpress, field_arguments,
                                                   megatron_overrides, normalize)
 from recompute_bench.ingest.parsed import ParsedRun, bad
-from recompute_bench.config.schema import SECTIONS, BadInput, Config
+from recompute_bench.config.schema import SECTIONS, BadInput, Config, data_parallel_size
 from recompute_bench.config.presets import apply_overrides, command_line_values, config_from_tables, gpu_type
 from recompute_bench.workload import resolve, resolved
 from recompute_bench.config.rules import validate
@@ -344,13 +344,12 @@ def _layout(tables: dict, args: Mapping[str, Any], world: int | None, overrides:
     if "parallel.data_parallel_size" not in given:
         if world is None:
             raise bad(path, None, "states no GPU count; pass --gpus N (the run's world size), or --dp N")
-        model = 1
-        for key in ("tensor_model_parallel_size", "pipeline_model_parallel_size", "context_parallel_size"):
-            model *= par.get(key) or 1
-        if world % model:
-            raise bad(path, None, f"{world} GPUs are not divisible by tensor x pipeline x context parallel = {model}; "
-                                  "pass --gpus as a multiple of it")
-        par["data_parallel_size"] = world // model
+        sizes = (par.get(key) or 1 for key in ("tensor_model_parallel_size", "pipeline_model_parallel_size",
+                                                "context_parallel_size"))
+        try:
+            par["data_parallel_size"] = data_parallel_size(world, *sizes)
+        except BadInput as e:
+            raise bad(path, None, f"{e}") from None
     if "global_batch_size" not in args and "training.global_batch_size" not in given:
         tr["global_batch_size"] = (tr.get("micro_batch_size") or 1) * par["data_parallel_size"]
 
