@@ -21,46 +21,27 @@ MEGATRON_SCHEDULES = (None, "1F1B", "Interleaved1F1B")
 """Megatron's pipeline schedules (schedules.py: 1F1B, interleaved 1F1B with virtual stages)."""
 
 
-def with_gpus(cfg: Config, gpus: Optional[int], dp_given: bool) -> Config:
-    """cfg on `gpus` GPUs: the data-parallel size is what tensor, pipeline and context parallel
-    leave; BadInput when they do not divide the count or a given --dp says otherwise."""
-    if gpus is None:
-        return cfg
-    par = cfg.parallel
-    dp = data_parallel_size(gpus, par.tensor_model_parallel_size, par.pipeline_model_parallel_size,
-                            par.context_parallel_size)
-    if dp_given and dp != par.data_parallel_size:
-        raise BadInput(f"--gpus {gpus} makes the data-parallel size {dp}, but --dp says {par.data_parallel_size}; "
-                       "drop one of them")
-    from recompute_bench.config.rules import validate
-
-    out = dataclasses.replace(cfg, parallel=dataclasses.replace(par, data_parallel_size=dp))
-    validate(out)
-    return out
-
-
 def resolve_on_gpus(workload: str, point, gpus: Optional[int]) -> tuple[Config, list[str]]:
-    """The workload and flags resolved with the data-parallel size `gpus` leaves (where --dp is not
-    given), so that Megatron's rules that depend on it (the experts' layout over tp x cp x dp) judge
-    the run as it will be laid out; without --gpus, as given."""
-    from recompute_bench.config.schema import SECTIONS, ParallelConfig
-    from recompute_bench.config.presets import apply_overrides, load_preset
-    from recompute_bench.workload import resolve
+    """The workload and flags resolved; for framework megatron with the data-parallel size `gpus`
+    leaves, so that Megatron's rules that depend on it (the experts' layout over tp x cp x dp) judge
+    the run as it will be laid out (without --gpus, and for this harness, as given). BadInput when
+    tp x pp x cp does not divide `gpus` or a given --dp says otherwise."""
+    from recompute_bench.config.presets import read_point
+    from recompute_bench.config.rules import validate
+    from recompute_bench.workload import resolved
 
-    overrides = dict(point.overrides)
-    if gpus is not None and gpus > 0 and "parallel.data_parallel_size" not in overrides:
-        # the sizes the preset and the flags give, before Megatron's rules judge the whole
-        raw = load_preset(workload)
-        tables = {s: dict(raw.get(s, {})) if isinstance(raw.get(s, {}), dict) else {} for s in SECTIONS}
-        apply_overrides(tables, overrides, point.sets)
-        par, default = tables["parallel"], ParallelConfig()
-        model_parallel = 1
-        for key in ("tensor_model_parallel_size", "pipeline_model_parallel_size", "context_parallel_size"):
-            size = par.get(key, getattr(default, key))
-            model_parallel *= size if isinstance(size, int) and size > 0 else 1
-        if gpus % model_parallel == 0:
-            overrides["parallel.data_parallel_size"] = gpus // model_parallel
-    return resolve(workload, overrides=overrides, sets=point.sets, gpu="cpu")
+    cfg, notes = read_point(workload, overrides=point.overrides, sets=point.sets, gpu="cpu")
+    par = cfg.parallel
+    sizes = (par.tensor_model_parallel_size, par.pipeline_model_parallel_size, par.context_parallel_size)
+    if gpus is not None and cfg.training.framework == "megatron" and all(size > 0 for size in sizes):  # a size below 1 is the rules' to refuse
+        dp = data_parallel_size(gpus, *sizes)
+        if "parallel.data_parallel_size" in point.overrides and dp != par.data_parallel_size:
+            raise BadInput(f"--gpus {gpus} makes the data-parallel size {dp}, but --dp says {par.data_parallel_size}; "
+                           "drop one of them")
+        cfg = dataclasses.replace(cfg, parallel=dataclasses.replace(par, data_parallel_size=dp))
+    cfg = resolved(cfg)
+    validate(cfg)
+    return cfg, notes
 
 
 def check_expressible(cfg: Config) -> None:
