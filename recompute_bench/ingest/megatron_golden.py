@@ -53,6 +53,12 @@ def read_model_config_file(path: Path) -> tuple[dict, dict, dict]:
         mark = getattr(e, "problem_mark", None)
         raise bad(path, mark.line + 1 if mark else None, f"is not valid YAML ({getattr(e, 'problem', e)}); "
                                                           "repair that line") from None
+    return model_config(path, data, node)
+
+
+def model_config(path: Path, data, node) -> tuple[dict, dict, dict]:
+    """`read_model_config_file` of a model_config.yaml already parsed: `data` as PyYAML loads it,
+    `node` as it composes it (for the lines)."""
     section = data.get("MODEL_ARGS") if isinstance(data, dict) else None
     if not isinstance(section, dict) or not section:
         raise bad(path, None, "has no MODEL_ARGS; pass the model_config.yaml of a Megatron-LM functional-test case")

@@ -115,14 +115,17 @@ def read_file(path: Path) -> ParsedRun:
             head = f.read(HEAD_BYTES).decode("utf-8", errors="replace")
     except OSError as e:
         raise bad(path, None, f"cannot be read ({e.strerror}); {WHAT}") from None
-    if bridge_log.detect(head) or megatron_log.detect(head):
-        return formats.read(path)
+    log = next((r.FORMAT for r in (bridge_log, megatron_log) if r.detect(head)), None)  # Bridge's lines first
+    if log is not None:
+        return formats.read(path, log)
     if head.lstrip().startswith("{"):
-        fmt = formats.detect(path)
+        fmt, data = formats.detect_head(path, head)
         if fmt != megatron_golden.FORMAT:
             raise bad(path, None, f"is a {fmt} file, which states no run configuration; {WHAT}")
-        return formats.read(path, fmt)
+        return formats.read(path, fmt, data)
     text = path.read_text(encoding="utf-8", errors="replace")
+    # The readers below refuse a file that is no UTF-8 text: only text read without a replacement is handed on.
+    whole = "\ufffd" not in text
     data = node = None
     try:
         node, data = yaml.compose(text, Loader=yaml.SafeLoader), yaml.safe_load(text)
@@ -132,7 +135,8 @@ def read_file(path: Path) -> ParsedRun:
             raise bad(path, mark.line + 1 if mark else None,
                       f"is not valid YAML ({getattr(e, 'problem', e)}); repair that line") from None
     if isinstance(data, dict) and "MODEL_ARGS" in data:
-        arguments, lines, env = megatron_golden.read_model_config_file(path)
+        arguments, lines, env = (megatron_golden.model_config(path, data, node) if whole else
+                                 megatron_golden.read_model_config_file(path))
         return ParsedRun(MODEL_CONFIG, path, timing="megatron", complete=True, arguments=arguments,
                          argument_lines=lines, env=env)
     if bridge_config.detect_yaml(data):
@@ -141,8 +145,9 @@ def read_file(path: Path) -> ParsedRun:
         raise bad(path, None, "is YAML but neither Megatron Bridge's ConfigContainer (`_target_: "
                               "megatron.bridge.training.config.ConfigContainer`) nor a Megatron-LM model_config.yaml "
                               f"(MODEL_ARGS); {WHAT}")
-    if argument_list.detect(text):
-        return argument_list.read(path)
+    tokens = argument_list.command_words(text)
+    if tokens is not None:
+        return argument_list.read(path, tokens if whole else None)
     if torchtitan_log.detect(head):
         raise bad(path, None, "is a torchtitan log, which is no Megatron run; estimate it with -w PRESET and flags")
     raise bad(path, None, f"is in no known format (none of {', '.join(FORMATS)}); {WHAT}")
