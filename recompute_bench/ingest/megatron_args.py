@@ -254,7 +254,13 @@ def megatron_overrides(args: Mapping[str, Any], world_size: int | None = None,
     arguments do not (a log's dump has `world_size` and `data_parallel_size`). CannotExpress (a
     BadInput) names an argument the estimate cannot express; given a list as `refused`, every such
     argument is appended to it instead and the tables hold the rest (what `estimate --from` reads)."""
-    a = {**MEGATRON_DEFAULTS, **normalize(args)}
+    return normalized_overrides(normalize(args), world_size, refused)
+
+
+def normalized_overrides(args: Mapping[str, Any], world_size: int | None = None,
+                         refused: list[CannotExpress] | None = None) -> dict[str, dict[str, Any]]:
+    """`megatron_overrides` of arguments already normalized (`normalize`)."""
+    a = {**MEGATRON_DEFAULTS, **args}
     if refused is None:
         check_expressible(a)
     else:

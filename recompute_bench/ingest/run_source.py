@@ -30,8 +30,8 @@ from recompute_bench.analysis.megatron.gpu import COMPUTE_CAPABILITY, DEFAULT_GP
 from recompute_bench.ingest import (argument_list, bridge_config, bridge_log, formats, megatron_golden, megatron_log,
                                     torchtitan_log)
 from recompute_bench.ingest.config import GPT_MODEL_FIELDS, bridge_arguments, bridge_tables
-from recompute_bench.ingest.megatron_args import (ALIASES, SAME_NAME, CannotExpress, field_arguments,
-                                                  megatron_overrides, normalize)
+from recompute_bench.ingest.megatron_args import (ALIASES, SAME_NAME, CannotExpress, field_arguments, normalize,
+                                                  normalized_overrides)
 from recompute_bench.ingest.parsed import ParsedRun, bad
 from recompute_bench.config.schema import SECTIONS, BadInput, Config, data_parallel_size
 from recompute_bench.config.presets import apply_overrides, command_line_values, config_from_tables, gpu_type
@@ -219,7 +219,7 @@ def read_run(path: Path | str, *, overrides: Mapping[str, Any] | None = None, se
             raise bad(path, None, "states the run's whole configuration; drop --workload")
         args = normalize(parsed.arguments)
         try:
-            tables = megatron_overrides(args, refused=refused)
+            tables = normalized_overrides(args, refused=refused)
         except CannotExpress as e:
             raise bad(source_path, None, "the estimate cannot express " + _refusal(parsed, e, lines)) from None
         except BadInput as e:
@@ -279,7 +279,7 @@ def _bridge_log_tables(parsed: ParsedRun, workload: str | None, refused: list, n
                  "Bridge's summary does not print them")
     args = bridge_arguments(parsed)
     try:
-        tables = bridge_tables(parsed, base, refused)
+        tables = bridge_tables(args, base, refused)
     except BadInput as e:
         raise bad(parsed.path, None, f"{e}") from None
     tables["parallel"].pop("data_parallel_size", None)  # the GPU count is the file's or --gpus, not the preset's
