@@ -23,7 +23,8 @@ from __future__ import annotations
 import ast
 from typing import Any, Iterable, Mapping
 
-from recompute_bench.config.schema import SECTIONS, Config, BadInput, canonical_modules, data_parallel_size
+from recompute_bench.config.schema import (MEGATRON_MOE_DEFAULTS, SECTIONS, Config, BadInput, canonical_modules,
+                                           data_parallel_size)
 from recompute_bench.config.pipeline_split import layout_virtual_stages
 from recompute_bench.config.rules import validate
 from recompute_bench.workload import resolved
@@ -429,8 +430,6 @@ MOE_SAME_NAME = ("moe_router_topk", "moe_ffn_hidden_size", "moe_shared_expert_in
                  "moe_router_load_balancing_type", "moe_z_loss_coeff", "moe_router_pre_softmax", "moe_router_dtype",
                  "moe_token_dispatcher_type", "moe_pad_expert_input_to_capacity", "moe_permute_fusion",
                  "moe_shared_expert_gate", "moe_shared_expert_overlap")
-# Megatron's defaults of those (arguments.py `_add_moe_args`) where this product's differ.
-MOE_DEFAULTS = {"moe_token_dispatcher_type": "allgather"}
 
 
 def _moe_overrides(a: Mapping[str, Any], m: dict[str, Any], par: dict[str, Any]) -> None:
@@ -441,7 +440,7 @@ def _moe_overrides(a: Mapping[str, Any], m: dict[str, Any], par: dict[str, Any])
         return
     m["num_moe_experts"] = a["num_experts"]
     for name in MOE_SAME_NAME:
-        value = a.get(name, MOE_DEFAULTS.get(name))
+        value = a.get(name, MEGATRON_MOE_DEFAULTS.get(name))  # Megatron's default where this product's differs
         if value is not None:
             m[name] = value
     if a.get("moe_ffn_hidden_size") is None:
