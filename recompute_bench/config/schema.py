@@ -118,6 +118,12 @@ class BadInput(ValueError):
     the CLI prints before it exits 2."""
 
 
+def check_choice(name: str, value: Any, choices: tuple, fix: str) -> None:
+    """BadInput naming `name`, its `value`, the `choices` and the `fix` when value is not one of them."""
+    if value not in choices:
+        raise BadInput(f"{name} {value!r} is not one of {', '.join(map(str, choices))}; {fix}")
+
+
 def parse_layer_pattern(text: Any) -> list[int]:
     """Megatron's string form of a per-layer pattern ("([0]*3+[1]*58)", "[0,1,1]"): lists of 0s and
     1s, repeated with `*` and joined with `+`. Read without eval: nothing else is accepted. Parsed
