@@ -184,6 +184,12 @@ def fields() -> tuple[Field, ...]:
     return tuple(out)
 
 
+@functools.lru_cache(maxsize=None)
+def defaults() -> dict[str, Any]:
+    """Every field's default (`Field.default`) by its path, "section.attribute"."""
+    return {f.path: f.default for f in fields()}
+
+
 def field(key: str) -> Field:
     """The field with this Megatron name (KeyError if there is none)."""
     for f in fields():

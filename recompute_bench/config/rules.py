@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import math
 
+from recompute_bench.config.fields import defaults
 from recompute_bench.config.pipeline_split import model_chunks, uneven, validate_split
 from recompute_bench.config.megatron_rules import validate_megatron_settings
 from recompute_bench.config.performance_rules import validate_cuda_graphs, validate_fp8, validate_offload
@@ -277,17 +278,23 @@ def _validate_framework(cfg: Config) -> None:
     if m.transformer_impl != "local":
         raise BadInput(f"this harness builds plain torch layers (transformer_impl local), not {m.transformer_impl}; "
                           "drop --transformer-impl, or estimate Megatron's with --framework megatron")
-    defaults = {f.name: f.default for f in dataclasses.fields(type(m))}
-    for name in MEGATRON_ONLY:
-        if getattr(m, name) != defaults[name]:
-            raise BadInput(f"model.{name} describes how Megatron runs; drop it, or estimate Megatron with "
-                              "--framework megatron")
-    for path in MEGATRON_ONLY_SETTINGS:
+    path = _non_default(cfg, [f"model.{name}" for name in MEGATRON_ONLY])
+    if path is not None:
+        raise BadInput(f"{path} describes how Megatron runs; drop it, or estimate Megatron with --framework megatron")
+    path = _non_default(cfg, MEGATRON_ONLY_SETTINGS)
+    if path is not None:
+        raise BadInput(f"{path} is a Megatron argument this harness does not run; drop it, or estimate "
+                       "Megatron with --framework megatron")
+
+
+def _non_default(cfg: Config, paths) -> str | None:
+    """The first of `paths` ("section.attribute") whose value in cfg is not its field's default."""
+    default = defaults()
+    for path in paths:
         section, name = path.split(".")
-        value = getattr(getattr(cfg, section), name)
-        if value != next(f.default for f in dataclasses.fields(type(getattr(cfg, section))) if f.name == name):
-            raise BadInput(f"{path} is a Megatron argument this harness does not run; drop it, or estimate "
-                           "Megatron with --framework megatron")
+        if getattr(getattr(cfg, section), name) != default[path]:
+            return path
+    return None
 
 
 def _validate_expert_parallel(cfg: Config) -> None:
@@ -385,12 +392,12 @@ def _validate_harness_moe(cfg: Config) -> None:
     if m.moe_router_load_balancing_type != "aux_loss":
         raise BadInput(f"this harness balances the load with aux_loss only, not {m.moe_router_load_balancing_type}; "
                        "estimate Megatron's with --framework megatron, or drop --set model.moe_router_load_balancing_type")
-    defaults = {f.name: f.default for f in dataclasses.fields(type(m))}
-    for name in ("moe_z_loss_coeff", "moe_router_pre_softmax", "moe_router_dtype", "moe_pad_expert_input_to_capacity",
-                 "moe_permute_fusion", "moe_shared_expert_gate", "moe_shared_expert_overlap"):
-        if getattr(m, name) != defaults[name]:
-            raise BadInput(f"model.{name} is a setting of Megatron's MoE layers, which this harness does not run; "
-                           "drop it, or estimate Megatron with --framework megatron")
+    path = _non_default(cfg, [f"model.{name}" for name in (
+        "moe_z_loss_coeff", "moe_router_pre_softmax", "moe_router_dtype", "moe_pad_expert_input_to_capacity",
+        "moe_permute_fusion", "moe_shared_expert_gate", "moe_shared_expert_overlap")])
+    if path is not None:
+        raise BadInput(f"{path} is a setting of Megatron's MoE layers, which this harness does not run; "
+                       "drop it, or estimate Megatron with --framework megatron")
     if cfg.parallel.overlap_moe_expert_parallel_comm:
         raise BadInput("parallel.overlap_moe_expert_parallel_comm is Megatron's combined 1F1B schedule, which this "
                        "harness does not run; drop it, or estimate Megatron with --framework megatron")
