@@ -355,14 +355,12 @@ def _context_parallel(a: Mapping[str, Any], par: dict[str, Any]) -> int:
     par["context_parallel_size"] = cp
     types = a.get("cp_comm_type")
     if types is not None:
-        words = [str(t) for t in types] if isinstance(types, (list, tuple)) else str(types).strip("[]").replace(
-            ",", " ").replace("'", " ").split()
+        words = module_list(types)
         par["cp_comm_type"] = words[0] if len(set(words)) == 1 else " ".join(words)
     sizes = a.get("hierarchical_context_parallel_sizes")
     if sizes is not None:
-        words = sizes if isinstance(sizes, (list, tuple)) else str(sizes).strip("[]").replace(",", " ").split()
         try:
-            par["hierarchical_context_parallel_sizes"] = [int(n) for n in words]
+            par["hierarchical_context_parallel_sizes"] = [int(n) for n in module_list(sizes)]
         except ValueError:
             raise BadInput(f"Megatron argument --hierarchical-context-parallel-sizes {sizes} is not a list of "
                            f"integers; write it as --hierarchical-context-parallel-sizes 2 2") from None
