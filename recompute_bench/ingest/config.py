@@ -20,8 +20,7 @@ import dataclasses
 from typing import Any
 
 from recompute_bench.ingest.bridge_config import SPELLINGS
-from recompute_bench.ingest.megatron_args import (ALIASES, CannotExpress, config_from_megatron, normalize,
-                                                  normalized_overrides)
+from recompute_bench.ingest.megatron_args import CannotExpress, config_from_megatron, normalize, normalized_overrides
 from recompute_bench.ingest.parsed import ParsedRun, bad
 from recompute_bench.config.schema import SECTIONS, Config, BadInput
 from recompute_bench.workload import resolve, resolved
@@ -37,8 +36,7 @@ FRAMEWORK = {"megatron-lm": "megatron", "megatron-golden": "megatron", "megatron
 
 
 def _cannot(run: ParsedRun, e: CannotExpress) -> BadInput:
-    name = e.argument.lstrip("-").replace("-", "_")
-    line = run.argument_lines.get(ALIASES.get(name, name))
+    line = run.argument_lines.get(e.name)
     return bad(run.config_file or run.path, line, f"{e}; import only runs the estimate can express")
 
 

@@ -31,11 +31,13 @@ from recompute_bench.workload import resolved
 
 
 class CannotExpress(BadInput):
-    """A Megatron argument the estimate cannot express; `argument` is its name (`--context-parallel-size`),
-    `value` its value and `why` the reason, where they are known."""
+    """A Megatron argument the estimate cannot express; `argument` is its flag (`--fp8-format`), `name`
+    its normalized name (`fp8`, as `normalize` writes it), `value` its value and `why` the reason,
+    where they are known."""
 
-    def __init__(self, argument: str, message: str, value: Any = None, why: str | None = None) -> None:
-        self.argument, self.value, self.why = argument, value, why
+    def __init__(self, argument: str, message: str, value: Any = None, why: str | None = None, *,
+                 name: str) -> None:
+        self.argument, self.name, self.value, self.why = argument, name, value, why
         super().__init__(message)
 
 
@@ -61,6 +63,8 @@ SAME_NAME = {
 ALIASES = {"microbatch_group_size_per_virtual_pipeline_stage": "microbatch_group_size_per_vp_stage",
            "no_rope_fusion": "no_apply_rope_fusion",  # argparse: --no-rope-fusion's dest is apply_rope_fusion
            "fp8_format": "fp8"}
+FLAG_NAMES = {dest: long for long, dest in ALIASES.items()}
+"""A normalized name -> the long flag's own name, where ALIASES renames it (fp8 -> fp8_format)."""
 
 # Arguments the estimate cannot express, each with Megatron's neutral values (what leaves the rank's
 # bytes as the estimate counts them) and why. A value outside them raises CannotExpress.
@@ -209,8 +213,9 @@ def bracket_list(text: str) -> Any:
 
 
 def _cannot(name: str, value: Any, why: str) -> CannotExpress:
-    flag = "--" + {dest: long for long, dest in ALIASES.items()}.get(name, name).replace("_", "-")
-    return CannotExpress(flag, f"Megatron argument {flag} {value} cannot be expressed: {why}", value, why)
+    flag = "--" + FLAG_NAMES.get(name, name).replace("_", "-")
+    return CannotExpress(flag, f"Megatron argument {flag} {value} cannot be expressed: {why}", value, why,
+                         name=ALIASES.get(name, name))
 
 
 def inexpressible(args: Mapping[str, Any]) -> list[CannotExpress]:
@@ -521,7 +526,8 @@ def _vocabulary(a: Mapping[str, Any]) -> int:
     if tokenizer == "TikTokenizer":
         return TIKTOKEN_DEFAULT_VOCAB
     raise CannotExpress("--tokenizer-type", f"Megatron argument --tokenizer-type {tokenizer}: its vocabulary size lies in "
-                        f"the tokenizer's file, not in the arguments; give the model's vocabulary as --padded-vocab-size N")
+                        f"the tokenizer's file, not in the arguments; give the model's vocabulary as --padded-vocab-size N",
+                        name="tokenizer_type")
 
 
 def _virtual_stages(a: Mapping[str, Any], num_layers: int, pp: int) -> int | None:

@@ -30,8 +30,8 @@ from recompute_bench.analysis.megatron.gpu import COMPUTE_CAPABILITY, DEFAULT_GP
 from recompute_bench.ingest import (argument_list, bridge_config, bridge_log, formats, megatron_golden, megatron_log,
                                     torchtitan_log)
 from recompute_bench.ingest.config import GPT_MODEL_FIELDS, bridge_arguments, bridge_tables
-from recompute_bench.ingest.megatron_args import (ALIASES, SAME_NAME, CannotExpress, field_arguments, normalize,
-                                                  normalized_overrides)
+from recompute_bench.ingest.megatron_args import (ALIASES, FLAG_NAMES, SAME_NAME, CannotExpress, field_arguments,
+                                                  normalize, normalized_overrides)
 from recompute_bench.ingest.parsed import ParsedRun, bad
 from recompute_bench.config.schema import SECTIONS, BadInput, Config, data_parallel_size
 from recompute_bench.config.presets import apply_overrides, command_line_values, config_from_tables, gpu_type
@@ -168,18 +168,11 @@ def _spelling(parsed: ParsedRun, name: str) -> str:
     """How the file says Megatron argument `name`: Bridge's "key: value", or Megatron-LM's flag."""
     if name in parsed.argument_keys:
         return parsed.argument_keys[name]
-    flag = {dest: long for long, dest in ALIASES.items()}.get(name, name)
-    return "--" + flag.replace("_", "-")
-
-
-def _name(e: CannotExpress) -> str:
-    """The normalized name of a refused argument (`--fp8-format` -> fp8)."""
-    name = e.argument.lstrip("-").replace("-", "_")
-    return ALIASES.get(name, name)
+    return "--" + FLAG_NAMES.get(name, name).replace("_", "-")
 
 
 def _refusal(parsed: ParsedRun, e: CannotExpress, lines: dict[str, int]) -> str:
-    name = _name(e)
+    name = e.name
     line = lines.get(name)
     where = f" (line {line})" if line else ""
     if e.why is None:
@@ -238,10 +231,10 @@ def read_run(path: Path | str, *, overrides: Mapping[str, Any] | None = None, se
     replaced = {a: key for key in given for a in field_arguments(key)}
     overridden = _overridden(before, tables, overrides, sets, args)
     for e in refused:
-        key = replaced.get(_name(e))
+        key = replaced.get(e.name)
         if key is not None and not any(flag == _flag(key, overrides) for flag, _, _ in overridden):
             overridden.append((_flag(key, overrides), given[key], e.value))
-    refused = [e for e in refused if _name(e) not in replaced]
+    refused = [e for e in refused if e.name not in replaced]
     world = gpus if gpus is not None else stated_world
     if gpus is not None and stated_world is not None and gpus != stated_world:
         overridden.append(("--gpus", gpus, stated_world))
