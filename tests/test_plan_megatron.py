@@ -220,6 +220,13 @@ def test_bad_input_is_one_line_and_exit_2(argv, message):
     assert " ".join(result.stderr.split()) == message
 
 
+def test_estimate_refuses_a_schedule_megatron_cannot_run_as_plan_does():
+    result = invoke("estimate", *LAYOUT[1:], "--pp-schedule", "InterleavedZeroBubble")
+    assert result.exit_code == 2, result.output
+    assert " ".join(result.stderr.split()) == ("error: Megatron runs the 1F1B schedule (interleaved with virtual "
+                                               "stages), not InterleavedZeroBubble; drop --pp-schedule")
+
+
 def test_a_gpu_kind_without_rates_is_one_line_and_exit_2():
     result = invoke(*SEEDS, "--gpu", "v100", "--memory-gb", "80")
     assert result.exit_code == 2

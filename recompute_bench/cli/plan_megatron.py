@@ -17,9 +17,6 @@ from rich.markup import escape
 from recompute_bench.cli.common import err, fail
 from recompute_bench.config.schema import BadInput, Config, data_parallel_size
 
-MEGATRON_SCHEDULES = (None, "1F1B", "Interleaved1F1B")
-"""Megatron's pipeline schedules (schedules.py: 1F1B, interleaved 1F1B with virtual stages)."""
-
 
 def resolve_on_gpus(workload: str, point, gpus: Optional[int]) -> tuple[Config, list[str]]:
     """The workload and flags resolved; for framework megatron with the data-parallel size `gpus`
@@ -42,14 +39,6 @@ def resolve_on_gpus(workload: str, point, gpus: Optional[int]) -> tuple[Config, 
     cfg = resolved(cfg)
     validate(cfg)
     return cfg, notes
-
-
-def check_expressible(cfg: Config) -> None:
-    """BadInput for a setting of the command that Megatron cannot run."""
-    schedule = cfg.parallel.pipeline_parallel_schedule
-    if schedule not in MEGATRON_SCHEDULES:
-        raise BadInput(f"Megatron runs the 1F1B schedule (interleaved with virtual stages), not {schedule}; drop "
-                       "--pp-schedule")
 
 
 def gpu_rates(run, profile: bool):
@@ -84,7 +73,6 @@ def plan_megatron(cfg: Config, notes: list[str], *, run, memory_gb: float, gpus:
 
     budget, fixed = memory_gb * 2**30, allowance_gb * 2**30
     try:
-        check_expressible(cfg)
         rates = gpu_rates(run, profile)
         rates.matrix_rate("fp8" if cfg.training.precision == "fp8" else cfg.training.precision)
         check_budget(cfg, run, budget, fixed)

@@ -17,6 +17,7 @@ from recompute_bench.config.schema import (_MODULE_NEEDS, ACTIVATIONS, ATTENTION
                                            FP8_RECIPES, FRAMEWORKS, GRANULARITIES, HARNESS_COMM_TYPES,
                                            INTERLEAVED_SCHEDULES, LOAD_BALANCING_TYPES, MEGATRON_ACTIVATIONS,
                                            MEGATRON_ATTENTION_BACKENDS, MEGATRON_ONLY, MEGATRON_ONLY_SETTINGS,
+                                           MEGATRON_SCHEDULES,
                                            METHODS, NORMALIZATIONS, PIPELINE_SCHEDULES, POSITION_EMBEDDINGS,
                                            PRECISIONS, RECOMPUTE_MODULES, ROUTER_DTYPES, ROUTER_SCORE_FUNCTIONS,
                                            SECTIONS, TOKEN_DISPATCHER_TYPES, TOKEN_DROP_POLICIES, TRANSFORMER_IMPLS,
@@ -159,12 +160,16 @@ def validate(cfg: Config) -> None:
 
 
 def _validate_pipeline(cfg: Config) -> None:
-    """The pipeline schedule's own rules (Megatron's where it has the schedule, torch's otherwise)."""
+    """The pipeline schedule's own rules (Megatron's where it has the schedule, torch's otherwise);
+    framework megatron runs Megatron's schedules only (MEGATRON_SCHEDULES)."""
     p = cfg.parallel
     pp, vpp, schedule, n = p.pipeline_model_parallel_size, p.virtual_pipeline_model_parallel_size, p.schedule, cfg.num_microbatches
     if p.pipeline_parallel_schedule is None:
         return
     check_choice("pipeline_parallel_schedule", schedule, PIPELINE_SCHEDULES, "pass --pp-schedule 1F1B")
+    if cfg.training.framework == "megatron" and schedule not in MEGATRON_SCHEDULES:
+        raise BadInput(f"Megatron runs the 1F1B schedule (interleaved with virtual stages), not {schedule}; drop "
+                       "--pp-schedule")
     if pp == 1:
         raise BadInput(f"pipeline_parallel_schedule {schedule} needs pipeline parallelism; pass --pp 2 or more, "
                           "or drop --pp-schedule")

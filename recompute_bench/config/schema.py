@@ -88,6 +88,8 @@ HARNESS_COMM_TYPES = ("p2p", "all_gather")
 PIPELINE_SCHEDULES = ("1F1B", "Interleaved1F1B", "GPipe", "InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV")
 """torch.distributed.pipelining's schedule names (its `get_schedule_class`), as torchtitan's
 `pipeline_parallel_schedule` takes them."""
+MEGATRON_SCHEDULES = ("1F1B", "Interleaved1F1B")
+"""The schedules framework megatron runs (Megatron's schedules.py: 1F1B, interleaved 1F1B with virtual stages)."""
 INTERLEAVED_SCHEDULES = ("Interleaved1F1B", "InterleavedZeroBubble")
 """Schedules over virtual stages r, r + p, r + 2p, ... on rank r (Megatron's interleaving)."""
 V_SCHEDULES = ("ZBVZeroBubble", "DualPipeV")
