@@ -193,7 +193,8 @@ def plan(
                                    f"Megatron runs no per-layer policy: drop {flag}")
             if source is None:
                 run = _megatron_run(gpu, device, notes)
-        check_expert_parallel_world(cfg)  # with the data-parallel size --gpus gives
+        else:
+            check_expert_parallel_world(cfg)  # this harness: no launch here, the data-parallel size is as given
     except BadInput as e:
         raise fail(str(e)) from None
     if megatron:
