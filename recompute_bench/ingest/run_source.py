@@ -226,10 +226,10 @@ def read_run(path: Path | str, *, overrides: Mapping[str, Any] | None = None, se
         apply_overrides(tables, overrides, sets, notes)
     except BadInput as e:
         raise bad(source_path, None, f"{e}") from None
+    given = command_line_values(overrides, sets)  # once, for every step below
     # A flag for the field a refused argument sets replaces it: what runs is the flag's value.
-    given = command_line_values(overrides, sets)
     replaced = {a: key for key in given for a in field_arguments(key)}
-    overridden = _overridden(before, tables, overrides, sets, args)
+    overridden = _overridden(before, tables, overrides, sets, given, args)
     for e in refused:
         key = replaced.get(e.name)
         if key is not None and not any(flag == _flag(key, overrides) for flag, _, _ in overridden):
@@ -238,7 +238,7 @@ def read_run(path: Path | str, *, overrides: Mapping[str, Any] | None = None, se
     world = gpus if gpus is not None else stated_world
     if gpus is not None and stated_world is not None and gpus != stated_world:
         overridden.append(("--gpus", gpus, stated_world))
-    _layout(tables, args, world, overrides, sets, source_path)
+    _layout(tables, args, world, given, source_path)
 
     name = path.stem if parsed.format != megatron_golden.FORMAT else (parsed.name or path.stem)
     try:
@@ -253,7 +253,7 @@ def read_run(path: Path | str, *, overrides: Mapping[str, Any] | None = None, se
         except BadInput as e:
             invalid = f"{source_path}: {e}"
     run, run_origins = _megatron_run(parsed, gpu, here_gpu, cublas_workspace_config, overridden, notes)
-    origins = {**_origins(parsed, tables, args, lines, overrides, sets, world, gpus, source_path), **run_origins}
+    origins = {**_origins(parsed, tables, args, lines, overrides, given, world, gpus, source_path), **run_origins}
     source = RunSource(path, parsed.format, cfg, run, origins, overridden, notes, refusals,
                        [e.argument for e in refused], parsed)
     source.invalid = invalid
@@ -311,11 +311,11 @@ def _flag(path: str, overrides: Mapping[str, Any]) -> str:
     return f.option if flagged and f is not None and f.flag is not None else f"--set {path}"
 
 
-def _overridden(before: dict, after: dict, overrides: Mapping[str, Any], sets,
+def _overridden(before: dict, after: dict, overrides: Mapping[str, Any], sets, given: Mapping[str, Any],
                 args: Mapping[str, Any]) -> list[tuple[str, Any, Any]]:
     """(flag, value, the file's value) for every value a flag changed (the file's argument where the
-    Config held none: one it could not express)."""
-    given = command_line_values(dict(overrides), sets)
+    Config held none: one it could not express); `given`: the command line's values
+    (`command_line_values`)."""
     set_paths = {key for key in command_line_values({}, sets)}
     out = []
     for section in SECTIONS:
@@ -332,13 +332,11 @@ def _overridden(before: dict, after: dict, overrides: Mapping[str, Any], sets,
     return out
 
 
-def _layout(tables: dict, args: Mapping[str, Any], world: int | None, overrides: Mapping[str, Any], sets,
-            path: Path) -> None:
+def _layout(tables: dict, args: Mapping[str, Any], world: int | None, given: Mapping[str, Any], path: Path) -> None:
     """The data-parallel size from the GPU count (arguments.py validate_args: world / (tp x pp x cp)),
-    unless a flag gives it, and the global batch Megatron defaults to when the file does not state
-    one (micro-batch x data-parallel)."""
+    unless a flag gives it (`given`: the command line's values), and the global batch Megatron
+    defaults to when the file does not state one (micro-batch x data-parallel)."""
     par, tr = tables["parallel"], tables["training"]
-    given = command_line_values(dict(overrides), sets)
     if "parallel.data_parallel_size" not in given:
         if world is None:
             raise bad(path, None, "states no GPU count; pass --gpus N (the run's world size), or --dp N")
@@ -378,11 +376,11 @@ def _megatron_run(parsed: ParsedRun, gpu: str | None, here_gpu: str | None, cubl
 
 
 def _origins(parsed: ParsedRun, tables: dict, args: Mapping[str, Any], lines: dict[str, int],
-             overrides: Mapping[str, Any], sets, world: int | None, gpus: int | None, path: Path) -> dict[str, str]:
-    """Field path -> where its value came from."""
+             overrides: Mapping[str, Any], given: Mapping[str, Any], world: int | None, gpus: int | None,
+             path: Path) -> dict[str, str]:
+    """Field path -> where its value came from (`given`: the command line's values)."""
     from recompute_bench.config.fields import fields
 
-    given = command_line_values(dict(overrides), sets)
     by_path = {f.path: f for f in fields()}
     recompute_given = any(k.startswith("recompute.") for k in given)
     out = {}
