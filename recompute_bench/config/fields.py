@@ -192,10 +192,12 @@ def defaults() -> dict[str, Any]:
 
 def field(key: str) -> Field:
     """The field with this Megatron name (KeyError if there is none)."""
-    for f in fields():
-        if f.key == key:
-            return f
-    raise KeyError(key)
+    return _by_key()[key]
+
+
+@functools.lru_cache(maxsize=None)
+def _by_key() -> dict[str, Field]:
+    return {f.key: f for f in fields()}
 
 
 def flagged() -> list[Field]:

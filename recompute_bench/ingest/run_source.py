@@ -303,9 +303,14 @@ def _stated_world(parsed: ParsedRun, args: Mapping[str, Any]) -> int | None:
 
 def _flag(path: str, overrides: Mapping[str, Any]) -> str:
     """How the command line gave the field at `path`: its flag, or --set."""
-    from recompute_bench.config.fields import fields
+    from recompute_bench.config.fields import field, key_of
 
-    f = next((f for f in fields() if f.path == path), None)
+    section, _, attribute = path.partition(".")
+    try:
+        f = field(key_of(section, attribute))
+        f = f if f.path == path else None  # another section's field of that name is not this one
+    except KeyError:
+        f = None
     # recompute flags replace the whole setting: the fields they imply are theirs too
     flagged = path in overrides or (path.startswith("recompute.") and any(k.startswith("recompute.") for k in overrides))
     return f.option if flagged and f is not None and f.flag is not None else f"--set {path}"
