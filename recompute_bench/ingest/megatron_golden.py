@@ -29,12 +29,6 @@ def detect_json(data) -> bool:
     return isinstance(data, dict) and bool(data) and all(isinstance(v, dict) and "values" in v for v in data.values())
 
 
-def read_model_config(path: Path) -> tuple[dict, dict]:
-    """The `MODEL_ARGS` of a model_config.yaml: {argument: value} with underscored names, {argument: line}."""
-    arguments, where, _ = read_model_config_file(path)
-    return arguments, where
-
-
 def read_model_config_file(path: Path) -> tuple[dict, dict, dict]:
     """A model_config.yaml read with PyYAML, as Megatron-LM's test runner reads it with yq
     (tests/functional_tests/shell_test_utils/_run_training.sh): `MODEL_ARGS` as {argument: value}
