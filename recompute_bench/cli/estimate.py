@@ -100,19 +100,16 @@ def _megatron_run(gpu: Optional[str], device: str, notes: list[str]):
     note) and torch's CUBLAS_WORKSPACE_CONFIG from this environment, as the run would read it."""
     import os
 
-    from recompute_bench.analysis.megatron import COMPUTE_CAPABILITY, DEFAULT_GPU, MegatronRun
+    from recompute_bench.analysis.megatron import DEFAULT_GPU, MegatronRun
     from recompute_bench.cli.common import this_gpu
+    from recompute_bench.ingest.run_source import pick_gpu
 
     if device.split(":")[0] != "cuda":
         raise BadInput("Megatron runs on CUDA; drop --device cpu with --framework megatron")
-    kind = gpu or this_gpu()
-    if kind == "cpu":
-        kind = DEFAULT_GPU
+    kind, origin = pick_gpu(None, None, gpu or this_gpu())  # --gpu as this machine's: cpu is none
+    if origin == "the default":
         notes.append(f"no GPU here: Megatron's GPU-dependent terms (workspaces, TE's attention kernel) are "
                      f"{DEFAULT_GPU}'s; pass --gpu a100, gb200, ... for another")
-    if kind not in COMPUTE_CAPABILITY:
-        raise BadInput(f"unknown GPU kind {kind!r} for framework megatron; pass --gpu with one of "
-                          f"{', '.join(COMPUTE_CAPABILITY)}")
     return MegatronRun(kind, os.environ.get("CUBLAS_WORKSPACE_CONFIG"))
 
 

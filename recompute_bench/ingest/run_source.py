@@ -355,25 +355,36 @@ def _layout(tables: dict, args: Mapping[str, Any], world: int | None, given: Map
         tr["global_batch_size"] = (tr.get("micro_batch_size") or 1) * par["data_parallel_size"]
 
 
-def _megatron_run(parsed: ParsedRun, gpu: str | None, here_gpu: str | None, cublas: str | None,
-                  overridden: list, notes: list[str]) -> tuple[MegatronRun, dict[str, str]]:
-    """The GPU kind and CUBLAS_WORKSPACE_CONFIG, and where each came from."""
-    stated = gpu_type(parsed.device_name) if parsed.device_name else None
+def pick_gpu(gpu: str | None, stated: str | None, here_gpu: str | None) -> tuple[str, str]:
+    """The GPU kind framework megatron models and where it came from: `gpu` (--gpu), else the one
+    the file states ("the file"), else this machine's (`here_gpu`, unless "cpu"), else DEFAULT_GPU
+    ("the default"); BadInput for a kind Megatron's terms do not know."""
     if gpu is not None:
         kind, origin = gpu, "--gpu"
-        if stated is not None and stated != gpu:
-            overridden.append(("--gpu", gpu, stated))
     elif stated is not None:
-        kind, origin = stated, f"{parsed.path.name} (its platform)"
+        kind, origin = stated, "the file"
     elif here_gpu and here_gpu != "cpu":
         kind, origin = here_gpu, "this machine's GPU"
     else:
         kind, origin = DEFAULT_GPU, "the default"
-        notes.append(f"the file names no GPU and there is none here: Megatron's GPU-dependent terms (workspaces, TE's "
-                     f"attention kernel) are {DEFAULT_GPU}'s; pass --gpu a100, gb200, ... for another")
     if kind not in COMPUTE_CAPABILITY:
         raise BadInput(f"unknown GPU kind {kind!r} for framework megatron; pass --gpu with one of "
                        f"{', '.join(COMPUTE_CAPABILITY)}")
+    return kind, origin
+
+
+def _megatron_run(parsed: ParsedRun, gpu: str | None, here_gpu: str | None, cublas: str | None,
+                  overridden: list, notes: list[str]) -> tuple[MegatronRun, dict[str, str]]:
+    """The GPU kind and CUBLAS_WORKSPACE_CONFIG, and where each came from."""
+    stated = gpu_type(parsed.device_name) if parsed.device_name else None
+    kind, origin = pick_gpu(gpu, stated, here_gpu)
+    if origin == "--gpu" and stated is not None and stated != gpu:
+        overridden.append(("--gpu", gpu, stated))
+    if origin == "the file":
+        origin = f"{parsed.path.name} (its platform)"
+    if origin == "the default":
+        notes.append(f"the file names no GPU and there is none here: Megatron's GPU-dependent terms (workspaces, TE's "
+                     f"attention kernel) are {DEFAULT_GPU}'s; pass --gpu a100, gb200, ... for another")
     env = parsed.env.get("CUBLAS_WORKSPACE_CONFIG")
     workspace, where = (str(env), f"{(parsed.config_file or parsed.path).name}'s environment") if env is not None else \
         (cublas, "this environment") if cublas is not None else (None, "torch's default")
