@@ -148,7 +148,7 @@ def test_context_parallels_arguments_are_read():
     dump = {**SEVEN_B, "context_parallel_size": "2", "cp_comm_type": "['all_gather']",
             "hierarchical_context_parallel_sizes": "None"}
     assert config_from_megatron(dump, world_size=16).parallel.cp_comm_type == "all_gather"
-    with pytest.raises(BadInput, match="tensor x pipeline x context parallel 1 x 4 x 2"):
+    with pytest.raises(BadInput, match="tensor x pipeline x context parallel = 1 x 4 x 2"):
         config_from_megatron({**SEVEN_B, "--context-parallel-size": 2}, world_size=12)
     with pytest.raises(BadInput, match="--hierarchical-context-parallel-sizes"):
         config_from_megatron({**SEVEN_B, "--context-parallel-size": 4, "--cp-comm-type": "a2a+p2p",
@@ -164,7 +164,7 @@ def test_neutral_values_of_those_arguments_are_accepted():
 def test_bad_megatron_arguments_are_config_errors():
     with pytest.raises(BadInput, match="--seq-length"):
         config_from_megatron({k: v for k, v in SEVEN_B.items() if k != "--seq-length"})
-    with pytest.raises(BadInput, match="not divisible"):
+    with pytest.raises(BadInput, match="not a positive multiple"):
         config_from_megatron(SEVEN_B, world_size=6)
     with pytest.raises(BadInput, match="follows no --flag"):
         read_argv(["12", "--num-layers"])

@@ -313,8 +313,8 @@ def test_an_imported_megatron_golden_carries_megatrons_estimate(tmp_path):
 
 
 def _yaml_args(path):
-    from recompute_bench.ingest.megatron_golden import read_model_config
-    return read_model_config(path)[0]
+    from recompute_bench.ingest.megatron_golden import read_model_config_file
+    return read_model_config_file(path)[0]
 
 
 @pytest.mark.parametrize("category,words,goldens", [

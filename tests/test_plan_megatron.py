@@ -226,6 +226,13 @@ def test_bad_input_is_one_line_and_exit_2(argv, message):
     assert " ".join(result.stderr.split()) == message
 
 
+def test_estimate_refuses_a_schedule_megatron_cannot_run_as_plan_does():
+    result = invoke("estimate", *LAYOUT[1:], "--pp-schedule", "InterleavedZeroBubble")
+    assert result.exit_code == 2, result.output
+    assert " ".join(result.stderr.split()) == ("error: Megatron runs the 1F1B schedule (interleaved with virtual "
+                                               "stages), not InterleavedZeroBubble; drop --pp-schedule")
+
+
 def test_a_gpu_kind_without_rates_is_one_line_and_exit_2():
     result = invoke(*SEEDS, "--gpu", "v100", "--memory-gb", "80")
     assert result.exit_code == 2
@@ -235,7 +242,8 @@ def test_a_gpu_kind_without_rates_is_one_line_and_exit_2():
 
 
 @pytest.mark.parametrize("argv,message", [
-    (["--gpus", "40"], "error: --gpus 40 is not a multiple of tp x pp x cp = 16; pass --gpus as a multiple of 16"),
+    (["--gpus", "40"], ("error: 40 GPUs are not a positive multiple of tensor x pipeline x context parallel = 4 x 4 x 1 = 16; "
+                            "pass --gpus as a multiple of 16")),
     (["--gpus", "32", "--dp", "4"], "error: --gpus 32 makes the data-parallel size 2, but --dp says 4; drop one of them"),
 ])
 def test_a_gpu_count_megatron_cannot_lay_out_is_one_line_and_exit_2(argv, message):

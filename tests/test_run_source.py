@@ -305,7 +305,7 @@ def test_a_shell_variable_in_an_argument_the_estimate_reads(tmp_path):
 
 @pytest.mark.parametrize("args,words", [
     (["--gpus", "8"], "--gpus goes with --from"),
-    (["--from", str(MODEL_CONFIG), "--gpus", "6", "--tp", "4"], "6 GPUs are not divisible"),
+    (["--from", str(MODEL_CONFIG), "--gpus", "6", "--tp", "4"], "6 GPUs are not a positive multiple"),
     (["--from", str(MODEL_CONFIG), "--gpus", "8", "--framework", "recompute-bench"], "drop --framework"),
     (["--from", str(MODEL_CONFIG), "--gpus", "8", "-w", "tiny"], "drop --workload"),
     (["--from", str(MODEL_CONFIG), "--gpus", "8", "--gpu", "v99"], "unknown GPU kind 'v99'"),

@@ -12,7 +12,7 @@ from rich.markup import escape
 from recompute_bench.analysis.allowance import ALLOWANCE_BYTES, ALLOWANCE_FRACTION
 from recompute_bench.cli.common import DEFAULT_WORKLOAD, JsonOut, err, fail, resolve_point, show_notes
 from recompute_bench.cli.options import PointOptions, point_options
-from recompute_bench.cli.plan_megatron import plan_megatron, resolve_on_gpus, with_gpus
+from recompute_bench.cli.plan_megatron import plan_megatron, resolve_on_gpus
 from recompute_bench.cli.run_from import FromFile, read_from, show_source
 from recompute_bench.config.rules import check_expert_parallel_world
 from recompute_bench.config.schema import BadInput
@@ -100,19 +100,16 @@ def _megatron_run(gpu: Optional[str], device: str, notes: list[str]):
     note) and torch's CUBLAS_WORKSPACE_CONFIG from this environment, as the run would read it."""
     import os
 
-    from recompute_bench.analysis.megatron import COMPUTE_CAPABILITY, DEFAULT_GPU, MegatronRun
+    from recompute_bench.analysis.megatron import DEFAULT_GPU, MegatronRun
     from recompute_bench.cli.common import this_gpu
+    from recompute_bench.ingest.run_source import pick_gpu
 
     if device.split(":")[0] != "cuda":
         raise BadInput("Megatron runs on CUDA; drop --device cpu with --framework megatron")
-    kind = gpu or this_gpu()
-    if kind == "cpu":
-        kind = DEFAULT_GPU
+    kind, origin = pick_gpu(None, None, gpu or this_gpu())  # --gpu as this machine's: cpu is none
+    if origin == "the default":
         notes.append(f"no GPU here: Megatron's GPU-dependent terms (workspaces, TE's attention kernel) are "
                      f"{DEFAULT_GPU}'s; pass --gpu a100, gb200, ... for another")
-    if kind not in COMPUTE_CAPABILITY:
-        raise BadInput(f"unknown GPU kind {kind!r} for framework megatron; pass --gpu with one of "
-                          f"{', '.join(COMPUTE_CAPABILITY)}")
     return MegatronRun(kind, os.environ.get("CUBLAS_WORKSPACE_CONFIG"))
 
 
@@ -179,10 +176,8 @@ def plan(
         if from_ is not None:  # a Megatron run as its user has it: framework megatron
             source = read_from(from_, workload, gpus, point, device)
             cfg, run, notes = source.config, source.run, list(source.notes)
-        elif point.overrides.get("training.framework") == "megatron":
-            cfg, notes = resolve_on_gpus(workload or DEFAULT_WORKLOAD, point, gpus)
         else:
-            cfg, notes = resolve_point(workload or DEFAULT_WORKLOAD, point, gpu="cpu")
+            cfg, notes = resolve_on_gpus(workload or DEFAULT_WORKLOAD, point, gpus)
         megatron = cfg.training.framework == "megatron"
         gpu = point.gpu  # the option is declared here, and point_options hands it over in `point`
         for flag, given in (("--gpu", gpu is not None), ("--explain", explain), ("--all", all_rows)):
@@ -195,8 +190,8 @@ def plan(
                                    f"Megatron runs no per-layer policy: drop {flag}")
             if source is None:
                 run = _megatron_run(gpu, device, notes)
-                cfg = with_gpus(cfg, gpus, "parallel.data_parallel_size" in point.overrides)
-        check_expert_parallel_world(cfg)  # with the data-parallel size --gpus gives
+        else:
+            check_expert_parallel_world(cfg)  # this harness: no launch here, the data-parallel size is as given
     except BadInput as e:
         raise fail(str(e)) from None
     if megatron:

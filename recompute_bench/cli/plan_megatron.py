@@ -15,63 +15,30 @@ import typer
 from rich.markup import escape
 
 from recompute_bench.cli.common import err, fail
-from recompute_bench.config.schema import BadInput, Config
-
-MEGATRON_SCHEDULES = (None, "1F1B", "Interleaved1F1B")
-"""Megatron's pipeline schedules (schedules.py: 1F1B, interleaved 1F1B with virtual stages)."""
-
-
-def with_gpus(cfg: Config, gpus: Optional[int], dp_given: bool) -> Config:
-    """cfg on `gpus` GPUs: the data-parallel size is what tensor, pipeline and context parallel
-    leave; BadInput when they do not divide the count or a given --dp says otherwise."""
-    if gpus is None:
-        return cfg
-    par = cfg.parallel
-    model_parallel = par.tensor_model_parallel_size * par.pipeline_model_parallel_size * par.context_parallel_size
-    if gpus < 1 or gpus % model_parallel:
-        raise BadInput(f"--gpus {gpus} is not a multiple of tp x pp x cp = {model_parallel}; pass --gpus as a multiple "
-                       f"of {model_parallel}")
-    dp = gpus // model_parallel
-    if dp_given and dp != par.data_parallel_size:
-        raise BadInput(f"--gpus {gpus} makes the data-parallel size {dp}, but --dp says {par.data_parallel_size}; "
-                       "drop one of them")
-    from recompute_bench.config.rules import validate
-
-    out = dataclasses.replace(cfg, parallel=dataclasses.replace(par, data_parallel_size=dp))
-    validate(out)
-    return out
+from recompute_bench.config.schema import BadInput, Config, data_parallel_size
 
 
 def resolve_on_gpus(workload: str, point, gpus: Optional[int]) -> tuple[Config, list[str]]:
-    """The workload and flags resolved with the data-parallel size `gpus` leaves (where --dp is not
-    given), so that Megatron's rules that depend on it (the experts' layout over tp x cp x dp) judge
-    the run as it will be laid out; without --gpus, as given."""
-    from recompute_bench.config.schema import SECTIONS, ParallelConfig
-    from recompute_bench.config.presets import apply_overrides, load_preset
-    from recompute_bench.workload import resolve
+    """The workload and flags resolved; for framework megatron with the data-parallel size `gpus`
+    leaves, so that Megatron's rules that depend on it (the experts' layout over tp x cp x dp) judge
+    the run as it will be laid out (without --gpus, and for this harness, as given). BadInput when
+    tp x pp x cp does not divide `gpus` or a given --dp says otherwise."""
+    from recompute_bench.config.presets import read_point
+    from recompute_bench.config.rules import validate
+    from recompute_bench.workload import resolved
 
-    overrides = dict(point.overrides)
-    if gpus is not None and gpus > 0 and "parallel.data_parallel_size" not in overrides:
-        # the sizes the preset and the flags give, before Megatron's rules judge the whole
-        raw = load_preset(workload)
-        tables = {s: dict(raw.get(s, {})) if isinstance(raw.get(s, {}), dict) else {} for s in SECTIONS}
-        apply_overrides(tables, overrides, point.sets)
-        par, default = tables["parallel"], ParallelConfig()
-        model_parallel = 1
-        for key in ("tensor_model_parallel_size", "pipeline_model_parallel_size", "context_parallel_size"):
-            size = par.get(key, getattr(default, key))
-            model_parallel *= size if isinstance(size, int) and size > 0 else 1
-        if gpus % model_parallel == 0:
-            overrides["parallel.data_parallel_size"] = gpus // model_parallel
-    return resolve(workload, overrides=overrides, sets=point.sets, gpu="cpu")
-
-
-def check_expressible(cfg: Config) -> None:
-    """BadInput for a setting of the command that Megatron cannot run."""
-    schedule = cfg.parallel.pipeline_parallel_schedule
-    if schedule not in MEGATRON_SCHEDULES:
-        raise BadInput(f"Megatron runs the 1F1B schedule (interleaved with virtual stages), not {schedule}; drop "
-                       "--pp-schedule")
+    cfg, notes = read_point(workload, overrides=point.overrides, sets=point.sets, gpu="cpu")
+    par = cfg.parallel
+    sizes = (par.tensor_model_parallel_size, par.pipeline_model_parallel_size, par.context_parallel_size)
+    if gpus is not None and cfg.training.framework == "megatron" and all(size > 0 for size in sizes):  # a size below 1 is the rules' to refuse
+        dp = data_parallel_size(gpus, *sizes)
+        if "parallel.data_parallel_size" in point.overrides and dp != par.data_parallel_size:
+            raise BadInput(f"--gpus {gpus} makes the data-parallel size {dp}, but --dp says {par.data_parallel_size}; "
+                           "drop one of them")
+        cfg = dataclasses.replace(cfg, parallel=dataclasses.replace(par, data_parallel_size=dp))
+    cfg = resolved(cfg)
+    validate(cfg)
+    return cfg, notes
 
 
 def gpu_rates(run, profile: bool):
@@ -106,7 +73,6 @@ def plan_megatron(cfg: Config, notes: list[str], *, run, memory_gb: float, gpus:
 
     budget, fixed = memory_gb * 2**30, allowance_gb * 2**30
     try:
-        check_expressible(cfg)
         rates = gpu_rates(run, profile)
         rates.matrix_rate("fp8" if cfg.training.precision == "fp8" else cfg.training.precision)
         result = megatron_plan(cfg, run, rates, budget, allowance_fraction, fixed, gpus, mark_current=source is not None,

@@ -31,7 +31,6 @@ def read_from(path: Path, workload: Optional[str], gpus: Optional[int], point: P
 
     from recompute_bench.cli.common import this_gpu
     from recompute_bench.ingest.run_source import read_run
-    from recompute_bench.config.rules import check_expert_parallel_world
 
     if device.split(":")[0] != "cuda":
         raise BadInput("Megatron runs on CUDA; drop --device cpu with --from")
@@ -40,10 +39,8 @@ def read_from(path: Path, workload: Optional[str], gpus: Optional[int], point: P
         raise BadInput(f"--from reads a Megatron run, which framework megatron models; drop --framework {framework}")
     if gpus is not None and gpus < 1:
         raise BadInput(f"--gpus must be a positive integer, got {gpus}; pass the run's GPU count")
-    source = read_run(path, overrides=point.overrides, sets=point.sets, gpus=gpus, gpu=point.gpu, here_gpu=this_gpu(),
-                      cublas_workspace_config=os.environ.get("CUBLAS_WORKSPACE_CONFIG"), workload=workload)
-    check_expert_parallel_world(source.config)
-    return source
+    return read_run(path, overrides=point.overrides, sets=point.sets, gpus=gpus, gpu=point.gpu, here_gpu=this_gpu(),
+                    cublas_workspace_config=os.environ.get("CUBLAS_WORKSPACE_CONFIG"), workload=workload)
 
 
 def source_line(source) -> str:

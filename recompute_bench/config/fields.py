@@ -184,12 +184,20 @@ def fields() -> tuple[Field, ...]:
     return tuple(out)
 
 
+@functools.lru_cache(maxsize=None)
+def defaults() -> dict[str, Any]:
+    """Every field's default (`Field.default`) by its path, "section.attribute"."""
+    return {f.path: f.default for f in fields()}
+
+
 def field(key: str) -> Field:
     """The field with this Megatron name (KeyError if there is none)."""
-    for f in fields():
-        if f.key == key:
-            return f
-    raise KeyError(key)
+    return _by_key()[key]
+
+
+@functools.lru_cache(maxsize=None)
+def _by_key() -> dict[str, Field]:
+    return {f.key: f for f in fields()}
 
 
 def flagged() -> list[Field]:

@@ -4,23 +4,19 @@ ModelParallelConfig `__post_init__` reject them. Pure Python."""
 
 from __future__ import annotations
 
-from recompute_bench.config.schema import CROSS_ENTROPY_FUSION_IMPLS, OPTIMIZER_DTYPES, ROPE_TYPES, BadInput, Config
-
-
-def _choice(name: str, value: object, choices: tuple, fix: str) -> None:
-    if value not in choices:
-        raise BadInput(f"{name} {value!r} is not one of {', '.join(map(str, choices))}; {fix}")
+from recompute_bench.config.schema import (CROSS_ENTROPY_FUSION_IMPLS, OPTIMIZER_DTYPES, ROPE_TYPES, BadInput, Config,
+                                           check_choice)
 
 
 def validate_megatron_settings(cfg: Config) -> None:
     """The settings of MEGATRON_ONLY_SETTINGS, by Megatron's rules."""
     m, t, p = cfg.model, cfg.training, cfg.parallel
-    _choice("cross_entropy_fusion_impl", m.cross_entropy_fusion_impl, CROSS_ENTROPY_FUSION_IMPLS,
-            "pass --set model.cross_entropy_fusion_impl=native")
+    check_choice("cross_entropy_fusion_impl", m.cross_entropy_fusion_impl, CROSS_ENTROPY_FUSION_IMPLS,
+                 "pass --set model.cross_entropy_fusion_impl=native")
     for name in ("main_grads_dtype", "main_params_dtype", "exp_avg_dtype", "exp_avg_sq_dtype"):
-        _choice(name, getattr(t, name), OPTIMIZER_DTYPES, f"pass --set training.{name}=fp32")
+        check_choice(name, getattr(t, name), OPTIMIZER_DTYPES, f"pass --set training.{name}=fp32")
     if m.rope_type is not None:
-        _choice("rope_type", m.rope_type, ROPE_TYPES, "pass --set model.rope_type=rope, or leave it unset")
+        check_choice("rope_type", m.rope_type, ROPE_TYPES, "pass --set model.rope_type=rope, or leave it unset")
         # argument_utils.py: common attention only supports rope_type "rope"
         if m.rope_type != "rope" and not m.multi_latent_attention:
             raise BadInput(f"rope_type {m.rope_type} applies to multi-latent attention only; drop --set model.rope_type")

@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any
 
+from recompute_bench.config.fields import defaults
 from recompute_bench.config.pipeline_split import model_chunks, uneven, validate_split
 from recompute_bench.config.megatron_rules import validate_megatron_settings
 from recompute_bench.config.performance_rules import validate_cuda_graphs, validate_fp8, validate_offload
@@ -17,10 +17,12 @@ from recompute_bench.config.schema import (_MODULE_NEEDS, ACTIVATIONS, ATTENTION
                                            FP8_RECIPES, FRAMEWORKS, GRANULARITIES, HARNESS_COMM_TYPES,
                                            INTERLEAVED_SCHEDULES, LOAD_BALANCING_TYPES, MEGATRON_ACTIVATIONS,
                                            MEGATRON_ATTENTION_BACKENDS, MEGATRON_ONLY, MEGATRON_ONLY_SETTINGS,
+                                           MEGATRON_SCHEDULES,
                                            METHODS, NORMALIZATIONS, PIPELINE_SCHEDULES, POSITION_EMBEDDINGS,
                                            PRECISIONS, RECOMPUTE_MODULES, ROUTER_DTYPES, ROUTER_SCORE_FUNCTIONS,
                                            SECTIONS, TOKEN_DISPATCHER_TYPES, TOKEN_DROP_POLICIES, TRANSFORMER_IMPLS,
-                                           V_SCHEDULES, BadInput, comm_levels, Config, layer_comm_types)
+                                           V_SCHEDULES, BadInput, check_choice, comm_levels, Config,
+                                           layer_comm_types)
 
 VPP_FLAG = "--set parallel.virtual_pipeline_model_parallel_size"
 
@@ -45,11 +47,6 @@ def _chunk_words(cfg: Config) -> str:
     return "layers per pipeline stage"
 
 
-def _choice(name: str, value: Any, choices: tuple, fix: str) -> None:
-    if value not in choices:
-        raise BadInput(f"{name} {value!r} is not one of {', '.join(map(str, choices))}; {fix}")
-
-
 def validate(cfg: Config) -> None:
     """Apply Megatron Core's recompute rules and the model's own shape rules; raise BadInput."""
     m, t, p = cfg.model, cfg.training, cfg.parallel
@@ -70,15 +67,16 @@ def validate(cfg: Config) -> None:
     if m.num_attention_heads % m.groups:
         raise BadInput(f"num_attention_heads {m.num_attention_heads} is not divisible by num_query_groups "
                           f"{m.groups}; pass --set model.num_query_groups=G with G dividing the heads")
-    _choice("normalization", m.normalization, NORMALIZATIONS, "set model.normalization")
+    check_choice("normalization", m.normalization, NORMALIZATIONS, "set model.normalization")
     megatron = t.framework == "megatron"
-    _choice("activation", m.activation, ACTIVATIONS + (MEGATRON_ACTIVATIONS if megatron else ()),
-            "set model.activation" + ("" if megatron else " (squared_relu goes with --framework megatron)"))
-    _choice("position_embedding_type", m.position_embedding_type, POSITION_EMBEDDINGS, "set model.position_embedding_type")
+    check_choice("activation", m.activation, ACTIVATIONS + (MEGATRON_ACTIVATIONS if megatron else ()),
+                 "set model.activation" + ("" if megatron else " (squared_relu goes with --framework megatron)"))
+    check_choice("position_embedding_type", m.position_embedding_type, POSITION_EMBEDDINGS,
+                 "set model.position_embedding_type")
     _validate_framework(cfg)
-    _choice("precision", t.precision, PRECISIONS, "pass --precision bf16, fp16, fp32 or fp8")
-    _choice("fp8_recipe", t.fp8_recipe, FP8_RECIPES, "pass --set training.fp8_recipe=tensorwise")
-    _choice("fp8_format", t.fp8_format, FP8_FORMATS, "pass --set training.fp8_format=hybrid")
+    check_choice("precision", t.precision, PRECISIONS, "pass --precision bf16, fp16, fp32 or fp8")
+    check_choice("fp8_recipe", t.fp8_recipe, FP8_RECIPES, "pass --set training.fp8_recipe=tensorwise")
+    check_choice("fp8_format", t.fp8_format, FP8_FORMATS, "pass --set training.fp8_format=hybrid")
     validate_fp8(cfg)
     validate_cuda_graphs(cfg)
     if m.position_embedding_type == "rope" and m.head_dim % 2:
@@ -162,12 +160,16 @@ def validate(cfg: Config) -> None:
 
 
 def _validate_pipeline(cfg: Config) -> None:
-    """The pipeline schedule's own rules (Megatron's where it has the schedule, torch's otherwise)."""
+    """The pipeline schedule's own rules (Megatron's where it has the schedule, torch's otherwise);
+    framework megatron runs Megatron's schedules only (MEGATRON_SCHEDULES)."""
     p = cfg.parallel
     pp, vpp, schedule, n = p.pipeline_model_parallel_size, p.virtual_pipeline_model_parallel_size, p.schedule, cfg.num_microbatches
     if p.pipeline_parallel_schedule is None:
         return
-    _choice("pipeline_parallel_schedule", schedule, PIPELINE_SCHEDULES, "pass --pp-schedule 1F1B")
+    check_choice("pipeline_parallel_schedule", schedule, PIPELINE_SCHEDULES, "pass --pp-schedule 1F1B")
+    if cfg.training.framework == "megatron" and schedule not in MEGATRON_SCHEDULES:
+        raise BadInput(f"Megatron runs the 1F1B schedule (interleaved with virtual stages), not {schedule}; drop "
+                       "--pp-schedule")
     if pp == 1:
         raise BadInput(f"pipeline_parallel_schedule {schedule} needs pipeline parallelism; pass --pp 2 or more, "
                           "or drop --pp-schedule")
@@ -197,7 +199,7 @@ def _validate_context_parallel(cfg: Config) -> None:
         raise BadInput(f"context_parallel_size must be a positive integer, got {cp!r}; pass --context-parallel-size N")
     types = layer_comm_types(str(p.cp_comm_type), m.num_layers)
     for kind in types:
-        _choice("cp_comm_type", kind, CP_COMM_TYPES, "pass --set parallel.cp_comm_type=p2p")
+        check_choice("cp_comm_type", kind, CP_COMM_TYPES, "pass --set parallel.cp_comm_type=p2p")
     if len(types) != m.num_layers:
         raise BadInput(f"cp_comm_type lists {len(types)} types for {m.num_layers} layers; pass one type for every "
                        f"layer (--set parallel.cp_comm_type=p2p) or {m.num_layers} separated by spaces")
@@ -265,32 +267,39 @@ def _validate_harness_context_parallel(cfg: Config) -> None:
 def _validate_framework(cfg: Config) -> None:
     """The framework and the implementation fields: each framework takes its own names."""
     m, t = cfg.model, cfg.training
-    _choice("framework", t.framework, FRAMEWORKS, "pass --framework recompute-bench or megatron")
-    _choice("transformer_impl", m.transformer_impl, TRANSFORMER_IMPLS, "pass --transformer-impl local or transformer_engine")
+    check_choice("framework", t.framework, FRAMEWORKS, "pass --framework recompute-bench or megatron")
+    check_choice("transformer_impl", m.transformer_impl, TRANSFORMER_IMPLS,
+                 "pass --transformer-impl local or transformer_engine")
     if t.framework == "megatron":
-        _choice("attention_backend", m.attention_backend, MEGATRON_ATTENTION_BACKENDS,
-                "framework megatron takes Megatron's --attention-backend (auto is its default)")
+        check_choice("attention_backend", m.attention_backend, MEGATRON_ATTENTION_BACKENDS,
+                     "framework megatron takes Megatron's --attention-backend (auto is its default)")
         # megatron/training/arguments.py validate_args: '--attention-backend local is only supported with --spec local'
         if m.attention_backend == "local" and m.transformer_impl != "local":
             raise BadInput("Megatron runs --attention-backend local only with its local layers; pass "
                               "--transformer-impl local or another --attention-backend")
         return
-    _choice("attention_backend", m.attention_backend, ATTENTION_BACKENDS,
-            "pass --attention-backend sdpa or math (Megatron's names go with --framework megatron)")
+    check_choice("attention_backend", m.attention_backend, ATTENTION_BACKENDS,
+                 "pass --attention-backend sdpa or math (Megatron's names go with --framework megatron)")
     if m.transformer_impl != "local":
         raise BadInput(f"this harness builds plain torch layers (transformer_impl local), not {m.transformer_impl}; "
                           "drop --transformer-impl, or estimate Megatron's with --framework megatron")
-    defaults = {f.name: f.default for f in dataclasses.fields(type(m))}
-    for name in MEGATRON_ONLY:
-        if getattr(m, name) != defaults[name]:
-            raise BadInput(f"model.{name} describes how Megatron runs; drop it, or estimate Megatron with "
-                              "--framework megatron")
-    for path in MEGATRON_ONLY_SETTINGS:
+    path = _non_default(cfg, [f"model.{name}" for name in MEGATRON_ONLY])
+    if path is not None:
+        raise BadInput(f"{path} describes how Megatron runs; drop it, or estimate Megatron with --framework megatron")
+    path = _non_default(cfg, MEGATRON_ONLY_SETTINGS)
+    if path is not None:
+        raise BadInput(f"{path} is a Megatron argument this harness does not run; drop it, or estimate "
+                       "Megatron with --framework megatron")
+
+
+def _non_default(cfg: Config, paths) -> str | None:
+    """The first of `paths` ("section.attribute") whose value in cfg is not its field's default."""
+    default = defaults()
+    for path in paths:
         section, name = path.split(".")
-        value = getattr(getattr(cfg, section), name)
-        if value != next(f.default for f in dataclasses.fields(type(getattr(cfg, section))) if f.name == name):
-            raise BadInput(f"{path} is a Megatron argument this harness does not run; drop it, or estimate "
-                           "Megatron with --framework megatron")
+        if getattr(getattr(cfg, section), name) != default[path]:
+            return path
+    return None
 
 
 def _validate_expert_parallel(cfg: Config) -> None:
@@ -351,14 +360,15 @@ def _validate_moe(cfg: Config) -> None:
     if m.moe_router_topk > m.num_moe_experts:
         raise BadInput(f"moe_router_topk {m.moe_router_topk} is more than num_moe_experts {m.num_moe_experts}; "
                           f"pass --set model.moe_router_topk=K with K at most {m.num_moe_experts}")
-    _choice("moe_router_score_function", m.moe_router_score_function, ROUTER_SCORE_FUNCTIONS,
-            "set model.moe_router_score_function")
-    _choice("moe_router_load_balancing_type", m.moe_router_load_balancing_type, LOAD_BALANCING_TYPES,
-            "set model.moe_router_load_balancing_type")
-    _choice("moe_token_dispatcher_type", m.moe_token_dispatcher_type, TOKEN_DISPATCHER_TYPES,
-            "set model.moe_token_dispatcher_type")
+    check_choice("moe_router_score_function", m.moe_router_score_function, ROUTER_SCORE_FUNCTIONS,
+                 "set model.moe_router_score_function")
+    check_choice("moe_router_load_balancing_type", m.moe_router_load_balancing_type, LOAD_BALANCING_TYPES,
+                 "set model.moe_router_load_balancing_type")
+    check_choice("moe_token_dispatcher_type", m.moe_token_dispatcher_type, TOKEN_DISPATCHER_TYPES,
+                 "set model.moe_token_dispatcher_type")
     if m.moe_router_dtype is not None:
-        _choice("moe_router_dtype", m.moe_router_dtype, ROUTER_DTYPES, "set model.moe_router_dtype=fp32 or leave it unset")
+        check_choice("moe_router_dtype", m.moe_router_dtype, ROUTER_DTYPES,
+                     "set model.moe_router_dtype=fp32 or leave it unset")
     if m.add_bias_linear:
         raise BadInput("the experts of a mixture-of-experts layer have no biases here; pass --set model.add_bias_linear=false")
     if cfg.training.framework == "megatron":
@@ -387,12 +397,12 @@ def _validate_harness_moe(cfg: Config) -> None:
     if m.moe_router_load_balancing_type != "aux_loss":
         raise BadInput(f"this harness balances the load with aux_loss only, not {m.moe_router_load_balancing_type}; "
                        "estimate Megatron's with --framework megatron, or drop --set model.moe_router_load_balancing_type")
-    defaults = {f.name: f.default for f in dataclasses.fields(type(m))}
-    for name in ("moe_z_loss_coeff", "moe_router_pre_softmax", "moe_router_dtype", "moe_pad_expert_input_to_capacity",
-                 "moe_permute_fusion", "moe_shared_expert_gate", "moe_shared_expert_overlap"):
-        if getattr(m, name) != defaults[name]:
-            raise BadInput(f"model.{name} is a setting of Megatron's MoE layers, which this harness does not run; "
-                           "drop it, or estimate Megatron with --framework megatron")
+    path = _non_default(cfg, [f"model.{name}" for name in (
+        "moe_z_loss_coeff", "moe_router_pre_softmax", "moe_router_dtype", "moe_pad_expert_input_to_capacity",
+        "moe_permute_fusion", "moe_shared_expert_gate", "moe_shared_expert_overlap")])
+    if path is not None:
+        raise BadInput(f"{path} is a setting of Megatron's MoE layers, which this harness does not run; "
+                       "drop it, or estimate Megatron with --framework megatron")
     if cfg.parallel.overlap_moe_expert_parallel_comm:
         raise BadInput("parallel.overlap_moe_expert_parallel_comm is Megatron's combined 1F1B schedule, which this "
                        "harness does not run; drop it, or estimate Megatron with --framework megatron")
@@ -465,7 +475,8 @@ def _validate_router(cfg: Config) -> None:
     if capacity is not None and not capacity > 0:
         raise BadInput(f"moe_expert_capacity_factor must be positive, got {capacity}; "
                           "pass --set model.moe_expert_capacity_factor=1.0 or leave it unset (dropless)")
-    _choice("moe_token_drop_policy", m.moe_token_drop_policy, TOKEN_DROP_POLICIES, "set model.moe_token_drop_policy")
+    check_choice("moe_token_drop_policy", m.moe_token_drop_policy, TOKEN_DROP_POLICIES,
+                 "set model.moe_token_drop_policy")
     if capacity is not None and cfg.parallel.expert_model_parallel_size > 1 and cfg.training.framework != "megatron":
         raise BadInput("token dropping (moe_expert_capacity_factor) under expert parallel is not modelled yet; "
                           "pass --ep 1 or leave moe_expert_capacity_factor unset")
@@ -495,7 +506,8 @@ def _validate_mla(cfg: Config) -> None:
 def _validate_recompute(cfg: Config) -> None:
     m, p, r = cfg.model, cfg.parallel, cfg.recompute
     chunk, offered = layers_per_model_chunk(cfg), cfg.spec.recompute_targets
-    _choice("recompute_granularity", r.granularity, GRANULARITIES, "pass --recompute-granularity none, selective or full")
+    check_choice("recompute_granularity", r.granularity, GRANULARITIES,
+                 "pass --recompute-granularity none, selective or full")
 
     if r.layer_policy and (len(r.layer_policy) != m.num_layers or r.granularity != "none"
                            or r.activation_offload_layers):
@@ -517,7 +529,7 @@ def _validate_recompute(cfg: Config) -> None:
                               "pass --recompute-granularity none or drop --activation-offload-layers")
 
     if r.method is not None:
-        _choice("recompute_method", r.method, METHODS, "pass --recompute-method uniform or block")
+        check_choice("recompute_method", r.method, METHODS, "pass --recompute-method uniform or block")
     unknown = [x for x in r.modules if x not in RECOMPUTE_MODULES]
     if unknown:
         lacking = [x for x in RECOMPUTE_MODULES if x not in offered]

@@ -88,6 +88,8 @@ HARNESS_COMM_TYPES = ("p2p", "all_gather")
 PIPELINE_SCHEDULES = ("1F1B", "Interleaved1F1B", "GPipe", "InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV")
 """torch.distributed.pipelining's schedule names (its `get_schedule_class`), as torchtitan's
 `pipeline_parallel_schedule` takes them."""
+MEGATRON_SCHEDULES = ("1F1B", "Interleaved1F1B")
+"""The schedules framework megatron runs (Megatron's schedules.py: 1F1B, interleaved 1F1B with virtual stages)."""
 INTERLEAVED_SCHEDULES = ("Interleaved1F1B", "InterleavedZeroBubble")
 """Schedules over virtual stages r, r + p, r + 2p, ... on rank r (Megatron's interleaving)."""
 V_SCHEDULES = ("ZBVZeroBubble", "DualPipeV")
@@ -116,6 +118,12 @@ class BadInput(ValueError):
     """Bad input of any kind (a setting, a flag, a file that is corrupt or not this product's, a run
     folder another sweep holds): the message is one line that names the problem and the fix, which
     the CLI prints before it exits 2."""
+
+
+def check_choice(name: str, value: Any, choices: tuple, fix: str) -> None:
+    """BadInput naming `name`, its `value`, the `choices` and the `fix` when value is not one of them."""
+    if value not in choices:
+        raise BadInput(f"{name} {value!r} is not one of {', '.join(map(str, choices))}; {fix}")
 
 
 def parse_layer_pattern(text: Any) -> list[int]:
@@ -530,6 +538,17 @@ class ParallelConfig:
     def world_size(self) -> int:
         return (self.tensor_model_parallel_size * self.pipeline_model_parallel_size * self.context_parallel_size
                 * self.data_parallel_size)
+
+
+def data_parallel_size(gpus: int, tp: int, pp: int, cp: int, flag: str = "--gpus") -> int:
+    """The data-parallel size `gpus` GPUs leave to tensor, pipeline and context parallel (Megatron's
+    arguments.py validate_args: world_size // (tp x pp x cp)); BadInput naming `flag`, where the GPU
+    count is given, when it is not a positive multiple of tp x pp x cp."""
+    model_parallel = tp * pp * cp
+    if gpus < 1 or gpus % model_parallel:
+        raise BadInput(f"{gpus} GPUs are not a positive multiple of tensor x pipeline x context parallel = "
+                       f"{tp} x {pp} x {cp} = {model_parallel}; pass {flag} as a multiple of {model_parallel}")
+    return gpus // model_parallel
 
 
 @dataclass

@@ -54,10 +54,17 @@ def words(text: str) -> list[tuple[str, int]]:
 
 def detect(text: str) -> bool:
     """Whether text reads as a command line of Megatron-LM (it sets --num-layers, as every run must)."""
+    return command_words(text) is not None
+
+
+def command_words(text: str) -> list[tuple[str, int]] | None:
+    """The shell words of `text` (`words`) when it reads as a command line of Megatron-LM (it sets
+    --num-layers, as every run must); None when it does not."""
     try:
-        return any(w in ("--num-layers",) or w.startswith("--num-layers=") for w, _ in words(text))
+        tokens = words(text)
     except BadInput:
-        return False
+        return None
+    return tokens if any(w in ("--num-layers",) or w.startswith("--num-layers=") for w, _ in tokens) else None
 
 
 def _command(path: Path, tokens: list[tuple[str, int]]) -> tuple[list[tuple[str, int]], dict, int]:
@@ -101,17 +108,19 @@ def _launcher_gpus(path: Path, launcher: list[tuple[str, int]]) -> int | None:
     return int(nproc) * int(nnodes)
 
 
-def read(path: Path) -> ParsedRun:
-    """Read a command line: Megatron's arguments with their lines, the environment, the GPU count."""
+def read(path: Path, tokens: list[tuple[str, int]] | None = None) -> ParsedRun:
+    """Read a command line: Megatron's arguments with their lines, the environment, the GPU count.
+    `tokens`: the file's shell words (`words`), where they are already split."""
     path = Path(path)
-    try:
-        text = path.read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError) as e:
-        raise bad(path, None, f"cannot be read ({e}); pass a text file holding the command line") from None
-    try:
-        tokens = words(text)
-    except BadInput as e:
-        raise bad(path, None, f"{e}; close the quote") from None
+    if tokens is None:
+        try:
+            text = path.read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as e:
+            raise bad(path, None, f"cannot be read ({e}); pass a text file holding the command line") from None
+        try:
+            tokens = words(text)
+        except BadInput as e:
+            raise bad(path, None, f"{e}; close the quote") from None
     command, env, first = _command(path, tokens)
     argv = command[first:]
     try:

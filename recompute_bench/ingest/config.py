@@ -20,8 +20,7 @@ import dataclasses
 from typing import Any
 
 from recompute_bench.ingest.bridge_config import SPELLINGS
-from recompute_bench.ingest.megatron_args import (ALIASES, CannotExpress, config_from_megatron, megatron_overrides,
-                                                  normalize)
+from recompute_bench.ingest.megatron_args import CannotExpress, config_from_megatron, normalize, normalized_overrides
 from recompute_bench.ingest.parsed import ParsedRun, bad
 from recompute_bench.config.schema import SECTIONS, Config, BadInput
 from recompute_bench.workload import resolve, resolved
@@ -37,8 +36,7 @@ FRAMEWORK = {"megatron-lm": "megatron", "megatron-golden": "megatron", "megatron
 
 
 def _cannot(run: ParsedRun, e: CannotExpress) -> BadInput:
-    name = e.argument.lstrip("-").replace("-", "_")
-    line = run.argument_lines.get(ALIASES.get(name, name))
+    line = run.argument_lines.get(e.name)
     return bad(run.config_file or run.path, line, f"{e}; import only runs the estimate can express")
 
 
@@ -77,13 +75,13 @@ def bridge_arguments(run: ParsedRun) -> dict[str, Any]:
     return normalize(args)
 
 
-def bridge_tables(run: ParsedRun, base: Config, refused: list[CannotExpress] | None = None) -> dict[str, dict[str, Any]]:
-    """Bridge's stated TransformerConfig values (Megatron's defaults for the rest) over the preset's
-    GPT-model fields, data-parallel size and (where the summary omits it) global batch: one table
-    per Config section. CannotExpress for what the estimate cannot express (collected in `refused`
-    when given, as `megatron_overrides` does)."""
-    args = bridge_arguments(run)
-    tables = megatron_overrides(args, refused=refused)
+def bridge_tables(args: dict[str, Any], base: Config,
+                  refused: list[CannotExpress] | None = None) -> dict[str, dict[str, Any]]:
+    """Bridge's stated TransformerConfig values (`args`, as `bridge_arguments` reads them; Megatron's
+    defaults for the rest) over the preset's GPT-model fields, data-parallel size and (where the
+    summary omits it) global batch: one table per Config section. CannotExpress for what the
+    estimate cannot express (collected in `refused` when given, as `megatron_overrides` does)."""
+    tables = normalized_overrides(args, refused=refused)
     for field in GPT_MODEL_FIELDS:
         if not (field == "vocab_size" and "padded_vocab_size" in args):
             tables["model"][field] = getattr(base.model, field)
@@ -97,7 +95,7 @@ def _bridge_config(run: ParsedRun, base: Config, overrides: dict[str, Any], labe
     """Bridge's stated TransformerConfig values (Megatron's defaults for the rest) over the preset's
     GPT-model fields and data-parallel size."""
     try:
-        tables = bridge_tables(run, base)
+        tables = bridge_tables(bridge_arguments(run), base)
     except CannotExpress as e:
         raise _cannot(run, e) from None
     except BadInput as e:

@@ -23,18 +23,21 @@ from __future__ import annotations
 import ast
 from typing import Any, Iterable, Mapping
 
-from recompute_bench.config.schema import SECTIONS, Config, BadInput, canonical_modules
+from recompute_bench.config.schema import (MEGATRON_MOE_DEFAULTS, SECTIONS, Config, BadInput, canonical_modules,
+                                           data_parallel_size)
 from recompute_bench.config.pipeline_split import layout_virtual_stages
 from recompute_bench.config.rules import validate
 from recompute_bench.workload import resolved
 
 
 class CannotExpress(BadInput):
-    """A Megatron argument the estimate cannot express; `argument` is its name (`--context-parallel-size`),
-    `value` its value and `why` the reason, where they are known."""
+    """A Megatron argument the estimate cannot express; `argument` is its flag (`--fp8-format`), `name`
+    its normalized name (`fp8`, as `normalize` writes it), `value` its value and `why` the reason,
+    where they are known."""
 
-    def __init__(self, argument: str, message: str, value: Any = None, why: str | None = None) -> None:
-        self.argument, self.value, self.why = argument, value, why
+    def __init__(self, argument: str, message: str, value: Any = None, why: str | None = None, *,
+                 name: str) -> None:
+        self.argument, self.name, self.value, self.why = argument, name, value, why
         super().__init__(message)
 
 
@@ -60,6 +63,8 @@ SAME_NAME = {
 ALIASES = {"microbatch_group_size_per_virtual_pipeline_stage": "microbatch_group_size_per_vp_stage",
            "no_rope_fusion": "no_apply_rope_fusion",  # argparse: --no-rope-fusion's dest is apply_rope_fusion
            "fp8_format": "fp8"}
+FLAG_NAMES = {dest: long for long, dest in ALIASES.items()}
+"""A normalized name -> the long flag's own name, where ALIASES renames it (fp8 -> fp8_format)."""
 
 # Arguments the estimate cannot express, each with Megatron's neutral values (what leaves the rank's
 # bytes as the estimate counts them) and why. A value outside them raises CannotExpress.
@@ -208,8 +213,9 @@ def bracket_list(text: str) -> Any:
 
 
 def _cannot(name: str, value: Any, why: str) -> CannotExpress:
-    flag = "--" + {dest: long for long, dest in ALIASES.items()}.get(name, name).replace("_", "-")
-    return CannotExpress(flag, f"Megatron argument {flag} {value} cannot be expressed: {why}", value, why)
+    flag = "--" + FLAG_NAMES.get(name, name).replace("_", "-")
+    return CannotExpress(flag, f"Megatron argument {flag} {value} cannot be expressed: {why}", value, why,
+                         name=ALIASES.get(name, name))
 
 
 def inexpressible(args: Mapping[str, Any]) -> list[CannotExpress]:
@@ -254,7 +260,13 @@ def megatron_overrides(args: Mapping[str, Any], world_size: int | None = None,
     arguments do not (a log's dump has `world_size` and `data_parallel_size`). CannotExpress (a
     BadInput) names an argument the estimate cannot express; given a list as `refused`, every such
     argument is appended to it instead and the tables hold the rest (what `estimate --from` reads)."""
-    a = {**MEGATRON_DEFAULTS, **normalize(args)}
+    return normalized_overrides(normalize(args), world_size, refused)
+
+
+def normalized_overrides(args: Mapping[str, Any], world_size: int | None = None,
+                         refused: list[CannotExpress] | None = None) -> dict[str, dict[str, Any]]:
+    """`megatron_overrides` of arguments already normalized (`normalize`)."""
+    a = {**MEGATRON_DEFAULTS, **args}
     if refused is None:
         check_expressible(a)
     else:
@@ -307,10 +319,7 @@ def megatron_overrides(args: Mapping[str, Any], world_size: int | None = None,
     if a.get("data_parallel_size"):
         par["data_parallel_size"] = a["data_parallel_size"]
     elif world:
-        if world % (tp * pp * cp):
-            raise BadInput(f"world size {world} is not divisible by tensor x pipeline x context parallel "
-                           f"{tp} x {pp} x {cp}")
-        par["data_parallel_size"] = world // (tp * pp * cp)
+        par["data_parallel_size"] = data_parallel_size(world, tp, pp, cp, "--world-size")
     par["sequence_parallel"] = bool(a.get("sequence_parallel")) and tp > 1  # validate_args: no SP when tp == 1
     vpp = _virtual_stages(a, m["num_layers"], pp)
     if vpp:
@@ -351,14 +360,12 @@ def _context_parallel(a: Mapping[str, Any], par: dict[str, Any]) -> int:
     par["context_parallel_size"] = cp
     types = a.get("cp_comm_type")
     if types is not None:
-        words = [str(t) for t in types] if isinstance(types, (list, tuple)) else str(types).strip("[]").replace(
-            ",", " ").replace("'", " ").split()
+        words = module_list(types)
         par["cp_comm_type"] = words[0] if len(set(words)) == 1 else " ".join(words)
     sizes = a.get("hierarchical_context_parallel_sizes")
     if sizes is not None:
-        words = sizes if isinstance(sizes, (list, tuple)) else str(sizes).strip("[]").replace(",", " ").split()
         try:
-            par["hierarchical_context_parallel_sizes"] = [int(n) for n in words]
+            par["hierarchical_context_parallel_sizes"] = [int(n) for n in module_list(sizes)]
         except ValueError:
             raise BadInput(f"Megatron argument --hierarchical-context-parallel-sizes {sizes} is not a list of "
                            f"integers; write it as --hierarchical-context-parallel-sizes 2 2") from None
@@ -426,8 +433,6 @@ MOE_SAME_NAME = ("moe_router_topk", "moe_ffn_hidden_size", "moe_shared_expert_in
                  "moe_router_load_balancing_type", "moe_z_loss_coeff", "moe_router_pre_softmax", "moe_router_dtype",
                  "moe_token_dispatcher_type", "moe_pad_expert_input_to_capacity", "moe_permute_fusion",
                  "moe_shared_expert_gate", "moe_shared_expert_overlap")
-# Megatron's defaults of those (arguments.py `_add_moe_args`) where this product's differ.
-MOE_DEFAULTS = {"moe_token_dispatcher_type": "allgather"}
 
 
 def _moe_overrides(a: Mapping[str, Any], m: dict[str, Any], par: dict[str, Any]) -> None:
@@ -438,7 +443,7 @@ def _moe_overrides(a: Mapping[str, Any], m: dict[str, Any], par: dict[str, Any])
         return
     m["num_moe_experts"] = a["num_experts"]
     for name in MOE_SAME_NAME:
-        value = a.get(name, MOE_DEFAULTS.get(name))
+        value = a.get(name, MEGATRON_MOE_DEFAULTS.get(name))  # Megatron's default where this product's differs
         if value is not None:
             m[name] = value
     if a.get("moe_ffn_hidden_size") is None:
@@ -521,7 +526,8 @@ def _vocabulary(a: Mapping[str, Any]) -> int:
     if tokenizer == "TikTokenizer":
         return TIKTOKEN_DEFAULT_VOCAB
     raise CannotExpress("--tokenizer-type", f"Megatron argument --tokenizer-type {tokenizer}: its vocabulary size lies in "
-                        f"the tokenizer's file, not in the arguments; give the model's vocabulary as --padded-vocab-size N")
+                        f"the tokenizer's file, not in the arguments; give the model's vocabulary as --padded-vocab-size N",
+                        name="tokenizer_type")
 
 
 def _virtual_stages(a: Mapping[str, Any], num_layers: int, pp: int) -> int | None:

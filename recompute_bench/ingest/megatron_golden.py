@@ -29,12 +29,6 @@ def detect_json(data) -> bool:
     return isinstance(data, dict) and bool(data) and all(isinstance(v, dict) and "values" in v for v in data.values())
 
 
-def read_model_config(path: Path) -> tuple[dict, dict]:
-    """The `MODEL_ARGS` of a model_config.yaml: {argument: value} with underscored names, {argument: line}."""
-    arguments, where, _ = read_model_config_file(path)
-    return arguments, where
-
-
 def read_model_config_file(path: Path) -> tuple[dict, dict, dict]:
     """A model_config.yaml read with PyYAML, as Megatron-LM's test runner reads it with yq
     (tests/functional_tests/shell_test_utils/_run_training.sh): `MODEL_ARGS` as {argument: value}
@@ -53,6 +47,12 @@ def read_model_config_file(path: Path) -> tuple[dict, dict, dict]:
         mark = getattr(e, "problem_mark", None)
         raise bad(path, mark.line + 1 if mark else None, f"is not valid YAML ({getattr(e, 'problem', e)}); "
                                                           "repair that line") from None
+    return model_config(path, data, node)
+
+
+def model_config(path: Path, data, node) -> tuple[dict, dict, dict]:
+    """`read_model_config_file` of a model_config.yaml already parsed: `data` as PyYAML loads it,
+    `node` as it composes it (for the lines)."""
     section = data.get("MODEL_ARGS") if isinstance(data, dict) else None
     if not isinstance(section, dict) or not section:
         raise bad(path, None, "has no MODEL_ARGS; pass the model_config.yaml of a Megatron-LM functional-test case")

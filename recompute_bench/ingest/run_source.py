@@ -30,10 +30,10 @@ from recompute_bench.analysis.megatron.gpu import COMPUTE_CAPABILITY, DEFAULT_GP
 from recompute_bench.ingest import (argument_list, bridge_config, bridge_log, formats, megatron_golden, megatron_log,
                                     torchtitan_log)
 from recompute_bench.ingest.config import GPT_MODEL_FIELDS, bridge_arguments, bridge_tables
-from recompute_bench.ingest.megatron_args import (ALIASES, SAME_NAME, CannotExpress, field_arguments,
-                                                  megatron_overrides, normalize)
+from recompute_bench.ingest.megatron_args import (ALIASES, FLAG_NAMES, SAME_NAME, CannotExpress, field_arguments,
+                                                  normalize, normalized_overrides)
 from recompute_bench.ingest.parsed import ParsedRun, bad
-from recompute_bench.config.schema import SECTIONS, BadInput, Config
+from recompute_bench.config.schema import SECTIONS, BadInput, Config, data_parallel_size
 from recompute_bench.config.presets import apply_overrides, command_line_values, config_from_tables, gpu_type
 from recompute_bench.workload import resolve, resolved
 from recompute_bench.config.rules import validate
@@ -115,14 +115,17 @@ def read_file(path: Path) -> ParsedRun:
             head = f.read(HEAD_BYTES).decode("utf-8", errors="replace")
     except OSError as e:
         raise bad(path, None, f"cannot be read ({e.strerror}); {WHAT}") from None
-    if bridge_log.detect(head) or megatron_log.detect(head):
-        return formats.read(path)
+    log = next((r.FORMAT for r in (bridge_log, megatron_log) if r.detect(head)), None)  # Bridge's lines first
+    if log is not None:
+        return formats.read(path, log)
     if head.lstrip().startswith("{"):
-        fmt = formats.detect(path)
+        fmt, data = formats.detect_head(path, head)
         if fmt != megatron_golden.FORMAT:
             raise bad(path, None, f"is a {fmt} file, which states no run configuration; {WHAT}")
-        return formats.read(path, fmt)
+        return formats.read(path, fmt, data)
     text = path.read_text(encoding="utf-8", errors="replace")
+    # The readers below refuse a file that is no UTF-8 text: only text read without a replacement is handed on.
+    whole = "\ufffd" not in text
     data = node = None
     try:
         node, data = yaml.compose(text, Loader=yaml.SafeLoader), yaml.safe_load(text)
@@ -132,7 +135,8 @@ def read_file(path: Path) -> ParsedRun:
             raise bad(path, mark.line + 1 if mark else None,
                       f"is not valid YAML ({getattr(e, 'problem', e)}); repair that line") from None
     if isinstance(data, dict) and "MODEL_ARGS" in data:
-        arguments, lines, env = megatron_golden.read_model_config_file(path)
+        arguments, lines, env = (megatron_golden.model_config(path, data, node) if whole else
+                                 megatron_golden.read_model_config_file(path))
         return ParsedRun(MODEL_CONFIG, path, timing="megatron", complete=True, arguments=arguments,
                          argument_lines=lines, env=env)
     if bridge_config.detect_yaml(data):
@@ -141,8 +145,9 @@ def read_file(path: Path) -> ParsedRun:
         raise bad(path, None, "is YAML but neither Megatron Bridge's ConfigContainer (`_target_: "
                               "megatron.bridge.training.config.ConfigContainer`) nor a Megatron-LM model_config.yaml "
                               f"(MODEL_ARGS); {WHAT}")
-    if argument_list.detect(text):
-        return argument_list.read(path)
+    tokens = argument_list.command_words(text)
+    if tokens is not None:
+        return argument_list.read(path, tokens if whole else None)
     if torchtitan_log.detect(head):
         raise bad(path, None, "is a torchtitan log, which is no Megatron run; estimate it with -w PRESET and flags")
     raise bad(path, None, f"is in no known format (none of {', '.join(FORMATS)}); {WHAT}")
@@ -163,18 +168,11 @@ def _spelling(parsed: ParsedRun, name: str) -> str:
     """How the file says Megatron argument `name`: Bridge's "key: value", or Megatron-LM's flag."""
     if name in parsed.argument_keys:
         return parsed.argument_keys[name]
-    flag = {dest: long for long, dest in ALIASES.items()}.get(name, name)
-    return "--" + flag.replace("_", "-")
-
-
-def _name(e: CannotExpress) -> str:
-    """The normalized name of a refused argument (`--fp8-format` -> fp8)."""
-    name = e.argument.lstrip("-").replace("-", "_")
-    return ALIASES.get(name, name)
+    return "--" + FLAG_NAMES.get(name, name).replace("_", "-")
 
 
 def _refusal(parsed: ParsedRun, e: CannotExpress, lines: dict[str, int]) -> str:
-    name = _name(e)
+    name = e.name
     line = lines.get(name)
     where = f" (line {line})" if line else ""
     if e.why is None:
@@ -214,7 +212,7 @@ def read_run(path: Path | str, *, overrides: Mapping[str, Any] | None = None, se
             raise bad(path, None, "states the run's whole configuration; drop --workload")
         args = normalize(parsed.arguments)
         try:
-            tables = megatron_overrides(args, refused=refused)
+            tables = normalized_overrides(args, refused=refused)
         except CannotExpress as e:
             raise bad(source_path, None, "the estimate cannot express " + _refusal(parsed, e, lines)) from None
         except BadInput as e:
@@ -228,19 +226,19 @@ def read_run(path: Path | str, *, overrides: Mapping[str, Any] | None = None, se
         apply_overrides(tables, overrides, sets, notes)
     except BadInput as e:
         raise bad(source_path, None, f"{e}") from None
+    given = command_line_values(overrides, sets)  # once, for every step below
     # A flag for the field a refused argument sets replaces it: what runs is the flag's value.
-    given = command_line_values(overrides, sets)
     replaced = {a: key for key in given for a in field_arguments(key)}
-    overridden = _overridden(before, tables, overrides, sets, args)
+    overridden = _overridden(before, tables, overrides, sets, given, args)
     for e in refused:
-        key = replaced.get(_name(e))
+        key = replaced.get(e.name)
         if key is not None and not any(flag == _flag(key, overrides) for flag, _, _ in overridden):
             overridden.append((_flag(key, overrides), given[key], e.value))
-    refused = [e for e in refused if _name(e) not in replaced]
+    refused = [e for e in refused if e.name not in replaced]
     world = gpus if gpus is not None else stated_world
     if gpus is not None and stated_world is not None and gpus != stated_world:
         overridden.append(("--gpus", gpus, stated_world))
-    _layout(tables, args, world, overrides, sets, source_path)
+    _layout(tables, args, world, given, source_path)
 
     name = path.stem if parsed.format != megatron_golden.FORMAT else (parsed.name or path.stem)
     try:
@@ -255,7 +253,7 @@ def read_run(path: Path | str, *, overrides: Mapping[str, Any] | None = None, se
         except BadInput as e:
             invalid = f"{source_path}: {e}"
     run, run_origins = _megatron_run(parsed, gpu, here_gpu, cublas_workspace_config, overridden, notes)
-    origins = {**_origins(parsed, tables, args, lines, overrides, sets, world, gpus, source_path), **run_origins}
+    origins = {**_origins(parsed, tables, args, lines, overrides, given, world, gpus, source_path), **run_origins}
     source = RunSource(path, parsed.format, cfg, run, origins, overridden, notes, refusals,
                        [e.argument for e in refused], parsed)
     source.invalid = invalid
@@ -274,7 +272,7 @@ def _bridge_log_tables(parsed: ParsedRun, workload: str | None, refused: list, n
                  "Bridge's summary does not print them")
     args = bridge_arguments(parsed)
     try:
-        tables = bridge_tables(parsed, base, refused)
+        tables = bridge_tables(args, base, refused)
     except BadInput as e:
         raise bad(parsed.path, None, f"{e}") from None
     tables["parallel"].pop("data_parallel_size", None)  # the GPU count is the file's or --gpus, not the preset's
@@ -305,19 +303,24 @@ def _stated_world(parsed: ParsedRun, args: Mapping[str, Any]) -> int | None:
 
 def _flag(path: str, overrides: Mapping[str, Any]) -> str:
     """How the command line gave the field at `path`: its flag, or --set."""
-    from recompute_bench.config.fields import fields
+    from recompute_bench.config.fields import field, key_of
 
-    f = next((f for f in fields() if f.path == path), None)
+    section, _, attribute = path.partition(".")
+    try:
+        f = field(key_of(section, attribute))
+        f = f if f.path == path else None  # another section's field of that name is not this one
+    except KeyError:
+        f = None
     # recompute flags replace the whole setting: the fields they imply are theirs too
     flagged = path in overrides or (path.startswith("recompute.") and any(k.startswith("recompute.") for k in overrides))
     return f.option if flagged and f is not None and f.flag is not None else f"--set {path}"
 
 
-def _overridden(before: dict, after: dict, overrides: Mapping[str, Any], sets,
+def _overridden(before: dict, after: dict, overrides: Mapping[str, Any], sets, given: Mapping[str, Any],
                 args: Mapping[str, Any]) -> list[tuple[str, Any, Any]]:
     """(flag, value, the file's value) for every value a flag changed (the file's argument where the
-    Config held none: one it could not express)."""
-    given = command_line_values(dict(overrides), sets)
+    Config held none: one it could not express); `given`: the command line's values
+    (`command_line_values`)."""
     set_paths = {key for key in command_line_values({}, sets)}
     out = []
     for section in SECTIONS:
@@ -334,46 +337,54 @@ def _overridden(before: dict, after: dict, overrides: Mapping[str, Any], sets,
     return out
 
 
-def _layout(tables: dict, args: Mapping[str, Any], world: int | None, overrides: Mapping[str, Any], sets,
-            path: Path) -> None:
+def _layout(tables: dict, args: Mapping[str, Any], world: int | None, given: Mapping[str, Any], path: Path) -> None:
     """The data-parallel size from the GPU count (arguments.py validate_args: world / (tp x pp x cp)),
-    unless a flag gives it, and the global batch Megatron defaults to when the file does not state
-    one (micro-batch x data-parallel)."""
+    unless a flag gives it (`given`: the command line's values), and the global batch Megatron
+    defaults to when the file does not state one (micro-batch x data-parallel)."""
     par, tr = tables["parallel"], tables["training"]
-    given = command_line_values(dict(overrides), sets)
     if "parallel.data_parallel_size" not in given:
         if world is None:
             raise bad(path, None, "states no GPU count; pass --gpus N (the run's world size), or --dp N")
-        model = 1
-        for key in ("tensor_model_parallel_size", "pipeline_model_parallel_size", "context_parallel_size"):
-            model *= par.get(key) or 1
-        if world % model:
-            raise bad(path, None, f"{world} GPUs are not divisible by tensor x pipeline x context parallel = {model}; "
-                                  "pass --gpus as a multiple of it")
-        par["data_parallel_size"] = world // model
+        sizes = (par.get(key) or 1 for key in ("tensor_model_parallel_size", "pipeline_model_parallel_size",
+                                                "context_parallel_size"))
+        try:
+            par["data_parallel_size"] = data_parallel_size(world, *sizes)
+        except BadInput as e:
+            raise bad(path, None, f"{e}") from None
     if "global_batch_size" not in args and "training.global_batch_size" not in given:
         tr["global_batch_size"] = (tr.get("micro_batch_size") or 1) * par["data_parallel_size"]
+
+
+def pick_gpu(gpu: str | None, stated: str | None, here_gpu: str | None) -> tuple[str, str]:
+    """The GPU kind framework megatron models and where it came from: `gpu` (--gpu), else the one
+    the file states ("the file"), else this machine's (`here_gpu`, unless "cpu"), else DEFAULT_GPU
+    ("the default"); BadInput for a kind Megatron's terms do not know."""
+    if gpu is not None:
+        kind, origin = gpu, "--gpu"
+    elif stated is not None:
+        kind, origin = stated, "the file"
+    elif here_gpu and here_gpu != "cpu":
+        kind, origin = here_gpu, "this machine's GPU"
+    else:
+        kind, origin = DEFAULT_GPU, "the default"
+    if kind not in COMPUTE_CAPABILITY:
+        raise BadInput(f"unknown GPU kind {kind!r} for framework megatron; pass --gpu with one of "
+                       f"{', '.join(COMPUTE_CAPABILITY)}")
+    return kind, origin
 
 
 def _megatron_run(parsed: ParsedRun, gpu: str | None, here_gpu: str | None, cublas: str | None,
                   overridden: list, notes: list[str]) -> tuple[MegatronRun, dict[str, str]]:
     """The GPU kind and CUBLAS_WORKSPACE_CONFIG, and where each came from."""
     stated = gpu_type(parsed.device_name) if parsed.device_name else None
-    if gpu is not None:
-        kind, origin = gpu, "--gpu"
-        if stated is not None and stated != gpu:
-            overridden.append(("--gpu", gpu, stated))
-    elif stated is not None:
-        kind, origin = stated, f"{parsed.path.name} (its platform)"
-    elif here_gpu and here_gpu != "cpu":
-        kind, origin = here_gpu, "this machine's GPU"
-    else:
-        kind, origin = DEFAULT_GPU, "the default"
+    kind, origin = pick_gpu(gpu, stated, here_gpu)
+    if origin == "--gpu" and stated is not None and stated != gpu:
+        overridden.append(("--gpu", gpu, stated))
+    if origin == "the file":
+        origin = f"{parsed.path.name} (its platform)"
+    if origin == "the default":
         notes.append(f"the file names no GPU and there is none here: Megatron's GPU-dependent terms (workspaces, TE's "
                      f"attention kernel) are {DEFAULT_GPU}'s; pass --gpu a100, gb200, ... for another")
-    if kind not in COMPUTE_CAPABILITY:
-        raise BadInput(f"unknown GPU kind {kind!r} for framework megatron; pass --gpu with one of "
-                       f"{', '.join(COMPUTE_CAPABILITY)}")
     env = parsed.env.get("CUBLAS_WORKSPACE_CONFIG")
     workspace, where = (str(env), f"{(parsed.config_file or parsed.path).name}'s environment") if env is not None else \
         (cublas, "this environment") if cublas is not None else (None, "torch's default")
@@ -381,11 +392,11 @@ def _megatron_run(parsed: ParsedRun, gpu: str | None, here_gpu: str | None, cubl
 
 
 def _origins(parsed: ParsedRun, tables: dict, args: Mapping[str, Any], lines: dict[str, int],
-             overrides: Mapping[str, Any], sets, world: int | None, gpus: int | None, path: Path) -> dict[str, str]:
-    """Field path -> where its value came from."""
+             overrides: Mapping[str, Any], given: Mapping[str, Any], world: int | None, gpus: int | None,
+             path: Path) -> dict[str, str]:
+    """Field path -> where its value came from (`given`: the command line's values)."""
     from recompute_bench.config.fields import fields
 
-    given = command_line_values(dict(overrides), sets)
     by_path = {f.path: f for f in fields()}
     recompute_given = any(k.startswith("recompute.") for k in given)
     out = {}
