@@ -26,7 +26,7 @@ from recompute_bench.analysis.megatron.parameters import stage_parameter_groups
 from recompute_bench.analysis.megatron.stage import stage_peak, stage_peaks
 from recompute_bench.analysis.megatron.time_model import StepTime, step_time
 from recompute_bench.config.rules import layers_per_model_chunk, validate
-from recompute_bench.config.schema import OFFLOAD_MODULES, BadInput, Config, RecomputeConfig, with_setting
+from recompute_bench.config.schema import OFFLOAD_MODULES, BadInput, Config, RecomputeConfig, data_parallel_size, with_setting
 from recompute_bench.recompute.policy import LayerPolicy, megatron_flags, megatron_setting
 from recompute_bench.recompute.settings import selective_settings
 
@@ -293,10 +293,8 @@ def check_budget(cfg: Config, run: MegatronRun, budget: float, fixed: float) -> 
 def _layout(cfg: Config, gpus: int | None, **parallel: Any) -> Config:
     par = dataclasses.replace(cfg.parallel, **parallel)
     if gpus is not None:  # the GPU count stays: data parallel takes what tensor and pipeline leave
-        model_parallel = par.tensor_model_parallel_size * par.pipeline_model_parallel_size * par.context_parallel_size
-        if gpus % model_parallel:
-            raise BadInput(f"{gpus} GPUs do not divide into tp x pp x cp = {model_parallel}")
-        parallel["data_parallel_size"] = gpus // model_parallel
+        parallel["data_parallel_size"] = data_parallel_size(gpus, par.tensor_model_parallel_size,
+                                                            par.pipeline_model_parallel_size, par.context_parallel_size)
     return with_setting(cfg, **parallel)
 
 
