@@ -28,8 +28,6 @@ from recompute_bench.measure.step import synthetic_batches
 from recompute_bench.models import spec_for
 from recompute_bench.models.dense.layers import build_model
 from recompute_bench.recompute.apply import apply_recompute
-from recompute_bench.models.context_parallel import attention_blocks, chunk_length, rank_chunks, rank_positions
-from recompute_bench.models.cp_attention import BlockKernel, merge
 from recompute_bench.results.rows import record_row
 from recompute_bench.workload import resolve
 
@@ -294,35 +292,3 @@ def processes_naming(path: Path) -> list[int]:
             except OSError:
                 pass
     return pids
-
-
-def blockwise_attention(kernel_name: str, comm: str, cp: int, q, k, v, grad):
-    """Every rank's blocks run on one process, K and V of the whole sequence at hand: the output and
-    the gradients of q, k, v, as the ranks together compute them."""
-    b, heads, s, d = q.shape
-    n = chunk_length(s, cp)
-    out_all = torch.zeros_like(q)
-    dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
-    for r in range(cp):
-        mine = rank_chunks(r, cp)
-        pos = torch.tensor(rank_positions(s, r, cp), device=q.device)
-        kernel = BlockKernel(kernel_name, d ** -0.5, 0.0, n)
-        blocks = kernel.blocks(attention_blocks(r, cp, comm))
-        out = torch.zeros(b, heads, 2 * n, d, device=q.device)
-        lse = torch.full((b, heads, 2 * n), float("-inf"), device=q.device)
-        runs = []
-        for i, block in enumerate(blocks):
-            keys = torch.tensor([c * n + j for c in block.k_chunks for j in range(n)], device=q.device)
-            first = mine.index(block.q_chunks[0])
-            rows = slice(first * n, (first + len(block.q_chunks)) * n)
-            runs.append((i, block, keys, rows))
-            part = kernel.forward(q[:, :, pos][:, :, rows], k[:, :, keys], v[:, :, keys], block, i, 0)
-            merge(out[:, :, rows], lse[:, :, rows], *part)
-        out_all[:, :, pos] = out.to(q.dtype)
-        for i, block, keys, rows in runs:
-            g = kernel.backward(grad[:, :, pos][:, :, rows].contiguous(), q[:, :, pos][:, :, rows], k[:, :, keys],
-                                v[:, :, keys], out.to(q.dtype)[:, :, rows], lse[:, :, rows], block, i, 0)
-            dq[:, :, pos[rows]] += g[0].to(q.dtype)
-            dk[:, :, keys] += g[1].to(q.dtype)
-            dv[:, :, keys] += g[2].to(q.dtype)
-    return out_all, dq, dk, dv

@@ -7,11 +7,12 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import types
 
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers import blockwise_attention, config, invoke
+from helpers import config, invoke
 
 from recompute_bench.analysis import flops
 from recompute_bench.analysis.harness.layer import layer_saved_bytes
@@ -19,6 +20,7 @@ from recompute_bench.analysis.harness.rank import optimizer_bytes_per_parameter
 from recompute_bench.analysis.harness.stage import activation_bytes, embedding_saved_bytes
 from recompute_bench.models.context_parallel import (Block, attention_blocks, causal_key_chunks, fused_blocks, rank_attention_pairs, rank_chunks, rank_positions, rank_ranges)
 from recompute_bench.models.cp_attention import BlockKernel, _keep_mask, causal_block_mask, merge
+from recompute_bench.models.cp_check import KernelCheckFailed, check_kernel, checked_splits, split_blocks
 from recompute_bench.workload import resolved
 
 
@@ -116,7 +118,7 @@ def test_the_blocks_of_every_rank_give_torchs_causal_attention_and_its_gradients
     whole = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
     grad = torch.randn_like(whole)
     whole.backward(grad)
-    out, dq, dk, dv = blockwise_attention(kernel, comm, cp, q.detach(), k.detach(), v.detach(), grad)
+    out, dq, dk, dv = split_blocks(kernel, comm, cp, q.detach(), k.detach(), v.detach(), grad)
     # fp32 sums in another order (the softmax in blocks, dK and dV summed over blocks)
     for got, want in ((out, whole), (dq, q.grad), (dk, k.grad), (dv, v.grad)):
         assert torch.allclose(got, want, atol=2e-6, rtol=1e-5), (got - want).abs().max()
@@ -265,3 +267,59 @@ def test_plan_over_gpus_refuses_a_gpu_count_tp_does_not_divide():
 def test_plan_auto_profiles_one_device_and_refuses_cp():
     result = invoke("plan", "--auto", "-w", "tiny", "--memory-gb", "1", "--device", "cpu", "--profile", "--cp", "2")
     assert result.exit_code == 2 and "with --cp > 1 plan with analytical costs (drop --profile)" in result.stderr
+
+
+def _whole(q, k, v, grad):
+    q, k, v = (t.detach().requires_grad_(True) for t in (q, k, v))
+    whole = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+    whole.backward(grad)
+    return whole.detach(), q.grad, k.grad, v.grad
+
+
+@pytest.mark.parametrize("comm", ["p2p", "all_gather"])
+def test_the_flash_blocks_hold_when_the_kernel_reads_the_log_sum_exp_by_pointer(monkeypatch, comm):
+    # CUDA's flash backward reads the log-sum-exp through its data pointer as a contiguous [b, heads, s]
+    # array (flash_api.cpp mha_bwd); the CPU kernel honours strides, which hid a block's strided rows of
+    # the merged log-sum-exp from every CPU test. Read it here as CUDA does.
+    cpu_backward = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
+
+    def by_pointer(dout, q, k, v, out, lse, *args, **kwargs):
+        dense = torch.empty(lse.shape).stride()
+        return cpu_backward(dout, q, k, v, out, lse.as_strided(lse.shape, dense, lse.storage_offset()), *args, **kwargs)
+
+    monkeypatch.setattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu_backward", by_pointer)
+    torch.manual_seed(0)
+    b, heads, groups, s, d = 2, 4, 2, 24, 8
+    q, k, v = torch.randn(b, heads, s, d), torch.randn(b, groups, s, d), torch.randn(b, groups, s, d)
+    grad = torch.randn(b, heads, s, d)
+    for got, want in zip(split_blocks("flash", comm, 2, q, k, v, grad), _whole(q, k, v, grad)):
+        assert torch.allclose(got, want, atol=2e-6, rtol=1e-5), (got - want).abs().max()
+
+
+@pytest.mark.parametrize("kernel, comm", list(itertools.product(["flash", "sdpa_math"], ["p2p", "all_gather"])))
+def test_the_device_check_passes_a_right_kernel_and_names_what_it_checked(kernel, comm):
+    result = check_kernel(kernel, comm, 2, 4, 2, 16, torch.float32, "cpu")
+    assert result["passed"] and max(result[t] for t in ("out", "dq", "dk", "dv")) < 1e-5
+    split = types.SimpleNamespace(path=comm, ran=(kernel, 4, 2, 16, torch.float32, "cpu"), comm_type=comm,
+                                  peers=types.SimpleNamespace(size=2))
+    module = torch.nn.Module()
+    module.context_parallel = split
+    text = checked_splits(module)["context_parallel_check"]
+    assert text.startswith(f"{comm} {kernel} cp2 float32 on cpu") and "tolerance 1e-04" in text
+    assert checked_splits(torch.nn.Linear(2, 2)) == {}
+
+
+def test_a_kernel_whose_gradients_are_wrong_on_the_device_fails_the_point(monkeypatch):
+    right = BlockKernel._flash_backward  # the reference is the written-out formulas
+    monkeypatch.setattr(BlockKernel, "_flash_backward", lambda self, *a: tuple(g * 1.01 for g in right(self, *a)))
+    check_kernel.cache_clear()
+    try:
+        result = check_kernel("flash", "p2p", 2, 4, 2, 16, torch.float32, "cpu")
+        assert not result["passed"] and result["out"] < 1e-5 and result["dq"] > 5e-3
+        module = torch.nn.Module()
+        module.context_parallel = types.SimpleNamespace(path="p2p", ran=("flash", 4, 2, 16, torch.float32, "cpu"),
+                                                        comm_type="p2p", peers=types.SimpleNamespace(size=2))
+        with pytest.raises(KernelCheckFailed, match=r"p2p, flash kernel\) is wrong on cpu: relative errors out"):
+            checked_splits(module)
+    finally:
+        check_kernel.cache_clear()

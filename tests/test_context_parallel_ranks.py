@@ -149,6 +149,7 @@ def test_run_cp2_records_every_rank_and_its_estimate(tmp_path):
     assert record["status"] == "ok" and record["config"]["parallel"]["context_parallel_size"] == 2
     assert [r["activation_bytes"] for r in record["ranks"]] == [record["metrics"]["estimated_activation_bytes"]] * 2
     assert record["env"]["context_parallel_attention"] == "p2p"
+    assert record["env"]["context_parallel_check"].startswith("p2p sdpa_math cp2 bfloat16 on cpu: output and q/k/v gradients within")
     assert "(cp 2)" in " ".join(result.output.split())
 
 

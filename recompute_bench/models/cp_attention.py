@@ -114,6 +114,13 @@ class BlockKernel:
         return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal, scale=self.scale)
 
     def _flash_backward(self, dout, q, k, v, out, lse, causal: bool, index: int):
+        # A block's rows of the merged log-sum-exp are a strided view of it. CUDA's flash backward reads
+        # the log-sum-exp by its data pointer alone, as one contiguous [b, heads, s_q] array
+        # (ATen/native/transformers/cuda/flash_attn/flash_api.cpp, mha_bwd: `softmax_lse.data_ptr()`,
+        # no stride), so a view hands it other rows' values and the gradients are wrong; torch's own
+        # ring does the same (_context_parallel/_attention.py, _templated_ring_attention_backward:
+        # "Need to make logsumexp contiguous"). q, k, v, out and dout it reads through their strides.
+        lse = lse.contiguous()
         if q.is_cuda:
             cum_q, cum_k, max_q, max_k, seed, offset = self.cuda_rest[index]
             return torch.ops.aten._scaled_dot_product_flash_attention_backward(
@@ -370,6 +377,9 @@ class SequenceSplit:
         """For the ranks' local positions laid end to end in rank order, each one's sequence position."""
         self.path: Optional[str] = None
         """The path the last forward with a graph ran: "all_gather", "p2p" (this module's), "torch_ring"."""
+        self.ran: Optional[tuple] = None
+        """What that forward's block kernel took (kernel, heads, groups, head dim, dtype, device), for
+        `models.cp_check.checked_splits`; None under torch's ring."""
 
     def select(self, t: torch.Tensor, dim: int = 1) -> torch.Tensor:
         """This rank's positions of `t` along `dim` (the whole sequence there), in local order."""
@@ -389,4 +399,6 @@ class SequenceSplit:
             out = _AttentionWithCP.apply(q, k, v, self, BlockKernel(kernel, scale, dropout_p, self.n))
         if torch.is_grad_enabled():
             self.path = path
+            self.ran = None if path == "torch_ring" else (kernel, q.shape[1], k.shape[1], q.shape[-1], q.dtype,
+                                                          str(q.device))
         return out
