@@ -169,3 +169,54 @@ def test_fp8_variants_the_estimate_cannot_express_are_named(more, argument):
     with pytest.raises(CannotExpress) as e:
         config_from_megatron({**SMALL, "--fp8-format": "hybrid", **more}, world_size=4)
     assert e.value.argument == argument and "\n" not in str(e.value)
+
+
+def test_fp8_experts_keep_one_byte_per_input_value():
+    """TE's GroupedLinear under FP8 quantizes each expert's split of its input and keeps only the
+    column-wise data (grouped_linear.py `_GroupedLinear.forward`), so the routed experts' fc1 and fc2
+    inputs take one byte a value; the shared experts' TE linears keep their own FP8 copy of the norm's
+    output (row-wise, the local shard, under sequence parallel), beside the 16-bit one the router keeps."""
+    from recompute_bench.analysis.megatron import moe
+
+    more = {"--num-experts": 4, "--moe-router-topk": 2, "--moe-ffn-hidden-size": 256, "--moe-grouped-gemm": True,
+            "--moe-token-dispatcher-type": "alltoall", "--moe-shared-expert-intermediate-size": 512,
+            "--disable-bias-linear": True}
+    bf16 = config_from_megatron({**SMALL, **more}, world_size=4)
+    cfg = _fp8(**more)
+    plain, quantized = moe.moe_saved_bytes(bf16), moe.moe_saved_bytes(cfg)
+    rows = moe.routed_rows(cfg)
+    assert quantized["experts.linear_fc1.input"] == rows * 512 + 512  # one scale-inverse block
+    assert plain["experts.linear_fc1.input"] == 2 * rows * 512
+    assert quantized["experts.linear_fc2.input"] == rows * 256 / cfg.parallel.expert_tensor_parallel + 512
+    assert quantized["experts.linear_fc1.output"] == plain["experts.linear_fc1.output"]  # the activation's input
+    n = moe.local_tokens(cfg)  # s x b / t under sequence parallel
+    assert quantized["shared_experts.linear_fc1.input"] == n * 512 + 512 and "shared_experts.linear_fc1.input" not in plain
+    assert quantized["shared_experts.linear_fc2.input"] == 2 * n * 512 / 2 + 512  # [s x b, 512 / t] FP8
+    assert quantized["pre_mlp_layernorm.output"] == plain["pre_mlp_layernorm.output"]  # the router's 16-bit input
+    # moe_act recompute: fc2 keeps the activation's output it was given, dropped and rebuilt
+    assert "experts.linear_fc2.input" not in moe.moe_saved_bytes(cfg, ["moe_act"])
+
+
+def test_fp8_mla_projections_keep_their_inputs_quantized():
+    """Under FP8 MLA's duplicated down projections each keep their own FP8 copy of the input norm's
+    local output (column-wise) instead of the 16-bit output, and the up projections their latent as
+    the row-wise local shard they gather again in backward (TE linear.py); `mla_up_proj` keeps the
+    16-bit latents, which its checkpoint holds."""
+    args = {"--num-layers": 2, "--hidden-size": 512, "--num-attention-heads": 8, "--multi-latent-attention": True,
+            "--q-lora-rank": 192, "--kv-lora-rank": 128, "--qk-head-dim": 64, "--qk-pos-emb-head-dim": 32,
+            "--v-head-dim": 64, "--seq-length": 1024, "--max-position-embeddings": 1024, "--micro-batch-size": 2,
+            "--global-batch-size": 8, "--tensor-model-parallel-size": 2, "--sequence-parallel": True,
+            "--use-distributed-optimizer": True, "--bf16": True, "--hidden-dropout": 0.0}
+    bf16 = config_from_megatron(args, world_size=4)
+    cfg = config_from_megatron({**args, "--fp8-format": "hybrid", "--fp8-recipe": "tensorwise"}, world_size=4)
+    plain, quantized = layer.layer_saved_bytes(bf16, H100), layer.layer_saved_bytes(cfg, H100)
+    local = 1024 * 2 // 2  # s x b / t tokens
+    assert plain["input_layernorm.output"] == 2 * local * 512 and "input_layernorm.output" not in quantized
+    for name in ("linear_q_down_proj.input", "linear_kv_down_proj.input"):
+        assert quantized[name] == (2 * local * 512 + 512) / 2  # one byte a value, a scale block, over t
+    assert plain["linear_q_down_proj.output"] == 2 * local * 192
+    assert quantized["linear_q_down_proj.output"] == (2 * local * 192 + 512) / 2
+    assert quantized["linear_kv_up_proj.input"] == (2 * local * 128 + 512) / 2
+    assert quantized["core_attention.output"] == plain["core_attention.output"]  # attention stays 16-bit
+    recomputed = layer.layer_saved_bytes(cfg, H100, ["mla_up_proj"])
+    assert recomputed["linear_q_down_proj.output"] == plain["linear_q_down_proj.output"]

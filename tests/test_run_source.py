@@ -70,39 +70,70 @@ def test_the_seeds_configuration_is_estimated_from_either_file():
         assert report["config"]["training"]["precision"] == "fp8"
 
 
-def test_the_seeds_configuration_is_estimated_stage_by_stage():
-    """The seeds' table (shared/seeds/003) reports Bridge's mem-max-allocated per recompute setting.
-    Iterations 1 to 3 run eagerly (TE's MLP graphs are captured when step - start == 3: Bridge
-    train.py), and iteration 1's optimizer step, which creates the Adam moments beside the fp32
-    copies of the bf16 gradients' shard, holds 55.1 GB on stage 0 whatever the setting: [mlp] and
-    [mlp, core_attn] (55.6 GB each) are that step, to 0.9%. [core_attn] (58.8) and [core_attn,
-    layernorm] (59.6) exceed it by 3.2 and 4.0 GB, so they peak in a forward-backward pass, which the
-    estimate puts at 51.4 GB before the moments exist (23.5 GB of activations on stage 0) and at
-    69.6 GB from iteration 2 on: the measured figures lie between (docs/megatron.md, the seeds)."""
-    step = None
-    for modules, measured in ((["mlp"], 55.6e9), (["mlp", "core_attn"], 55.6e9), (["core_attn"], 58.8e9),
-                              (["core_attn", "layernorm"], 59.6e9)):
+SEED_TABLE = ((["core_attn"], 58.8e9), (["mlp"], 55.6e9), (["mlp", "core_attn"], 55.6e9),
+              (["core_attn", "layernorm"], 59.6e9))
+"""The seeds' table (shared/seeds/003, Bridge PR #3107): rank 0's mem-max-allocated per recompute setting."""
+SEED_UNEXPLAINED = {("core_attn",): 10.76e9, ("core_attn", "layernorm"): 9.96e9}
+"""Bytes the estimate holds beyond the measured figure that no term read from the source accounts
+for (docs/megatron.md, "The seeds' table"): the rows stay unmet until a term explains them."""
+
+
+def test_the_seeds_table_row_by_row():
+    """Bridge prints each rank's max allocated after iterations 1 and 2 only (train_utils.py
+    `training_log`: `report_memory_flag` goes off after iteration 2), a peak since the process
+    started: the table's figure is `peak_after(2)`, the most of iteration 1 (no Adam moments yet, its
+    optimizer step creating them) and iteration 2 (eager too: TE's MLP graphs are captured before
+    iteration 4, Bridge train.py `step - start_iteration == cuda_graph_warmup_steps`). [mlp] and
+    [mlp, core_attn] are held within 5%. [core_attn] and [core_attn, layernorm] are not: iteration 2's
+    first backward on stage 0 holds 23 chunks' saved tensors beside the moments, and the estimate
+    exceeds the measured figure by SEED_UNEXPLAINED, as much as the SwiGLU input those 92 layers keep
+    (linear_fc1.output: fused_bias_swiglu.py BiasSwiGLUFunction saves it in bf16); no source read
+    here drops it, so the excess stays named, not fitted."""
+    for modules, measured in SEED_TABLE:
         source = read_run(SEED_YAML, gpus=32, strict=False, overrides={"recompute.modules": modules})
         assert not source.refusals and not source.invalid
         peaks = stage_peaks(source.config, source.run)
-        assert len(peaks) == 4
         for peak in peaks:
             assert sum(t["bytes"] for t in stage_terms(source.config, peak)) == \
                 pytest.approx(peak.peak_allocated_bytes, rel=1e-12)
-        first = peaks[0]  # stage 0 (rank 0, whose line the table reports) holds the most, with stage 3
-        assert first.first_iteration_peak_allocated_bytes == \
-            pytest.approx(max(p.first_iteration_peak_allocated_bytes for p in peaks), rel=1e-5)
-        assert first.first_iteration_phase == "the optimizer step (it creates the Adam moments)"
-        step = step or first.first_iteration_peak_allocated_bytes
-        assert first.first_iteration_peak_allocated_bytes == step  # the step holds no activations
-        stage0 = peaks[0]
-        passes = stage0.phase_peaks["eager warm-up step"]
-        before_moments = passes - stage0.items.get("Adam moments", 0.0)
-        if "mlp" in modules:
-            assert step / measured - 1 == pytest.approx(-0.009, abs=0.003)
-        else:
-            assert measured - step > 3e9 and before_moments < step < measured < passes
-            assert (before_moments / 1e9, passes / 1e9) == pytest.approx((51.4, 69.6), abs=0.1)
+        stage0 = peaks[0]  # rank 0's line (the last stage, with the loss, may hold more)
+        logged = stage0.peak_after(2)
+        assert stage0.peak_after(1) == stage0.first_iteration_peak_allocated_bytes
+        assert stage0.first_iteration_phase == "the optimizer step (it creates the Adam moments)"
+        assert stage0.first_iteration_peak_allocated_bytes == pytest.approx(55.12e9, abs=0.01e9)  # same for all
+        assert [first for first, _, _ in stage0.iteration_peaks] == [1, 2, 4]
+        unexplained = SEED_UNEXPLAINED.get(tuple(modules))
+        if unexplained is None:
+            assert logged == pytest.approx(measured, rel=0.05), modules
+            continue
+        assert logged / measured - 1 > 0.05, f"{modules} now within 5%: move it out of SEED_UNEXPLAINED"
+        assert logged - measured == pytest.approx(unexplained, abs=0.01e9), modules
+        fc1 = next(t for t in stage_terms(source.config, stage0) if t["term"] == "linear_fc1.output")
+        assert fc1["layers"] == 92 and fc1["bytes"] == pytest.approx(10.805e9, abs=0.001e9)
+
+
+def test_a_memory_line_before_the_cuda_graph_capture_reports_the_eager_iterations():
+    """With TE's per-layer graphs captured after cuda_graph_warmup_steps eager iterations, a memory
+    line after iteration 2 reports those iterations, not the capture or the replays that come later
+    (the steady state's peak): [mlp]'s steady peak is the optimizer step beside the graphs' static
+    buffers, which iteration 2 does not yet hold."""
+    source = read_run(SEED_YAML, gpus=32, strict=False, overrides={"recompute.modules": ["mlp"]})
+    stage0 = stage_peaks(source.config, source.run)[0]
+    static = sum(v for k, v in stage0.items.items() if k.startswith("CUDA graph static"))
+    assert stage0.phase == "the optimizer step" and static > 1e9
+    assert stage0.peak_after(1) < stage0.peak_after(2) == stage0.peak_after(3) < stage0.peak_allocated_bytes
+    assert stage0.peak_after(4) == stage0.peak_allocated_bytes == stage0.peak_after(50)
+    # without CUDA graphs a line after iteration 2 is the steady state already
+    plain = read_run(SEED_YAML, gpus=32, strict=False, overrides={"training.cuda_graph_impl": "none",
+                                                                  "training.cuda_graph_modules": []})
+    for peak in stage_peaks(plain.config, plain.run):
+        assert peak.peak_after(2) == peak.peak_allocated_bytes > peak.peak_after(1)
+    result = invoke("estimate", "--from", str(SEED_YAML), "--gpus", "32", "--recompute-granularity", "selective",
+                    "--recompute-modules", "mlp", "--json")
+    assert result.exit_code == 0, result.output
+    row = json.loads(result.stdout)["stages"][0]
+    assert row["peak_after_iteration"] == {"1": stage0.peak_after(1), "2": stage0.peak_after(2)}
+    assert [p["from_iteration"] for p in row["iteration_peaks"]] == [1, 2, 4]
 
 
 # ----- each format -------------------------------------------------------------------------------
@@ -403,3 +434,29 @@ def test_the_terms_name_what_allocates_them_and_the_layers_they_hold():
     assert "cross-entropy's saved softmax" not in names
     assert "each stage's peak, term by term" in result.stderr
     assert dataclasses.asdict(MegatronRun("h100"))["gpu"] == report["gpu"]
+
+
+def test_estimate_from_a_log_sets_each_memory_line_beside_what_it_reports():
+    """A Bridge log prints every data-parallel-rank-0 rank's memory after iterations 1 and 2:
+    `estimate --from` it keeps every line and sets each beside its stage's peak as of that iteration
+    (`peak_after`: iteration 1's without the Adam moments, then the most so far)."""
+    parsed = formats.read(BRIDGE_LOG)
+    assert len(parsed.memory_lines) == 32 and {m.after_step for m in parsed.memory_lines} == {1, 2}
+    assert parsed.ranks[0] is parsed.memory_lines[16]  # the rank's last line
+    result = invoke("estimate", "--from", str(BRIDGE_LOG), "-w", "llama3-70b", "--gpus", "32", "--json")
+    assert result.exit_code == 0, result.output
+    report = json.loads(result.stdout)
+    lines = report["logged_memory"]
+    assert [(x["rank"], x["after_iteration"]) for x in lines] == [(m.rank, m.after_step) for m in parsed.memory_lines]
+    source = read_run(BRIDGE_LOG, workload="llama3-70b", gpus=32)
+    peaks = stage_peaks(source.config, source.run)
+    for x in lines:
+        peak = peaks[x["stage"]]
+        assert x["stage"] == x["rank"] // 8
+        assert x["estimated_peak_allocated_bytes"] == peak.peak_after(x["after_iteration"])
+        assert x["peak_allocated_bytes"] == next(m.peak_allocated_bytes for m in parsed.memory_lines
+                                                 if m.line == x["line"])
+    first = next(x for x in lines if x["after_iteration"] == 1)
+    assert first["estimate_describes"] == FIRST_ITERATION
+    assert first["estimated_peak_allocated_bytes"] == peaks[first["stage"]].first_iteration_peak_allocated_bytes
+    assert "the log's memory lines beside the estimate" in result.stderr

@@ -54,8 +54,9 @@ def estimate(
     without running anything (the paper's Table 2 beside the layer built here)."""
     from recompute_bench.analysis.harness import planner
     from recompute_bench.analysis.megatron import estimate_report as megatron_report
-    from recompute_bench.render.estimate import (breakdown_table, layout_line, paper_notes, paper_table,
-                                                 settings_table, stages_table, terms_table)
+    from recompute_bench.ingest.record import logged_memory
+    from recompute_bench.render.estimate import (breakdown_table, layout_line, logged_memory_table, paper_notes,
+                                                 paper_table, settings_table, stages_table, terms_table)
 
     source = None
     try:
@@ -65,6 +66,8 @@ def estimate(
             cfg, run, notes = source.config, source.run, list(source.notes)
             report = megatron_report(cfg, run, allowance_fraction, allowance_gb * 2**30)
             report["source"] = source.to_dict()
+            if source.parsed is not None and (logged := logged_memory(source.parsed, cfg, run)):
+                report["logged_memory"] = logged
         else:
             if gpus is not None:
                 raise BadInput("--gpus goes with --from (a file's run); for a preset pass --dp N")
@@ -91,6 +94,8 @@ def estimate(
         err.print(stages_table(report))
     if report.get("framework") == "megatron":
         err.print(terms_table(report))
+    if report.get("logged_memory"):
+        err.print(logged_memory_table(report))
     if json_out:
         typer.echo(json.dumps(report, indent=2))
 

@@ -106,6 +106,7 @@ def read(path: Path) -> ParsedRun:
                                          reserved_bytes=gb("mem-reserved-gigabytes"),
                                          peak_reserved_bytes=gb("mem-max-reserved-gigabytes"),
                                          alloc_retries=None if retries is None else int(retries))
+            run.memory_lines.append(run.ranks[rank])
     # Bridge's own parser pairs the n-th value with the n-th iteration line, step = iteration - 1
     # (`get_metrics_from_logfiles`); a log without iteration lines (rank 0's alone) counts steps from 0.
     for k, (line, m) in enumerate(step_times):

@@ -93,6 +93,7 @@ def read(path: Path) -> ParsedRun:
                                          peak_allocated_bytes=float(m.group("ma")) * MB,
                                          reserved_bytes=float(m.group("r")) * MB,
                                          peak_reserved_bytes=float(m.group("mr")) * MB)
+            run.memory_lines.append(run.ranks[rank])
     run.failure = find_oom(lines)
     if not run.steps and run.failure is None:
         raise bad(path, None, "has no iteration line (` iteration N/ M | ...`); import a log of a run that trained "

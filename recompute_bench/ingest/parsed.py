@@ -28,7 +28,7 @@ class Step:
 
 @dataclass
 class RankMemory:
-    """The last memory report of one rank (the allocator's counters since the process started)."""
+    """A memory report of one rank (the allocator's counters since the process started)."""
 
     rank: int
     line: int
@@ -71,6 +71,10 @@ class ParsedRun:
     config_file: Path | None = None
     steps: list[Step] = field(default_factory=list)
     ranks: dict[int, RankMemory] = field(default_factory=dict)
+    memory_lines: list[RankMemory] = field(default_factory=list)
+    """Every memory line, in the file's order (`ranks` keeps each rank's last): Bridge prints one per
+    rank after iterations 1 and 2, Megatron after the first log interval and every
+    --log-memory-interval; each peak counts since the process started."""
     failure: Failure | None = None
     device_name: str | None = None
     world_size: int | None = None

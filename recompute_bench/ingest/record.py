@@ -41,13 +41,19 @@ FIRST_ITERATION = "the first iteration (before the optimizer's first step create
 STEADY = "the steady state (iteration 2 on)"
 
 
+def before_capture(after_step: int) -> str:
+    """What a memory line after iteration `after_step` describes when the CUDA graphs come later."""
+    return f"iterations 1 to {after_step} (eager, before the CUDA graph capture)"
+
+
 def stage_estimate(cfg: Config, device_name: str | None,
                    cublas_workspace_config: str | None = None) -> Callable[[int, int | None], tuple[float, str]]:
     """The estimated peak allocated bytes of a pipeline stage for the framework that ran (Megatron's
     own terms, `analysis.megatron`, else this harness's), as of the iteration a memory line was
     printed after: a Megatron line after iteration 1 reports the first iteration's peak, which the
-    Adam moments do not yet weigh on (`stage.first_iteration_peak`); later lines the steady state.
-    Returns (bytes, which of the two)."""
+    Adam moments do not yet weigh on (`stage.first_iteration_peak`); a later line the most of every
+    phase run by then (`StagePeak.peak_after`: before a CUDA graph capture, the eager iterations'),
+    else the steady state. Returns (bytes, what they describe)."""
     if cfg.training.framework == "megatron":
         run = megatron_run(device_name, cublas_workspace_config)
 
@@ -55,9 +61,32 @@ def stage_estimate(cfg: Config, device_name: str | None,
             peak = stage_peak(cfg, stage, run)
             if after_step == 1:
                 return peak.first_iteration_peak_allocated_bytes, FIRST_ITERATION
-            return peak.peak_allocated_bytes, STEADY
+            if after_step is None or peak.peak_after(after_step) == peak.peak_allocated_bytes:
+                return peak.peak_allocated_bytes, STEADY
+            return peak.peak_after(after_step), before_capture(after_step)
         return megatron
     return lambda stage, after_step: (rank_memory(cfg, stage, "cuda").peak_allocated_bytes, STEADY)
+
+
+def logged_memory(parsed: ParsedRun, cfg: Config, run: MegatronRun) -> list[dict[str, Any]]:
+    """Each memory line of a Megatron or Bridge log beside the estimate of what it reports: the
+    rank's stage's `StagePeak.peak_after` the iteration it was printed after (framework megatron)."""
+    if not parsed.peaks_since_start or cfg.training.framework != "megatron":
+        return []
+    world, peaks, out = cfg.parallel.world_size, {}, []
+    for m in parsed.memory_lines:
+        rank = world - 1 if m.rank == -1 else m.rank
+        stage = rank_stage(cfg, rank)
+        if stage not in peaks:
+            peaks[stage] = stage_peak(cfg, stage, run)
+        after = m.after_step or 1
+        estimated = peaks[stage].peak_after(after)
+        describes = FIRST_ITERATION if after == 1 else \
+            STEADY if estimated == peaks[stage].peak_allocated_bytes else before_capture(after)
+        out.append({"rank": rank, "stage": stage, "after_iteration": after, "line": m.line,
+                    "peak_allocated_bytes": m.peak_allocated_bytes, "estimated_peak_allocated_bytes": estimated,
+                    "estimate_describes": describes})
+    return out
 
 
 def _workspace(run: ParsedRun) -> str | None:

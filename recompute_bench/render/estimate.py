@@ -120,6 +120,9 @@ def breakdown_table(report: dict[str, Any]) -> Table:
         table.add_row(escape(f"  peak of the {phase}"), _gib(value))
     if "first_iteration_peak_allocated_bytes" in s:  # framework megatron: Adam's moments come at the first step
         table.add_row("first iteration's peak (no Adam moments yet)", _gib(s["first_iteration_peak_allocated_bytes"]))
+        after = s.get("peak_after_iteration", {}).get("2")
+        if after is not None and after != s["peak_allocated_bytes"]:  # CUDA graphs captured after iteration 2
+            table.add_row("a memory line after iteration 2 (max allocated so far)", _gib(after))
     table.add_row(f"allowance: {100 * a['fraction']:.0f}% allocator + {fmt_bytes(a['bytes'])} context/workspaces",
                   fmt_bytes(s["device_bytes_needed"] - s["peak_allocated_bytes"]))
     table.add_row("[bold]device memory needed[/]", f"[bold]{_gib(s['device_bytes_needed'])}[/]")
@@ -162,10 +165,33 @@ def terms_table(report: dict[str, Any]) -> Table:
                       *(fmt_bytes(row["bytes"][r["stage"]]) if r["stage"] in row["bytes"] else "-" for r in stages),
                       escape(row["knobs"]))
     table.add_row("[dim]layers whose saved tensors are held[/]", "", *(str(layers[r["stage"]]) for r in stages), "")
-    table.add_row("[bold]peak allocated[/]", "iteration 2 on", *(f"[bold]{_gib(r['peak_allocated_bytes'])}[/]"
-                                                                 for r in stages), "")
+    table.add_row("[bold]peak allocated[/]", "the steady state", *(f"[bold]{_gib(r['peak_allocated_bytes'])}[/]"
+                                                                   for r in stages), "")
     table.add_row("first iteration's peak", "before the first step creates the Adam moments",
                   *(_gib(r["first_iteration_peak_allocated_bytes"]) for r in stages), "")
+    if any(r.get("peak_after_iteration", {}).get("2", r["peak_allocated_bytes"]) != r["peak_allocated_bytes"]
+           for r in stages):
+        table.add_row("a memory line after iteration 2", "max allocated so far (eager, before the CUDA graphs)",
+                      *(_gib(r["peak_after_iteration"]["2"]) for r in stages), "")
+    return table
+
+
+def logged_memory_table(report: dict[str, Any]) -> Table:
+    """`estimate --from` a Megatron or Bridge log: each stage's memory lines (max allocated since the
+    process started, the most over the stage's ranks that printed one) beside what the estimate says
+    that line reports, iteration by iteration."""
+    table = Table(title="the log's memory lines beside the estimate (max allocated so far)", header_style="bold")
+    for col in ("stage", "after iteration", "ranks", "logged", "estimated", "error", "the estimate is"):
+        table.add_column(col, justify="left" if col == "the estimate is" else "right")
+    rows: dict[tuple[int, int], list[dict[str, Any]]] = {}
+    for line in report["logged_memory"]:
+        if line["peak_allocated_bytes"] is not None:
+            rows.setdefault((line["stage"], line["after_iteration"]), []).append(line)
+    for (stage, after), lines in sorted(rows.items()):
+        logged = max(x["peak_allocated_bytes"] for x in lines)
+        estimated = lines[0]["estimated_peak_allocated_bytes"]
+        table.add_row(str(stage), str(after), str(len(lines)), f"{logged / 1e9:.2f} GB", f"{estimated / 1e9:.2f} GB",
+                      f"{100 * (estimated / logged - 1):+.1f}%", escape(lines[0]["estimate_describes"]))
     return table
 
 

@@ -11,7 +11,9 @@ QKV and fc1, Linear for the projections) quantizes its GEMM operands. What that 
   itself is FP8 and lives in DDP's uint8 param buffer;
 - per module scaling state (`scaling_state_bytes`): delayed scaling's amax history and scales;
 - nothing else: attention (`fp8_dot_product_attention` off), the norms' inputs and statistics, the
-  fused bias-activation's input, dropout masks, the output layer and the loss stay as in bf16.
+  fused bias-activation's input (Megatron's own SwiGLU/GeLU between fc1 and fc2: its MLP never runs
+  TE's LayerNormMLP), dropout masks, the output layer and the loss stay as in bf16. Checked against
+  TE f031cf87 too (the version Bridge pinned for the seeds' run): the same usages are saved.
 
 Megatron keeps the first `num_layers_at_start_in_bf16` and last `num_layers_at_end_in_bf16` layers
 in bf16 under `first_last_layers_bf16` (`layer_runs_fp8`, `layer_config`).

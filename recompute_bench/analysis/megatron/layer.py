@@ -14,7 +14,7 @@ from typing import Iterable
 from recompute_bench.analysis.megatron.attention import attention_path, attention_saved, score_backward_bytes
 from recompute_bench.analysis.megatron.context_parallel import (attention_backward_bytes, attention_forward_bytes,
                                                                 layer_attention, rank_tokens)
-from recompute_bench.analysis.megatron.fp8 import linear_input_bytes
+from recompute_bench.analysis.megatron.fp8 import linear_input_bytes, runs_fp8
 from recompute_bench.analysis.megatron.mla import mla_attention_saved, up_proj_rebuilt_bytes
 from recompute_bench.analysis.megatron.moe import moe_backward_bytes, moe_saved_bytes
 from recompute_bench.analysis.megatron.mtp import eh_proj_weight, is_mtp_layer
@@ -63,8 +63,16 @@ def layer_saved_bytes(cfg: Config, run: MegatronRun, modules: Iterable[str] = ()
             continue  # recomputed inside the checkpoint with the rest of the MLP
         if norms_kept and not (separate and "layernorm" in mods):
             saved.add(f"{name}.norm_stats", stats, "sp")
-            if separate:  # MLA's own norm: its 16-bit output, which the down projections keep
+            if separate and not runs_fp8(cfg):  # MLA's own norm: its 16-bit output, which the down projections keep
                 saved.add(f"{name}.output", e * tokens * h, "sp")
+            elif separate:
+                # under FP8 each projection of the norm's output keeps its own quantized copy (TE
+                # linear.py): the duplicated kv (and q) down projections the column-wise usage of the
+                # local shard, a column-parallel linear_q_proj the row-wise shard it gathers in backward
+                q_gathered = m.q_lora_rank is None and cfg.parallel.sequence_parallel
+                saved.add("linear_q_down_proj.input" if m.q_lora_rank is not None else "linear_q_proj.input",
+                          linear_input_bytes(cfg, tokens * h, h, gathered=q_gathered), "sp")
+                saved.add("linear_kv_down_proj.input", linear_input_bytes(cfg, tokens * h, h), "sp")
             else:
                 # TE's ln_out is the linear's saved input: FP8 under fp8 (quantized by the norm kernel,
                 # layernorm_linear.py with_quantized_norm), gathered over tp under sequence parallel
@@ -81,8 +89,11 @@ def layer_saved_bytes(cfg: Config, run: MegatronRun, modules: Iterable[str] = ()
         for name, nbytes in moe_saved_bytes(cfg, mods, routing).items():
             saved.add(name, nbytes, "none")  # already one rank's
     elif "mlp" not in mods:
-        # fused bias_swiglu (SwiGLUFunction) saves fc1's output only; bias_gelu (GeLUFunction) saves
-        # fc1's output, and the activation's output is fc2's input
+        # fused bias_swiglu (fused_bias_swiglu.py BiasSwiGLUFunction.forward) saves fc1's output only,
+        # in 16 bits under FP8 too (FP8 only with activation_func_fp8_input_store, refused); bias_gelu
+        # (GeLUFunction) saves fc1's output, and the activation's output is fc2's input. Megatron's
+        # dense MLP is `MLP` over TE's LayerNormLinear and Linear (gpt_layer_specs.py
+        # get_mlp_module_spec_for_backend), never TE's LayerNormMLP and its FP8 activation cast
         saved.add("linear_fc1.output", e * tokens * (2 * f if m.activation == "swiglu" else f), "tp")
         saved.add("linear_fc2.input", linear_input_bytes(cfg, tokens * f, f), "tp")  # row-parallel: not gathered
     if m.hidden_dropout > 0:

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 from recompute_bench.analysis.megatron.attention import CoreAttentionInputs, core_attention_saved
 from recompute_bench.analysis.megatron.context_parallel import rank_tokens
+from recompute_bench.analysis.megatron.fp8 import linear_input_bytes, runs_fp8
 from recompute_bench.analysis.megatron.gpu import MegatronRun
 from recompute_bench.models import ELEMENT_BYTES, SavedBytes
 from recompute_bench.models.dense.spec import norm_parameters
@@ -72,6 +73,11 @@ def mla_attention_saved(saved: SavedBytes, cfg: Config, run: MegatronRun, mods: 
       contiguous, and that copy is what it keeps (the down projection's output is freed).
     - with qk_layernorm the up projections are TELayerNormColumnParallelLinear: each also keeps its
       norm's output and fp32 statistics (layernorm_linear.py).
+    - under FP8 the up projections keep their inputs quantized (linear.py `_linear_forward_impl`:
+      the row-wise local shard they gather again in backward under sequence parallel with per-tensor
+      scaling, else the column-wise data), and the 16-bit latents are freed; a norm-fused one keeps
+      its 16-bit input for the norm and an FP8 ln_out. The down projections' FP8 copies of the input
+      norm's output are counted with that norm (layer.py).
     - unfused RoPE (rope_utils.py `_apply_rotary_pos_emb_bshd`): `t * cos_` and `rotate(t) * sin_`
       keep cos_ and sin_ ([s, 1, 1, r] in 16 bits), made anew for q and for k; the fused kernels
       keep cached cos and sin (no per-layer bytes). Both make query, key and value anew
@@ -88,24 +94,33 @@ def mla_attention_saved(saved: SavedBytes, cfg: Config, run: MegatronRun, mods: 
     qk, v = m.qk_head_dim + r, m.v_head_dim
     rows = cfg.spec.norm_stats_bytes(cfg, "cuda", tokens)  # mu and rsigma (LayerNorm) or rsigma per token
     up_proj = "mla_up_proj" in mods
+    # Under FP8 a TE linear keeps its input quantized (`fp8.linear_input_bytes`); a norm-fused one
+    # (qk_layernorm) keeps its 16-bit input for the norm and its FP8 ln_out, as linear_qkv does
+    fp8, sp = runs_fp8(cfg), par.sequence_parallel
+    quantized = fp8 and not up_proj and not m.qk_layernorm  # the checkpoint keeps the 16-bit latents
     if m.q_lora_rank is not None:
-        saved.add("linear_q_down_proj.output", e * tokens * m.q_lora_rank, "sp")
+        saved.add("linear_q_down_proj.output", linear_input_bytes(cfg, tokens * m.q_lora_rank, m.q_lora_rank,
+                                                                  gathered=sp) if quantized
+                  else e * tokens * m.q_lora_rank, "sp")
     if up_proj:
         saved.add("linear_kv_down_proj.output", e * tokens * (m.kv_lora_rank + r), "sp")
         if par.sequence_parallel and par.tensor_model_parallel_size > 1:  # gather_from_sequence_parallel_region
             saved.add("k_pos_emb.gathered", e * tokens * r, "none")
     else:
+        def ln_out(width: int) -> float:
+            return linear_input_bytes(cfg, tokens * width, width, gathered=sp) if fp8 else e * tokens * width
+
         if m.q_lora_rank is not None:
             if m.qk_layernorm:
                 saved.add("linear_q_up_proj.norm_stats", rows, "sp")
-                saved.add("linear_q_up_proj.ln_out", e * tokens * m.q_lora_rank, "sp")
+                saved.add("linear_q_up_proj.ln_out", ln_out(m.q_lora_rank), "sp")
         elif m.qk_layernorm:
             saved.add("linear_q_proj.norm_stats", rows, "sp")
-            saved.add("linear_q_proj.ln_out", e * tokens * m.hidden_size, "sp")
-        saved.add("linear_kv_up_proj.input", e * tokens * m.kv_lora_rank, "sp")
+            saved.add("linear_q_proj.ln_out", ln_out(m.hidden_size), "sp")
+        saved.add("linear_kv_up_proj.input", ln_out(m.kv_lora_rank) if quantized else e * tokens * m.kv_lora_rank, "sp")
         if m.qk_layernorm:
             saved.add("linear_kv_up_proj.norm_stats", rows, "sp")
-            saved.add("linear_kv_up_proj.ln_out", e * tokens * m.kv_lora_rank, "sp")
+            saved.add("linear_kv_up_proj.ln_out", ln_out(m.kv_lora_rank), "sp")
         if not mla_rope_fused(cfg):
             saved.add("rotary.cos_sin", 4 * e * s * r, "none")
     kept = 0.0 if up_proj else 1.0  # discarded storages count nothing

@@ -38,6 +38,7 @@ from __future__ import annotations
 import math
 
 from recompute_bench.analysis.megatron.context_parallel import rank_tokens
+from recompute_bench.analysis.megatron.fp8 import linear_input_bytes, runs_fp8
 from recompute_bench.models import ELEMENT_BYTES, FP32_BYTES, INDEX_BYTES, MASK_BYTES
 from recompute_bench.models.dense.spec import norm_parameters
 from recompute_bench.config.schema import Config
@@ -231,14 +232,19 @@ def _experts_saved(cfg: Config, routing: str, modules: set[str]) -> dict[str, fl
     m, e = cfg.model, ELEMENT_BYTES[cfg.training.precision]
     rows, f = routed_rows(cfg, routing), m.moe_ffn / cfg.parallel.expert_tensor_parallel
     swiglu = m.activation == "swiglu"
-    out = {"experts.linear_fc1.input": e * rows * m.hidden_size,
+    # Under FP8 TE's GroupedLinear quantizes each expert's split of its input and keeps only the
+    # column-wise data for the weight gradient (grouped_linear.py `_GroupedLinear.forward`:
+    # `update_usage(rowwise_usage=False, columnwise_usage=True)`), as a Linear does: `linear_input_bytes`
+    out = {"experts.linear_fc1.input": linear_input_bytes(cfg, rows * m.hidden_size, m.hidden_size),
            "experts.linear_fc1.output": e * rows * f * (2 if swiglu else 1),
            "experts.probs": expert_probs_bytes(cfg) * rows}
     if "moe_act" in modules and m.moe_grouped_gemm:
+        # fc2 keeps the activation's output it was given (experts.py `set_save_original_input` under
+        # FP8), which CheckpointWithoutOutput drops and rebuilds
         return out
     if not swiglu:
         out["experts.activation_output"] = e * rows * f
-    out["experts.linear_fc2.input"] = e * rows * f
+    out["experts.linear_fc2.input"] = linear_input_bytes(cfg, rows * f, int(f))
     return out
 
 
@@ -247,17 +253,26 @@ def _shared_saved(cfg: Config, modules: set[str]) -> dict[str, float]:
     moe_shared_expert_intermediate_size over the tensor-parallel group): fc1 keeps its sequence-parallel
     input, the norm's output the router keeps too, except under overlap, which gathers it first
     (`pre_forward_comm`); fc1's output and fc2's input as in a dense MLP; the gate keeps the output it
-    scales and its sigmoid. `shared_experts` recompute keeps the input only."""
+    scales and its sigmoid. `shared_experts` recompute keeps the input only. Under FP8 its TE linears
+    keep their own quantized inputs (`fp8.linear_input_bytes`): fc1 an FP8 copy of the norm's output
+    beside the router's 16-bit one."""
     m, tr, par = cfg.model, cfg.training, cfg.parallel
     if not m.moe_shared_expert_intermediate_size or "shared_experts" in modules:
         return {}
     e, t = ELEMENT_BYTES[tr.precision], par.tensor_model_parallel_size
-    tokens, width = rank_tokens(cfg), m.moe_shared_expert_intermediate_size
+    tokens, width, h = rank_tokens(cfg), m.moe_shared_expert_intermediate_size, m.hidden_size
+    fp8 = runs_fp8(cfg)
     out = {}
     if m.moe_shared_expert_overlap and par.sequence_parallel:
-        out["shared_experts.gathered_input"] = e * tokens * m.hidden_size
+        # fc1 is handed the gathered input: in 16 bits it keeps it, under FP8 its quantized copy
+        out["shared_experts.gathered_input"] = linear_input_bytes(cfg, tokens * h, h)
+    elif fp8:
+        # TE's Linear quantizes the norm's output (the router keeps the 16-bit one): under sequence
+        # parallel with per-tensor FP8 its local shard's row-wise data, else column-wise (linear.py)
+        out["shared_experts.linear_fc1.input"] = linear_input_bytes(cfg, local_tokens(cfg) * h, h,
+                                                                    gathered=par.sequence_parallel)
     out["shared_experts.linear_fc1.output"] = e * tokens * width * (2 if m.activation == "swiglu" else 1) / t
-    out["shared_experts.linear_fc2.input"] = e * tokens * width / t
+    out["shared_experts.linear_fc2.input"] = linear_input_bytes(cfg, tokens * width / t, width // t)
     if m.moe_shared_expert_gate:
         out["shared_experts.gated_output"] = e * local_tokens(cfg) * m.hidden_size
         out["shared_experts.gate_score"] = e * local_tokens(cfg)

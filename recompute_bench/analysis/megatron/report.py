@@ -74,13 +74,17 @@ def decoder_chunks(cfg: Config, run: MegatronRun, peak: StagePeak, routing: str 
 
 
 def _stage_row(cfg: Config, run: MegatronRun, r: StagePeak, fraction: float, fixed: float) -> dict[str, Any]:
-    """One stage: its steady-state peak (iteration 2 on) item by item and as Megatron's terms, and
-    its first iteration's peak (before the optimizer's first step creates the Adam moments)."""
+    """One stage: its steady-state peak item by item and as Megatron's terms, its first iteration's
+    peak (before the optimizer's first step creates the Adam moments), and what a memory line after
+    iterations 1 and 2 reports (`StagePeak.peak_after`: with CUDA graphs the eager iterations only)."""
     return {"stage": r.stage, "peak_allocated_bytes": r.peak_allocated_bytes, "phase": r.phase,
             "device_bytes_needed": device_bytes_needed(r.peak_allocated_bytes, fraction, fixed),
             "first_iteration_peak_allocated_bytes": r.first_iteration_peak_allocated_bytes,
             "first_iteration_phase": r.first_iteration_phase,
             "first_iteration_breakdown": dict(r.first_iteration_items),
+            # what a Megatron or Bridge memory line after iteration k reports (max allocated since start)
+            "peak_after_iteration": {str(k): r.peak_after(k) for k in (1, 2)},
+            "iteration_peaks": [{"from_iteration": i, "bytes": b, "phase": ph} for i, b, ph in r.iteration_peaks],
             "bytes_after_step": r.static_bytes, "parameters_on_rank": r.parameters, "breakdown": dict(r.items),
             "phase_peaks": dict(r.phase_peaks), "terms": stage_terms(cfg, r)}
 
@@ -138,6 +142,7 @@ def estimate_report(cfg: Config, run: MegatronRun, allowance_fraction: float = A
         "setting": {**setting_estimate(cfg, run),
                     "device_bytes_needed": device_bytes_needed(peak.peak_allocated_bytes, allowance_fraction, allowance_bytes),
                     "first_iteration_peak_allocated_bytes": max(r.first_iteration_peak_allocated_bytes for r in stages),
+                    "peak_after_iteration": {str(k): max(r.peak_after(k) for r in stages) for k in (1, 2)},
                     "layer_saved_bytes": layer_saved_bytes(cfg, run, modules, moe=bool(m.num_moe_experts and m.moe_layers)),
                     "breakdown": dict(peak.items), "phase_peaks": dict(peak.phase_peaks),
                     "parameters_on_rank": peak.parameters},

@@ -57,6 +57,7 @@ class ChunkBytes:
     (`layer_backward_bytes` over its layers, multi-token-prediction layers included)."""
 
 
+_FULL_ITERATION_INPUTS = "CUDA graph static inputs (every micro-batch's data)"
 CHECKPOINT_INPUT = "checkpoint input"
 """A full-recompute checkpoint's saved input (tensor_parallel/random.py CheckpointFunction)."""
 
@@ -164,6 +165,19 @@ class StagePeak:
     peak_chunk: int = 0
     chunks: list[ChunkBytes] = field(default_factory=list)
     """The activations of each model chunk this rank builds (`chunk_bytes`), by chunk."""
+    iteration_peaks: tuple[tuple[int, float, str], ...] = ()
+    """(the first iteration it happens in, bytes, where) of each phase of the run in iteration order:
+    iteration 1 (before the Adam moments), the eager iterations after it (with CUDA graphs, until the
+    capture), the steady state; `peak_after` reads them as a memory line does."""
+
+    def peak_after(self, iteration: int) -> float:
+        """What Megatron's and Bridge's memory line printed after iteration `iteration` reports as
+        max allocated (`torch.cuda.memory_stats()["allocated_bytes.all.peak"]`, never reset:
+        training.py `training_log` / Bridge train_utils.py `training_log` with `report_memory`): the
+        most of every phase that has run by the end of that iteration."""
+        if not self.iteration_peaks:
+            return self.first_iteration_peak_allocated_bytes if iteration <= 1 else self.peak_allocated_bytes
+        return max(b for first, b, _ in self.iteration_peaks if first <= max(iteration, 1))
 
     @property
     def peak_allocated_bytes(self) -> float:
@@ -225,7 +239,7 @@ def _held_all_run(cfg: Config, stage: int, run: MegatronRun,
     graph_buffers = static_buffer_bytes(cfg, stage, max(c.layers + c.mtp for c in built))
     static.update(graph_buffers)
     if any(c.embedding or c.loss for c in built) and graphs(cfg) == "full_iteration":
-        static["CUDA graph static inputs (every micro-batch's data)"] = full_iteration_data_bytes(cfg, batch_bytes(cfg))
+        static[_FULL_ITERATION_INPUTS] = full_iteration_data_bytes(cfg, batch_bytes(cfg))
     return static, graph_buffers
 
 
@@ -344,7 +358,7 @@ def stage_peak(cfg: Config, stage: int, run: MegatronRun, routing: str = "balanc
         # == cuda_graph_warmup_steps`)
         label, held, eager = phases[0]
         eager_items, eager_phase = at_peak(held, eager, label)
-        captured = (*graph_buffers, "CUDA graph static inputs (every micro-batch's data)")
+        captured = (*graph_buffers, _FULL_ITERATION_INPUTS)
         eager_step = {k: v for k, v in step.items() if k not in captured}
         if sum(eager_step.values()) > sum(eager_items.values()):
             eager_items, eager_phase = eager_step, "the optimizer step"
@@ -352,9 +366,21 @@ def stage_peak(cfg: Config, stage: int, run: MegatronRun, routing: str = "balanc
     else:
         first, first_phase = first_iteration_peak(items, phase, step)
     at_step = phase == "the optimizer step"
+    iterations = [(1, sum(first.values()), first_phase)]
+    if impl != "none" and steps >= 2:
+        # iterations 2 to cuda_graph_warmup_steps: eager, with the Adam moments, before the capture
+        # (which runs before iteration cuda_graph_warmup_steps + 1)
+        label, held, eager = phases[0]
+        passes = sum(held.values()) + eager.total
+        eager_step = sum(v for k, v in step.items() if k not in (*graph_buffers, _FULL_ITERATION_INPUTS))
+        iterations.append((2, max(passes, eager_step), "the optimizer step" if eager_step >= passes else
+                           at_peak(held, eager, label)[1]))
+        iterations.append((steps + 1, sum(items.values()), phase))
+    else:
+        iterations.append((2, sum(items.values()), phase))
     return StagePeak(stage, params, items, phase, copies, sum(static.values()), totals if len(totals) > 1 else {},
                      first, first_phase, () if at_step else peak.held, "" if at_step else peak.kind, peak.chunk,
-                     chunk)
+                     chunk, tuple(iterations))
 
 
 def first_iteration_peak(items: dict[str, float], phase: str, step: dict[str, float]) -> tuple[dict[str, float], str]:
