@@ -1,6 +1,8 @@
 """The time model against the public measurements of recompute's cost in time, side by side
 (`recompute_bench/analysis/megatron/time_checks.py`): Korthikanti et al. Table 4 and the seeds' Llama 3 70B
-FP8 table, each predicted relative throughput beside the measured one and the goal (3 points).
+FP8 table, each predicted relative throughput beside the measured one and the goal (3 points); then
+absolute step time, predicted beside measured: the seeds' four rows and Table 5's 22B iterations, with
+where the predicted step goes by class (goal: within 10%).
 
     python bench/time_model_check.py
 """
@@ -14,11 +16,14 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from recompute_bench.analysis.megatron.time_checks import (  # noqa: E402
+    GOAL_ABSOLUTE,
     GOAL_POINTS,
     PAPER_SOURCE,
+    PAPER_TABLE5_SOURCE,
     SEEDS_BASELINE,
     SEEDS_SOURCE,
     paper_rows,
+    paper_table5_rows,
     seeds_rows,
 )
 
@@ -36,16 +41,31 @@ def main() -> None:
     print(SEEDS_SOURCE)
     print(f"relative to the measured baseline row {SEEDS_BASELINE} (~704 TFLOP/s/GPU), and to no recompute")
     print(f"{'setting':<32} {'TFLOP/s':>8} {'measured rel.':>14} {'pred. vs base':>14} {'points':>7} "
-          f"{'pred. vs none':>14} {'points':>7} {'roofline TFLOP/s':>17}")
+          f"{'pred. vs none':>14} {'points':>7} {'pred. TFLOP/s':>14}")
     for r in seeds_rows():
         a = 100 * (r["predicted_relative_to_baseline"] - r["measured_relative"])
         b = 100 * (r["predicted_relative_to_none"] - r["measured_relative"])
         worst = max(worst, abs(a), abs(b))
         print(f"{r['setting']:<32} {r['measured_tflops']:>8.1f} {r['measured_relative']:>14.3f} "
               f"{r['predicted_relative_to_baseline']:>14.3f} {a:>+7.1f} {r['predicted_relative_to_none']:>14.3f} {b:>+7.1f} "
-              f"{r['roofline_tflops']:>17.0f}")
+              f"{r['predicted_tflops']:>14.0f}")
     print()
     print(f"largest miss: {worst:.1f} points (goal: {100 * GOAL_POINTS:.0f})")
+    print()
+    print(f"absolute step time (goal: within {100 * GOAL_ABSOLUTE:.0f}%)")
+    print(f"{'run':<48} {'measured s':>11} {'predicted s':>12} {'pred./meas.':>12}")
+    rows = [(f"seeds {r['setting']}", r["measured_step_seconds"], r["predicted_step_seconds"]) for r in seeds_rows()]
+    table5 = paper_table5_rows()
+    rows += [(f"22B Table 5 {r['setting']}", r["measured_step_seconds"], r["predicted_step_seconds"]) for r in table5]
+    within = 0
+    for name, measured, predicted in rows:
+        within += abs(predicted / measured - 1) <= GOAL_ABSOLUTE
+        print(f"{name:<48} {measured:>11.3f} {predicted:>12.3f} {predicted / measured:>12.3f}")
+    print(f"{within} of {len(rows)} within {100 * GOAL_ABSOLUTE:.0f}% "
+          f"(seeds: measured step = model FLOPs per GPU / the measured TFLOP/s; {PAPER_TABLE5_SOURCE})")
+    for r in table5:
+        parts = ", ".join(f"{k} {1e3 * v:.0f} ms" for k, v in r["by_class"].items() if v)
+        print(f"  22B {r['setting']} by class: {parts}")
 
 
 if __name__ == "__main__":

@@ -43,7 +43,7 @@ def test_each_format_plans_the_config_read_run_makes_of_it(path, extra, fmt):
     assert data["source"]["format"] == fmt and data["source"]["file"] == str(path)
     gpus = next((int(x) for x, flag in zip(extra[1:], extra) if flag == "--gpus"), None)
     source = read_run(path, gpus=gpus, workload=extra[1] if extra[:1] == ["-w"] else None)
-    direct = megatron_plan(source.config, source.run, gpu_rates.datasheet_rates(source.run.gpu), 80 * GiB, 0.1, GiB,
+    direct = megatron_plan(source.config, source.run, gpu_rates.achieved_rates(source.run.gpu), 80 * GiB, 0.1, GiB,
                            gpus)
     assert data["config"] == source.config.to_dict()
     assert [(r["label"], r["peak_allocated_bytes"], r["step_seconds"]) for r in data["settings"]] == \

@@ -266,11 +266,19 @@ def test_the_harness_s_policy_file_options_are_refused_for_megatron():
 
 
 @pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="on a GPU --profile measures (tests/gpu)")
-def test_profile_without_a_gpu_says_so():
+def test_profile_without_a_gpu_reads_a_shipped_profile_or_says_there_is_none(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # no results/profiles/ here: only the shipped profiles
     result = invoke(*SEEDS, "--memory-gb", "80", "--profile")
     assert result.exit_code == 2
-    assert " ".join(result.stderr.split()) == ("error: --profile measures this machine's GPU, and there is none here; "
-                                               "drop --profile (the datasheet rates of --gpu price the plan)")
+    assert " ".join(result.stderr.split()) == (
+        "error: --profile measures this machine's GPU, and there is none here, nor a cached or shipped h100 profile; "
+        "drop --profile (the GPU table's rates price the plan) or profile on a h100")
+    result = invoke("plan", "--framework", "megatron", "-w", "llama3-8b", "--gpu", "h200", "--memory-gb", "400",
+                    "--profile", "--json")
+    assert result.exit_code == 0, result.output
+    plan = json.loads(result.stdout)
+    assert plan["rates"]["matrix_flops"]["bf16"] == 771e12 and plan["rates"]["source"].startswith("measured on NVIDIA H200")
+    assert "h200's profile read from" in result.stderr
 
 
 def test_when_only_tight_settings_fit_the_fastest_is_recommended_with_expandable_segments():

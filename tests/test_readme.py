@@ -44,7 +44,7 @@ def argv_of(command: str) -> list[str]:
 
 
 def _rows(cells: list[str]) -> list[list[str]]:
-    return [cells[i:i + 7] for i in range(0, len(cells) - 6, 7)]
+    return [cells[i:i + 10] for i in range(0, len(cells) - 9, 10)]
 
 
 def cases() -> list:
@@ -78,9 +78,9 @@ def test_the_seeds_plan_keeps_the_readme_s_structure_and_ranking(tmp_path, monke
     result = invoke(*argv_of(command), "--json")
     assert result.exit_code == 0, result.output
     plan = json.loads(result.stdout)
-    header, rows = cells[:7], _rows(cells[7:])
+    header, rows = cells[:10], _rows(cells[10:])
     assert header == ["#", "setting", "peak allocated per stage (GiB)", "with allowance", "fits", "step (s)",
-                      "rel. TFLOP/s"]
+                      "TFLOP/s/GPU", "tokens/s/GPU", "MFU", "rel. TFLOP/s"]
     priced = {r["label"]: r for r in plan["settings"]}
     order = [r["label"] for r in plan["settings"]]
     shown = [row[1].removesuffix(" *") for row in rows]
@@ -88,7 +88,9 @@ def test_the_seeds_plan_keeps_the_readme_s_structure_and_ranking(tmp_path, monke
     assert all(label in priced for label in shown)
     assert shown == sorted(shown, key=order.index)  # fastest first, as the plan ranks them
     for row, label in zip(rows, shown):
-        assert row[6] == f"{priced[label]['relative_throughput']:.3f}", label
+        assert row[5] == f"{priced[label]['step_seconds']:.3f}", label
+        assert row[6] == f"{priced[label]['tflops_per_gpu']:.0f}" and row[8] == f"{100 * priced[label]['mfu']:.1f}%", label
+        assert row[9] == f"{priced[label]['relative_throughput']:.3f}", label
     # the seeds' settings: layernorm re-runs nothing with TE's fused norms; [mlp] costs time
     assert {"setting": "selective[layernorm]", "same_as": "none"} in plan["same_as_shown"]
     assert priced["selective[mlp]"]["relative_throughput"] < priced["selective[core_attn]"]["relative_throughput"] < 1

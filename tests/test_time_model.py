@@ -252,3 +252,50 @@ def test_tp_comm_overlap_pipelines_each_linear_s_collectives_with_its_gemm():
     # the embedding's and the output layer's collectives are Megatron's own, not TE's userbuffers
     assert tm.embedding_ops(overlapped).forward[1].overlaps is None
     assert tm.step_time(overlapped, RUN, H100).step_seconds < tm.step_time(plain, RUN, H100).step_seconds
+
+
+def test_the_plan_prices_at_the_gpu_table_s_achieved_rates_with_each_gemm_s_waves():
+    achieved = gpu_rates.achieved_rates("h100")
+    assert achieved.matrix_flops["bf16"] == 794.5e12 and achieved.matrix_flops["fp8"] == 1402.6e12
+    assert achieved.peak("bf16") == 989.5e12 and achieved.sms == 132
+    # 32 x 10 tiles of 128 x 256 take 3 waves over 132 SMs: 396 tiles' time for 320 tiles' work
+    op = tm.Op("g", "matrix", flops=2 * 4096 * 2560 * 8192, precision="fp8", shape=(4096, 2560, 8192))
+    assert op.seconds(achieved) == pytest.approx(op.flops / 1402.6e12 * 396 / 320)
+    assert op.seconds(H100) == op.flops / 1979e12  # the datasheet: the roofline, no waves
+    from recompute_bench.config.gpus import COMPUTE_CAPABILITY
+    from recompute_bench.analysis.flops import PEAK_FLOPS
+    assert COMPUTE_CAPABILITY["h200"] == 90 and PEAK_FLOPS["NVIDIA H200"][1] == H100.matrix_flops["bf16"]
+
+
+def test_a_profile_s_measured_gemms_price_those_shapes_and_the_shipped_h200_profile_is_found(tmp_path):
+    import json
+    profile = {"schema": gpu_rates.RATES_SCHEMA, "device_name": "NVIDIA H100 80GB HBM3",
+               "measured": {"bf16_flops": None, "fp8_flops": None, "hbm_bytes_per_s": None},
+               "gemms": [{"m": 4096, "n": 2560, "k": 8192, "precision": "fp8", "flops_per_s": 900e12}]}
+    path = gpu_rates.rates_cache_path("NVIDIA H100 80GB HBM3", tmp_path, [(4096, 2560, 8192, "fp8")])
+    path.write_text(json.dumps(profile))
+    found, where = gpu_rates.find_profile("h100", (tmp_path, gpu_rates.SHIPPED))
+    assert where == path
+    rates = gpu_rates.with_profile(gpu_rates.achieved_rates("h100"), found)
+    op = tm.Op("g", "matrix", flops=2 * 4096 * 2560 * 8192, precision="fp8", shape=(4096, 2560, 8192))
+    assert op.seconds(rates) == op.flops / 900e12
+    other = tm.Op("g", "matrix", flops=2 * 4096 * 4096 * 8192, precision="fp8", shape=(4096, 4096, 8192))
+    assert other.seconds(rates) == other.seconds(gpu_rates.achieved_rates("h100"))
+    shipped, _ = gpu_rates.find_profile("h200", (tmp_path, gpu_rates.SHIPPED))
+    assert shipped["measured"]["bf16_flops"] == 771e12
+    assert gpu_rates.find_profile("a100", (tmp_path, gpu_rates.SHIPPED)) is None
+
+
+def test_every_plan_row_carries_step_tflops_tokens_mfu_and_its_parts_by_class():
+    from recompute_bench.analysis.flops import model_flops_per_step
+    from recompute_bench.analysis.megatron.plan import throughput
+    cfg = megatron(training__seq_length=2048, training__global_batch_size=8, parallel__tensor_model_parallel_size=8,
+                   parallel__sequence_parallel=True, parallel__pipeline_model_parallel_size=4)
+    st = tm.step_time(cfg, RUN, gpu_rates.achieved_rates("h100"))
+    row = throughput(cfg, gpu_rates.achieved_rates("h100"), st)
+    world = cfg.parallel.world_size
+    assert row["tflops_per_gpu"] == pytest.approx(model_flops_per_step(cfg) / world / st.step_seconds / 1e12)
+    assert row["mfu"] == pytest.approx(row["tflops_per_gpu"] * 1e12 / 989.5e12)
+    parts = row["step_parts"]
+    assert set(parts) == set(tm.STEP_CLASSES) and parts["host_overhead"] is None
+    assert sum(v for v in parts.values() if v) == pytest.approx(st.step_seconds)

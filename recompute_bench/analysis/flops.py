@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 
+from recompute_bench.config.gpus import GPUS
 from recompute_bench.config.rules import layers_per_model_chunk
 from recompute_bench.config.schema import Config, RecomputeConfig
 from recompute_bench.models import kind_config
@@ -86,27 +87,11 @@ def hardware_flops_per_step(cfg: Config, device: str = "cuda") -> float:
 
 
 # Dense tensor-core peaks (no sparsity) by the exact name CUDA reports (`torch.cuda.get_device_name`,
-# NVML's name): (product, bf16/fp16 FLOP/s, TF32 FLOP/s). The datasheets print the figures with 2:4
-# sparsity, twice these. Sources: NVIDIA H100 Tensor Core GPU datasheet (SXM 1,979 / 989 TFLOPS
-# bf16 / TF32 with sparsity; PCIe 1,513 / 756; NVL 1,671 / 835), NVIDIA H200 datasheet (SXM as H100
-# SXM; NVL as H100 NVL), NVIDIA A100 datasheet (SXM and PCIe, 40 and 80 GB: 624 / 312), NVIDIA
-# GB200 NVL72 (per GPU 5 / 2.5 PFLOPS), HGX B200 (per GPU 4.5 / 2.2 PFLOPS), NVIDIA L40S datasheet
-# (733 / 366). A name not listed has no peak: MFU is not measured unless --peak-tflops gives one,
-# never borrowed from a similar name (an "H100 NVL" is not an SXM at 989).
-PEAK_FLOPS = {
-    "NVIDIA H100 80GB HBM3": ("H100 SXM", 989.4e12, 494.7e12),
-    "NVIDIA H100 PCIe": ("H100 PCIe", 756e12, 378e12),
-    "NVIDIA H100 NVL": ("H100 NVL", 835.5e12, 417.5e12),
-    "NVIDIA H200": ("H200 SXM", 989.4e12, 494.7e12),
-    "NVIDIA H200 NVL": ("H200 NVL", 835.5e12, 417.5e12),
-    "NVIDIA A100-SXM4-40GB": ("A100 SXM 40GB", 312e12, 156e12),
-    "NVIDIA A100-SXM4-80GB": ("A100 SXM 80GB", 312e12, 156e12),
-    "NVIDIA A100-PCIE-40GB": ("A100 PCIe 40GB", 312e12, 156e12),
-    "NVIDIA A100 80GB PCIe": ("A100 PCIe 80GB", 312e12, 156e12),
-    "NVIDIA GB200": ("GB200", 2500e12, 1250e12),
-    "NVIDIA B200": ("B200", 2250e12, 1100e12),
-    "NVIDIA L40S": ("L40S", 362.05e12, 183e12),
-}
+# NVML's name): (product, bf16/fp16 FLOP/s, TF32 FLOP/s), from the one GPU table (`config.gpus`, each
+# figure with its datasheet). A name not listed has no peak: MFU is not measured unless --peak-tflops
+# gives one, never borrowed from a similar name (an "H100 NVL" is not an SXM at 989).
+PEAK_FLOPS = {name: (gpu.short, gpu.dense_flops["bf16"], gpu.dense_flops["fp32"])
+              for gpu in GPUS if gpu.dense_flops for name in gpu.device_names}
 
 
 def peak(device_name: str, precision: str) -> tuple[str, float] | None:

@@ -1,26 +1,26 @@
 """The rates the time model prices work at, per GPU kind: matrix FLOP/s per precision, HBM bytes/s,
 the NVLink bytes/s one GPU sends (one direction), the host link (CPU offload) and the network past
-the NVLink domain, each from a named datasheet, or from a profile measured on the GPU itself (`measure/rates.py`, cached under results/profiles/), which overrides the
-datasheet figure it measured. Pure Python.
-
-Datasheets print tensor-core rates with 2:4 sparsity; the figures below are the dense ones (half).
-NVLink is printed as the total of both directions; a ring collective sends in one direction at a
-time, so the link rate is half the printed figure. No rate is scaled by an efficiency: the model is
-a roofline, and where a kernel runs below it the docs say which (docs/plan-megatron.md).
+the NVLink domain. Every figure comes from the one GPU table (`config.gpus`, each with its source):
+`datasheet_rates` (the roofline) or `achieved_rates` (what the plan prices at: the maximum achievable
+matmul rate a published microbenchmark or our own run measured, the measured copy bandwidth, and the
+waves a GEMM's tiles take over the SMs), or from a profile measured on the GPU itself
+(`measure/rates.py`, cached under results/profiles/; ours ship in `data/profiles/`), which overrides
+what it measured. Pure Python.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from recompute_bench.analysis.cache import cache_file, read_json
+from recompute_bench.config.gpus import COPY_SHARE, KINDS, LINK_SHARE, Gpu
 from recompute_bench.config.schema import BadInput
 
 RATES_SCHEMA = "recompute-bench/gpu-rates/v1"
-TERA = 1e12
 
 
 @dataclass(frozen=True)
@@ -47,6 +47,37 @@ class GpuRates:
     nvlink_domain: int = 8
     """GPUs that reach each other over NVLink (an HGX / DGX board's 8, an NVL72 rack's 72); a
     collective over ranks further apart crosses the network."""
+    sms: int | None = None
+    """Streaming multiprocessors a GEMM's output tiles run in waves over (`gemm_seconds`); None: the
+    roofline, no waves (the datasheet rates)."""
+    peak_flops: dict[str, float] | None = None
+    """The datasheet's dense FLOP/s by precision (what MFU divides by); None: `matrix_flops`."""
+    measured_gemms: dict[tuple, float] | None = None
+    """FLOP/s a profile measured for GEMMs of the run's own shapes, by (m, n, k, precision)."""
+    tile: tuple[int, int] = (128, 256)
+    """cuBLAS's output tile of large GEMMs (rows x columns): 128 x 256 on Hopper and Blackwell
+    (CUTLASS's default SM90 warp-specialized tile), 256 x 128 on Ampere."""
+
+    def peak(self, precision: str = "bf16") -> float:
+        """The datasheet's dense FLOP/s of `precision` (MFU's denominator)."""
+        return (self.peak_flops or self.matrix_flops).get(precision) or self.matrix_rate(precision)
+
+    def gemm_seconds(self, flops: float, precision: str, shape: tuple[float, float, float] | None = None) -> float:
+        """A GEMM's time at the precision's rate. With the GPU's SM count and the GEMM's (m, n, k):
+        cuBLAS splits the m x n output into tiles (`TILE`: 128 x 256 on Hopper and Blackwell, 256 x 128
+        on Ampere, its largest kernels' tiles: `tile`), run one per SM in waves; a partial last tile or a last
+        wave that leaves SMs idle takes as long as a full one, so the GEMM runs at the rate times
+        useful / launched tile work."""
+        rate = self.matrix_rate(precision)
+        if shape is not None and self.measured_gemms and (*shape, precision) in self.measured_gemms:
+            return flops / self.measured_gemms[(*shape, precision)]
+        if not self.sms or shape is None:
+            return flops / rate
+        m, n, _ = shape
+        tm, tn = self.tile
+        tiles = math.ceil(m / tm) * math.ceil(n / tn)
+        waves = math.ceil(tiles / self.sms)
+        return flops / rate * (waves * self.sms * tm * tn) / (m * n)
 
     def comm_seconds(self, nbytes: float, group: int, stride: int, pattern: str) -> float:
         """Time one rank spends sending `nbytes` in a collective over `group` ranks `stride` ranks
@@ -79,48 +110,38 @@ class GpuRates:
         return self.matrix_flops[precision]
 
 
-def _dense(bf16_sparse_tflops: float, tf32_sparse_tflops: float, fp8_sparse_tflops: float | None,
-           fp64_tflops: float) -> dict[str, float]:
-    """Dense rates from the datasheet's sparse tensor-core figures; FP64 (tensor core, no sparsity:
-    what an fp64 router's torch.mm runs at) as printed."""
-    out = {"bf16": bf16_sparse_tflops / 2 * TERA, "fp16": bf16_sparse_tflops / 2 * TERA,
-           "fp32": tf32_sparse_tflops / 2 * TERA, "fp64": fp64_tflops * TERA}
-    if fp8_sparse_tflops:
-        out["fp8"] = fp8_sparse_tflops / 2 * TERA
-    return out
+def _rates(gpu: Gpu, achieved: bool) -> GpuRates:
+    """The rates of one product of the GPU table: its datasheet's, or what it achieves (the MAMF of each
+    precision the table has one for, the measured copy bandwidth or the datasheet's at `COPY_SHARE`, and
+    its SM count for the GEMM waves); the links stay the datasheet's."""
+    matrix, hbm, sms, source = dict(gpu.dense_flops), gpu.hbm_bytes_per_s, None, gpu.source
+    link = gpu.link_bytes_per_s
+    if achieved:
+        matrix.update(gpu.mamf)
+        if "bf16" in gpu.mamf and "fp32" in matrix:  # TF32 runs at the share bf16 reaches of its peak
+            matrix["fp32"] *= gpu.mamf["bf16"] / gpu.dense_flops["bf16"]
+        hbm = gpu.achieved_hbm_bytes_per_s or COPY_SHARE * gpu.hbm_bytes_per_s
+        link = gpu.achieved_link_bytes_per_s or LINK_SHARE * gpu.link_bytes_per_s
+        sms = gpu.sms
+        source = (f"achieved: matmul {gpu.mamf_source or 'the datasheet'}; copy "
+                  f"{gpu.hbm_source or f'{COPY_SHARE:.0%} of the datasheet (the share our H200 copy reached)'}; "
+                  f"NVLink {gpu.link_source or f'{LINK_SHARE:.0%} of the datasheet (the busbw share nccl-tests reach on A100)'}"
+                  f"; peaks: {gpu.source}")
+    return GpuRates(gpu.kind, gpu.product, matrix, hbm, link, gpu.host_link_bytes_per_s, source,
+                    gpu.network_bytes_per_s, gpu.nvlink_domain, sms, dict(gpu.dense_flops),
+                    (128, 256) if gpu.compute_capability >= 90 else (256, 128))
 
 
-GBIT = 1e9 / 8
-"""Bytes per second of one Gb/s (network ports are rated in bits)."""
+DATASHEET: dict[str, GpuRates] = {kind: _rates(gpu, False) for kind, gpu in KINDS.items() if gpu.link_bytes_per_s}
+"""Each kind's datasheet rates (the roofline), for the kinds the table has rates for."""
+ACHIEVED: dict[str, GpuRates] = {kind: _rates(gpu, True) for kind, gpu in KINDS.items() if gpu.link_bytes_per_s}
+"""Each kind's achieved rates: what the time model prices a plan at unless a profile measured the GPU."""
 
-DATASHEET: dict[str, GpuRates] = {
-    # NVIDIA A100 Tensor Core GPU datasheet, A100 80GB SXM: BF16/FP16 624 TFLOPS*, TF32 312*
-    # (* with sparsity), no FP8, FP64 Tensor Core 19.5; GPU memory bandwidth 2,039 GB/s; NVLink 600 GB/s;
-    # PCIe Gen4 64 GB/s.
-    # NVIDIA DGX A100 datasheet: 8 GPUs on NVSwitch; 8 single-port ConnectX-6 VPI, 200 Gb/s HDR InfiniBand.
-    "a100": GpuRates("a100", "A100 SXM4 80GB", _dense(624, 312, None, 19.5), 2039e9, 600e9 / 2, 64e9 / 2,
-                     "NVIDIA A100 datasheet (SXM4 80GB); network: DGX A100 datasheet", 200 * GBIT, 8),
-    # NVIDIA H100 Tensor Core GPU datasheet, H100 SXM: FP8 3,958 TFLOPS*, BF16/FP16 1,979*, TF32 989*,
-    # FP64 Tensor Core 67; GPU memory bandwidth 3.35 TB/s; NVLink 900 GB/s; PCIe Gen5 128 GB/s.
-    # NVIDIA DGX H100 datasheet: 8 GPUs on NVSwitch; 8 single-port ConnectX-7 VPI, 400 Gb/s InfiniBand.
-    "h100": GpuRates("h100", "H100 SXM5 80GB", _dense(1979, 989, 3958, 67), 3.35e12, 900e9 / 2, 128e9 / 2,
-                     "NVIDIA H100 datasheet (SXM5); network: DGX H100 datasheet", 400 * GBIT, 8),
-    # NVIDIA H200 Tensor Core GPU datasheet, H200 SXM: tensor cores as H100 SXM; 4.8 TB/s; NVLink 900 GB/s;
-    # PCIe Gen5 128 GB/s. NVIDIA DGX H200 datasheet: 8 GPUs; 8 single-port ConnectX-7 VPI, 400 Gb/s.
-    "h200": GpuRates("h200", "H200 SXM 141GB", _dense(1979, 989, 3958, 67), 4.8e12, 900e9 / 2, 128e9 / 2,
-                     "NVIDIA H200 datasheet (SXM); network: DGX H200 datasheet", 400 * GBIT, 8),
-    # NVIDIA HGX B200 datasheet, per GPU (the 8-GPU board's figures / 8): FP8 9 PFLOPS*, BF16/FP16
-    # 4.5*, TF32 2.25*, FP64 Tensor Core 296 TFLOPS for the 8; HBM3e 8 TB/s; NVLink 1.8 TB/s (no
-    # per-GPU host link figure).
-    # NVIDIA DGX B200 datasheet: 8 GPUs; 8 single-port ConnectX-7 VPI, 400 Gb/s InfiniBand.
-    "b200": GpuRates("b200", "B200 (HGX)", _dense(4500, 2250, 9000, 296 / 8), 8e12, 1.8e12 / 2, None,
-                     "NVIDIA HGX B200 datasheet, per GPU; network: DGX B200 datasheet", 400 * GBIT, 8),
-    # NVIDIA GB200 NVL72 datasheet, per GPU (the rack's figures / 72): FP8 10 PFLOPS*, BF16/FP16 5*,
-    # TF32 2.5*, FP64 Tensor Core 3,240 TFLOPS for the 72; HBM3e 8 TB/s; NVLink 1.8 TB/s in one 72-GPU
-    # NVLink domain; NVLink-C2C to the Grace CPU 900 GB/s. NVIDIA DGX GB200 datasheet: 72 single-port ConnectX-7 VPI, 400 Gb/s InfiniBand.
-    "gb200": GpuRates("gb200", "GB200 (NVL72)", _dense(5000, 2500, 10000, 3240 / 72), 8e12, 1.8e12 / 2, 900e9 / 2,
-                      "NVIDIA GB200 NVL72 datasheet, per GPU; network: DGX GB200 datasheet", 400 * GBIT, 72),
-}
+
+def achieved_rates(kind: str) -> GpuRates:
+    """The achieved rates of GPU kind `kind`; BadInput naming the kinds that have some."""
+    datasheet_rates(kind)
+    return ACHIEVED[kind]
 
 
 def datasheet_rates(kind: str) -> GpuRates:
@@ -137,9 +158,9 @@ PROFILE_FIELDS = ("bf16_flops", "fp8_flops", "hbm_bytes_per_s")
 """What `measure/rates.py` measures on one GPU (NVLink needs two GPUs: it keeps the datasheet's)."""
 
 
-def rates_cache_path(device_name: str, folder: Path = Path("results/profiles")) -> Path:
-    """results/profiles/rates-<device>-<hash of the name>.json."""
-    return cache_file(folder, device_name, device_name, 8, prefix="rates-")
+def rates_cache_path(device_name: str, folder: Path = Path("results/profiles"), shapes: list | tuple = ()) -> Path:
+    """results/profiles/rates-<device>-<hash of the name and the GEMM shapes measured>.json."""
+    return cache_file(folder, device_name, device_name + (repr(sorted(shapes)) if shapes else ""), 8, prefix="rates-")
 
 
 def read_rates_profile(path: Path) -> dict[str, Any] | None:
@@ -162,9 +183,27 @@ def with_profile(rates: GpuRates, profile: dict[str, Any]) -> GpuRates:
     if measured.get("fp8_flops"):
         matrix["fp8"] = float(measured["fp8_flops"])
     hbm = float(measured.get("hbm_bytes_per_s") or rates.hbm_bytes_per_s)
-    taken = ", ".join(k for k in PROFILE_FIELDS if measured.get(k))
-    return dataclasses.replace(rates, matrix_flops=matrix, hbm_bytes_per_s=hbm,
+    gemms = {(g["m"], g["n"], g["k"], g["precision"]): float(g["flops_per_s"]) for g in profile.get("gemms") or ()}
+    taken = ", ".join([k for k in PROFILE_FIELDS if measured.get(k)] + ([f"{len(gemms)} GEMM shapes"] if gemms else []))
+    return dataclasses.replace(rates, matrix_flops=matrix, hbm_bytes_per_s=hbm, measured_gemms=gemms or None,
                                source=f"measured on {profile['device_name']} ({taken}); the rest: {rates.source}")
+
+
+SHIPPED = Path(__file__).parent / "profiles"
+"""The profiles we measured ourselves, shipped with the package (one JSON per GPU we ran on)."""
+
+
+def find_profile(kind: str, folders: tuple[Path, ...] = (Path("results/profiles"), SHIPPED)) -> tuple[dict[str, Any], Path] | None:
+    """Without a GPU here: a rates profile of GPU kind `kind`, the first found, cached ones (measured
+    here before, or copied from the machine that has the GPU) before the shipped ones; None when none."""
+    from recompute_bench.config.presets import gpu_type
+
+    for folder in folders:
+        for path in sorted(Path(folder).glob("rates-*.json")):
+            profile = read_rates_profile(path)
+            if profile is not None and gpu_type(profile["device_name"]) == kind:
+                return profile, path
+    return None
 
 
 def rates_row(rates: GpuRates) -> dict[str, Any]:

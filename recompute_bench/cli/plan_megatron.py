@@ -41,23 +41,35 @@ def resolve_on_gpus(workload: str, point, gpus: Optional[int]) -> tuple[Config, 
     return cfg, notes
 
 
-def gpu_rates(run, profile: bool):
-    """The rates of the run's GPU kind: its datasheet's, or measured here with --profile."""
-    from recompute_bench.analysis.gpu_rates import DATASHEET, GpuRates, datasheet_rates, with_profile
+def gpu_rates(run, profile: bool, cfg: Config | None = None):
+    """The rates of the run's GPU kind: what it achieves (the GPU table's), or with --profile measured
+    on this machine's GPU (the GEMMs of cfg's own shapes among them) and cached; without a GPU here,
+    a cached or shipped profile of the run's kind (`gpu_rates.find_profile`)."""
+    from recompute_bench.analysis.gpu_rates import ACHIEVED, GpuRates, achieved_rates, find_profile, with_profile
 
     if not profile:
-        return datasheet_rates(run.gpu)
+        return achieved_rates(run.gpu)
     from recompute_bench.cli.common import this_gpu
-    from recompute_bench.measure.rates import cached_rates
 
     here = this_gpu()
-    if here != "cpu" and here != run.gpu:
-        raise BadInput(f"--profile measures this machine's {here}, but --gpu is {run.gpu}; pass --gpu {here} or "
-                       "profile on that GPU")
-    measured, path, cached = cached_rates()
-    err.print(f"rates profile: {'read from' if cached else 'measured on ' + escape(measured['device_name']) + ', cached in'} "
-              f"{escape(str(path))}", highlight=False)
-    base = DATASHEET.get(run.gpu) or GpuRates(run.gpu, measured["device_name"], {}, 0.0, 0.0, None, "")
+    if here == "cpu":
+        found = find_profile(run.gpu)
+        if found is None:
+            raise BadInput(f"--profile measures this machine's GPU, and there is none here, nor a cached or shipped "
+                           f"{run.gpu} profile; drop --profile (the GPU table's rates price the plan) or profile on a {run.gpu}")
+        measured, path = found
+        err.print(f"rates profile: no GPU here; {run.gpu}'s profile read from {escape(str(path))}", highlight=False)
+    else:
+        if here != run.gpu:
+            raise BadInput(f"--profile measures this machine's {here}, but --gpu is {run.gpu}; pass --gpu {here} or "
+                           "profile on that GPU")
+        from recompute_bench.analysis.megatron.time_model import gemm_shapes
+        from recompute_bench.measure.rates import cached_rates
+
+        measured, path, cached = cached_rates(shapes=gemm_shapes(cfg, run) if cfg is not None else ())
+        err.print(f"rates profile: {'read from' if cached else 'measured on ' + escape(measured['device_name']) + ', cached in'} "
+                  f"{escape(str(path))}", highlight=False)
+    base = ACHIEVED.get(run.gpu) or GpuRates(run.gpu, measured["device_name"], {}, 0.0, 0.0, None, "")
     return with_profile(base, measured)
 
 
@@ -68,12 +80,12 @@ def plan_megatron(cfg: Config, notes: list[str], *, run, memory_gb: float, gpus:
     run read by `--from` (`ingest.run_source.RunSource`), echoed as `estimate --from` echoes it."""
     from recompute_bench.analysis.megatron.plan import megatron_plan
     from recompute_bench.cli.common import show_notes
-    from recompute_bench.render.plan_megatron import (allowance_lines, auto_table, flags_lines, layout_line, parts_table,
-                                                      settings_table, would_fit_table)
+    from recompute_bench.render.plan_megatron import (allowance_lines, auto_table, classes_line, flags_lines, layout_line,
+                                                      parts_table, settings_table, would_fit_table)
 
     budget, fixed = memory_gb * 2**30, allowance_gb * 2**30
     try:
-        rates = gpu_rates(run, profile)
+        rates = gpu_rates(run, profile, cfg)
         rates.matrix_rate(cfg.training.precision)  # a precision the GPU has no rate for: one line now
         result = megatron_plan(cfg, run, rates, budget, allowance_fraction, fixed, gpus, mark_current=source is not None,
                                auto=auto)
@@ -125,6 +137,8 @@ def plan_megatron(cfg: Config, notes: list[str], *, run, memory_gb: float, gpus:
         err.print(f"[dim]not planned: {escape(x['settings'])}: {escape(x['reason'])}[/]", highlight=False)
     if explain and result["time_parts"]:
         err.print(parts_table(result))
+        err.print(escape(classes_line(result["time_parts"]["by_class"], result["time_parts"]["step_seconds"])),
+                  highlight=False)
     if auto:
         err.print(auto_table(result["auto"]))
         note = result["auto"]["megatron"]

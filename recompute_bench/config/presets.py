@@ -19,6 +19,7 @@ import tomllib
 from pathlib import Path
 from typing import Any
 
+from recompute_bench.config.gpus import NAMED_KINDS
 from recompute_bench.config.schema import MEGATRON_MOE_DEFAULTS, SECTIONS, Config, BadInput, canonical_modules
 
 # A checkout keeps the presets at the top level (workloads/); a wheel carries them inside the
@@ -77,7 +78,7 @@ def parse_set(item: str) -> tuple[str, Any]:
 def gpu_type(device_name: str) -> str:
     """Short GPU kind used for per-GPU preset tables and golden file names ("cpu" without CUDA)."""
     name = device_name.lower()
-    for kind in ("gb300", "gb200", "b300", "b200", "h200", "h100", "a100", "l40s"):
+    for kind in NAMED_KINDS:
         if kind in name:
             return kind
     return "cpu" if name in ("", "cpu") or "cpu" in name else name.split()[-1]

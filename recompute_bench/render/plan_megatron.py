@@ -33,18 +33,35 @@ def layout_line(result: dict[str, Any]) -> str:
 
 def settings_table(result: dict[str, Any], rows: list[dict[str, Any]], title: str) -> Table:
     """Settings with each pipeline stage's allocated peak, the most loaded stage's need with the
-    allowance, whether it fits, and the predicted step and throughput against no recompute."""
+    allowance, whether it fits, the predicted step, its model TFLOP/s, tokens/s per GPU and MFU, and
+    the throughput against no recompute."""
     table = Table(title=title, header_style="bold")
     p = len(rows[0]["stages"]) if rows else 1
     stage_col = "peak allocated (GiB)" if p == 1 else "peak allocated per stage (GiB)"
-    for col in ("#", "setting", stage_col, "with allowance", "fits", "step (s)", "rel. TFLOP/s"):
+    for col in ("#", "setting", stage_col, "with allowance", "fits", "step (s)", "TFLOP/s/GPU", "tokens/s/GPU", "MFU",
+                "rel. TFLOP/s"):
         table.add_column(col, justify="left" if col in ("setting", stage_col) else "right")
     for i, r in enumerate(rows, 1):
         peaks = " ".join(_gib(s["peak_allocated_bytes"]) for s in r["stages"])
         mark = " *" if r["label"] == result.get("current") else ""
         table.add_row(str(i), escape(r["label"]) + mark, peaks, _gib(r["device_bytes_needed"]), FIT_WORDS[r["fit"]],
-                      f"{r['step_seconds']:.3f}", f"{r['relative_throughput']:.3f}")
+                      f"{r['step_seconds']:.3f}", f"{r['tflops_per_gpu']:.0f}", f"{r['tokens_per_s_per_gpu']:.0f}",
+                      f"{100 * r['mfu']:.1f}%", f"{r['relative_throughput']:.3f}")
     return table
+
+
+CLASS_WORDS = {"gemm": "GEMMs", "attention": "attention", "memory": "memory-bound", "recompute": "recompute",
+               "tp_comm": "TP/SP comm exposed", "cp_exchange": "CP exchange", "expert_all_to_all": "expert all-to-all",
+               "offload": "offload copies", "pipeline_bubble": "pipeline bubble",
+               "data_parallel_exposed": "DP reduce/gather exposed", "optimizer": "optimizer", "host_overhead": "host overhead"}
+
+
+def classes_line(by_class: dict[str, float | None], step: float) -> str:
+    """Where the step goes by class, the largest first; the classes the model does not price named last."""
+    priced = sorted(((k, v) for k, v in by_class.items() if v), key=lambda kv: -kv[1])
+    words = ", ".join(f"{CLASS_WORDS[k]} {1e3 * v:.0f} ms ({100 * v / step:.0f}%)" for k, v in priced)
+    unpriced = [CLASS_WORDS[k] for k, v in by_class.items() if v is None]
+    return f"by class: {words}" + (f"; not priced: {', '.join(unpriced)}" if unpriced else "")
 
 
 def flags_lines(flags: dict[str, list[str]], indent: str = "  ") -> list[str]:

@@ -26,3 +26,19 @@ def test_measured_rates_stay_under_the_datasheet_peak_and_are_cached(tmp_path):
         assert with_profile(sheet, profile).matrix_flops["bf16"] == measured["bf16_flops"]
     again, _, cached = cached_rates(tmp_path)
     assert cached and again == profile
+
+
+def test_the_run_s_own_gemm_shapes_are_measured_cached_apart_and_priced_with(tmp_path):
+    from recompute_bench.analysis.gpu_rates import ACHIEVED
+    from recompute_bench.analysis.megatron.time_ops import Op
+
+    shapes = [(4096, 2560, 8192, "bf16"), (4096, 8192, 2048, "bf16")]
+    profile, path, cached = cached_rates(tmp_path, shapes=shapes)
+    assert not cached and path != cached_rates(tmp_path)[1]  # another set of shapes, another file
+    measured = {(g["m"], g["n"], g["k"], g["precision"]): g["flops_per_s"] for g in profile["gemms"]}
+    assert set(measured) == set(shapes) and all(0 < f <= 1.05 * 989.5e12 * 2.6 for f in measured.values())
+    kind = gpu_type(profile["device_name"])
+    if kind in ACHIEVED:
+        rates = with_profile(ACHIEVED[kind], profile)
+        op = Op("g", "matrix", flops=2 * 4096 * 2560 * 8192, shape=(4096, 2560, 8192))
+        assert op.seconds(rates) == op.flops / measured[(4096, 2560, 8192, "bf16")]

@@ -6,15 +6,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from recompute_bench.config.gpus import COMPUTE_CAPABILITY
 from recompute_bench.config.schema import BadInput
 
 MiB = 2**20
 
-# Compute capability (major x 10 + minor) of the GPU kinds Megatron runs on; it picks Transformer
-# Engine's attention kernel and workspace and torch's default cuBLAS workspace.
-COMPUTE_CAPABILITY = {"v100": 70, "t4": 75, "a100": 80, "a10": 86, "a40": 86, "l4": 89, "l40s": 89,
-                      "h100": 90, "h200": 90, "h20": 90, "gh200": 90, "b200": 100, "gb200": 100,
-                      "b300": 103, "gb300": 103}
+# Compute capability (major x 10 + minor) of the GPU kinds Megatron runs on, from the one GPU table
+# (`config.gpus`); it picks Transformer Engine's attention kernel and workspace and torch's default
+# cuBLAS workspace.
 DEFAULT_GPU = "h100"
 
 

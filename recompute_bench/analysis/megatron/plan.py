@@ -120,7 +120,7 @@ class Planner:
             "peak_allocated_bytes": peak.peak_allocated_bytes, "peak_stage": peak.stage, "device_bytes_needed": need,
             "fit": fit(peak.peak_allocated_bytes, self.budget, self.fraction, self.fixed),
             "step_seconds": st.step_seconds, "recompute_seconds": st.recompute_seconds,
-            "relative_throughput": self.none_step / st.step_seconds,
+            "relative_throughput": self.none_step / st.step_seconds, **throughput(cfg, self.rates, st),
             "flags": pasteable(r),
         }
 
@@ -137,6 +137,20 @@ class Planner:
                     excluded.setdefault(reason, []).append(r.label)
             self.searched = rows, [{"reason": reason, "settings": _span(labels)} for reason, labels in excluded.items()]
         return self.searched
+
+
+def throughput(cfg: Config, rates: GpuRates, st: StepTime) -> dict[str, Any]:
+    """A priced step as users read it: model TFLOP/s per GPU (the model FLOPs of the global batch,
+    `analysis.flops.model_flops_per_step`, over the step and the GPUs), tokens per second per GPU,
+    MFU (against the GPU's dense 16-bit datasheet peak, as Korthikanti et al. and Megatron's logs
+    count it, FP8 runs included) and the step's seconds by class (`StepTime.by_class`)."""
+    from recompute_bench.analysis.flops import model_flops_per_step
+
+    world = cfg.parallel.world_size
+    flops = model_flops_per_step(cfg) / world / st.step_seconds
+    tokens = cfg.training.global_batch_size * cfg.training.seq_length / world / st.step_seconds
+    return {"tflops_per_gpu": flops / 1e12, "tokens_per_s_per_gpu": tokens, "mfu": flops / rates.peak("bf16"),
+            "step_parts": st.by_class()}
 
 
 def _span(labels: list[str]) -> str:
@@ -229,7 +243,7 @@ def megatron_plan(cfg: Config, run: MegatronRun, rates: GpuRates, budget: float,
         out["time_parts"] = {"step_seconds": st.step_seconds, "microbatch_seconds": st.microbatch_seconds,
                              "pacing_stage": st.pacing_stage, "bubble_seconds": st.bubble_seconds,
                              "optimizer_seconds": st.optimizer_seconds, "num_microbatches": cfg.num_microbatches,
-                             "parts": st.parts}
+                             "by_class": st.by_class(), "parts": st.parts}
         gib = 2**30
         allowance = allowance_parts(best["peak_allocated_bytes"], fraction, fixed)
         if best["fit"] == FITS:

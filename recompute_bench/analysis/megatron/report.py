@@ -22,7 +22,7 @@ from recompute_bench.analysis.paper import (built_minus_paper_bytes, paper_flops
                                             paper_layer_differences)
 from recompute_bench.config.pipeline_split import model_chunks
 from recompute_bench.config.rules import layers_per_model_chunk
-from recompute_bench.config.schema import Config, RecomputeConfig, with_setting
+from recompute_bench.config.schema import BadInput, Config, RecomputeConfig, with_setting
 from recompute_bench.config.schema import layer_comm_types
 from recompute_bench.models.context_parallel import rank_seq_length
 from recompute_bench.recompute.settings import selective_settings
@@ -62,7 +62,25 @@ def setting_estimate(cfg: Config, run: MegatronRun, routing: str = "balanced") -
         "peak_stage": peak.stage,
         "peak_phase": peak.phase,
         **setting_flops(cfg, "cuda"),
+        **setting_time(cfg, run),
     }
+
+
+def setting_time(cfg: Config, run: MegatronRun) -> dict[str, Any]:
+    """The setting's predicted step at the GPU kind's achieved rates, as the plan prices it
+    (`plan.throughput`: step_seconds, tflops_per_gpu, tokens_per_s_per_gpu, mfu, step_parts); every
+    field None where the kind has no rates or the time model cannot price the run."""
+    from recompute_bench.analysis.gpu_rates import achieved_rates
+    from recompute_bench.analysis.megatron.parameters import stage_parameter_groups
+    from recompute_bench.analysis.megatron.plan import throughput
+    from recompute_bench.analysis.megatron.time_model import step_time
+
+    try:
+        rates = achieved_rates(run.gpu)
+        st = step_time(cfg, run, rates, [stage_parameter_groups(cfg, s) for s in range(cfg.parallel.pipeline_model_parallel_size)])
+    except BadInput:
+        return dict.fromkeys(("step_seconds", "tflops_per_gpu", "tokens_per_s_per_gpu", "mfu", "step_parts"))
+    return {"step_seconds": st.step_seconds, **throughput(cfg, rates, st)}
 
 
 def decoder_chunks(cfg: Config, run: MegatronRun, peak: StagePeak, routing: str = "balanced") -> list[ChunkBytes]:

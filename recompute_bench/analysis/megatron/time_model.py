@@ -67,7 +67,7 @@ from recompute_bench.config.schema import BadInput, Config
 from recompute_bench.models import ELEMENT_BYTES, FP32_BYTES, MASK_BYTES
 from recompute_bench.recompute.policy import LayerPolicy, layer_policies
 
-__all__ = ["LayerOps", "Op", "StepTime", "checkpoint_ops", "embedding_ops", "layer_ops", "layer_seconds", "loss_ops",
+__all__ = ["LayerOps", "Op", "STEP_CLASSES", "StepTime", "part_class", "checkpoint_ops", "embedding_ops", "gemm_shapes", "layer_ops", "layer_seconds", "loss_ops",
            "offload_seconds", "op_times", "optimizer_ops", "pass_seconds", "recompute_ops", "step_time"]
 
 
@@ -184,7 +184,7 @@ def loss_ops(cfg: Config) -> LayerOps:
     if sh.sp:
         fwd.append(sh.tp_comm("output_layer.all_gather", "all_gather", sh.tokens * sh.h, e))
     out = Op("output_layer", "matrix", flops=2 * sh.tokens * sh.h * vocab,
-             bytes=e * (sh.tokens * sh.h + sh.h * vocab + logits), precision=precision)
+             bytes=e * (sh.tokens * sh.h + sh.h * vocab + logits), precision=precision, shape=(sh.tokens, vocab, sh.h))
     fwd.append(out)
     if cfg.model.cross_entropy_loss_fusion:  # float+max; subtract, exp, sum; divide
         forward_bytes, backward_bytes = (e + FP32_BYTES) + 2 * FP32_BYTES + 2 * FP32_BYTES, FP32_BYTES + e
@@ -194,9 +194,10 @@ def loss_ops(cfg: Config) -> LayerOps:
     fwd.append(Op("cross_entropy", "memory", bytes=forward_bytes * logits))
     bwd = [Op("cross_entropy.backward", "memory", bytes=backward_bytes * logits)]
     dgrad = Op("output_layer.dgrad", "matrix", flops=out.flops, bytes=e * (logits + sh.h * vocab + sh.tokens * sh.h),
-               precision=precision)
+               precision=precision, shape=(sh.tokens, sh.h, vocab))
     wgrad = Op("output_layer.wgrad", "matrix", flops=out.flops,
-               bytes=e * (logits + sh.tokens * sh.h) + 2 * FP32_BYTES * sh.h * vocab, precision=precision)
+               bytes=e * (logits + sh.tokens * sh.h) + 2 * FP32_BYTES * sh.h * vocab, precision=precision,
+               shape=(vocab, sh.h, sh.tokens))
     bwd += [dgrad, wgrad]
     if sh.t > 1:
         kind = "reduce_scatter" if sh.sp else "all_reduce"
@@ -246,6 +247,39 @@ class StepTime:
     @property
     def recompute_seconds(self) -> float:
         return sum(p["seconds"] for p in self.parts if p["pass"] == "recompute")
+
+    def by_class(self) -> dict[str, float | None]:
+        """Where the step goes, by class (seconds; None: a class the model does not price): the
+        pacing stage's GEMMs, attention kernels and memory-bound ops of forward and backward, what
+        recompute re-runs, the tensor/sequence-parallel collectives left exposed, the context-parallel
+        K/V exchange, the experts' dispatch and combine, activation offload's copies, the pipeline
+        bubble, the optimizer step; data-parallel gradient reduce and parameter gather left exposed,
+        and host (kernel launch) overhead, which the model does not price."""
+        out: dict[str, float | None] = dict.fromkeys(STEP_CLASSES, 0.0)
+        for p in self.parts:
+            out[part_class(p)] += p["seconds"]
+        out["pipeline_bubble"] = self.bubble_seconds
+        out["optimizer"] = self.optimizer_seconds
+        out["data_parallel_exposed"] = out["host_overhead"] = None
+        return out
+
+
+STEP_CLASSES = ("gemm", "attention", "memory", "recompute", "tp_comm", "cp_exchange", "expert_all_to_all", "offload",
+                "pipeline_bubble", "data_parallel_exposed", "optimizer", "host_overhead")
+"""The classes of `StepTime.by_class`, in the order a step runs them."""
+
+
+def part_class(part: dict[str, Any]) -> str:
+    """The class of one part of `StepTime.parts` (an op in one pass)."""
+    if part["pass"] in ("recompute", "offload"):
+        return part["pass"]
+    if part["kind"] == "matrix":
+        return "gemm"
+    if part["kind"] in ("attention", "memory"):
+        return part["kind"]
+    if part["op"].startswith("core_attention"):
+        return "cp_exchange"
+    return "expert_all_to_all" if part["op"].startswith("moe.") else "tp_comm"
 
 
 class _Layers:
@@ -325,6 +359,15 @@ def step_time(cfg: Config, run: MegatronRun, rates: GpuRates,
               for (name, kind, module, pass_name), sec in stages[pacing].items() if sec]
     listed.sort(key=lambda r: -r["seconds"])
     return StepTime(m * micro[pacing] + bubble + optimizer, micro, pacing, bubble, optimizer, listed)
+
+
+def gemm_shapes(cfg: Config, run: MegatronRun) -> list[tuple[float, float, float, str]]:
+    """The distinct GEMMs (m, n, k, precision) of cfg's layers and output layer on one rank, forward
+    and backward: what `plan --profile` measures on the GPU so that the model prices them as they ran."""
+    kinds = {layer_key(cfg, i): i for i in range(cfg.model.num_layers)}
+    ops = [op for i in kinds.values() for lo in [layer_ops(cfg, run, i)] for op in lo.forward + lo.backward]
+    ops += loss_ops(cfg).forward + loss_ops(cfg).backward
+    return sorted({(*op.shape, op.precision) for op in ops if op.kind == "matrix" and op.shape is not None})
 
 
 def checkpoint_ops(cfg: Config, policies: list[LayerPolicy]) -> list[Op]:

@@ -58,6 +58,9 @@ class Op:
     """comm: how many ranks apart its members are (Megatron's rank order)."""
     pattern: str = "ring"
     """comm: ring (all-gather, reduce-scatter, all-reduce, ring step), all_to_all, or host (CPU offload)."""
+    shape: tuple[float, float, float] | None = None
+    """matrix: the GEMM's (m, n, k), whose output tiles run in waves over the SMs (`GpuRates.gemm_seconds`);
+    None: priced by its FLOPs alone."""
 
     @property
     def module(self) -> str | None:
@@ -73,7 +76,7 @@ class Op:
         memory = self.bytes / rates.hbm_bytes_per_s
         if self.kind == "memory":
             return memory
-        return max(self.flops / rates.matrix_rate(self.precision), memory)
+        return max(rates.gemm_seconds(self.flops, self.precision, self.shape), memory)
 
 
 def pass_seconds(ops: list[Op], rates: GpuRates) -> float:
@@ -176,7 +179,7 @@ def linear(name: str, sh: Shape, tokens: float, k: float, n: float, mods: frozen
     grouped GEMM): reads its input and weights, writes its output."""
     in_bytes = sh.in_bytes if precision is None else ELEMENT_BYTES.get(precision, sh.e)
     return Op(name, "matrix", flops=2 * tokens * k * n, bytes=in_bytes * (tokens * k + weights * k * n) + sh.e * tokens * n,
-              precision=precision or sh.gemm_precision, modules=mods)
+              precision=precision or sh.gemm_precision, modules=mods, shape=(tokens, n, k) if weights == 1 else None)
 
 
 def linear_backward(fwd: Op, sh: Shape, tokens: float, k: float, n: float, column: bool = False, row: bool = False,
@@ -193,13 +196,15 @@ def linear_backward(fwd: Op, sh: Shape, tokens: float, k: float, n: float, colum
         reads = (2 if sh.recipe == "tensorwise" else 1) * sh.e * tokens * n
         ops.append(Op(f"{fwd.name}.grad_quantize", "memory", bytes=reads + 2 * FP8_BYTES * tokens * n))
     in_bytes = FP8_BYTES if fp8 else sh.e
+    single = weights == 1
     dgrad = Op(f"{fwd.name}.dgrad", "matrix", flops=fwd.flops, bytes=in_bytes * (tokens * n + weights * k * n) + sh.e * tokens * k,
-               precision=fwd.precision)
+               precision=fwd.precision, shape=(tokens, k, n) if single else None)
     if row and sh.sp:  # the output gradient gathered first (with tp_comm_overlap, pipelined with dgrad)
         ops.insert(0, sh.tp_comm(f"{fwd.name}.grad_all_gather", "all_gather", sh.tokens * n, sh.e,
                                  overlaps=dgrad.name if sh.ub else None))
     wgrad = Op(f"{fwd.name}.wgrad", "matrix", flops=fwd.flops,
-               bytes=in_bytes * (tokens * n + tokens * k) + 2 * 4 * weights * k * n, precision=fwd.precision)
+               bytes=in_bytes * (tokens * n + tokens * k) + 2 * 4 * weights * k * n, precision=fwd.precision,
+               shape=(n, k, tokens) if single else None)
     ops += [dgrad, wgrad]
     if column and sh.t > 1:
         if sh.sp:

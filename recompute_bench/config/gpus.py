@@ -1,0 +1,149 @@
+"""The one GPU table: each GPU kind's facts, stated once with their sources. Everything else reads
+them from here: the datasheet and achieved rates the time model prices work at
+(`analysis.gpu_rates`), the dense peaks MFU divides by by the name CUDA reports (`analysis.flops`),
+the compute capability that picks Megatron's kernels (`analysis.megatron.gpu`) and the short kind a
+device name maps to (`config.presets.gpu_type`). Pure data, no imports from the rest of the package.
+
+Datasheets print tensor-core rates with 2:4 sparsity; the figures here are the dense ones (half).
+NVLink is printed as the total of both directions; a ring collective sends one way at a time, so the
+link figure is half the printed one. Achieved rates ("mamf": the maximum achievable matmul FLOP/s, the
+best shape a brute-force search found) come from published microbenchmarks or our own measurement,
+each named beside its figure; none is set from an end-to-end training throughput.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+TERA = 1e12
+GBIT = 1e9 / 8
+"""Bytes per second of one Gb/s (network ports are rated in bits)."""
+
+MAMF_SOURCE = ("stas00/ml-engineering compute/accelerator/README.md, 'Maximum Achievable Matmul FLOPS comparison "
+               "table' (mamf-finder.py, torch matmul, mean of 100 runs)")
+OURS_H200 = "our H200 run 2026-11-28 (shared/gpu-runs/2026-11-28-h200: bf16 8192^3 matmul 771 TFLOP/s, copy 4.23 TB/s)"
+
+
+@dataclass(frozen=True)
+class Gpu:
+    """One GPU product: its kind, what CUDA calls it, its datasheet and what it achieves."""
+
+    kind: str
+    """The short kind (h100, a100, ...): `--gpu`'s words, golden file names."""
+    product: str
+    compute_capability: int
+    """Major x 10 + minor; it picks Transformer Engine's attention kernel and workspace and torch's cuBLAS workspace."""
+    device_names: tuple[str, ...] = ()
+    """The exact names CUDA and NVML report for this product."""
+    short: str = ""
+    """The product as MFU's peak names it ("H100 SXM")."""
+    dense_flops: dict[str, float] = field(default_factory=dict)
+    """Datasheet dense tensor-core FLOP/s: bf16, fp16, fp32 (TF32), fp8, fp64 (tensor core, as printed)."""
+    hbm_bytes_per_s: float = 0.0
+    link_bytes_per_s: float = 0.0
+    """NVLink bytes per second one GPU sends one way."""
+    host_link_bytes_per_s: float | None = None
+    network_bytes_per_s: float | None = None
+    """The scale-out NIC per GPU of the vendor's reference system (DGX datasheets), one way."""
+    nvlink_domain: int = 8
+    sms: int | None = None
+    """Streaming multiprocessors (the whitepaper's count): a GEMM's tiles run in waves over them."""
+    source: str = ""
+    """The datasheets of the figures above."""
+    mamf: dict[str, float] = field(default_factory=dict)
+    """Achieved matrix FLOP/s by precision, the best shape of a published microbenchmark or ours."""
+    mamf_source: str = ""
+    achieved_hbm_bytes_per_s: float | None = None
+    """A device-to-device copy's bytes read + written per second, measured."""
+    hbm_source: str = ""
+    achieved_link_bytes_per_s: float | None = None
+    """Bus bandwidth of a ring collective over the NVLink domain, measured (nccl-tests' busbw)."""
+    link_source: str = ""
+
+
+def _dense(bf16_sparse: float, tf32_sparse: float, fp8_sparse: float | None, fp64: float) -> dict[str, float]:
+    """Dense rates (TFLOPS) from the datasheet's sparse tensor-core figures; FP64 tensor core as printed."""
+    out = {"bf16": bf16_sparse / 2 * TERA, "fp16": bf16_sparse / 2 * TERA, "fp32": tf32_sparse / 2 * TERA,
+           "fp64": fp64 * TERA}
+    if fp8_sparse:
+        out["fp8"] = fp8_sparse / 2 * TERA
+    return out
+
+
+NCCL_A100 = ("NVIDIA/nccl-tests issue #149: all_reduce_perf on 8 A100 SXM4 80GB over NVSwitch, busbw ~200 GB/s "
+             "up to 1 GiB (issue #178: 208 GB/s)")
+# The ring bus bandwidth nccl-tests reached on A100's NVLink, as a share of the one-way link; kinds with no
+# nccl-tests figure of their own take the same share.
+LINK_SHARE = 200e9 / 300e9
+
+# The copy our H200 run measured, as a share of its datasheet bandwidth (4.23 / 4.8); the kinds with no
+# copy of their own measured take the same share (HBM controllers of one generation reach alike).
+COPY_SHARE = 4.23e12 / 4.8e12
+
+_A100 = _dense(624, 312, None, 19.5)
+_H100 = _dense(1979, 989, 3958, 67)
+_B200 = _dense(4500, 2250, 9000, 296 / 8)
+_GB200 = _dense(5000, 2500, 10000, 3240 / 72)
+
+GPUS: tuple[Gpu, ...] = (
+    # NVIDIA A100 Tensor Core GPU datasheet, A100 80GB SXM: BF16/FP16 624 TFLOPS*, TF32 312* (* sparsity), no
+    # FP8, FP64 Tensor Core 19.5; 2,039 GB/s; NVLink 600 GB/s; PCIe Gen4 64 GB/s. DGX A100 datasheet: 8 GPUs
+    # on NVSwitch, a 200 Gb/s HDR InfiniBand port per GPU. 108 SMs (NVIDIA A100 whitepaper).
+    # MAMF: A100 SXM bf16 271.2 TFLOPS.
+    Gpu("a100", "A100 SXM4 80GB", 80, ("NVIDIA A100-SXM4-80GB", "NVIDIA A100-SXM4-40GB"), "A100 SXM", _A100,
+        2039e9, 600e9 / 2, 64e9 / 2, 200 * GBIT, 8, 108, "NVIDIA A100 datasheet (SXM4 80GB); network: DGX A100 datasheet",
+        {"bf16": 271.2e12, "fp16": 271.2e12}, MAMF_SOURCE, None, "", 200e9, NCCL_A100),
+    Gpu("a100", "A100 PCIe", 80, ("NVIDIA A100-PCIE-40GB", "NVIDIA A100 80GB PCIe"), "A100 PCIe", _A100,
+        source="NVIDIA A100 datasheet (PCIe)"),
+    # NVIDIA H100 Tensor Core GPU datasheet, H100 SXM: FP8 3,958 TFLOPS*, BF16 1,979*, TF32 989*, FP64 TC 67;
+    # 3.35 TB/s; NVLink 900 GB/s; PCIe Gen5 128 GB/s. DGX H100 datasheet: a 400 Gb/s ConnectX-7 port per GPU.
+    # 132 SMs (NVIDIA H100 whitepaper, SXM5). MAMF: H100 SXM bf16 794.5, fp8 1,402.6 TFLOPS.
+    Gpu("h100", "H100 SXM5 80GB", 90, ("NVIDIA H100 80GB HBM3",), "H100 SXM", _H100, 3.35e12, 900e9 / 2, 128e9 / 2,
+        400 * GBIT, 8, 132, "NVIDIA H100 datasheet (SXM5); network: DGX H100 datasheet",
+        {"bf16": 794.5e12, "fp16": 794.5e12, "fp8": 1402.6e12}, MAMF_SOURCE),
+    Gpu("h100", "H100 PCIe", 90, ("NVIDIA H100 PCIe",), "H100 PCIe", _dense(1513, 756, 3026, 51), 2.0e12,
+        source="NVIDIA H100 datasheet (PCIe)"),
+    Gpu("h100", "H100 NVL", 90, ("NVIDIA H100 NVL",), "H100 NVL", _dense(1671, 835, 3341, 60), 3.9e12,
+        source="NVIDIA H100 datasheet (NVL)"),
+    # NVIDIA H200 datasheet, H200 SXM: tensor cores as H100 SXM; 4.8 TB/s; NVLink 900 GB/s; PCIe Gen5 128 GB/s.
+    # DGX H200 datasheet: a 400 Gb/s port per GPU. MAMF: H200 SXM fp8 1,453.4 TFLOPS; bf16 ours, 771 at 8192^3.
+    Gpu("h200", "H200 SXM 141GB", 90, ("NVIDIA H200",), "H200 SXM", _H100, 4.8e12, 900e9 / 2, 128e9 / 2, 400 * GBIT, 8,
+        132, "NVIDIA H200 datasheet (SXM); network: DGX H200 datasheet",
+        {"bf16": 771e12, "fp16": 771e12, "fp8": 1453.4e12}, f"bf16: {OURS_H200}; fp8: {MAMF_SOURCE}", 4.23e12, OURS_H200),
+    Gpu("h200", "H200 NVL", 90, ("NVIDIA H200 NVL",), "H200 NVL", _dense(1671, 835, 3341, 60), 4.8e12,
+        source="NVIDIA H200 datasheet (NVL)"),
+    # NVIDIA HGX B200 datasheet, per GPU (the 8-GPU board / 8): FP8 9 PFLOPS*, BF16 4.5*, TF32 2.25*, FP64 TC 296
+    # TFLOPS for the 8; 8 TB/s; NVLink 1.8 TB/s (no per-GPU host link). DGX B200: a 400 Gb/s port per GPU.
+    # 148 SMs (NVIDIA Blackwell architecture technical brief). MAMF: B200 SXM bf16 1,745.0, fp8 3,432.5 TFLOPS.
+    Gpu("b200", "B200 (HGX)", 100, ("NVIDIA B200",), "B200", _B200, 8e12, 1.8e12 / 2, None, 400 * GBIT, 8, 148,
+        "NVIDIA HGX B200 datasheet, per GPU; network: DGX B200 datasheet",
+        {"bf16": 1745e12, "fp16": 1745e12, "fp8": 3432.5e12}, MAMF_SOURCE),
+    # NVIDIA GB200 NVL72 datasheet, per GPU (the rack / 72): FP8 10 PFLOPS*, BF16 5*, TF32 2.5*, FP64 TC 3,240
+    # TFLOPS for the 72; 8 TB/s; NVLink 1.8 TB/s in one 72-GPU domain; NVLink-C2C to Grace 900 GB/s. DGX GB200:
+    # a 400 Gb/s port per GPU. 148 SMs. MAMF: GB200 SXM bf16 1,822.0, fp8 3,615.6 TFLOPS.
+    Gpu("gb200", "GB200 (NVL72)", 100, ("NVIDIA GB200",), "GB200", _GB200, 8e12, 1.8e12 / 2, 900e9 / 2, 400 * GBIT, 72,
+        148, "NVIDIA GB200 NVL72 datasheet, per GPU; network: DGX GB200 datasheet",
+        {"bf16": 1822e12, "fp16": 1822e12, "fp8": 3615.6e12}, MAMF_SOURCE),
+    # NVIDIA L40S datasheet: BF16 733 TFLOPS*, TF32 366*.
+    Gpu("l40s", "L40S", 89, ("NVIDIA L40S",), "L40S", {"bf16": 362.05e12, "fp16": 362.05e12, "fp32": 183e12},
+        source="NVIDIA L40S datasheet"),
+    # Kinds Megatron runs on that the time model has no rates for: their compute capability only.
+    Gpu("v100", "V100", 70), Gpu("t4", "T4", 75), Gpu("a10", "A10", 86), Gpu("a40", "A40", 86), Gpu("l4", "L4", 89),
+    Gpu("h20", "H20", 90), Gpu("gh200", "GH200", 90), Gpu("b300", "B300", 103), Gpu("gb300", "GB300", 103),
+)
+
+KINDS: dict[str, Gpu] = {}
+"""Each kind's reference product (the first listed: the SXM board the vendor's DGX system holds)."""
+for _gpu in GPUS:
+    KINDS.setdefault(_gpu.kind, _gpu)
+
+COMPUTE_CAPABILITY: dict[str, int] = {kind: gpu.compute_capability for kind, gpu in KINDS.items()}
+
+# The kinds a device name is searched for, longest first so that "gb200" is not read as "b200".
+NAMED_KINDS = tuple(sorted(("gb300", "gb200", "b300", "b200", "h200", "h100", "a100", "l40s"), key=len, reverse=True))
+
+
+def by_device_name(device_name: str) -> Gpu | None:
+    """The product CUDA names exactly `device_name`, or None."""
+    name = device_name.strip()
+    return next((gpu for gpu in GPUS if name in gpu.device_names), None)
