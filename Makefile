@@ -53,13 +53,14 @@ bench: $(STAMP)
 	$(PY) bench/pipeline_bubble.py
 
 # Everything the GPU tests and the GPU-only checks need, in three calls (CALL=1, 2, 3) of at most
-# 8 minutes of steps each on one H100/H200 (a device command runs at most 10 minutes), with the
-# device's own Python and torch (no venv): each leaves OUT/summary-callN.md, .json and one archive of
-# its runs and logs (docs/gpu-check.md). Without a GPU it prints what the call would run.
+# 8 minutes of steps each on one H100/H200 (a device command runs at most 10 minutes), or CALL=quick:
+# what matters most in at most 6 minutes; with the device's own Python and torch (no venv): each
+# leaves OUT/summary-<call>.md, .json and one archive of its runs and logs (docs/gpu-check.md).
+# Without a GPU it prints what the call would run.
 OUT ?= results/gpu-check-$(RUN_ID)
 CALL ?= 1
 gpu-check:
-	PYTHONPATH=. $(PYTHON) bench/gpu_check.py --call $(CALL) --out $(OUT)
+	PYTHONPATH=. $(PYTHON) bench/gpu_check.py $(if $(filter quick,$(CALL)),--quick,--call $(CALL)) --out $(OUT)
 
 clean:
 	rm -rf $(VENV) results/runs.jsonl

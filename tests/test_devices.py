@@ -61,6 +61,7 @@ def fake_cuda(monkeypatch):
     monkeypatch.setattr(torch.cuda, "current_stream", stream)
     monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: state.waits.append("cuda.synchronize"))
     monkeypatch.setattr(torch.cuda, "Event", Event)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))  # the workspaces' size
     return state
 
 

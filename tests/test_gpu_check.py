@@ -161,3 +161,70 @@ def test_a_call_writes_its_summary_after_every_step_and_packs_the_rest(tmp_path,
     with tarfile.open(out / "gpu-check-call1.tar.gz") as tar:
         names = tar.getnames()
     assert "gpu-check-call1/made.txt" in names and "gpu-check-call1/logs/fails.log" in names
+
+
+def test_steps_run_in_the_order_given(tmp_path, monkeypatch):
+    py = lambda code, **kw: gpu_check.Command([sys.executable, "-c", code], **kw)  # noqa: E731
+    steps = [gpu_check.Step(name, "", lambda c, n=name: [py(f"open('order.txt', 'a').write('{n} ')")])
+             for name in ("first", "second", "third")]
+    monkeypatch.setattr(gpu_check, "STEPS", steps)
+    assert [s.name for s in gpu_check.chosen(None, ["third", "first"])] == ["third", "first"]
+    monkeypatch.setattr(gpu_check, "visible_gpu_count", lambda: 1)
+    monkeypatch.setattr(gpu_check, "visible_gpu_name", lambda index=0: "NVIDIA H100 80GB HBM3")
+    work = tmp_path / "work"
+    assert gpu_check.main(["--steps", "third,first,second", "--out", str(tmp_path / "out"), "--work", str(work)]) == 0
+    assert (work / "order.txt").read_text() == "third first second "
+    with pytest.raises(SystemExit, match="unknown step"):
+        gpu_check.chosen(None, ["nope"])
+
+
+def test_quick_is_what_matters_most_in_one_short_call(capsys):
+    # A lease is 15 minutes, its start included: the quick call's steps stop at a budget that keeps the
+    # call within 6 minutes. On the first H200 these steps took 8 + 34 + 71 + 34 + 78 + 60 s (290 s).
+    quick = [s.name for s in gpu_check.chosen(None, None, quick=True)]
+    assert quick == ["preflight", "pytest tests/gpu", "llama3-8b slice", "real OOM", "sweep and golden", "moe and mla"]
+    assert gpu_check.QUICK_BUDGET_S <= 6 * 60 - 20
+    assert gpu_check.main(["--quick", "--dry-run"]) == 0
+    out = capsys.readouterr().out
+    assert f"budget {gpu_check.QUICK_BUDGET_S:.0f} s" in out and "quick: " in out
+    assert [line[2:].split(": ")[0] for line in out.splitlines() if line.startswith("- ")] == quick
+    with pytest.raises(SystemExit):
+        gpu_check.main(["--quick", "--call", "1", "--dry-run"])
+
+
+def test_a_step_whose_file_or_package_is_absent_is_not_run_and_says_why(tmp_path, monkeypatch):
+    ctx = _ctx(tmp_path)
+    ctx.out.mkdir(parents=True)
+    overhead = next(s for s in gpu_check.STEPS if s.name == "step overhead")
+    monkeypatch.setattr(gpu_check, "STEP_OVERHEAD", tmp_path / "step_overhead.py")
+    result = gpu_check.run_step(overhead, ctx, gpu_check.time.monotonic() + 60, ctx.out / "o.log")
+    assert result["status"] == "not run (bench/step_overhead.py is not in this tree)" and gpu_check.passed(result["status"])
+    assert gpu_check.planned_s(overhead, ctx) == 0
+    (tmp_path / "step_overhead.py").write_text("open('ran.txt', 'w').write('yes')\n")
+    result = gpu_check.run_step(overhead, ctx, gpu_check.time.monotonic() + 60, ctx.out / "o.log")
+    assert result["status"] == "ok" and (ROOT / "ran.txt").read_text() == "yes"  # it runs in the working tree
+    (ROOT / "ran.txt").unlink()
+    te = next(s for s in gpu_check.STEPS if s.name == "Transformer Engine tests")
+    monkeypatch.setattr(gpu_check.importlib.util, "find_spec", lambda name: None)
+    assert gpu_check.run_step(te, ctx, gpu_check.time.monotonic() + 60, ctx.out / "t.log")["status"] == \
+        "not run (transformer_engine does not import on this machine)"
+    monkeypatch.setattr(gpu_check.importlib.util, "find_spec", lambda name: object())
+    monkeypatch.setattr(gpu_check, "te_tests", lambda: ["tests/test_te.py"])
+    assert te.absent() is None and te.commands(ctx)[0].argv[3] == "tests/test_te.py"
+    assert not gpu_check.passed("skipped (the call's budget is spent)") and not gpu_check.passed("failed (exit 1)")
+
+
+def test_the_profile_check_plans_a_budget_that_fits_and_says_a_miss_in_digits(tmp_path):
+    # The first H200 call ran `plan --auto --profile` at --memory-gb 1: tiny needs its allocated peak
+    # plus the plan's allowance (10% and a fixed 1 GiB), more than 1 GiB, and the refusal read
+    # "1.0 GiB of 1.0 GiB". The check's budget fits (here without --profile, which needs the device).
+    profile = next(s for s in gpu_check.STEPS if s.name == "profile on cuda").commands(_ctx(tmp_path))[0]
+    args = profile.argv[len(gpu_check.CLI):]
+    steps = args.index("--profile-steps")
+    args = [a for i, a in enumerate(args) if a != "--profile" and i not in (steps, steps + 1)]
+    args[args.index("--output") + 1] = str(tmp_path / "policy.toml")
+    result = invoke(*args)
+    assert result.exit_code == 0, result.output
+    refused = invoke("plan", "-w", "tiny", "--memory-gb", "1", "--auto", "--output", str(tmp_path / "p.toml"))
+    assert refused.exit_code == 1
+    assert "needs 1.07 GiB of 1.00 GiB" in " ".join(refused.output.split())

@@ -78,3 +78,55 @@ def test_the_cpu_runs_grouped_mm_through_torchs_fallback_loop():
     reference = torch.cat([x[a:b] @ w[e] for e, (a, b) in enumerate(zip(bounds, bounds[1:]))])
     assert torch.equal(torch._grouped_mm(x, w, offs=offsets), reference)
     assert backend.grouped_gemm_path(True, "cpu", torch.float32) == "grouped_mm_fallback"
+
+
+def test_the_fast_path_takes_a_zero_stride_gradient_and_zeroes_empty_experts_on_sm100(monkeypatch):
+    # torch._grouped_mm's CUDA backward refuses the expanded gradient of a `.sum()` ("Invalid
+    # strides/sizes, got [0, 0] for strides", the first H200 run), and on compute capability 10.x it
+    # is reported to leave an expert without rows its weight gradient unwritten. A stand-in with both
+    # habits replaces it here: the layer hands it a contiguous gradient and zeroes the empty experts'.
+    real = torch._grouped_mm
+
+    class Strict(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x, w, offs):
+            ctx.save_for_backward(x, w, offs)
+            return real(x, w, offs=offs)
+
+        @staticmethod
+        def backward(ctx, grad):
+            if 0 in grad.stride():
+                raise RuntimeError(f"Invalid strides/sizes, got {list(grad.stride())} for strides")
+            x, w, offs = ctx.saved_tensors
+            with torch.enable_grad():
+                xx, ww = x.detach().requires_grad_(), w.detach().requires_grad_()
+                grad_x, grad_w = torch.autograd.grad(real(xx, ww, offs=offs), (xx, ww), grad)
+            grad_w[torch.diff(offs, prepend=offs.new_zeros(1)) == 0] = float("nan")  # unwritten
+            return grad_x, grad_w, None
+
+    torch.manual_seed(0)
+    layer = backend.grouped_linear(4, 16, 24, True)
+    torch.nn.init.normal_(layer.weight)
+    reference = backend.grouped_linear(4, 16, 24, False)
+    reference.weight = torch.nn.Parameter(layer.weight.detach().clone())
+    x, offsets = torch.randn(12, 16), torch.tensor([3, 3, 10, 12], dtype=torch.int32)  # expert 1 has no rows
+    reference(x, offsets).sum().backward()
+    monkeypatch.setattr(torch, "_grouped_mm", lambda a, b, offs: Strict.apply(a, b, offs))
+    monkeypatch.setattr(backend, "grouped_gemm_path", lambda grouped, device, dtype=None: "grouped_mm")
+    monkeypatch.setattr(backend, "leaves_empty_expert_grads", lambda device: True)
+    layer(x, offsets).sum().backward()
+    assert layer.path == "grouped_mm"
+    assert torch.equal(layer.weight.grad[1], torch.zeros(24, 16))
+    torch.testing.assert_close(layer.weight.grad, reference.weight.grad)
+    # where the guard is off (Hopper) the stand-in's unwritten gradient shows: the guard is what cleared it
+    layer.weight.grad = None
+    monkeypatch.setattr(backend, "leaves_empty_expert_grads", lambda device: False)
+    layer(x, offsets).sum().backward()
+    assert layer.weight.grad[1].isnan().all() and not layer.weight.grad[[0, 2, 3]].isnan().any()
+
+
+def test_empty_experts_are_guarded_on_compute_capability_10_only(monkeypatch):
+    for capability, guarded in (((9, 0), False), ((10, 0), True), ((10, 3), True), ((12, 0), False)):
+        monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None, c=capability: c)
+        assert backend.leaves_empty_expert_grads(torch.device("cuda", 0)) is guarded
+    assert not backend.leaves_empty_expert_grads(torch.device("cpu"))

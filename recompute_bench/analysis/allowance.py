@@ -32,14 +32,28 @@ ALLOWANCE_FRACTION = 0.10
 """Allocator allowance: reserved minus allocated (fragmentation of the caching allocator), as a
 fraction of the estimated allocated peak."""
 ALLOWANCE_BYTES = 2**30
-"""Fixed allowance: CUDA context, cuBLAS/cuDNN workspaces and NCCL buffers, which
-`torch.cuda.max_memory_allocated` does not show but the device must hold."""
+"""Fixed allowance: what the device must hold but `torch.cuda.max_memory_allocated` does not show: the
+CUDA context with its loaded kernels, the cuBLAS and cuDNN handles' own state and NCCL's buffers, all
+allocated outside torch's caching allocator. torch's cuBLAS workspaces are not part of it: they are
+allocated through the caching allocator (CublasHandlePool.cpp `getNewWorkspace`), so they are in the
+allocated peak, and the estimate counts them there (`harness.rank.run_buffer_bytes`,
+`megatron.buffers.buffer_bytes`, both through `analysis.cuda_workspaces`)."""
 
 
 def device_bytes_needed(peak_allocated: float, allowance_fraction: float = ALLOWANCE_FRACTION,
                         allowance_bytes: float = ALLOWANCE_BYTES) -> float:
     """Device memory a rank needs: the allocated peak plus the stated allocator allowance."""
     return peak_allocated * (1 + allowance_fraction) + allowance_bytes
+
+def gib_of(needed: float, budget: float) -> str:
+    """"needs" against "budget" in GiB, as a plan says it ("1.07 GiB of 1.00 GiB"), with the fewest
+    digits (two at least, six at most) that tell the two apart: a need just above the budget never
+    reads as equal to it."""
+    digits = 2
+    while digits < 6 and f"{needed / 2**30:.{digits}f}" == f"{budget / 2**30:.{digits}f}":
+        digits += 1
+    return f"{needed / 2**30:.{digits}f} GiB of {budget / 2**30:.{digits}f} GiB"
+
 
 FITS, TIGHT, OVER = "fits", "tight", "over"
 

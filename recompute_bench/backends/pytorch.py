@@ -197,11 +197,41 @@ class GroupedLinear(nn.Module):
         w = self.weight.transpose(-2, -1)  # [experts, in, out], column-major as the CUDA kernel wants it
         self.path = grouped_gemm_path(self.grouped, x.device, x.dtype if x.dtype == w.dtype else None)
         if self.path in ("grouped_mm", "grouped_mm_fallback"):
-            return torch._grouped_mm(x, w, offs=offsets)
+            if w.requires_grad and self.path == "grouped_mm" and leaves_empty_expert_grads(x.device):
+                w.register_hook(_zero_empty_experts(offsets))
+            y = torch._grouped_mm(x, w, offs=offsets)
+            if y.requires_grad:  # not under a checkpoint's no-grad forward
+                y.register_hook(_contiguous)
+            return y
         if self.path == "padded_bmm":
             return _PaddedBmm.apply(x, w, offsets)
         bounds = [0, *offsets.tolist()]
         return torch.cat([x[a:b] @ w[e] for e, (a, b) in enumerate(zip(bounds, bounds[1:]))])
+
+
+def _contiguous(grad: torch.Tensor) -> torch.Tensor:
+    """A gradient hook: `torch._grouped_mm`'s backward refuses the expanded, zero-stride gradient of a
+    `.sum()` on CUDA ("Invalid strides/sizes, got [0, 0] for strides", the first H200 run), and a
+    reduction downstream of the experts may hand it one."""
+    return grad.contiguous()
+
+
+def _zero_empty_experts(offsets: torch.Tensor) -> Callable[[torch.Tensor], torch.Tensor]:
+    """A gradient hook on the experts' weights [experts, in, out] that zeroes the gradient of every
+    expert that received no row: where torch's grouped matmul is reported to leave an empty group's
+    output unwritten (compute capability 10.x), that gradient would be whatever the allocator's block
+    held. `where` also clears a NaN, and runs on the device: no host read of the counts."""
+    def hook(grad: torch.Tensor) -> torch.Tensor:
+        counts = torch.diff(offsets, prepend=offsets.new_zeros(1))
+        return torch.where((counts > 0)[:, None, None], grad, grad.new_zeros(()))
+    return hook
+
+
+def leaves_empty_expert_grads(device: torch.device) -> bool:
+    """Whether `_grouped_mm` on `device` may leave the weight gradient of an expert without rows
+    unwritten: reported for its CUDA kernel on compute capability 10.x (Blackwell), so guarded there
+    (`_zero_empty_experts`); a CPU's fallback loop and Hopper's kernel write zeros."""
+    return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] == 10
 
 
 def kernels_that_ran(model: nn.Module) -> dict[str, str]:

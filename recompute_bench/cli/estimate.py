@@ -77,7 +77,7 @@ def estimate(
                 run = _megatron_run(point.gpu, device, notes)
                 report = megatron_report(cfg, run, allowance_fraction, allowance_gb * 2**30)
             else:
-                report = planner.estimate_report(cfg, device, allowance_fraction, allowance_gb * 2**30)
+                report = planner.estimate_report(cfg, harness_device(device), allowance_fraction, allowance_gb * 2**30)
     except BadInput as e:
         raise fail(str(e)) from None
     if source is not None:
@@ -98,6 +98,20 @@ def estimate(
         err.print(logged_memory_table(report))
     if json_out:
         typer.echo(json.dumps(report, indent=2))
+
+
+def harness_device(device: str) -> str:
+    """The device this harness's estimate models, with torch's CUBLAS_WORKSPACE_CONFIG from this
+    environment on CUDA (it sizes the cuBLAS workspaces, `analysis.cuda_workspaces`), as a run here
+    would read it; the compute capability stays an H100's (32 MiB workspaces, as on every Hopper and
+    Blackwell GPU), which `run` replaces with its device's."""
+    import os
+
+    from recompute_bench.models import DeviceKernels
+
+    if device.split(":")[0] != "cuda":
+        return device
+    return DeviceKernels(device, cublas_workspace_config=os.environ.get("CUBLAS_WORKSPACE_CONFIG"))
 
 
 def _megatron_run(gpu: Optional[str], device: str, notes: list[str]):
@@ -204,6 +218,7 @@ def plan(
                              allowance_gb=allowance_gb, auto=auto, profile=profile, explain=explain, all_rows=all_rows,
                              json_out=json_out, source=source)
     show_notes(notes)
+    device = harness_device(device)
     if auto:
         costs = _profile_costs(cfg, device, profile_steps, host_link_gbps) if profile else None
         if host_link_gbps is not None and not profile:

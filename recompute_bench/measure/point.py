@@ -15,6 +15,7 @@ becomes `status: "error"`. Either way the record is complete, with what was not 
 
 from __future__ import annotations
 
+import os
 import statistics
 import traceback
 from contextlib import contextmanager
@@ -80,13 +81,23 @@ def run_point(cfg: Config, *, device: torch.device | None = None, peak_tflops: f
     return make_record(cfg, {**environment(device, tf32), **ran}, rank_entry, metrics)
 
 
+def measured_device(device: torch.device, attention_kernel: str | None = None) -> DeviceKernels:
+    """`device` as the analysis takes it, with what this process knows of it: the attention kernel the
+    probe step ran and, on CUDA, the compute capability and CUBLAS_WORKSPACE_CONFIG that size torch's
+    cuBLAS workspaces (`analysis.cuda_workspaces`)."""
+    if device.type != "cuda":
+        return DeviceKernels(device.type, attention_kernel)
+    major, minor = torch.cuda.get_device_capability(device)
+    return DeviceKernels(device.type, attention_kernel, 10 * major + minor, os.environ.get("CUBLAS_WORKSPACE_CONFIG"))
+
+
 def _measure(cfg: Config, device: torch.device, peak_tflops: float | None, layout,
              progress: Callable[[dict, dict], None], ran: dict[str, str]) -> tuple[dict, dict]:
     """(metrics, rank entry) of one point: the probe step, warm-up, the measured window. `ran`
     receives the kernels the probe step ran, which the hardware FLOPs and the estimate then follow."""
     t = cfg.training
     world_size = layout.world_size  # FLOP rates are per GPU over the whole world
-    metrics = unmeasured_metrics(cfg, device.type)
+    metrics = unmeasured_metrics(cfg, measured_device(device))
     rank_entry = {**unmeasured_rank(layout.rank, device_name(device)), **layout.place(), **memory.cuda_memory(device),
                   "status": "running", "step": 0, "losses": [], "step_times_s": [], "activation_bytes": None}
     progress(metrics, rank_entry)  # started: a rank stopped from now on is known to have been running
@@ -111,7 +122,7 @@ def _measure(cfg: Config, device: torch.device, peak_tflops: float | None, layou
             loss = stepper.step(probe)
         ran.update(kernels_that_ran(getattr(model, "module", model)))  # DDP wraps the GPT
         ran.update(checked_splits(model))  # a context-parallel kernel proved on this device, or the point fails
-        metrics.update(predicted_metrics(cfg, DeviceKernels(device.type, ran.get("attention_kernel"))))
+        metrics.update(predicted_metrics(cfg, measured_device(device, ran.get("attention_kernel"))))
         done(loss)
         metrics["loss"] = rank_entry["losses"][0]
         metrics["measured_flops_per_step"] = layout.world_flops(counter.get_total_flops())

@@ -41,15 +41,22 @@ def device_kind(device: str) -> str:
 class DeviceKernels(str):
     """A device string as the analysis takes it ("cuda", "cpu"), carrying the kernels a run measured
     there: `attention_kernel`, what core attention ran ("flash", "efficient", "cudnn", "sdpa_math",
-    "math"; None: not measured). It is a `str`, so the analysis passes it on unchanged wherever it
+    "math"; None: not measured), and the CUDA device's facts that size torch's cuBLAS workspaces
+    (`analysis.cuda_workspaces`): its `compute_capability` (major x 10 + minor; None: not known) and
+    the run's CUBLAS_WORKSPACE_CONFIG. It is a `str`, so the analysis passes it on unchanged wherever it
     passes a device, and a spec that picks a kernel takes the measured one over its own prediction
     (`attention_kernel`): the measurement is handed to the analysis as data, which imports no torch."""
 
     attention_kernel: str | None
+    compute_capability: int | None
+    cublas_workspace_config: str | None
 
-    def __new__(cls, device: str, attention_kernel: str | None = None) -> "DeviceKernels":
+    def __new__(cls, device: str, attention_kernel: str | None = None, compute_capability: int | None = None,
+                cublas_workspace_config: str | None = None) -> "DeviceKernels":
         self = super().__new__(cls, device)
         self.attention_kernel = attention_kernel
+        self.compute_capability = compute_capability
+        self.cublas_workspace_config = cublas_workspace_config
         return self
 
 

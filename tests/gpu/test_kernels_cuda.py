@@ -68,16 +68,26 @@ def test_grouped_experts_take_the_fast_kernel_in_bf16_on_sm90_and_the_padded_pat
         fast = precision == "bf16" and major in (9, 10)
         assert record["env"]["grouped_gemm_path"] == ("grouped_mm" if fast else "padded_bmm")
     if major in (9, 10):  # the fast kernel reads no count on the host: no device sync in a step
+        torch.manual_seed(0)
         layer = backend.grouped_linear(8, 64, 128, True).to(CUDA, torch.bfloat16)
+        torch.nn.init.normal_(layer.weight, std=0.02)  # built empty, as the GPT's init_weights fills it
         x = torch.randn(96, 64, device=CUDA, dtype=torch.bfloat16, requires_grad=True)
-        offsets = torch.tensor([8, 24, 24, 40, 56, 72, 80, 96], device=CUDA, dtype=torch.int32)
+        offsets = torch.tensor([8, 24, 24, 40, 56, 72, 80, 96], device=CUDA, dtype=torch.int32)  # expert 2: no rows
         torch.cuda.synchronize()
         torch.cuda.set_sync_debug_mode("error")
         try:
-            layer(x, offsets).sum().backward()
+            y = layer(x, offsets)
+            y.sum().backward()  # an expanded, zero-stride gradient: the layer hands on a contiguous one
         finally:
             torch.cuda.set_sync_debug_mode("default")
-        assert layer.path == "grouped_mm"
+        assert layer.path == "grouped_mm" and y.float().isfinite().all()
+        grad = layer.weight.grad.float()
+        assert grad.isfinite().all() and x.grad.float().isfinite().all()
+        assert torch.equal(grad[2], torch.zeros_like(grad[2]))  # the empty expert's gradient, written or guarded
+        reference = backend.grouped_linear(8, 64, 128, False).to(CUDA, torch.bfloat16)
+        reference.weight = torch.nn.Parameter(layer.weight.detach().clone())
+        reference(x.detach(), offsets).sum().backward()
+        torch.testing.assert_close(grad, reference.weight.grad.float(), rtol=2e-2, atol=2e-2)
 
 
 SHARDED = textwrap.dedent("""

@@ -16,7 +16,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from recompute_bench.analysis.allowance import ALLOWANCE_BYTES, ALLOWANCE_FRACTION
+from recompute_bench.analysis.allowance import ALLOWANCE_BYTES, ALLOWANCE_FRACTION, gib_of
 from recompute_bench.analysis.harness import planner
 from recompute_bench.config.rules import validate
 from recompute_bench.config.schema import BadInput, Config
@@ -83,5 +83,5 @@ def plan_context_parallel(cfg: Config, gpus: int, budget_bytes: float, device: s
                                                                             "setting", "megatron_flags")},
             "reason": (f"least recompute overhead that fits: cp {best['context_parallel_size']} x dp "
                        f"{best['data_parallel_size']} with {best['setting']} ({100 * best['recompute_overhead']:.1f}% "
-                       f"overhead, {best['device_bytes_needed'] / 2**30:.1f} of {budget_bytes / 2**30:.1f} GiB)"
+                       f"overhead, {gib_of(best['device_bytes_needed'], budget_bytes)})"
                        if best else f"no context-parallel size fits {budget_bytes / 2**30:.1f} GiB on {gpus} GPUs")}

@@ -9,7 +9,7 @@ import dataclasses
 from typing import Any
 
 from recompute_bench.analysis import ESTIMATE_SCHEMA, flops
-from recompute_bench.analysis.allowance import ALLOWANCE_BYTES, ALLOWANCE_FRACTION, device_bytes_needed
+from recompute_bench.analysis.allowance import ALLOWANCE_BYTES, ALLOWANCE_FRACTION, device_bytes_needed, gib_of
 from recompute_bench.analysis.checkpoint import checkpoint_input_bytes
 from recompute_bench.analysis.harness.layer import attention_kernel, layer_activation_bytes, layer_saved_bytes
 from recompute_bench.analysis.harness.rank import (microbatches_in_flight, optimizer_bytes_per_parameter,
@@ -163,11 +163,12 @@ def plan(cfg: Config, budget_bytes: float, device: str = "cuda", allowance_fract
         best = shown[0]
         out["recommended"] = best["label"]
         out["reason"] = (f"fastest setting that fits: {100 * best['recompute_overhead']:.1f}% recompute overhead, "
-                         f"needs {best['device_bytes_needed'] / 2**30:.1f} of {budget_bytes / 2**30:.1f} GiB")
+                         f"needs {gib_of(best['device_bytes_needed'], budget_bytes)}")
         return out
     smallest = min(rows, key=lambda r: r["device_bytes_needed"])
     out["reason"] = (f"nothing fits: the smallest setting ({smallest['label']}) needs "
-                     f"{smallest['device_bytes_needed'] / 2**30:.1f} GiB of {budget_bytes / 2**30:.1f} GiB")
+                     f"{gib_of(smallest['device_bytes_needed'], budget_bytes)} (the allocated peak plus the allowance: "
+                     f"{100 * allowance_fraction:g}% and {allowance_bytes / 2**30:g} GiB, --allowance-fraction, --allowance-gb)")
     out["would_fit"] = _what_would_fit(cfg, budget_bytes, device, allowance_fraction, allowance_bytes)
     return out
 

@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from recompute_bench.analysis import flops
+from recompute_bench.analysis.cuda_workspaces import DEFAULT_COMPUTE_CAPABILITY, torch_cublas_workspaces_bytes
 from recompute_bench.analysis.harness.layer import layer_parameters, layer_workspace_bytes
 from recompute_bench.analysis.harness.stage import (StageActivations, activation_bytes, embedding_saved_bytes,
                                                     loss_saved_bytes, loss_workspace_bytes, outside_parameters,
@@ -18,7 +19,7 @@ from recompute_bench.analysis.megatron_schedule import chunk_forwards_in_flight
 from recompute_bench.analysis.pipelining_schedule import (Walk, bubble_fraction, peak_chunks, rank_actions,
                                                           rank_stages, walk)
 from recompute_bench.config.schema import Config
-from recompute_bench.models import ELEMENT_BYTES, FP32_BYTES, kind_config
+from recompute_bench.models import ELEMENT_BYTES, FP32_BYTES, device_kind, kind_config
 from recompute_bench.models.context_parallel import rank_seq_length
 
 
@@ -302,9 +303,34 @@ def rank_memory(cfg: Config, stage: int = 0, device: str = "cuda", acts: StageAc
         items["backward transient (recompute, loss, gradients)"] = backward.at_loss_bytes - backward.stored_bytes
     if p > 1 and cfg.training.framework != "megatron":  # Megatron receives into fresh tensors and frees sent outputs
         items["pipeline buffers (received activations and gradients, outputs held for backward)"] = pipeline_buffer_bytes(cfg, stage)
+    run_long = run_buffer_bytes(cfg, device)
+    items.update(run_long)
     items = {name: value for name, value in items.items() if value}
-    step = sum(h.per_parameter for h in held if h.step) * params + tokens
+    step = sum(h.per_parameter for h in held if h.step) * params + tokens + sum(run_long.values())
     return RankMemory(stage=stage, parameters=params, items=items, optimizer_step_bytes=step)
+
+
+CUBLAS_WORKSPACES = "torch cuBLAS workspaces (the forward's thread and autograd's backward thread)"
+ROPE_TABLES = "RoPE tables (cos, sin buffers)"
+
+
+def run_buffer_bytes(cfg: Config, device: str = "cuda") -> dict[str, float]:
+    """What a rank allocates once and holds for the whole run besides parameters and optimizer
+    state, by name: on CUDA torch's two cuBLAS workspaces (`analysis.cuda_workspaces`, sized by the
+    compute capability and CUBLAS_WORKSPACE_CONFIG that `device` carries, `models.DeviceKernels`;
+    an H100's and torch's default where it carries none); and the GPT's RoPE tables
+    (models/dense/layers.py `RotaryEmbedding`: cos and sin, [max_position_embeddings, rotary_dim / 2]
+    each in the training precision, plus under context parallel this rank's rows of each as buffers
+    of their own). Every pipeline rank builds its own tables."""
+    out: dict[str, float] = {}
+    if device_kind(device) == "cuda":
+        capability = getattr(device, "compute_capability", None) or DEFAULT_COMPUTE_CAPABILITY
+        out[CUBLAS_WORKSPACES] = torch_cublas_workspaces_bytes(capability, getattr(device, "cublas_workspace_config", None))
+    m = cfg.model
+    if m.position_embedding_type == "rope":
+        rows = m.max_position_embeddings + (rank_seq_length(cfg) if cfg.parallel.context_parallel_size > 1 else 0)
+        out[ROPE_TABLES] = 2 * rows * (m.rotary_dim // 2) * ELEMENT_BYTES[cfg.training.precision]
+    return out
 
 
 def pipeline_buffer_bytes(cfg: Config, stage: int) -> float:

@@ -9,9 +9,9 @@ megatron/core/fusions/fused_softmax.py."""
 
 from __future__ import annotations
 
-import re
 from typing import Iterable
 
+from recompute_bench.analysis.cuda_workspaces import TORCH_CUBLAS_HANDLES, cublas_workspace_bytes
 from recompute_bench.analysis.megatron.attention import softmax_fused
 from recompute_bench.analysis.megatron.fp8 import layer_runs_fp8, scaling_state_bytes
 from recompute_bench.analysis.megatron.layer import layer_linear_weights
@@ -28,15 +28,9 @@ def te_cublas_workspace_bytes(run: MegatronRun) -> float:
 
 
 def torch_cublas_workspace_bytes(run: MegatronRun) -> float:
-    """One of torch's cuBLAS workspaces (CublasHandlePool.cpp `getChosenWorkspaceSize`, allocated
-    through the caching allocator by `setWorkspaceForHandle`): the sum of SIZE KiB x COUNT over
-    CUBLAS_WORKSPACE_CONFIG's ":SIZE:COUNT" pairs; unset, 32 MiB on Hopper and Blackwell (sm9x to
-    sm12x) and :4096:2:16:8 before."""
-    config = run.cublas_workspace_config
-    pairs = re.findall(r":(\d+):(\d+)", config or "")
-    if pairs:
-        return sum(int(size) * 1024 * int(count) for size, count in pairs)
-    return 4096 * 8 * 1024 if 90 <= run.compute_capability < 130 else 4096 * 1024 * 2 + 16 * 1024 * 8
+    """One of torch's cuBLAS workspaces on the run's GPU under its CUBLAS_WORKSPACE_CONFIG
+    (`analysis.cuda_workspaces`, CublasHandlePool.cpp `getChosenWorkspaceSize`)."""
+    return cublas_workspace_bytes(run.compute_capability, run.cublas_workspace_config)
 
 
 TE_USERBUFFERS_STREAMS = 3
@@ -61,12 +55,6 @@ TE_GROUPED_GEMM_STREAMS = 4
 """Transformer Engine's grouped GEMM takes one workspace per compute stream
 (cpp_extensions/gemm.py `get_cublas_workspace(..., grouped_gemm=True)`, `tex.get_num_cublas_streams()`:
 common/util/multi_stream.cpp `num_compute_streams = 4`), beside the single GEMMs' one."""
-
-
-TORCH_CUBLAS_HANDLES = 2
-"""torch keeps one workspace per (cuBLAS handle, stream): the main thread's handle runs the forward,
-and the autograd engine's device thread takes a second handle from the pool for the backward
-(torch/csrc/autograd/engine.cpp runs CUDA backward on its own thread; handles are per thread)."""
 
 
 def local_attention_buffer_bytes(cfg: Config) -> float:
