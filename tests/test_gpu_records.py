@@ -11,6 +11,7 @@ import json
 from pathlib import Path
 
 import pytest
+from helpers import invoke
 
 from recompute_bench.analysis.cuda_workspaces import cublas_workspace_bytes, torch_cublas_workspaces_bytes
 from recompute_bench.analysis.harness.rank import CUBLAS_WORKSPACES, ROPE_TABLES, rank_memory, record_estimate
@@ -119,6 +120,19 @@ def test_compare_passes_the_recorded_llama_sweep_and_fails_a_grown_peak():
     grown["metrics"]["peak_allocated_bytes"] = int(1.1 * grown["metrics"]["peak_allocated_bytes"])
     worse = verdicts.compare([record_row(grown)], golden, only_keys={verdicts.row_key(record_row(grown))})
     assert not worse.passed
+
+
+def test_compare_gates_the_recorded_llama_sweep_against_its_workloads_golden_rows(tmp_path):
+    results = tmp_path / "llama.jsonl"
+    results.write_text("".join(json.dumps(r) + "\n" for r in records("llama3-8b-slice.jsonl")))
+    whole = invoke("compare", str(results), "--golden", str(GOLDEN))
+    assert whole.exit_code == 1 and "missing" in whole.output  # tiny's rows, which this sweep did not run
+    ran = invoke("compare", str(results), "--golden", str(GOLDEN), "--workload", "llama3-8b")
+    assert ran.exit_code == 0, ran.output
+    assert "missing" not in ran.output and "5" in ran.output
+    wrong = invoke("compare", str(results), "--golden", str(GOLDEN), "-w", "llama3-70b")
+    assert wrong.exit_code == 2 and "has no golden row of workload llama3-70b: it holds llama3-8b, tiny" in " ".join(wrong.output.split())
+    assert "Traceback" not in wrong.output
 
 
 def test_the_cuda_peak_tests_shape_puts_the_settings_tens_of_mib_apart():

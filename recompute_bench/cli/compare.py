@@ -32,6 +32,10 @@ def compare(
     markdown: Annotated[Optional[Path], typer.Option(help="Write a Markdown summary here (also appended to "
                                                      "$GITHUB_STEP_SUMMARY when set).", rich_help_panel="Output")] = None,
     json_out: CompareJson = False,
+    workload: Annotated[Optional[list[str]], typer.Option("--workload", "-w", help="Gate only the golden rows of this "
+                                                          "workload (repeatable); the golden's other workloads are not "
+                                                          "missing. Default: every row of the golden.",
+                                                          rich_help_panel="Golden")] = None,
     results_dir: ResultsDir = Path("results"),
 ) -> None:
     """Compare results with a golden file: a verdict per row, exit 0 pass, 1 a failing verdict, 2 bad input."""
@@ -45,7 +49,7 @@ def compare(
         path = resolve_results(results, results_dir)
         rows = [record_row(r) for r in load_result_records(path)]
         golden_file = golden or gold.golden_path_for(records_kind(rows), results_dir)
-        golden_rows = gold.read_golden(golden_file)
+        golden_rows = _of_workloads(gold.read_golden(golden_file), workload, golden_file)
         overrides = tol.parse_tolerances(tolerance)
     except BadInput as e:
         raise fail(str(e)) from None
@@ -79,6 +83,19 @@ def compare(
         typer.echo(json.dumps(to_json(comparison, results=str(path), golden=str(golden_file)), indent=2, default=str))
     if not comparison.passed:
         raise typer.Exit(1)
+
+
+def _of_workloads(rows: list[dict] | None, workloads: Optional[list[str]], path: Path) -> list[dict] | None:
+    """The golden rows of `workloads` (every row where none is named); a named workload the golden
+    has no row of is bad input."""
+    if not workloads or rows is None:
+        return rows
+    held = sorted({str(r["workload"]) for r in rows})
+    unknown = [w for w in workloads if w not in held]
+    if unknown:
+        raise BadInput(f"{path} has no golden row of workload {', '.join(unknown)}: it holds {', '.join(held) or 'none'}; "
+                       "name one of those with --workload, or leave --workload out")
+    return [r for r in rows if str(r["workload"]) in workloads]
 
 
 def golden_update(
