@@ -230,6 +230,12 @@ STEPS = [
     Step("profile on cuda", "plan --profile times spans and the host link on the device's stream (item 1)", lambda ctx: [
         Command(cli("plan", "-w", "tiny", "--memory-gb", "2", "--auto", "--profile", "--profile-steps", "2",
                     "--output", "tiny-policy.toml"), limit_s=45)]),
+    Step("megatron rates profile", "plan --framework megatron --profile measures bf16/FP8 matmuls, the copy and the "
+                                   "run's own GEMM shapes, caches them and prices the plan with them (issue 33)",
+         lambda ctx: [Command(cli("plan", "--framework", "megatron", "-w", "llama3-8b", "--gpu", "h200",
+                                  "--tensor-model-parallel-size", "2", "--sequence-parallel", "--gpus", "2",
+                                  "--seq-length", "4096", "--global-batch-size", "8", "--memory-gb", "140",
+                                  "--profile", "--json"), limit_s=90)]),
     Step("verify on cuda", "every setting bitwise under torch's deterministic algorithms (item 13)", lambda ctx: [
         Command(cli("verify", "-w", "tiny", "--device", "cuda"), limit_s=60),
         Command(cli("verify", "-w", "tiny-moe", "--device", "cuda", "--attention-backend", "sdpa"), limit_s=60)]),
