@@ -33,7 +33,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from recompute_bench.launch.compiler import compile_problem
-from recompute_bench.measure.compile import compile_layers
+from recompute_bench.measure.compile import COMPILE_BACKEND
 from recompute_bench.measure.layout import DTYPES, SingleRank
 from recompute_bench.measure.point import float32_matmul_precision, pick_device
 from recompute_bench.measure.step import synthetic_batches
@@ -224,13 +224,14 @@ def main() -> None:
         plain = PlainGPT(cfg.model, dtype).to(device).train()
         variants["plain eager"] = PlainStep(plain, batches)
         if compile_ok:
-            compiled = compile_layers(layout.build(cfg, device).train())
+            compiled_cfg, _ = resolve(args.workload, sets=[*sets, "training.compile=true"], gpu="cpu")
+            compiled = layout.build(compiled_cfg, device).train()  # `run --compile`'s model
             variants["harness compiled"] = layout.stepper(cfg, compiled, layout.optimizer(compiled, cfg.training.precision),
                                                           batches)
             torch.manual_seed(cfg.training.seed)
             plain_c = PlainGPT(cfg.model, dtype).to(device).train()
             for layer in plain_c.layers:
-                layer.compile()
+                layer.compile(backend=COMPILE_BACKEND)
             variants["plain compiled"] = PlainStep(plain_c, batches)
 
         first = {}
