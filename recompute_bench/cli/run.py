@@ -104,6 +104,11 @@ def check_runnable(cfg: Config, device: str | None, launch: Launch | None = None
         raise BadInput("activation offload moves saved tensors from a CUDA device to host memory and there is "
                           "no CUDA device here; " + ("write none for the policy's offload layers" if cfg.recompute.layer_policy
                                                      else "drop --activation-offload-layers"))
+    if cfg.training.compile:
+        from recompute_bench.launch.compiler import compile_problem
+        problem = compile_problem("cuda" if on_cuda else "cpu")
+        if problem:
+            raise BadInput(f"{problem}; drop --compile")
     if device and device.startswith("cuda") and not cuda_here:
         raise BadInput(f"--device {device} asks for CUDA but no CUDA device is visible here; pass --device cpu")
     index = device.partition(":")[2] if device else ""

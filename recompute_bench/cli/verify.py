@@ -55,6 +55,9 @@ def verify(
             from recompute_bench.workload import resolved
             validate(resolved(dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, attention_backend="math"))))
         cfg = with_policy_file(cfg, point, policy)
+        if cfg.training.compile:  # inductor fuses each setting's graph its own way: not the same bits
+            raise BadInput("verify checks the eager layers bit for bit, and compiled ones are fused differently per "
+                           "setting; drop --compile (`run --compile` measures compiled)")
         if any("offload" in e for e in cfg.recompute.layer_policy):
             raise BadInput("verify checks recompute, and offload recomputes nothing; write none for offloaded layers")
         cfg = check_launch(cfg, launch, "cuda" if device.startswith("cuda") else "cpu")

@@ -55,7 +55,9 @@ LATER_KEYS = ("num_moe_experts", "moe_router_topk", "moe_ffn_hidden_size", "moe_
               # FP8, CUDA graphs and offload (framework megatron)
               "fp8_amax_history_len", "first_last_layers_bf16", "num_layers_at_start_in_bf16",
               "num_layers_at_end_in_bf16", "cuda_graph_impl", "cuda_graph_modules", "cuda_graph_warmup_steps",
-              "fine_grained_activation_offloading", "offload_modules")
+              "fine_grained_activation_offloading", "offload_modules",
+              # this harness's speed (docs/speed.md)
+              "compile")
 # The default of a field that has none (the model's shape): a record must hold it.
 REQUIRED = object()
 # Recompute fields whose attribute is not already Megatron's argument name.
@@ -84,6 +86,7 @@ FLAGS: dict[str, Flag] = {
     "attention_backend": Flag("Workload"),
     "framework": Flag("Workload"),
     "transformer_impl": Flag("Workload"),
+    "compile": Flag("Workload"),
     "tensor_model_parallel_size": Flag("Parallelism", ("--tp",), "-tp"),
     "pipeline_model_parallel_size": Flag("Parallelism", ("--pp",), "-pp"),
     "data_parallel_size": Flag("Parallelism", ("--dp",), "-dp"),

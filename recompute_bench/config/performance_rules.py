@@ -1,6 +1,8 @@
-"""Megatron's rules for its FP8, CUDA-graph and activation-offload settings (framework megatron).
+"""Megatron's rules for its FP8, CUDA-graph and activation-offload settings (framework megatron), and
+this harness's own for `--compile` (`validate_compile`).
 
-`config.rules.validate` calls `validate_fp8`, `validate_cuda_graphs` and `validate_offload`; each
+`config.rules.validate` calls `validate_fp8`, `validate_cuda_graphs`, `validate_offload` and
+`validate_compile`; each
 raises BadInput with one line naming the problem and the fix, as Megatron's validation would refuse
 the run (megatron/training/arguments.py `validate_args`, megatron/core/transformer/
 transformer_config.py `__post_init__`, megatron/core/transformer/transformer_layer.py
@@ -146,3 +148,26 @@ def validate_offload(cfg: Config) -> None:
     if m.transformer_impl != "transformer_engine":
         raise BadInput("fine-grained activation offloading needs Transformer Engine's layers; pass "
                        "--transformer-impl transformer_engine")
+
+
+def validate_compile(cfg: Config) -> None:
+    """`--compile` (torch.compile per layer, `measure.compile`): this harness's, on one rank or data
+    parallel; the layouts that split a layer (tensor, context parallel), cut the model into stages
+    (pipeline) or move its saved tensors (activation offload) are not measured compiled. Whether
+    torch.compile can build kernels on the device is `launch.compiler`'s question, asked at launch."""
+    if not cfg.training.compile:
+        return
+    if cfg.training.framework != "recompute-bench":
+        raise BadInput("--compile is how this harness runs its layers; Megatron's estimate has no such setting: drop "
+                       "--compile or --framework megatron")
+    p, r = cfg.parallel, cfg.recompute
+    split = [f"{name} {size}" for name, size in (("tensor_model_parallel_size", p.tensor_model_parallel_size),
+                                                 ("context_parallel_size", p.context_parallel_size),
+                                                 ("pipeline_model_parallel_size", p.pipeline_model_parallel_size))
+             if size > 1]
+    if split:
+        raise BadInput(f"--compile is measured on one rank and under data parallel, not with {', '.join(split)}; "
+                       "drop --compile or that parallelism")
+    if r.activation_offload_layers or any("offload" in str(e) for e in r.layer_policy):
+        raise BadInput("--compile is not measured with activation offload (its saved-tensor hooks run outside the "
+                       "compiled graphs); drop --compile or the offload")

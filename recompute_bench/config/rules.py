@@ -12,7 +12,7 @@ import math
 from recompute_bench.config.fields import defaults
 from recompute_bench.config.pipeline_split import model_chunks, uneven, validate_split
 from recompute_bench.config.megatron_rules import validate_megatron_settings
-from recompute_bench.config.performance_rules import validate_cuda_graphs, validate_fp8, validate_offload
+from recompute_bench.config.performance_rules import validate_compile, validate_cuda_graphs, validate_fp8, validate_offload
 from recompute_bench.config.schema import (_MODULE_NEEDS, ACTIVATIONS, ATTENTION_BACKENDS, CP_COMM_TYPES, FP8_FORMATS,
                                            FP8_RECIPES, FRAMEWORKS, GRANULARITIES, HARNESS_COMM_TYPES,
                                            INTERLEAVED_SCHEDULES, LOAD_BALANCING_TYPES, MEGATRON_ACTIVATIONS,
@@ -79,6 +79,7 @@ def validate(cfg: Config) -> None:
     check_choice("fp8_format", t.fp8_format, FP8_FORMATS, "pass --set training.fp8_format=hybrid")
     validate_fp8(cfg)
     validate_cuda_graphs(cfg)
+    validate_compile(cfg)
     if m.position_embedding_type == "rope" and m.head_dim % 2:
         raise BadInput(f"RoPE needs an even head dimension, got {m.head_dim}; change hidden_size or num_attention_heads")
     if m.position_embedding_type == "rope" and t.framework == "recompute-bench" and t.seq_length > m.max_position_embeddings:

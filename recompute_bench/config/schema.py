@@ -410,6 +410,9 @@ class TrainingConfig:
     --cuda-graph-scope)."""
     cuda_graph_warmup_steps: int = 3
     """Steps Megatron runs eagerly before capturing the graphs (--cuda-graph-warmup-steps)."""
+    compile: bool = False
+    """This harness: torch.compile each transformer layer (torchtitan's per-layer compile, inductor),
+    with the recompute setting applied inside and around the compiled layers."""
     warmup_steps: int = 2
     """Steps run before measuring."""
     measured_steps: int = 5

@@ -13,6 +13,7 @@ from typing import Any
 
 import torch
 
+from recompute_bench.measure.compile import compile_layers
 from recompute_bench.measure.optimizer import make_optimizer
 from recompute_bench.measure.probe import SavedTensorProbe
 from recompute_bench.measure.step import Stepper, synthetic_batches
@@ -37,7 +38,8 @@ class SingleRank:
 
     def build(self, cfg: Config, device: torch.device, dtype: torch.dtype | None = None) -> GPT:
         """The model this rank trains, split over the tensor-parallel group (`split`), recompute
-        installed, then sharded (`shard`); weights in `dtype` (default the training precision).
+        installed, then sharded (`shard`); weights in `dtype` (default the training precision); with
+        `--compile` each layer compiled (`measure.compile`).
 
         A layout that `splits` the weights does it as torchtitan does: the model is built on the
         meta device, split, given its recompute and sharded there, and only then materialised, so a
@@ -52,6 +54,8 @@ class SingleRank:
             model = materialize(self.shard(model, cfg), device, cfg.training.seed)
         else:
             model = apply_recompute(spec.build(cfg, device, dtype), cfg.recompute, self.tensor_group)
+        if cfg.training.compile:
+            compile_layers(model)  # after recompute: its policy runs inside and around the compiled layers
         if device.type == "cuda":
             torch.cuda.empty_cache()
         return model
