@@ -1,7 +1,7 @@
 """`plan --framework megatron`: the settings Megatron can run that fit the GPUs, priced in time.
 
 `plan_megatron(cfg, ...)` takes a resolved Config from any source: today the workload and flags
-(`cli/estimate.py` `plan`); a Bridge config, `model_config.yaml`, argument list or log read by
+(`cli/plan.py` `plan`); a Bridge config, `model_config.yaml`, argument list or log read by
 `--from` is one more way to make that Config (and its GPU count), handed here the same way.
 """
 
