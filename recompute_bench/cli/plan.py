@@ -3,7 +3,8 @@
 
 One command, one function per mode, chosen once the point is resolved:
 
-- framework megatron (`--framework megatron`, `--from`): `cli/plan_megatron.py`;
+- framework megatron (`--framework megatron`, `--from`): `cli/plan_megatron.py`, and with
+  `--search-layouts` the best layouts of the GPUs (`plan_layouts`);
 - `--auto`: a per-layer policy for this harness, written as a policy file (`_plan_auto`);
 - `--gpus N`: this harness's context-parallel layouts of N GPUs (`_plan_context_parallel`);
 - otherwise this harness's uniform settings side by side (`_plan_settings`).
@@ -22,7 +23,7 @@ from recompute_bench.analysis.allowance import ALLOWANCE_BYTES, ALLOWANCE_FRACTI
 from recompute_bench.cli.common import DEFAULT_WORKLOAD, JsonOut, err, fail, show_notes
 from recompute_bench.cli.estimate import AllowanceFraction, AllowanceGb, ModelDevice, check_inputs, megatron_run
 from recompute_bench.cli.options import PointOptions, point_options
-from recompute_bench.cli.plan_megatron import plan_megatron, resolve_on_gpus
+from recompute_bench.cli.plan_megatron import plan_layouts, plan_megatron, resolve_on_gpus
 from recompute_bench.cli.run_from import FromFile, read_from
 from recompute_bench.config.rules import check_expert_parallel_world
 from recompute_bench.config.schema import BadInput
@@ -74,6 +75,13 @@ def plan(
                                           rich_help_panel="Megatron")] = False,
     all_rows: Annotated[bool, typer.Option("--all", help="With --framework megatron: every setting Megatron can run, "
                                            "and the flags of every setting that fits.", rich_help_panel="Megatron")] = False,
+    search_layouts: Annotated[bool, typer.Option("--search-layouts", help="With --framework megatron and --gpus: rank "
+                                                 "tensor, pipeline, virtual, context and expert parallel sizes and the "
+                                                 "micro-batch size with recompute and offload, keep what fits, print "
+                                                 "the best with their flags; --tp, --pp, ... given stay fixed.",
+                                                 rich_help_panel="Megatron")] = False,
+    top: Annotated[int, typer.Option(help="With --search-layouts: how many layouts to list.",
+                                     rich_help_panel="Megatron")] = 3,
     json_out: JsonOut = False,
 ) -> None:
     """List the recompute settings that fit a memory budget, fastest first, and recommend one (or
@@ -85,12 +93,17 @@ def plan(
         check_inputs(device, allowance_fraction, allowance_gb)
         if memory_gb is None or memory_gb <= 0:
             raise BadInput(f"plan needs the device memory per GPU; pass --memory-gb 80 (got {memory_gb})")
+        if search_layouts and from_ is not None:
+            raise BadInput("--search-layouts searches a workload's layouts; pass -w PRESET with --framework megatron "
+                           "instead of --from (or drop --search-layouts to plan the file's own layout)")
         if from_ is not None:  # a Megatron run as its user has it: framework megatron
             source = read_from(from_, workload, gpus, point, device)
             cfg, run, notes = source.config, source.run, list(source.notes)
-        else:
-            cfg, notes = resolve_on_gpus(workload or DEFAULT_WORKLOAD, point, gpus)
+        else:  # a layout search checks the sizes given as they are; the layouts then take the GPUs
+            cfg, notes = resolve_on_gpus(workload or DEFAULT_WORKLOAD, point, None if search_layouts else gpus)
         megatron = cfg.training.framework == "megatron"
+        if search_layouts:
+            _check_search(megatron, gpus, auto, all_rows, explain)
         gpu = point.gpu  # the option is declared here, and point_options hands it over in `point`
         for flag, given in (("--gpu", gpu is not None), ("--explain", explain), ("--all", all_rows)):
             if given and not megatron:
@@ -106,6 +119,10 @@ def plan(
             check_expert_parallel_world(cfg)  # this harness: no launch here, the data-parallel size is as given
     except BadInput as e:
         raise fail(str(e)) from None
+    if search_layouts:
+        return plan_layouts(cfg, notes, run=run, memory_gb=memory_gb, gpus=gpus, allowance_fraction=allowance_fraction,
+                            allowance_gb=allowance_gb, profile=profile, fixed=fixed_dimensions(point), top=top,
+                            json_out=json_out)
     if megatron:
         return plan_megatron(cfg, notes, run=run, memory_gb=memory_gb, gpus=gpus, allowance_fraction=allowance_fraction,
                              allowance_gb=allowance_gb, auto=auto, profile=profile, explain=explain, all_rows=all_rows,
@@ -122,6 +139,33 @@ def plan(
     if gpus is not None:
         return _plan_context_parallel(cfg, gpus, memory_gb, device, allowance_fraction, allowance_gb, json_out)
     return _plan_settings(cfg, memory_gb, device, allowance_fraction, allowance_gb, json_out)
+
+
+def _check_search(megatron: bool, gpus: Optional[int], auto: bool, all_rows: bool, explain: bool) -> None:
+    """BadInput naming what --search-layouts lacks or does not take."""
+    if not megatron:
+        raise BadInput("--search-layouts plans Megatron's layouts; add --framework megatron")
+    if gpus is None:
+        raise BadInput("--search-layouts lays out a GPU count; pass --gpus N (e.g. --gpus 64)")
+    for flag, given in (("--auto", auto), ("--all", all_rows), ("--explain", explain)):
+        if given:
+            raise BadInput(f"{flag} plans one layout; drop {flag}, or plan the chosen layout without --search-layouts")
+
+
+def fixed_dimensions(point: PointOptions) -> set[str]:
+    """What of the layout search's dimensions (`analysis.megatron.layouts.SEARCHED`) the user gave,
+    by flag or by --set; any recompute or offload field fixes the setting."""
+    from recompute_bench.analysis.megatron.layouts import SEARCHED
+
+    paths = list(point.overrides) + [item.split("=", 1)[0].strip() for item in point.sets]
+    out = set()
+    for path in paths:
+        section, _, name = path.partition(".")
+        if section == "recompute":
+            out.add("recompute")
+        elif name in SEARCHED:
+            out.add(name)
+    return out
 
 
 def _plan_settings(cfg, memory_gb: float, device: str, allowance_fraction: float, allowance_gb: float,
