@@ -52,6 +52,7 @@ bench: $(STAMP)
 	$(PY) bench/time_model_check.py
 	$(PY) bench/pipeline_bubble.py
 	$(PY) bench/step_overhead.py
+	$(PY) bench/layout_search.py
 
 # Everything the GPU tests and the GPU-only checks need, in three calls (CALL=1, 2, 3) of at most
 # 8 minutes of steps each on one H100/H200 (a device command runs at most 10 minutes), or CALL=quick:

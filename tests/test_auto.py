@@ -518,7 +518,8 @@ def cost_from(cfg, policies, first):
 
 
 def test_every_megatron_setting_is_read_back_from_its_layers_and_its_flags_are_megatron_s():
-    from recompute_bench.ingest.megatron_args import megatron_overrides, normalize, read_argv
+    from recompute_bench.ingest.megatron_args import megatron_overrides
+    from recompute_bench.ingest.megatron_argv import normalize, read_argv
     cfg = config("llama3-8b", model__num_layers=6)
     targets = spec_for(cfg.model).recompute_targets
     shape = "--num-layers 6 --hidden-size 64 --num-attention-heads 4 --seq-length 32 --max-position-embeddings 32".split()

@@ -7,7 +7,8 @@ import pytest
 
 from helpers import invoke
 from recompute_bench.ingest.megatron_args import (CannotExpress, config_from_megatron, megatron_overrides,
-                                                  overrides_as_flags, read_argv)
+                                                  overrides_as_flags)
+from recompute_bench.ingest.megatron_argv import read_argv
 from recompute_bench.config.schema import BadInput
 
 # tests/functional_tests/test_cases/gpt/gpt3_7b_tp1_pp4_memory_speed/model_config.yaml (Megatron-LM

@@ -11,8 +11,8 @@ from helpers import invoke
 from recompute_bench.analysis import megatron as mg
 from recompute_bench.analysis.megatron import cuda_graphs, layer, offload, outside, stage
 from recompute_bench.analysis.megatron_schedule import chunk_forwards_in_flight
-from recompute_bench.ingest.megatron_args import (config_from_megatron, megatron_overrides, module_list,
-                                                  overrides_as_flags)
+from recompute_bench.ingest.megatron_args import config_from_megatron, megatron_overrides, overrides_as_flags
+from recompute_bench.ingest.megatron_argv import module_list
 
 MiB = 2**20
 H100 = mg.MegatronRun("h100", ":4096:8")

@@ -37,7 +37,7 @@ def plan(*args):
 
 
 def _label(r):
-    from recompute_bench.config.schema import recompute_label
+    from recompute_bench.config.labels import recompute_label
     return recompute_label(**r)
 
 

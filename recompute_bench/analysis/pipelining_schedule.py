@@ -19,8 +19,8 @@ from __future__ import annotations
 
 from typing import Callable, Iterable, NamedTuple
 
-from recompute_bench.config.schema import INTERLEAVED_SCHEDULES as INTERLEAVED
-from recompute_bench.config.schema import V_SCHEDULES as V_SHAPED
+from recompute_bench.config.choices import INTERLEAVED_SCHEDULES as INTERLEAVED
+from recompute_bench.config.choices import V_SCHEDULES as V_SHAPED
 
 
 class Action(NamedTuple):

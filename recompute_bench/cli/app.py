@@ -10,7 +10,7 @@ from typing import Annotated
 
 import typer
 
-from recompute_bench.cli import compare, estimate, ingest, report, run, sweep, verify, workloads
+from recompute_bench.cli import compare, estimate, ingest, plan, report, run, sweep, verify, workloads
 from recompute_bench.cli.options import normalize_argv
 
 app = typer.Typer(no_args_is_help=True, add_completion=True, pretty_exceptions_enable=False,
@@ -36,7 +36,7 @@ app.command()(workloads.workloads)
 app.command()(run.run)
 app.command()(verify.verify)
 app.command()(estimate.estimate)
-app.command()(estimate.plan)
+app.command()(plan.plan)
 app.command()(sweep.sweep)
 app.command()(compare.compare)
 golden_app = typer.Typer(no_args_is_help=True, help="Golden files: promote measured rows, explicitly.")

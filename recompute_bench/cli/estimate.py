@@ -1,9 +1,8 @@
-"""`recompute-bench estimate` and `plan`: the analytical model, nothing measured."""
+"""`recompute-bench estimate`: the analytical model, nothing measured (`plan` is `cli/plan.py`)."""
 
 from __future__ import annotations
 
 import json
-from pathlib import Path
 from typing import Annotated, Optional
 
 import typer
@@ -12,7 +11,6 @@ from rich.markup import escape
 from recompute_bench.analysis.allowance import ALLOWANCE_BYTES, ALLOWANCE_FRACTION
 from recompute_bench.cli.common import DEFAULT_WORKLOAD, JsonOut, err, fail, resolve_point, show_notes
 from recompute_bench.cli.options import PointOptions, point_options
-from recompute_bench.cli.plan_megatron import plan_megatron, resolve_on_gpus
 from recompute_bench.cli.run_from import FromFile, read_from, show_source
 from recompute_bench.config.rules import check_expert_parallel_world
 from recompute_bench.config.schema import BadInput
@@ -29,7 +27,7 @@ Gpus = Annotated[Optional[int], typer.Option(
     rich_help_panel="Workload", show_default=False)]
 
 
-def _check_inputs(device: str, allowance_fraction: float, allowance_gb: float) -> None:
+def check_inputs(device: str, allowance_fraction: float, allowance_gb: float) -> None:
     if device.split(":")[0] not in ("cuda", "cpu"):
         raise BadInput(f"--device {device!r} is not cuda or cpu; pass --device cuda (a GPU) or --device cpu")
     if allowance_fraction < 0 or allowance_gb < 0:
@@ -60,7 +58,7 @@ def estimate(
 
     source = None
     try:
-        _check_inputs(device, allowance_fraction, allowance_gb)
+        check_inputs(device, allowance_fraction, allowance_gb)
         if from_ is not None:
             source = read_from(from_, workload, gpus, point, device)
             cfg, run, notes = source.config, source.run, list(source.notes)
@@ -74,7 +72,7 @@ def estimate(
             cfg, notes = resolve_point(workload or DEFAULT_WORKLOAD, point)
             check_expert_parallel_world(cfg)  # no launch here: the data-parallel size is as given
             if cfg.training.framework == "megatron":
-                run = _megatron_run(point.gpu, device, notes)
+                run = megatron_run(point.gpu, device, notes)
                 report = megatron_report(cfg, run, allowance_fraction, allowance_gb * 2**30)
             else:
                 report = planner.estimate_report(cfg, harness_device(device), allowance_fraction, allowance_gb * 2**30)
@@ -114,7 +112,7 @@ def harness_device(device: str) -> str:
     return DeviceKernels(device, cublas_workspace_config=os.environ.get("CUBLAS_WORKSPACE_CONFIG"))
 
 
-def _megatron_run(gpu: Optional[str], device: str, notes: list[str]):
+def megatron_run(gpu: Optional[str], device: str, notes: list[str]):
     """Where framework megatron runs: the GPU kind (--gpu, else this machine's, else h100 with a
     note) and torch's CUBLAS_WORKSPACE_CONFIG from this environment, as the run would read it."""
     import os
@@ -130,214 +128,3 @@ def _megatron_run(gpu: Optional[str], device: str, notes: list[str]):
         notes.append(f"no GPU here: Megatron's GPU-dependent terms (workspaces, TE's attention kernel) are "
                      f"{DEFAULT_GPU}'s; pass --gpu a100, gb200, ... for another")
     return MegatronRun(kind, os.environ.get("CUBLAS_WORKSPACE_CONFIG"))
-
-
-@point_options(panels=("Workload", "Parallelism"), gpu=False)
-def plan(
-    *,
-    workload: Annotated[Optional[str], typer.Option(
-        "--workload", "-w", help=f"Preset name (see `workloads`) or path to a .toml preset; default {DEFAULT_WORKLOAD}. "
-        "With --from, only for a Megatron Bridge log (the GPT model's own fields).",
-        rich_help_panel="Workload", show_default=False)] = None,
-    from_: FromFile = None,
-    point: PointOptions,
-    memory_gb: Annotated[Optional[float], typer.Option(help="Device memory per GPU in GiB, e.g. 80.",
-                                                       rich_help_panel="Estimate")] = None,
-    device: ModelDevice = "cuda",
-    allowance_fraction: AllowanceFraction = ALLOWANCE_FRACTION, allowance_gb: AllowanceGb = ALLOWANCE_BYTES / 2**30,
-    auto: Annotated[bool, typer.Option("--auto", help="Choose recompute layer by layer: the policy with the least "
-                                       "recompute FLOPs that fits, written as a policy file for `run --policy`.",
-                                       rich_help_panel="Estimate")] = False,
-    output: Annotated[Optional[Path], typer.Option(help="With --auto: the policy file to write; default "
-                                                   "results/plans/, named after the workload and the budget (llama3-8b-72g.toml).",
-                                                   rich_help_panel="Estimate")] = None,
-    profile: Annotated[bool, typer.Option("--profile", help="With --auto: price recompute by a short measured profile "
-                                          "of each module's forward time on this machine's device (one layer of each "
-                                          "kind, medians), cached under results/profiles/. With --framework megatron: "
-                                          "price time at this GPU's measured matmul (bf16, FP8) and HBM rates instead "
-                                          "of its datasheet's, cached there too.",
-                                          rich_help_panel="Estimate")] = False,
-    profile_steps: Annotated[int, typer.Option(help="With --profile: measured steps (medians over them).",
-                                               rich_help_panel="Estimate")] = 5,
-    host_link_gbps: Annotated[Optional[float], typer.Option(help="With --profile on CUDA: the host link's bandwidth "
-                                                            "in GB/s for offload's cost (default: measured).",
-                                                            rich_help_panel="Estimate")] = None,
-    gpu: Annotated[Optional[str], typer.Option("--gpu", help="With --framework megatron: the GPU kind (h100, a100, "
-                                               "h200, b200, gb200), whose datasheet rates price time and whose compute "
-                                               "capability picks the kernels; default this machine's, else h100.",
-                                               rich_help_panel="Megatron")] = None,
-    gpus: Annotated[Optional[int], typer.Option("--gpus", help="The GPU count. With --framework megatron the "
-                                                "data-parallel size is what tensor, pipeline and context parallel "
-                                                "leave (with --from: where the file states no GPU count, or to change "
-                                                "it); for this harness, plan context parallel too: lay the GPUs out "
-                                                "as dp x cp (x the --tp and --pp given) for every cp the sequence "
-                                                "allows, each with its fastest fitting recompute setting.",
-                                                rich_help_panel="Estimate")] = None,
-    explain: Annotated[bool, typer.Option("--explain", help="With --framework megatron: show the predicted step of the "
-                                          "setting to use op by op (which ops, how many ms).",
-                                          rich_help_panel="Megatron")] = False,
-    all_rows: Annotated[bool, typer.Option("--all", help="With --framework megatron: every setting Megatron can run, "
-                                           "and the flags of every setting that fits.", rich_help_panel="Megatron")] = False,
-    json_out: JsonOut = False,
-) -> None:
-    """List the recompute settings that fit a memory budget, fastest first, and recommend one (or
-    with --auto choose per layer); exit 1 when nothing fits (and say what would). With --framework
-    megatron: every setting Megatron can run, each stage's peak and the predicted step time, with
-    the flags for Megatron-LM, Megatron Bridge and NeMo."""
-    from recompute_bench.analysis.harness import planner
-    from recompute_bench.render.estimate import plan_table, would_fit_table
-
-    source = None
-    try:
-        _check_inputs(device, allowance_fraction, allowance_gb)
-        if memory_gb is None or memory_gb <= 0:
-            raise BadInput(f"plan needs the device memory per GPU; pass --memory-gb 80 (got {memory_gb})")
-        if from_ is not None:  # a Megatron run as its user has it: framework megatron
-            source = read_from(from_, workload, gpus, point, device)
-            cfg, run, notes = source.config, source.run, list(source.notes)
-        else:
-            cfg, notes = resolve_on_gpus(workload or DEFAULT_WORKLOAD, point, gpus)
-        megatron = cfg.training.framework == "megatron"
-        gpu = point.gpu  # the option is declared here, and point_options hands it over in `point`
-        for flag, given in (("--gpu", gpu is not None), ("--explain", explain), ("--all", all_rows)):
-            if given and not megatron:
-                raise BadInput(f"{flag} goes with --framework megatron; add it or drop {flag}")
-        if megatron:
-            for flag, given in (("--output", output is not None), ("--host-link-gbps", host_link_gbps is not None)):
-                if given:
-                    raise BadInput(f"{flag} belongs to this harness's plan --auto (a policy file for `run --policy`); "
-                                   f"Megatron runs no per-layer policy: drop {flag}")
-            if source is None:
-                run = _megatron_run(gpu, device, notes)
-        else:
-            check_expert_parallel_world(cfg)  # this harness: no launch here, the data-parallel size is as given
-    except BadInput as e:
-        raise fail(str(e)) from None
-    if megatron:
-        return plan_megatron(cfg, notes, run=run, memory_gb=memory_gb, gpus=gpus, allowance_fraction=allowance_fraction,
-                             allowance_gb=allowance_gb, auto=auto, profile=profile, explain=explain, all_rows=all_rows,
-                             json_out=json_out, source=source)
-    show_notes(notes)
-    device = harness_device(device)
-    if auto:
-        costs = _profile_costs(cfg, device, profile_steps, host_link_gbps) if profile else None
-        if host_link_gbps is not None and not profile:
-            raise fail("--host-link-gbps prices offload with measured costs; add --profile or drop --host-link-gbps")
-        return _plan_auto(cfg, memory_gb, device, allowance_fraction, allowance_gb, output, json_out, costs)
-    for flag, given in (("--output", output is not None), ("--profile", profile), ("--host-link-gbps", host_link_gbps is not None)):
-        if given:
-            raise fail(f"{flag} goes with plan --auto; add --auto or drop {flag}")
-    if gpus is not None:
-        return _plan_context_parallel(cfg, gpus, memory_gb, device, allowance_fraction, allowance_gb, json_out)
-    result = planner.plan(cfg, memory_gb * 2**30, device, allowance_fraction, allowance_gb * 2**30)
-    if result["fits"]:
-        err.print(plan_table(result))
-        err.print(f"[green]recommended:[/] {escape(result['recommended'])}: {escape(result['reason'])}", highlight=False)
-        flags = result["fits"][0]["megatron_flags"]
-        err.print(f"in Megatron-LM: {escape(' '.join(flags)) if flags else 'no recompute flags'}", highlight=False)
-    else:
-        err.print(f"[red]{escape(result['reason'])}[/]", highlight=False)
-        err.print(would_fit_table(result))
-    if json_out:
-        typer.echo(json.dumps(result, indent=2))
-    if not result["fits"]:
-        raise typer.Exit(1)
-
-
-def _plan_context_parallel(cfg, gpus: int, memory_gb: float, device: str, allowance_fraction: float,
-                           allowance_gb: float, json_out: bool) -> None:
-    """plan --gpus: every context-parallel layout of the GPUs with its fastest fitting recompute setting."""
-    from recompute_bench.analysis.harness.cp_plan import plan_context_parallel
-    from recompute_bench.render.estimate import cp_plan_table
-
-    try:
-        result = plan_context_parallel(cfg, gpus, memory_gb * 2**30, device, allowance_fraction, allowance_gb * 2**30)
-    except BadInput as e:
-        raise fail(str(e)) from None
-    err.print(cp_plan_table(result))
-    best = result["recommended"]
-    if best:
-        err.print(f"[green]recommended:[/] {escape(result['reason'])}", highlight=False)
-        flags = [f"--context-parallel-size {best['context_parallel_size']}", *best["megatron_flags"]]
-        err.print(f"in Megatron-LM: {escape(' '.join(flags))}", highlight=False)
-    else:
-        err.print(f"[red]{escape(result['reason'])}[/]", highlight=False)
-    if json_out:
-        typer.echo(json.dumps(result, indent=2))
-    if not best:
-        raise typer.Exit(1)
-
-
-def _profile_costs(cfg, device: str, steps: int, host_link_gbps: Optional[float]):
-    """The measured costs of `--profile` (cached per device and shape), or exit 2 naming the fix."""
-    from recompute_bench.analysis.harness.profile_costs import ProfileCosts
-    from recompute_bench.launch.devices import default_device_type
-    from recompute_bench.measure.point import pick_device
-    from recompute_bench.measure.profile import cached_profile
-
-    here = pick_device(default_device_type())  # the device `run` and `sweep` measure on
-    for flag, size in (("--tp", cfg.parallel.tensor_model_parallel_size), ("--cp", cfg.parallel.context_parallel_size)):
-        if size > 1:
-            raise fail(f"--profile measures one device's whole layer; with {flag} > 1 plan with analytical costs "
-                       "(drop --profile)")
-    if here.type != device.split(":")[0]:
-        raise fail(f"--profile measures on this machine's {here.type}, but --device is {device}; "
-                   f"pass --device {here.type} or profile on the target device")
-    if steps < 1 or (host_link_gbps is not None and host_link_gbps <= 0):
-        raise fail("--profile-steps and --host-link-gbps must be positive; pass --profile-steps 5")
-    profile, path, cached = cached_profile(cfg, here, steps)
-    err.print(f"profile: {'read from' if cached else 'measured on ' + escape(profile['key']['device_name']) + ', cached in'} "
-              f"{escape(str(path))}", highlight=False)
-    for kind, v in profile["kinds"].items():
-        off = {t: (b, v["analytical_saved_bytes"][t]) for t, b in v["saved_bytes"].items() if b != v["analytical_saved_bytes"][t]}
-        err.print(f"profile, {kind} layer: forward {1e3 * v['seconds']['layer']:.3f} ms; saved bytes "
-                  + ("equal the analysis for every target" if not off else f"differ from the analysis: {off}"), highlight=False)
-    return ProfileCosts(profile, host_link_gbps)
-
-
-def _plan_auto(cfg, memory_gb: float, device: str, allowance_fraction: float, allowance_gb: float,
-               output: Optional[Path], json_out: bool, costs=None) -> None:
-    """plan --auto: solve, write the policy file, show it beside the best uniform setting."""
-    from recompute_bench.analysis.harness.auto import auto_plan
-    from recompute_bench.recompute.policy_file import write_policy
-    from recompute_bench.render.estimate import auto_stages_table, auto_table, would_fit_table
-
-    try:
-        result = auto_plan(cfg, memory_gb * 2**30, device, allowance_fraction, allowance_gb * 2**30, costs)
-    except BadInput as e:
-        raise fail(str(e)) from None
-    if result["policy"] is None:
-        where = "" if cfg.parallel.pipeline_model_parallel_size == 1 else \
-            " stage " + ", ".join(str(s) for s in result["unfit_stages"])
-        err.print(f"[red]no per-layer policy fits{where} either: {escape(result['reason'])}[/]", highlight=False)
-        err.print(would_fit_table(result))
-        if json_out:
-            typer.echo(json.dumps(result, indent=2))
-        raise typer.Exit(1)
-    path = output or Path("results/plans") / f"{Path(cfg.workload).stem}-{memory_gb:g}g.toml"
-    auto, uniform = result["predicted"], result["uniform"]
-    figures = {"budget_bytes": result["budget_bytes"], "device": result["device"],
-               "peak_allocated_bytes": auto["peak_allocated_bytes"], "device_bytes_needed": auto["device_bytes_needed"],
-               "hardware_flops_per_step": auto["hardware_flops_per_step"], "recompute_overhead": auto["recompute_overhead"],
-               "costs": result["costs"], "recompute_cost": auto["recompute_cost"], "megatron": result["megatron"]["note"]}
-    if uniform:
-        figures.update({"uniform_setting": uniform["label"], "uniform_device_bytes_needed": uniform["device_bytes_needed"],
-                        "uniform_recompute_overhead": uniform["recompute_overhead"],
-                        "uniform_recompute_cost": uniform["recompute_cost"]})
-    try:
-        write_policy(path, cfg, result["policy"], figures, [s["policy"] for s in result["stages"]])
-    except OSError as e:
-        raise fail(f"cannot write the policy file {path} ({e}); pass --output to a writable path") from None
-    err.print(auto_table(result))
-    if len(result["stages"]) > 1:
-        err.print(auto_stages_table(result))
-    kinds = result["layer_kinds"]
-    if len(set(kinds)) > 1:
-        err.print(f"layer kinds: {escape(' '.join(kinds))} (each kind chooses from its own modules)", highlight=False)
-    err.print(f"costs: {escape(result['costs'])}; {escape(result['offload'])}", highlight=False)
-    err.print(f"[green]policy:[/] {escape(auto['label'])} ({escape(result['solver'])}); written to {escape(str(path))}",
-              highlight=False)
-    err.print(("" if result["megatron"]["runs"] else "[yellow]") + escape(result["megatron"]["note"])
-              + ("" if result["megatron"]["runs"] else "[/]"), highlight=False)
-    if json_out:
-        typer.echo(json.dumps({**result, "output": str(path)}, indent=2))

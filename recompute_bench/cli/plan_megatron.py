@@ -1,7 +1,7 @@
 """`plan --framework megatron`: the settings Megatron can run that fit the GPUs, priced in time.
 
 `plan_megatron(cfg, ...)` takes a resolved Config from any source: today the workload and flags
-(`cli/estimate.py` `plan`); a Bridge config, `model_config.yaml`, argument list or log read by
+(`cli/plan.py` `plan`); a Bridge config, `model_config.yaml`, argument list or log read by
 `--from` is one more way to make that Config (and its GPU count), handed here the same way.
 """
 
@@ -147,4 +147,41 @@ def plan_megatron(cfg: Config, notes: list[str], *, run, memory_gb: float, gpus:
     if json_out:
         typer.echo(json.dumps(result, indent=2))
     if not result["recommended"]:
+        raise typer.Exit(1)
+
+
+def plan_layouts(cfg: Config, notes: list[str], *, run, memory_gb: float, gpus: int, allowance_fraction: float,
+                 allowance_gb: float, profile: bool, fixed: set[str], top: int, json_out: bool) -> None:
+    """plan --search-layouts: the best layouts of `gpus` GPUs with their setting and flags; exit 1
+    when no layout fits, 2 on bad input (`analysis.megatron.layouts.search_layouts`)."""
+    from recompute_bench.analysis.megatron.layouts import search_layouts
+    from recompute_bench.cli.common import show_notes
+    from recompute_bench.render.layouts import layouts_table, search_line
+    from recompute_bench.render.plan_megatron import flags_lines
+
+    try:
+        if top < 1:
+            raise BadInput(f"--top {top} lists no layout; pass --top 3")
+        rates = gpu_rates(run, profile)
+        rates.matrix_rate(cfg.training.precision)  # a precision the GPU has no rate for: one line now
+        result = search_layouts(cfg, run, rates, gpus, memory_gb * 2**30, allowance_fraction, allowance_gb * 2**30,
+                                fixed, top)
+    except BadInput as e:
+        raise fail(str(e)) from None
+    show_notes(notes)
+    err.print(escape(search_line(result)), highlight=False)
+    if result["layouts"]:
+        err.print(layouts_table(result))
+        err.print(f"[green]use:[/] {escape(result['recommended'])}: {escape(result['reason'])}", highlight=False)
+        for i, row in enumerate(result["layouts"], 1):
+            err.print(f"{i}. {escape(row['layout_label'])}, {escape(row['setting'])}:", highlight=False)
+            for line in flags_lines(row["flags"], indent="    "):
+                err.print(escape(line), highlight=False, soft_wrap=True)
+        err.print("[dim]plan the chosen layout without --search-layouts (its --tp, --pp, ... and --gpus) for every "
+                  "recompute setting, the time's parts and the allowance[/]", highlight=False)
+    else:
+        err.print(f"[red]{escape(result['reason'])}[/]", highlight=False)
+    if json_out:
+        typer.echo(json.dumps(result, indent=2))
+    if not result["layouts"]:
         raise typer.Exit(1)

@@ -16,7 +16,8 @@ from recompute_bench.cli.options import PointOptions, point_options
 from recompute_bench.cli.ranks import launch_options
 from recompute_bench.launch.torchrun import Launch, check_launch, check_schedule_recompute
 from recompute_bench.measure.record import layout_label
-from recompute_bench.config.schema import ATTENTION_BACKENDS, BadInput
+from recompute_bench.config.choices import ATTENTION_BACKENDS
+from recompute_bench.config.schema import BadInput
 
 
 @point_options(panels=("Workload", "Parallelism", "Recompute"),

@@ -4,8 +4,8 @@ ModelParallelConfig `__post_init__` reject them. Pure Python."""
 
 from __future__ import annotations
 
-from recompute_bench.config.schema import (CROSS_ENTROPY_FUSION_IMPLS, OPTIMIZER_DTYPES, ROPE_TYPES, BadInput, Config,
-                                           check_choice)
+from recompute_bench.config.choices import CROSS_ENTROPY_FUSION_IMPLS, OPTIMIZER_DTYPES, ROPE_TYPES
+from recompute_bench.config.schema import BadInput, Config, check_choice
 
 
 def validate_megatron_settings(cfg: Config) -> None:

@@ -12,7 +12,8 @@ must keep its default.
 
 from __future__ import annotations
 
-from recompute_bench.config.schema import CUDA_GRAPH_IMPLS, CUDA_GRAPH_MODULES, OFFLOAD_MODULES, BadInput, Config
+from recompute_bench.config.choices import CUDA_GRAPH_IMPLS, CUDA_GRAPH_MODULES, OFFLOAD_MODULES
+from recompute_bench.config.schema import BadInput, Config
 
 MOE_OFFLOAD_MODULES = ("expert_fc1", "moe_act", "fused_group_mlp")
 MOE_GRAPH_MODULES = ("moe", "moe_router", "moe_preprocess")

@@ -20,7 +20,9 @@ from pathlib import Path
 from typing import Any
 
 from recompute_bench.config.gpus import NAMED_KINDS
-from recompute_bench.config.schema import MEGATRON_MOE_DEFAULTS, SECTIONS, Config, BadInput, canonical_modules
+from recompute_bench.config.choices import MEGATRON_MOE_DEFAULTS
+from recompute_bench.config.schema import SECTIONS, Config, BadInput
+from recompute_bench.config.labels import canonical_modules
 
 # A checkout keeps the presets at the top level (workloads/); a wheel carries them inside the
 # package (recompute_bench/workloads/, mapped in pyproject.toml).

@@ -13,16 +13,16 @@ from recompute_bench.config.fields import defaults
 from recompute_bench.config.pipeline_split import model_chunks, uneven, validate_split
 from recompute_bench.config.megatron_rules import validate_megatron_settings
 from recompute_bench.config.performance_rules import validate_compile, validate_cuda_graphs, validate_fp8, validate_offload
-from recompute_bench.config.schema import (_MODULE_NEEDS, ACTIVATIONS, ATTENTION_BACKENDS, CP_COMM_TYPES, FP8_FORMATS,
-                                           FP8_RECIPES, FRAMEWORKS, GRANULARITIES, HARNESS_COMM_TYPES,
-                                           INTERLEAVED_SCHEDULES, LOAD_BALANCING_TYPES, MEGATRON_ACTIVATIONS,
-                                           MEGATRON_ATTENTION_BACKENDS, MEGATRON_ONLY, MEGATRON_ONLY_SETTINGS,
-                                           MEGATRON_SCHEDULES,
-                                           METHODS, NORMALIZATIONS, PIPELINE_SCHEDULES, POSITION_EMBEDDINGS,
-                                           PRECISIONS, RECOMPUTE_MODULES, ROUTER_DTYPES, ROUTER_SCORE_FUNCTIONS,
-                                           SECTIONS, TOKEN_DISPATCHER_TYPES, TOKEN_DROP_POLICIES, TRANSFORMER_IMPLS,
-                                           V_SCHEDULES, BadInput, check_choice, comm_levels, Config,
-                                           layer_comm_types)
+from recompute_bench.config.choices import (_MODULE_NEEDS, ACTIVATIONS, ATTENTION_BACKENDS, CP_COMM_TYPES, FP8_FORMATS,
+                                            FP8_RECIPES, FRAMEWORKS, GRANULARITIES, HARNESS_COMM_TYPES,
+                                            INTERLEAVED_SCHEDULES, LOAD_BALANCING_TYPES, MEGATRON_ACTIVATIONS,
+                                            MEGATRON_ATTENTION_BACKENDS, MEGATRON_ONLY, MEGATRON_ONLY_SETTINGS,
+                                            MEGATRON_SCHEDULES, METHODS, NORMALIZATIONS, PIPELINE_SCHEDULES,
+                                            POSITION_EMBEDDINGS, PRECISIONS, RECOMPUTE_MODULES, ROUTER_DTYPES,
+                                            ROUTER_SCORE_FUNCTIONS, TOKEN_DISPATCHER_TYPES, TOKEN_DROP_POLICIES,
+                                            TRANSFORMER_IMPLS, V_SCHEDULES)
+from recompute_bench.config.schema import SECTIONS, BadInput, check_choice, Config
+from recompute_bench.config.cp_comm import comm_levels, layer_comm_types
 
 VPP_FLAG = "--set parallel.virtual_pipeline_model_parallel_size"
 

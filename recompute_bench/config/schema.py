@@ -14,104 +14,7 @@ import functools
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
-GRANULARITIES = ("none", "selective", "full")
-METHODS = ("uniform", "block")
-PRECISIONS = ("bf16", "fp16", "fp32", "fp8")
-"""fp8: bf16 weights, activations and gradients with the linears' matrix multiplies in FP8
-(Megatron's --bf16 with --fp8-format; the scaling is `fp8_recipe`)."""
-FP8_RECIPES = ("delayed", "tensorwise", "blockwise", "mxfp8")
-"""Megatron's --fp8-recipe (Transformer Engine's DelayedScaling, Float8CurrentScaling,
-Float8BlockScaling, MXFP8BlockScaling); delayed is Megatron's default."""
-FP8_FORMATS = ("hybrid", "e4m3")
-"""Megatron's --fp8-format: hybrid (E4M3 forward, E5M2 gradients) or e4m3 throughout."""
-CUDA_GRAPH_IMPLS = ("none", "local", "transformer_engine", "full_iteration")
-"""Megatron's --cuda-graph-impl (TransformerConfig.cuda_graph_impl)."""
-CUDA_GRAPH_MODULES = ("attn", "mlp", "moe", "moe_router", "moe_preprocess")
-"""Megatron's --cuda-graph-modules (the older --cuda-graph-scope) of a per-layer graph; none: the
-whole layer (megatron/core/transformer/enums.py CudaGraphModule, less mamba)."""
-OFFLOAD_MODULES = ("attn_norm", "qkv_linear", "core_attn", "attn_proj", "mlp_norm", "expert_fc1", "moe_act",
-                   "fused_group_mlp")
-"""Megatron's --offload-modules (TransformerConfig.offload_modules) of fine-grained activation
-offloading, in Megatron's order."""
-ATTENTION_BACKENDS = ("sdpa", "math")
-# Megatron's `--attention-backend` (megatron/core/transformer/enums.py AttnBackend), which the estimate
-# of `framework megatron` takes; this harness runs its own two above.
-MEGATRON_ATTENTION_BACKENDS = ("flash", "fused", "unfused", "local", "auto")
-# What runs the step: this harness (measured and estimated exactly), or Megatron-LM / Megatron Bridge
-# as they run (estimated from Megatron's code, checked against its functional tests' memory).
-FRAMEWORKS = ("recompute-bench", "megatron")
-# Megatron's `--transformer-impl`: its own modules, or Transformer Engine's.
-TRANSFORMER_IMPLS = ("local", "transformer_engine")
-# Fields that describe how Megatron runs: framework recompute-bench takes their defaults only.
-MEGATRON_ONLY = ("transformer_impl", "masked_softmax_fusion", "attention_softmax_in_fp32", "cross_entropy_loss_fusion")
-# Megatron's arguments of the dense world and of multi-latent attention that only framework megatron
-# models (section.attribute): framework recompute-bench takes their defaults only.
-MEGATRON_ONLY_SETTINGS = (
-    "model.qk_layernorm", "model.attention_output_gate", "model.add_qkv_bias", "model.cross_entropy_fusion_impl",
-    "model.rope_type", "model.apply_rope_fusion", "model.mtp_num_layers",
-    "training.create_attention_mask_in_dataloader", "training.use_precision_aware_optimizer",
-    "training.main_grads_dtype", "training.main_params_dtype", "training.exp_avg_dtype", "training.exp_avg_sq_dtype",
-    "training.grad_reduce_in_bf16", "training.defer_embedding_wgrad_compute", "training.wgrad_deferral_limit",
-    "training.gradient_accumulation_fusion",
-    "parallel.num_distributed_optimizer_instances", "parallel.decoder_first_pipeline_num_layers",
-    "parallel.decoder_last_pipeline_num_layers", "parallel.account_for_embedding_in_pipeline_split",
-    "parallel.account_for_loss_in_pipeline_split", "parallel.pipeline_model_parallel_layout",
-    "parallel.microbatch_group_size_per_vp_stage", "parallel.tp_comm_overlap")
-MEGATRON_ACTIVATIONS = ("squared_relu",)
-"""Activations framework megatron models beyond ACTIVATIONS (Megatron's --squared-relu)."""
-CROSS_ENTROPY_FUSION_IMPLS = ("native", "te")
-"""Megatron's --cross-entropy-fusion-impl: its own fused cross-entropy or Transformer Engine's."""
-OPTIMIZER_DTYPES = ("fp32", "fp16", "bf16", "fp8")
-"""The precision-aware optimizer's dtypes (--main-grads-dtype, --main-params-dtype, --exp-avg-dtype,
---exp-avg-sq-dtype), as Megatron spells them."""
-ROPE_TYPES = ("rope", "yarn")
-"""Megatron's --rope-type for multi-latent attention (None: MLA's default, yarn)."""
-NORMALIZATIONS = ("LayerNorm", "RMSNorm")
-ACTIVATIONS = ("gelu", "swiglu")
-POSITION_EMBEDDINGS = ("learned_absolute", "rope")
-ROUTER_SCORE_FUNCTIONS = ("softmax", "sigmoid")
-TOKEN_DROP_POLICIES = ("probs", "position")
-LOAD_BALANCING_TYPES = ("aux_loss", "seq_aux_loss", "global_aux_loss", "sinkhorn", "none")
-"""Megatron's --moe-router-load-balancing-type values (router.py TopKRouter.routing)."""
-TOKEN_DISPATCHER_TYPES = ("allgather", "alltoall", "flex")
-"""Megatron's --moe-token-dispatcher-type values (moe_layer.py MoELayer.__init__)."""
-ROUTER_DTYPES = ("fp32", "fp64")
-"""Megatron's --moe-router-dtype values (router.py Router.gating); None: the input's dtype."""
-MEGATRON_MOE_DEFAULTS = {"moe_token_dispatcher_type": "allgather"}
-"""Framework megatron: Megatron's defaults of the MoE fields whose default here is what this harness
-runs (transformer_config.py: moe_token_dispatcher_type "allgather"; the harness dispatches by
-all-to-all)."""
-CP_COMM_TYPES = ("p2p", "all_gather", "a2a", "a2a+p2p")
-"""Megatron's --cp-comm-type values (TransformerConfig.cp_comm_type)."""
-HARNESS_COMM_TYPES = ("p2p", "all_gather")
-"""The cp_comm_type values this harness runs (`models.cp_attention`); a2a and a2a+p2p are Megatron's too."""
-PIPELINE_SCHEDULES = ("1F1B", "Interleaved1F1B", "GPipe", "InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV")
-"""torch.distributed.pipelining's schedule names (its `get_schedule_class`), as torchtitan's
-`pipeline_parallel_schedule` takes them."""
-MEGATRON_SCHEDULES = ("1F1B", "Interleaved1F1B")
-"""The schedules framework megatron runs (Megatron's schedules.py: 1F1B, interleaved 1F1B with virtual stages)."""
-INTERLEAVED_SCHEDULES = ("Interleaved1F1B", "InterleavedZeroBubble")
-"""Schedules over virtual stages r, r + p, r + 2p, ... on rank r (Megatron's interleaving)."""
-V_SCHEDULES = ("ZBVZeroBubble", "DualPipeV")
-"""Schedules whose rank r holds virtual stages r and 2p - 1 - r (the "V"): exactly two per rank."""
-SPLIT_BACKWARD_SCHEDULES = ("InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV")
-"""Schedules that split a backward into an input-gradient and a weight-gradient pass (torch's
-`stage_backward_input`: `autograd.grad` with `inputs`), which a re-entrant checkpoint refuses."""
-
-# Every module name Megatron accepts, in Megatron's order; the order is also the canonical
-# order of a module list in records and golden keys.
-RECOMPUTE_MODULES = ("core_attn", "mlp", "layernorm", "moe", "moe_act", "shared_experts", "mla_up_proj")
-# The modules every dense layer offers (what sweeps and verify enumerate by default); the rest need
-# MoE or MLA layers (a model's own list: `Config.spec.recompute_targets`).
-SUPPORTED_RECOMPUTE_MODULES = ("core_attn", "mlp", "layernorm")
-# What each module other than core_attn and layernorm needs of the model, for the refusal's message.
-_MODULE_NEEDS = {
-    "mlp": "dense MLP layers (with moe_layer_freq 1 every layer is a mixture-of-experts layer; use moe)",
-    "moe": "mixture-of-experts layers",
-    "moe_act": "mixture-of-experts layers with grouped GEMM (--set model.moe_grouped_gemm=true)",
-    "shared_experts": "mixture-of-experts layers with shared experts",
-    "mla_up_proj": "multi-latent attention",
-}
+from recompute_bench.config.labels import recompute_label
 
 
 class BadInput(ValueError):
@@ -662,72 +565,9 @@ class Config:
 SECTIONS = {"model": ModelConfig, "training": TrainingConfig, "parallel": ParallelConfig, "recompute": RecomputeConfig}
 
 
-def recompute_label(granularity: str, modules=(), method: str | None = None, num_layers: int | None = None,
-                    activation_offload_layers: int = 0, layer_policy=(), offload_modules=(),
-                    distribute_saved_activations: bool = False, **_: Any) -> str:
-    """A recompute setting in a few words: "none", "selective[core_attn,mlp]", "full uniform 1",
-    "full block 4 +distribute" (its checkpoints' inputs split over tensor parallel),
-    "policy 2 full, 3 selective[mlp]" (a per-layer policy, counted by choice in layer order),
-    "offload 4" (layer offloading), "selective[mlp] offload[core_attn,attn_proj]" (fine-grained).
-    Takes a record's `recompute` object as keywords (the fields that do not change the words too)."""
-    if layer_policy:
-        runs: list[list] = []
-        for entry in layer_policy:
-            choice = entry.split(":")[0]
-            if runs and runs[-1][1] == choice:
-                runs[-1][0] += 1
-            else:
-                runs.append([1, choice])
-        return "policy " + ", ".join(f"{n} {choice}" for n, choice in runs)
-    offload = " offload[" + ",".join(offload_modules) + "]" if offload_modules else ""
-    if granularity == "selective":
-        return "selective[" + ",".join(modules) + "]" + offload
-    if granularity == "full":
-        return f"full {method} {num_layers}" + (" +distribute" if distribute_saved_activations else "") + offload
-    if activation_offload_layers:
-        return f"offload {activation_offload_layers}"
-    return offload.strip() or "none"
-
-
-def canonical_modules(modules: list[str]) -> list[str]:
-    """De-duplicate and order module names the way Megatron lists them (unknown names last)."""
-    seen = dict.fromkeys(m.strip() for m in modules if m.strip())
-    order = {m: i for i, m in enumerate(RECOMPUTE_MODULES)}
-    return sorted(seen, key=lambda m: (order.get(m, len(order)), m))
-
-
 def with_setting(cfg: Config, r: RecomputeConfig | None = None, **parallel: Any) -> Config:
     """cfg with recompute setting `r` (kept when None) and the parallel fields given changed."""
     out = dataclasses.replace(cfg, recompute=r if r is not None else cfg.recompute)
     if parallel:
         out = dataclasses.replace(out, parallel=dataclasses.replace(cfg.parallel, **parallel))
     return out
-
-
-def layer_comm_types(cp_comm_type: str, num_layers: int) -> list[str]:
-    """The --cp-comm-type of each layer: one type for every layer, or one per layer written in
-    order (Megatron's TransformerConfig.cp_comm_type list, which transformer_layer.py indexes by
-    layer_number - 1). Words may be separated by spaces or commas."""
-    types = cp_comm_type.replace(",", " ").split()
-    return types * num_layers if len(types) == 1 else types
-
-
-def comm_levels(comm_type: str, cp: int, hierarchical: list[int] | None) -> tuple[str, int, int]:
-    """What a layer's attention runs under context parallel: (kind, a2a ranks, K/V ranks), the
-    ranks over which the all-to-all spreads the heads and those whose keys and values a rank visits.
-
-    a2a spreads the heads over all cp ranks (Transformer Engine's AttnFuncWithCPAndQKVOA2A); p2p
-    passes K/V around a ring of cp ranks (AttnFuncWithCPAndKVP2P); all_gather gathers K/V from all
-    (AttnFuncWithCPAndKVAllGather); a2a+p2p runs the all-to-all over the first level of
-    `hierarchical` and the ring over the second (Megatron passes both groups), and
-    `attn_forward_func_with_cp` runs plain p2p or a2a when one level has a single rank."""
-    if comm_type == "a2a":
-        return "a2a", cp, 1
-    if comm_type != "a2a+p2p":
-        return comm_type, 1, cp
-    a2a, ring = hierarchical
-    if a2a == 1:
-        return "p2p", 1, ring
-    if ring == 1:
-        return "a2a", a2a, 1
-    return "a2a+p2p", a2a, ring

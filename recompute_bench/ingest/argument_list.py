@@ -7,7 +7,7 @@
 Words are split as a POSIX shell splits them (shlex: quotes, `#` comments, a backslash at the end
 of a line continuing it). `NAME=value` words before the command (or after `export`) are the run's
 environment; the words after the training script (`*.py`), or from the first `--flag` when there is
-no script, are Megatron's arguments (`megatron_args.read_argv`); torchrun's `--nproc-per-node` and
+no script, are Megatron's arguments (`megatron_argv.read_argv`); torchrun's `--nproc-per-node` and
 `--nnodes` before the script give the GPU count. Pure Python.
 """
 
@@ -17,7 +17,7 @@ import re
 import shlex
 from pathlib import Path
 
-from recompute_bench.ingest.megatron_args import read_argv
+from recompute_bench.ingest.megatron_argv import read_argv
 from recompute_bench.ingest.parsed import ParsedRun, bad
 from recompute_bench.config.schema import BadInput
 

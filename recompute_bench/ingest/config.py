@@ -20,7 +20,8 @@ import dataclasses
 from typing import Any
 
 from recompute_bench.ingest.bridge_config import SPELLINGS
-from recompute_bench.ingest.megatron_args import CannotExpress, config_from_megatron, normalize, normalized_overrides
+from recompute_bench.ingest.megatron_args import CannotExpress, config_from_megatron, normalized_overrides
+from recompute_bench.ingest.megatron_argv import normalize
 from recompute_bench.ingest.parsed import ParsedRun, bad
 from recompute_bench.config.schema import SECTIONS, Config, BadInput
 from recompute_bench.workload import resolve, resolved

@@ -19,7 +19,8 @@ from pathlib import Path
 from typing import Any
 
 from recompute_bench.analysis.megatron import MegatronRun, stage_peak
-from recompute_bench.ingest.megatron_args import config_from_megatron, normalize
+from recompute_bench.ingest.megatron_args import config_from_megatron
+from recompute_bench.ingest.megatron_argv import normalize
 from recompute_bench.config.schema import BadInput
 
 GOAL = {"median_peak_error": 0.03, "peak_within_5_percent": 0.90, "median_static_error": 0.05}

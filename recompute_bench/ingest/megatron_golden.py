@@ -33,7 +33,7 @@ def read_model_config_file(path: Path) -> tuple[dict, dict, dict]:
     """A model_config.yaml read with PyYAML, as Megatron-LM's test runner reads it with yq
     (tests/functional_tests/shell_test_utils/_run_training.sh): `MODEL_ARGS` as {argument: value}
     (underscored names; a value is what YAML makes of it, a list such as "[mlp core_attn]" is left
-    to `megatron_args.normalize`), the line of each, and `ENV_VARS` (the environment of the run).
+    to `megatron_argv.normalize`), the line of each, and `ENV_VARS` (the environment of the run).
     Bad input names the file (and line) when it is no such file."""
     import yaml
 

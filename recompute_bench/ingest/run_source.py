@@ -30,8 +30,8 @@ from recompute_bench.analysis.megatron.gpu import COMPUTE_CAPABILITY, DEFAULT_GP
 from recompute_bench.ingest import (argument_list, bridge_config, bridge_log, formats, megatron_golden, megatron_log,
                                     torchtitan_log)
 from recompute_bench.ingest.config import GPT_MODEL_FIELDS, bridge_arguments, bridge_tables
-from recompute_bench.ingest.megatron_args import (ALIASES, FLAG_NAMES, SAME_NAME, CannotExpress, field_arguments,
-                                                  normalize, normalized_overrides)
+from recompute_bench.ingest.megatron_argv import ALIASES, FLAG_NAMES, normalize
+from recompute_bench.ingest.megatron_args import SAME_NAME, CannotExpress, field_arguments, normalized_overrides
 from recompute_bench.ingest.parsed import ParsedRun, bad
 from recompute_bench.config.schema import SECTIONS, BadInput, Config, data_parallel_size
 from recompute_bench.config.presets import apply_overrides, command_line_values, config_from_tables, gpu_type

@@ -31,8 +31,9 @@ from typing import Any, Callable, Iterable
 from recompute_bench.config.fields import fields, flagged, overrides_from_keys
 from recompute_bench.config.presets import DEFAULT_WORKLOAD
 from recompute_bench.workload import resolve
-from recompute_bench.config.schema import (SUPPORTED_RECOMPUTE_MODULES, BadInput, Config, RecomputeConfig,
-                                           canonical_modules)
+from recompute_bench.config.choices import SUPPORTED_RECOMPUTE_MODULES
+from recompute_bench.config.schema import BadInput, Config, RecomputeConfig
+from recompute_bench.config.labels import canonical_modules
 from recompute_bench.launch.process import run_isolated
 from recompute_bench.launch.torchrun import Launch, run_ranks
 from recompute_bench.workload import config_from_dict

@@ -41,7 +41,8 @@ from typing import Any, Optional
 
 from recompute_bench.launch.process import innermost_frame, tail_of, failed_record, run_group, worker_env
 from recompute_bench.measure.record import STATUS_ORDER, pipeline_summary, rank_summary, unmeasured_rank
-from recompute_bench.config.schema import SPLIT_BACKWARD_SCHEDULES, Config, BadInput
+from recompute_bench.config.choices import SPLIT_BACKWARD_SCHEDULES
+from recompute_bench.config.schema import Config, BadInput
 from recompute_bench.config.rules import check_expert_parallel_world
 
 DATA_PARALLEL = ("ddp", "fsdp")

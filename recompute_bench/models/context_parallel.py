@@ -9,7 +9,7 @@ chunks, so each rank's pair attends to (r + 1) + (2cp - r) = 2cp + 1 chunks: the
 
 from __future__ import annotations
 
-from recompute_bench.config.schema import HARNESS_COMM_TYPES
+from recompute_bench.config.choices import HARNESS_COMM_TYPES
 
 
 def chunk_count(cp: int) -> int:

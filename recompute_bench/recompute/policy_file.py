@@ -36,7 +36,8 @@ from pathlib import Path
 from typing import Any
 
 from recompute_bench.recompute.policy import LayerPolicy, chunks, kind_targets, layer_kind, parse_entry
-from recompute_bench.config.schema import RECOMPUTE_MODULES, Config, BadInput, RecomputeConfig
+from recompute_bench.config.choices import RECOMPUTE_MODULES
+from recompute_bench.config.schema import Config, BadInput, RecomputeConfig
 
 POLICY_SCHEMA = "recompute-bench/policy/v1"
 FIX = "write it with `recompute-bench plan --auto --output FILE` or fix that line"

@@ -5,7 +5,9 @@ from __future__ import annotations
 from itertools import combinations
 from typing import Iterable
 
-from recompute_bench.config.schema import RecomputeConfig, SUPPORTED_RECOMPUTE_MODULES, canonical_modules
+from recompute_bench.config.schema import RecomputeConfig
+from recompute_bench.config.choices import SUPPORTED_RECOMPUTE_MODULES
+from recompute_bench.config.labels import canonical_modules
 
 
 def selective_settings(modules: Iterable[str] = SUPPORTED_RECOMPUTE_MODULES) -> list[RecomputeConfig]:

@@ -7,7 +7,7 @@ from rich.markup import escape
 from rich.table import Table
 
 from recompute_bench.measure.record import layout_label, rank_summary
-from recompute_bench.config.schema import recompute_label
+from recompute_bench.config.labels import recompute_label
 
 NOT_MEASURED = "n/m"
 

@@ -22,7 +22,8 @@ from typing import Any, Iterable
 
 import pandas as pd
 
-from recompute_bench.config.schema import SECTIONS, BadInput, recompute_label
+from recompute_bench.config.schema import SECTIONS, BadInput
+from recompute_bench.config.labels import recompute_label
 from recompute_bench.config.fields import LATER_KEYS, PROTOCOL_KEYS, REQUIRED, fields
 from recompute_bench.results.store import load_records
 

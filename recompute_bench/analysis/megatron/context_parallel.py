@@ -22,7 +22,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from recompute_bench.models import ELEMENT_BYTES, FP32_BYTES, MASK_BYTES, SavedBytes
-from recompute_bench.config.schema import comm_levels, layer_comm_types
+from recompute_bench.config.cp_comm import comm_levels, layer_comm_types
 from recompute_bench.models.context_parallel import rank_seq_length
 from recompute_bench.config.schema import Config
 

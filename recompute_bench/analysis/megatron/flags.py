@@ -15,13 +15,23 @@ and NeMo 2.0's recipe fields.
   "no recompute" sets it to [] explicitly (Bridge PR #3470).
 - NeMo 2.0: the fields of Megatron Core's TransformerConfig on the recipe's model config,
   `recipe.model.config.<field>` (NeMo 1.x's `activations_checkpoint_*` names are not written).
+
+A layout (`layout_pasteable`, what `plan --search-layouts` prints beside the setting) in the same
+four spellings: Megatron-LM's --tensor-model-parallel-size, --pipeline-model-parallel-size,
+--num-virtual-stages-per-pipeline-rank, --context-parallel-size, --expert-model-parallel-size,
+--micro-batch-size, --sequence-parallel, --use-distributed-optimizer (arguments.py); Bridge's model
+provider fields, `cfg.train.micro_batch_size` and the distributed optimizer on `cfg.ddp` and
+`cfg.optimizer` (Bridge checks that the two agree); its performance script's -ng, -tp, -pp, -vp,
+-cp, -ep and -mb (scripts/performance/argument_parser.py), Hydra overrides for the rest; NeMo 2.0's
+MegatronStrategy fields on `recipe.trainer.strategy`, `recipe.data.micro_batch_size` and
+`recipe.optim.config.use_distributed_optimizer`.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from recompute_bench.config.schema import RecomputeConfig
+from recompute_bench.config.schema import Config, RecomputeConfig
 from recompute_bench.recompute.policy import megatron_flags
 
 
@@ -89,3 +99,56 @@ def pasteable(r: RecomputeConfig) -> dict[str, list[str]]:
     """Every spelling of `r`, by framework (the keys `plan --json` carries)."""
     return {"megatron_lm": megatron_flags(r), "bridge": bridge_overrides(r), "bridge_perf_script": bridge_perf_script(r),
             "nemo2": nemo2(r)}
+
+
+def _layout_fields(cfg: Config) -> dict[str, Any]:
+    """The parallel fields of cfg's layout, in Megatron's names. Every one is written for Bridge,
+    its performance script and NeMo, whose recipes set their own (a 70B recipe's context parallel,
+    virtual stages); Megatron-LM's command line leaves out those at Megatron's default."""
+    par = cfg.parallel
+    return {"tensor_model_parallel_size": par.tensor_model_parallel_size,
+            "pipeline_model_parallel_size": par.pipeline_model_parallel_size,
+            "virtual_pipeline_model_parallel_size": par.virtual_pipeline_model_parallel_size,
+            "context_parallel_size": par.context_parallel_size,
+            "expert_model_parallel_size": par.expert_model_parallel_size,
+            "sequence_parallel": par.sequence_parallel}
+
+
+MEGATRON_LAYOUT_DEFAULTS = {"virtual_pipeline_model_parallel_size": None, "context_parallel_size": 1,
+                            "expert_model_parallel_size": 1, "sequence_parallel": False}
+"""arguments.py's defaults of the layout's arguments, which a Megatron-LM command line leaves out."""
+
+
+def layout_pasteable(cfg: Config) -> dict[str, list[str]]:
+    """cfg's parallel layout, micro-batch size and distributed optimizer in each framework's words
+    (the keys of `pasteable`); the GPU count is cfg's world size."""
+    fields = _layout_fields(cfg)
+    mbs, dist = cfg.training.micro_batch_size, cfg.parallel.use_distributed_optimizer
+    lm_names = {"virtual_pipeline_model_parallel_size": "num_virtual_stages_per_pipeline_rank"}
+    lm: list[str] = []
+    for name, value in fields.items():
+        if name in MEGATRON_LAYOUT_DEFAULTS and value == MEGATRON_LAYOUT_DEFAULTS[name]:
+            continue
+        flag = "--" + lm_names.get(name, name).replace("_", "-")
+        lm += [flag] if value is True else [flag, str(value)]
+    lm += ["--micro-batch-size", str(mbs)] + (["--use-distributed-optimizer"] if dist else [])
+    bridge = [f"cfg.model.{k} = {_python(v)}" for k, v in fields.items()]
+    bridge += [f"cfg.train.micro_batch_size = {mbs}", f"cfg.ddp.use_distributed_optimizer = {dist}",
+               f"cfg.optimizer.use_distributed_optimizer = {dist}"]
+    short = {"tensor_model_parallel_size": "-tp", "pipeline_model_parallel_size": "-pp",
+             "virtual_pipeline_model_parallel_size": "-vp", "context_parallel_size": "-cp",
+             "expert_model_parallel_size": "-ep"}
+    perf = ["-ng", str(cfg.parallel.world_size)]
+    for name, value in fields.items():  # -vp None: the script's own default (-1) keeps the recipe's
+        perf += [short[name], str(value)] if name in short else [f"model.{name}={str(value).lower()}"]
+    perf += ["-mb", str(mbs), f"ddp.use_distributed_optimizer={str(dist).lower()}",
+             f"optimizer.use_distributed_optimizer={str(dist).lower()}"]
+    nemo = [f"recipe.trainer.strategy.{k} = {_python(v)}" for k, v in fields.items()]
+    nemo += [f"recipe.data.micro_batch_size = {mbs}", f"recipe.optim.config.use_distributed_optimizer = {dist}"]
+    return {"megatron_lm": lm, "bridge": bridge, "bridge_perf_script": perf, "nemo2": nemo}
+
+
+def run_pasteable(cfg: Config) -> dict[str, list[str]]:
+    """cfg's layout and its recompute setting together, by framework (`layout_pasteable` then `pasteable`)."""
+    layout, setting = layout_pasteable(cfg), pasteable(cfg.recompute)
+    return {key: layout[key] + setting[key] for key in layout}

@@ -26,7 +26,8 @@ from recompute_bench.analysis.megatron.parameters import stage_parameter_groups
 from recompute_bench.analysis.megatron.stage import stage_peak, stage_peaks
 from recompute_bench.analysis.megatron.time_model import StepTime, step_time
 from recompute_bench.config.rules import layers_per_model_chunk, validate
-from recompute_bench.config.schema import OFFLOAD_MODULES, BadInput, Config, RecomputeConfig, data_parallel_size, with_setting
+from recompute_bench.config.choices import OFFLOAD_MODULES
+from recompute_bench.config.schema import BadInput, Config, RecomputeConfig, data_parallel_size, with_setting
 from recompute_bench.recompute.policy import LayerPolicy, megatron_flags, megatron_setting
 from recompute_bench.recompute.settings import selective_settings
 

@@ -23,7 +23,7 @@ from recompute_bench.analysis.paper import (built_minus_paper_bytes, paper_flops
 from recompute_bench.config.pipeline_split import model_chunks
 from recompute_bench.config.rules import layers_per_model_chunk
 from recompute_bench.config.schema import BadInput, Config, RecomputeConfig, with_setting
-from recompute_bench.config.schema import layer_comm_types
+from recompute_bench.config.cp_comm import layer_comm_types
 from recompute_bench.models.context_parallel import rank_seq_length
 from recompute_bench.recompute.settings import selective_settings
 

@@ -25,7 +25,8 @@ from typing import Any, Iterable
 from recompute_bench.models import (ELEMENT_BYTES, FP32_BYTES, MASK_BYTES, SavedBytes, Work, device_kind)
 from recompute_bench.models.attention import ATTENTION_KERNELS, FUSED_KERNELS, attention_tiles, causal_pairs
 from recompute_bench.models.context_parallel import (CP_KERNELS, rank_attention_pairs, rank_seq_length, torch_ring_applies)
-from recompute_bench.config.schema import HARNESS_COMM_TYPES, comm_levels
+from recompute_bench.config.choices import HARNESS_COMM_TYPES
+from recompute_bench.config.cp_comm import comm_levels
 from recompute_bench.config.schema import Config
 
 
