@@ -91,7 +91,7 @@ def _dense_attention(cfg: Config, run: MegatronRun, sh: Shape, layer: int) -> La
     attention = attention_ops(cfg, run, sh, Heads(sh.heads, sh.groups, sh.d, sh.d), layer)
     fwd += attention.forward
     fwd += quantize("linear_proj", T * q, sh, none)
-    proj = linear("linear_proj", sh, T, q, h, none)
+    proj = linear("linear_proj", sh, T, q, h, none, row=True)
     fwd.append(proj)
     fwd += row_output("linear_proj", sh, none)
     bwd = linear_backward(proj, sh, T, q, h, row=True)
