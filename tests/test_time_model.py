@@ -158,6 +158,29 @@ def test_the_step_is_the_slowest_stage_s_micro_batches_and_the_interleaved_bubbl
     assert st.optimizer_seconds == max(tm.pass_seconds(tm.optimizer_ops(cfg, p), H100) for p in params)
 
 
+def test_1f1b_waits_for_each_pipeline_exchange_and_the_interleaved_schedule_overlaps_them():
+    # tp 8 +sp, pp 4, dp 1: a send carries s/t x b x h bf16 values to the rank 8 away, in the next node
+    cfg = megatron(parallel__tensor_model_parallel_size=8, parallel__sequence_parallel=True,
+                   parallel__pipeline_model_parallel_size=4, training__seq_length=2048, training__global_batch_size=8)
+    one = 2048 // 8 * 1 * 8192 * 2
+    assert [sum(op.bytes for op in tm.pipeline_send_ops(cfg, s)) for s in range(4)] == [one, 2 * one, 2 * one, one]
+    (op,) = tm.pipeline_send_ops(cfg, 1)
+    assert (op.group, op.stride) == (2, 8) and op.seconds(H100) == 2 * one / (400e9 / 8)  # the DGX H100 NIC
+    st = tm.step_time(cfg, RUN, H100)
+    sends = [p for p in st.parts if p["op"] == "pipeline.send_recv"]
+    assert sends and sends[0]["seconds"] == pytest.approx(8 * sum(tm.op_times(
+        tm.pipeline_send_ops(cfg, st.pacing_stage), H100).values()))
+    assert st.by_class()["pipeline_p2p"] == pytest.approx(sends[0]["seconds"])
+    # within one NVLink domain (tp 2, pp 2: 2 apart) the exchange runs over NVLink
+    near = megatron(parallel__tensor_model_parallel_size=2, parallel__pipeline_model_parallel_size=2)
+    (op,) = tm.pipeline_send_ops(near, 0)
+    assert op.bytes == 8192 * 1 * 8192 * 2 and op.seconds(H100) == op.bytes / (900e9 / 2)
+    interleaved = megatron(parallel__tensor_model_parallel_size=8, parallel__pipeline_model_parallel_size=4,
+                           parallel__virtual_pipeline_model_parallel_size=5, training__global_batch_size=16)
+    assert not any(tm.pipeline_send_ops(interleaved, s) for s in range(4))
+    assert tm.step_time(interleaved, RUN, H100).by_class()["pipeline_p2p"] == 0.0
+
+
 def test_recompute_adds_the_forward_ops_it_re_runs_in_every_layer():
     cfg = megatron(parallel__tensor_model_parallel_size=8)
     base = tm.step_time(cfg, RUN, H100)
