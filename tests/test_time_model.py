@@ -158,6 +158,29 @@ def test_the_step_is_the_slowest_stage_s_micro_batches_and_the_interleaved_bubbl
     assert st.optimizer_seconds == max(tm.pass_seconds(tm.optimizer_ops(cfg, p), H100) for p in params)
 
 
+def test_1f1b_waits_for_each_pipeline_exchange_and_the_interleaved_schedule_overlaps_them():
+    # tp 8 +sp, pp 4, dp 1: a send carries s/t x b x h bf16 values to the rank 8 away, in the next node
+    cfg = megatron(parallel__tensor_model_parallel_size=8, parallel__sequence_parallel=True,
+                   parallel__pipeline_model_parallel_size=4, training__seq_length=2048, training__global_batch_size=8)
+    one = 2048 // 8 * 1 * 8192 * 2
+    assert [sum(op.bytes for op in tm.pipeline_send_ops(cfg, s)) for s in range(4)] == [one, 2 * one, 2 * one, one]
+    (op,) = tm.pipeline_send_ops(cfg, 1)
+    assert (op.group, op.stride) == (2, 8) and op.seconds(H100) == 2 * one / (400e9 / 8)  # the DGX H100 NIC
+    st = tm.step_time(cfg, RUN, H100)
+    sends = [p for p in st.parts if p["op"] == "pipeline.send_recv"]
+    assert sends and sends[0]["seconds"] == pytest.approx(8 * sum(tm.op_times(
+        tm.pipeline_send_ops(cfg, st.pacing_stage), H100).values()))
+    assert st.by_class()["pipeline_p2p"] == pytest.approx(sends[0]["seconds"])
+    # within one NVLink domain (tp 2, pp 2: 2 apart) the exchange runs over NVLink
+    near = megatron(parallel__tensor_model_parallel_size=2, parallel__pipeline_model_parallel_size=2)
+    (op,) = tm.pipeline_send_ops(near, 0)
+    assert op.bytes == 8192 * 1 * 8192 * 2 and op.seconds(H100) == op.bytes / (900e9 / 2)
+    interleaved = megatron(parallel__tensor_model_parallel_size=8, parallel__pipeline_model_parallel_size=4,
+                           parallel__virtual_pipeline_model_parallel_size=5, training__global_batch_size=16)
+    assert not any(tm.pipeline_send_ops(interleaved, s) for s in range(4))
+    assert tm.step_time(interleaved, RUN, H100).by_class()["pipeline_p2p"] == 0.0
+
+
 def test_recompute_adds_the_forward_ops_it_re_runs_in_every_layer():
     cfg = megatron(parallel__tensor_model_parallel_size=8)
     base = tm.step_time(cfg, RUN, H100)
@@ -254,6 +277,33 @@ def test_tp_comm_overlap_pipelines_each_linear_s_collectives_with_its_gemm():
     assert tm.step_time(overlapped, RUN, H100).step_seconds < tm.step_time(plain, RUN, H100).step_seconds
 
 
+def test_tp_comm_overlap_s_pipelined_and_bulk_overlaps_take_16_sms_from_their_gemms():
+    """TE's initialize_ub defaults: pipeline (proj/fc2 fprop) and bulk (qkv/fc1 dgrad and wgrad) hold
+    num_sm 16 with set_sm_margin; ring exchanges (qkv/fc1 fprop, proj/fc2 dgrad) take none."""
+    overlapped = megatron(parallel__tensor_model_parallel_size=4, parallel__sequence_parallel=True,
+                          parallel__tp_comm_overlap=True)
+    plain = megatron(parallel__tensor_model_parallel_size=4, parallel__sequence_parallel=True)
+    ops = tm.layer_ops(overlapped, RUN)
+    by_name = {op.name: op for op in ops.forward + ops.backward}
+    taken = {name for name, op in by_name.items() if op.comm_sms}
+    assert taken == {"linear_proj", "linear_fc2", "linear_qkv.dgrad", "linear_qkv.wgrad", "linear_fc1.dgrad",
+                     "linear_fc1.wgrad"}
+    assert {by_name[n].comm_sms for n in taken} == {16}
+    assert not any(op.comm_sms for op in tm.layer_ops(plain, RUN).forward + tm.layer_ops(plain, RUN).backward)
+    achieved = gpu_rates.achieved_rates("h100")
+    # fc2 forward on a tp-4 rank: [8192, 7168] x [7168, 8192] in bf16; 64 x 32 tiles of 128 x 256 take 18
+    # waves over the 132 - 16 = 116 SMs left (16 over all 132), each wave as long as over all SMs
+    fc2 = by_name["linear_fc2"]
+    assert fc2.shape == (8192, 8192, 7168) and fc2.precision == "bf16"
+    assert fc2.seconds(achieved) == pytest.approx(fc2.flops / 794.5e12 * 18 * 132 * 128 * 256 / (8192 * 8192))
+    assert dataclasses.replace(fc2, comm_sms=0).seconds(achieved) == pytest.approx(
+        fc2.flops / 794.5e12 * 16 * 132 * 128 * 256 / (8192 * 8192))
+    # a GEMM priced without a shape runs at 116 / 132 of its rate
+    bare = dataclasses.replace(fc2, shape=None)
+    assert bare.seconds(achieved) == pytest.approx(fc2.flops / 794.5e12 * 132 / 116)
+    assert fc2.seconds(H100) == fc2.flops / 989.5e12  # the datasheet roofline has no SMs to take
+
+
 def test_the_plan_prices_at_the_gpu_table_s_achieved_rates_with_each_gemm_s_waves():
     achieved = gpu_rates.achieved_rates("h100")
     assert achieved.matrix_flops["bf16"] == 794.5e12 and achieved.matrix_flops["fp8"] == 1402.6e12
@@ -279,6 +329,8 @@ def test_a_profile_s_measured_gemms_price_those_shapes_and_the_shipped_h200_prof
     rates = gpu_rates.with_profile(gpu_rates.achieved_rates("h100"), found)
     op = tm.Op("g", "matrix", flops=2 * 4096 * 2560 * 8192, precision="fp8", shape=(4096, 2560, 8192))
     assert op.seconds(rates) == op.flops / 900e12
+    # beside TE's overlapped communication the measured GEMM keeps 116 of its 132 SMs' rate
+    assert dataclasses.replace(op, comm_sms=16).seconds(rates) == pytest.approx(op.flops / 900e12 * 132 / 116)
     other = tm.Op("g", "matrix", flops=2 * 4096 * 4096 * 8192, precision="fp8", shape=(4096, 4096, 8192))
     assert other.seconds(rates) == other.seconds(gpu_rates.achieved_rates("h100"))
     shipped, _ = gpu_rates.find_profile("h200", (tmp_path, gpu_rates.SHIPPED))

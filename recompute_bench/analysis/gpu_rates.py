@@ -62,21 +62,29 @@ class GpuRates:
         """The datasheet's dense FLOP/s of `precision` (MFU's denominator)."""
         return (self.peak_flops or self.matrix_flops).get(precision) or self.matrix_rate(precision)
 
-    def gemm_seconds(self, flops: float, precision: str, shape: tuple[float, float, float] | None = None) -> float:
+    def gemm_seconds(self, flops: float, precision: str, shape: tuple[float, float, float] | None = None,
+                     comm_sms: int = 0) -> float:
         """A GEMM's time at the precision's rate. With the GPU's SM count and the GEMM's (m, n, k):
         cuBLAS splits the m x n output into tiles (`TILE`: 128 x 256 on Hopper and Blackwell, 256 x 128
         on Ampere, its largest kernels' tiles: `tile`), run one per SM in waves; a partial last tile or a last
         wave that leaves SMs idle takes as long as a full one, so the GEMM runs at the rate times
-        useful / launched tile work."""
+        useful / launched tile work. `comm_sms`: SMs a communication kernel running beside the GEMM
+        holds (Transformer Engine's SM margin, `time_ops.UB_COMM_SMS`): the tiles run in waves over the
+        SMs left, each SM at its share of the rate (a measured GEMM of the shape: its time scaled by
+        all SMs / the SMs left). Without an SM count (the datasheet's roofline) nothing is taken."""
         rate = self.matrix_rate(precision)
+        left = self.sms - comm_sms if self.sms else None
+        if left is not None and left <= 0:
+            raise ValueError(f"{comm_sms} SMs taken of {self.sms}")
         if shape is not None and self.measured_gemms and (*shape, precision) in self.measured_gemms:
-            return flops / self.measured_gemms[(*shape, precision)]
+            measured = flops / self.measured_gemms[(*shape, precision)]
+            return measured * self.sms / left if left else measured
         if not self.sms or shape is None:
-            return flops / rate
+            return flops / rate * (self.sms / left if left else 1.0)
         m, n, _ = shape
         tm, tn = self.tile
         tiles = math.ceil(m / tm) * math.ceil(n / tn)
-        waves = math.ceil(tiles / self.sms)
+        waves = math.ceil(tiles / left)
         return flops / rate * (waves * self.sms * tm * tn) / (m * n)
 
     def comm_seconds(self, nbytes: float, group: int, stride: int, pattern: str) -> float:

@@ -52,7 +52,7 @@ def settings_table(result: dict[str, Any], rows: list[dict[str, Any]], title: st
 
 CLASS_WORDS = {"gemm": "GEMMs", "attention": "attention", "memory": "memory-bound", "recompute": "recompute",
                "tp_comm": "TP/SP comm exposed", "cp_exchange": "CP exchange", "expert_all_to_all": "expert all-to-all",
-               "offload": "offload copies", "pipeline_bubble": "pipeline bubble",
+               "offload": "offload copies", "pipeline_p2p": "pipeline sends", "pipeline_bubble": "pipeline bubble",
                "data_parallel_exposed": "DP reduce/gather exposed", "optimizer": "optimizer", "host_overhead": "host overhead"}
 
 

@@ -71,7 +71,7 @@ def mla_attention_ops(cfg: Config, run: MegatronRun, sh: Shape, layer: int) -> L
     attention = attention_ops(cfg, run, sh, Heads(n, n, qk + r, v), layer)
     fwd += attention.forward
     fwd += quantize("linear_proj", T * n * v, sh, frozenset())
-    proj = linear("linear_proj", sh, T, n * v, h, frozenset())
+    proj = linear("linear_proj", sh, T, n * v, h, frozenset(), row=True)
     fwd.append(proj)
     fwd += row_output("linear_proj", sh, frozenset())
 

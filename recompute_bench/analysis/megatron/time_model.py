@@ -27,19 +27,25 @@ every forward op of each checkpointed layer. The step is the pipeline's: per mic
 runs its model chunks' layers forward, backward and recompute (plus the embedding on the first
 stage and the loss on the last), and Megatron's schedule takes (m + (p - 1) / vp) of the slowest
 stage's micro-batch (Narayanan et al. 2021, the interleaved schedule's bubble), then the optimizer
-step. Activation offload adds the copies to and from the host that the layer's own compute does not
-hide (`offload_seconds`).
+step. Without virtual stages (1F1B) each stage's micro-batch also waits for its pipeline sends
+(`pipeline_send_ops`); the interleaved schedule overlaps them. Activation offload adds the copies to
+and from the host that the layer's own compute does not hide (`offload_seconds`).
 
 Not priced (setting-independent, so they change absolute time, not which setting is faster by
 how much): data-parallel gradient reduction and parameter all-gather (Megatron overlaps them with
 backward and forward), kernel launch gaps (with or without CUDA graphs: the model predicts no gain
-from graphs), the weights' FP8 cast (once per step: TE caches it over the micro-batches), pipeline
-send/receive. Pure Python.
+from graphs), the weights' FP8 cast (once per step: TE caches it over the micro-batches), the
+interleaved schedule's pipeline sends in its warm-up and cool-down. Pure Python.
 
 Sources (Megatron-LM d98e8a6, TransformerEngine d0067d0), beside those of `time_ops`,
 `time_attention`, `time_mla` and `time_moe`:
 - megatron/core/transformer/transformer_layer.py, attention.py, mlp.py (what each recompute module runs)
 - megatron/core/tensor_parallel/cross_entropy.py, megatron/core/fusions/fused_cross_entropy.py (the loss's passes)
+- megatron/core/pipeline_parallel/schedules.py `get_tensor_shapes` (what a pipeline send carries),
+  `forward_backward_pipelining_without_interleaving` (1F1B's blocking send_forward_recv_backward and
+  send_backward_recv_forward; it refuses overlap_p2p_comm), `forward_backward_pipelining_with_interleaving`
+  (overlap_p2p_comm: the sends run beside the next chunk); megatron/training/arguments.py
+  (--no-overlap-p2p-communication: overlap on by default for the interleaved schedule)
 - megatron/core/optimizer (fused Adam over the rank's shard), megatron/core/tensor_parallel/random.py
   (CheckpointFunction with distribute_saved_activations)
 - transformer_engine/pytorch/cpu_offload.py, megatron/core/pipeline_parallel/fine_grained_activation_offload.py
@@ -68,7 +74,7 @@ from recompute_bench.models import ELEMENT_BYTES, FP32_BYTES, MASK_BYTES
 from recompute_bench.recompute.policy import LayerPolicy, layer_policies
 
 __all__ = ["LayerOps", "Op", "STEP_CLASSES", "StepTime", "part_class", "checkpoint_ops", "embedding_ops", "gemm_shapes", "layer_ops", "layer_seconds", "loss_ops",
-           "offload_seconds", "op_times", "optimizer_ops", "pass_seconds", "recompute_ops", "step_time"]
+           "offload_seconds", "op_times", "optimizer_ops", "pass_seconds", "pipeline_send_ops", "recompute_ops", "step_time"]
 
 
 # ----- one layer --------------------------------------------------------------------------------
@@ -91,7 +97,7 @@ def _dense_attention(cfg: Config, run: MegatronRun, sh: Shape, layer: int) -> La
     attention = attention_ops(cfg, run, sh, Heads(sh.heads, sh.groups, sh.d, sh.d), layer)
     fwd += attention.forward
     fwd += quantize("linear_proj", T * q, sh, none)
-    proj = linear("linear_proj", sh, T, q, h, none)
+    proj = linear("linear_proj", sh, T, q, h, none, row=True)
     fwd.append(proj)
     fwd += row_output("linear_proj", sh, none)
     bwd = linear_backward(proj, sh, T, q, h, row=True)
@@ -252,9 +258,9 @@ class StepTime:
         """Where the step goes, by class (seconds; None: a class the model does not price): the
         pacing stage's GEMMs, attention kernels and memory-bound ops of forward and backward, what
         recompute re-runs, the tensor/sequence-parallel collectives left exposed, the context-parallel
-        K/V exchange, the experts' dispatch and combine, activation offload's copies, the pipeline
-        bubble, the optimizer step; data-parallel gradient reduce and parameter gather left exposed,
-        and host (kernel launch) overhead, which the model does not price."""
+        K/V exchange, the experts' dispatch and combine, activation offload's copies, 1F1B's pipeline
+        sends, the pipeline bubble, the optimizer step; data-parallel gradient reduce and parameter
+        gather left exposed, and host (kernel launch) overhead, which the model does not price."""
         out: dict[str, float | None] = dict.fromkeys(STEP_CLASSES, 0.0)
         for p in self.parts:
             out[part_class(p)] += p["seconds"]
@@ -265,7 +271,7 @@ class StepTime:
 
 
 STEP_CLASSES = ("gemm", "attention", "memory", "recompute", "tp_comm", "cp_exchange", "expert_all_to_all", "offload",
-                "pipeline_bubble", "data_parallel_exposed", "optimizer", "host_overhead")
+                "pipeline_p2p", "pipeline_bubble", "data_parallel_exposed", "optimizer", "host_overhead")
 """The classes of `StepTime.by_class`, in the order a step runs them."""
 
 
@@ -273,6 +279,8 @@ def part_class(part: dict[str, Any]) -> str:
     """The class of one part of `StepTime.parts` (an op in one pass)."""
     if part["pass"] in ("recompute", "offload"):
         return part["pass"]
+    if part["pass"] == "pipeline":
+        return "pipeline_p2p"
     if part["kind"] == "matrix":
         return "gemm"
     if part["kind"] in ("attention", "memory"):
@@ -347,6 +355,7 @@ def step_time(cfg: Config, run: MegatronRun, rates: GpuRates,
             for end in ends:
                 _add_times(parts, outside[end].forward, rates, "forward")
                 _add_times(parts, outside[end].backward, rates, "backward")
+        _add_times(parts, pipeline_send_ops(cfg, stage), rates, "pipeline")
         stages.append(parts)
     micro = [sum(parts.values()) for parts in stages]
     pacing = max(range(p), key=lambda s: micro[s])
@@ -359,6 +368,26 @@ def step_time(cfg: Config, run: MegatronRun, rates: GpuRates,
               for (name, kind, module, pass_name), sec in stages[pacing].items() if sec]
     listed.sort(key=lambda r: -r["seconds"])
     return StepTime(m * micro[pacing] + bubble + optimizer, micro, pacing, bubble, optimizer, listed)
+
+
+def pipeline_send_ops(cfg: Config, stage: int) -> list[Op]:
+    """What pipeline stage `stage` waits on to send and receive per micro-batch under 1F1B (no virtual
+    stages; schedules.py): after each forward, send_forward_recv_backward (its output to the next
+    stage while the gradient of an earlier micro-batch comes back), after each backward,
+    send_backward_recv_forward (the input gradient to the previous stage, the next micro-batch's input
+    in): one exchange for each neighbour, blocking, the two directions at once. Each carries the
+    activation of `get_tensor_shapes` (s / cp x b x h, / t with sequence parallel) in the training's
+    16 bits to a rank world / p away (the pipeline is the outermost group of Megatron's rank order).
+    None under the interleaved schedule, whose overlap_p2p_comm (Megatron-LM's and Bridge's default)
+    runs them beside the next chunk."""
+    par = cfg.parallel
+    p = par.pipeline_model_parallel_size
+    if p == 1 or (par.virtual_pipeline_model_parallel_size or 1) > 1:
+        return []
+    sh = Shape(cfg)
+    neighbours = (stage > 0) + (stage < p - 1)
+    return [Op("pipeline.send_recv", "comm", bytes=neighbours * sh.e * sh.local, group=2,
+               stride=par.world_size // p)]
 
 
 def gemm_shapes(cfg: Config, run: MegatronRun) -> list[tuple[float, float, float, str]]:

@@ -16,6 +16,11 @@ Sources (Megatron-LM d98e8a6, TransformerEngine d0067d0):
 - transformer_engine/pytorch/csrc/quantizer.cpp `Float8CurrentScalingQuantizer::quantize_impl`
   (an amax pass, then the cast)
 - megatron/core/fusions/fused_bias_dropout.py, fused_bias_swiglu.py, fused_bias_gelu.py
+- transformer_engine/pytorch/module/base.py `initialize_ub` (--tp-comm-overlap's default methods:
+  ring_exchange for qkv_fprop, fc1_fprop, proj_dgrad, fc2_dgrad with 1 SM and no SM margin; pipeline
+  for proj_fprop, fc2_fprop and bulk for qkv/fc1 dgrad and wgrad with num_sm 16 and set_sm_margin);
+  transformer_engine/common/comm_gemm_overlap/comm_gemm_overlap.cpp `CommOverlapCore` (with the margin
+  the GEMM beside the communication runs on `_math_sms` = the SM count - num_sm: `UB_COMM_SMS`)
 """
 
 from __future__ import annotations
@@ -28,6 +33,10 @@ from recompute_bench.config.schema import Config
 from recompute_bench.models import ELEMENT_BYTES, MASK_BYTES
 
 FP8_BYTES = 1
+UB_COMM_SMS = 16
+"""SMs Transformer Engine's userbuffers communication kernel holds beside a pipelined or bulk-overlapped
+GEMM (`initialize_ub`'s default num_sm for those methods, with set_sm_margin: the GEMM gets the rest;
+Megatron passes no ub_cfgs unless the run names a tp_comm_overlap_cfg, and the seeds' names none)."""
 HOST = "host"
 """The pattern of a copy between the GPU and host memory (CPU offload), over the host link."""
 
@@ -61,6 +70,9 @@ class Op:
     shape: tuple[float, float, float] | None = None
     """matrix: the GEMM's (m, n, k), whose output tiles run in waves over the SMs (`GpuRates.gemm_seconds`);
     None: priced by its FLOPs alone."""
+    comm_sms: int = 0
+    """matrix: SMs a communication kernel running beside it holds (`UB_COMM_SMS` under --tp-comm-overlap's
+    pipelined and bulk overlaps); its tiles run over the rest."""
 
     @property
     def module(self) -> str | None:
@@ -76,7 +88,7 @@ class Op:
         memory = self.bytes / rates.hbm_bytes_per_s
         if self.kind == "memory":
             return memory
-        return max(rates.gemm_seconds(self.flops, self.precision, self.shape), memory)
+        return max(rates.gemm_seconds(self.flops, self.precision, self.shape, self.comm_sms), memory)
 
 
 def pass_seconds(ops: list[Op], rates: GpuRates) -> float:
@@ -129,6 +141,8 @@ class Shape:
         # --tp-comm-overlap: TE's userbuffers pipeline each linear's sequence-parallel all-gather
         # and reduce-scatter with its GEMM (every Megatron TE linear passes a tp_comm_buffer_name)
         self.ub = bool(par.tp_comm_overlap) and self.sp
+        # ... and the pipelined and bulk overlaps take UB_COMM_SMS from the GEMM they run beside
+        self.ub_sms = UB_COMM_SMS if self.ub else 0
 
     def ring(self, kind: str, elements: float, element_bytes: float, group: int | None = None) -> float:
         """Bytes one rank sends in a ring collective over `group` ranks (default t) of the whole
@@ -174,12 +188,14 @@ def norm_backward(name: str, sh: Shape, tokens: float | None = None, width: floa
 
 
 def linear(name: str, sh: Shape, tokens: float, k: float, n: float, mods: frozenset[str], weights: float = 1,
-           precision: str | None = None) -> Op:
+           precision: str | None = None, row: bool = False) -> Op:
     """A linear's forward GEMM [tokens, k] x [k, n] (`weights` such weights, the local experts of a
-    grouped GEMM): reads its input and weights, writes its output."""
+    grouped GEMM): reads its input and weights, writes its output. A row-parallel one (`row`) under
+    --tp-comm-overlap runs beside its output's pipelined reduce-scatter, on the SMs it leaves."""
     in_bytes = sh.in_bytes if precision is None else ELEMENT_BYTES.get(precision, sh.e)
     return Op(name, "matrix", flops=2 * tokens * k * n, bytes=in_bytes * (tokens * k + weights * k * n) + sh.e * tokens * n,
-              precision=precision or sh.gemm_precision, modules=mods, shape=(tokens, n, k) if weights == 1 else None)
+              precision=precision or sh.gemm_precision, modules=mods, shape=(tokens, n, k) if weights == 1 else None,
+              comm_sms=sh.ub_sms if row else 0)
 
 
 def linear_backward(fwd: Op, sh: Shape, tokens: float, k: float, n: float, column: bool = False, row: bool = False,
@@ -189,7 +205,10 @@ def linear_backward(fwd: Op, sh: Shape, tokens: float, k: float, n: float, colum
     collective: a column-parallel linear reduces its data gradient (reduce-scatter or all-reduce of
     the k-wide input gradient) beside the weight-gradient GEMM and, with sequence parallel,
     all-gathers its input again beside the data gradient; a row-parallel one all-gathers the
-    n-wide output gradient first (sequence parallel)."""
+    n-wide output gradient first (sequence parallel). Under --tp-comm-overlap a column-parallel
+    linear's input all-gather and data-gradient reduce-scatter are TE's bulk overlaps, which hold
+    `UB_COMM_SMS` beside the data- and weight-gradient GEMMs; the row-parallel gather is a ring
+    exchange, which takes no SMs from its GEMM."""
     ops = []
     fp8 = fwd.precision == "fp8"
     if fp8:
@@ -197,14 +216,15 @@ def linear_backward(fwd: Op, sh: Shape, tokens: float, k: float, n: float, colum
         ops.append(Op(f"{fwd.name}.grad_quantize", "memory", bytes=reads + 2 * FP8_BYTES * tokens * n))
     in_bytes = FP8_BYTES if fp8 else sh.e
     single = weights == 1
+    bulk = sh.ub_sms if column and sh.t > 1 else 0
     dgrad = Op(f"{fwd.name}.dgrad", "matrix", flops=fwd.flops, bytes=in_bytes * (tokens * n + weights * k * n) + sh.e * tokens * k,
-               precision=fwd.precision, shape=(tokens, k, n) if single else None)
+               precision=fwd.precision, shape=(tokens, k, n) if single else None, comm_sms=bulk)
     if row and sh.sp:  # the output gradient gathered first (with tp_comm_overlap, pipelined with dgrad)
         ops.insert(0, sh.tp_comm(f"{fwd.name}.grad_all_gather", "all_gather", sh.tokens * n, sh.e,
                                  overlaps=dgrad.name if sh.ub else None))
     wgrad = Op(f"{fwd.name}.wgrad", "matrix", flops=fwd.flops,
                bytes=in_bytes * (tokens * n + tokens * k) + 2 * 4 * weights * k * n, precision=fwd.precision,
-               shape=(n, k, tokens) if single else None)
+               shape=(n, k, tokens) if single else None, comm_sms=bulk)
     ops += [dgrad, wgrad]
     if column and sh.t > 1:
         if sh.sp:
@@ -261,7 +281,7 @@ def mlp_ops(cfg: Config, sh: Shape, prefix: str, width: float, mods: frozenset[s
     fwd.append(fc1)
     fwd.append(Op(f"{prefix}activation", "memory", bytes=sh.e * T * (fc1_width + f_local), modules=mods))
     fwd += quantize(f"{prefix}linear_fc2", T * f_local, sh, mods)
-    fc2 = linear(f"{prefix}linear_fc2", sh, T, f_local, h, mods)
+    fc2 = linear(f"{prefix}linear_fc2", sh, T, f_local, h, mods, row=True)
     fwd.append(fc2)
     fwd += row_output(f"{prefix}linear_fc2", sh, mods)
     bwd = linear_backward(fc2, sh, T, f_local, h, row=True)
