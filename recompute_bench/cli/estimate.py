@@ -34,13 +34,17 @@ def check_inputs(device: str, allowance_fraction: float, allowance_gb: float) ->
         raise BadInput("the allowance cannot be negative; pass --allowance-fraction 0.1 --allowance-gb 1")
 
 
+WorkloadBesideFrom = Annotated[Optional[str], typer.Option(
+    "--workload", "-w", help=f"Preset name (see `workloads`) or path to a .toml preset; default {DEFAULT_WORKLOAD}. "
+    "With --from, only for a Megatron Bridge log (the GPT model's own fields).",
+    rich_help_panel="Workload", show_default=False)]
+"""-w of `estimate` and `plan`, which also read a run --from a file."""
+
+
 @point_options()
 def estimate(
     *,
-    workload: Annotated[Optional[str], typer.Option(
-        "--workload", "-w", help=f"Preset name (see `workloads`) or path to a .toml preset; default {DEFAULT_WORKLOAD}. "
-        "With --from, only for a Megatron Bridge log (the GPT model's own fields).",
-        rich_help_panel="Workload", show_default=False)] = None,
+    workload: WorkloadBesideFrom = None,
     from_: FromFile = None,
     gpus: Gpus = None,
     point: PointOptions,

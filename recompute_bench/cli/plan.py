@@ -21,7 +21,8 @@ from rich.markup import escape
 
 from recompute_bench.analysis.allowance import ALLOWANCE_BYTES, ALLOWANCE_FRACTION
 from recompute_bench.cli.common import DEFAULT_WORKLOAD, JsonOut, err, fail, show_notes
-from recompute_bench.cli.estimate import AllowanceFraction, AllowanceGb, ModelDevice, check_inputs, harness_device, megatron_run
+from recompute_bench.cli.estimate import (AllowanceFraction, AllowanceGb, ModelDevice, WorkloadBesideFrom, check_inputs,
+                                          harness_device, megatron_run)
 from recompute_bench.cli.options import PointOptions, point_options
 from recompute_bench.cli.plan_megatron import plan_layouts, plan_megatron, resolve_on_gpus
 from recompute_bench.cli.run_from import FromFile, read_from
@@ -32,10 +33,7 @@ from recompute_bench.config.schema import BadInput
 @point_options(panels=("Workload", "Parallelism"), gpu=False)
 def plan(
     *,
-    workload: Annotated[Optional[str], typer.Option(
-        "--workload", "-w", help=f"Preset name (see `workloads`) or path to a .toml preset; default {DEFAULT_WORKLOAD}. "
-        "With --from, only for a Megatron Bridge log (the GPT model's own fields).",
-        rich_help_panel="Workload", show_default=False)] = None,
+    workload: WorkloadBesideFrom = None,
     from_: FromFile = None,
     point: PointOptions,
     memory_gb: Annotated[Optional[float], typer.Option(help="Device memory per GPU in GiB, e.g. 80.",
@@ -60,7 +58,7 @@ def plan(
                                                             "in GB/s for offload's cost (default: measured).",
                                                             rich_help_panel="Estimate")] = None,
     gpu: Annotated[Optional[str], typer.Option("--gpu", help="With --framework megatron: the GPU kind (h100, a100, "
-                                               "h200, b200, gb200), whose datasheet rates price time and whose compute "
+                                               "h200, b200, gb200), whose achieved rates (config/gpus.py) price time and whose compute "
                                                "capability picks the kernels; default this machine's, else h100.",
                                                rich_help_panel="Megatron")] = None,
     gpus: Annotated[Optional[int], typer.Option("--gpus", help="The GPU count. With --framework megatron the "
