@@ -68,7 +68,10 @@ def test_pyproject_lists_every_package_and_maps_the_presets():
     folders = {".".join(p.parent.relative_to(ROOT).parts) for p in (ROOT / "recompute_bench").rglob("__init__.py")}
     assert sorted(setuptools["packages"]) == sorted(folders | {"recompute_bench.workloads"})
     assert setuptools["package-dir"] == {"recompute_bench.workloads": "workloads"}
-    assert setuptools["package-data"] == {"recompute_bench.workloads": ["*.toml"]}
+    # the presets, and the GPU rate profiles we measured, which plan --profile reads without a GPU
+    assert setuptools["package-data"] == {"recompute_bench.workloads": ["*.toml"],
+                                          "recompute_bench.analysis": ["profiles/*.json"]}
+    assert list((ROOT / "recompute_bench" / "analysis" / "profiles").glob("*.json"))
 
 
 def _run(args, **kw) -> subprocess.CompletedProcess:
@@ -97,6 +100,7 @@ def test_a_wheel_installed_elsewhere_runs_workloads_run_sweep_and_report(tmp_pat
         metadata_text = z.read(next(n for n in names if n.endswith(".dist-info/METADATA"))).decode()
     presets = sorted(p.name for p in (ROOT / "workloads").glob("*.toml"))
     assert sorted(n.split("/")[-1] for n in names if n.startswith("recompute_bench/workloads/")) == presets
+    assert "recompute_bench/analysis/profiles/rates-nvidia-h200.json" in names  # plan --profile without a GPU
     assert "Requires-Dist: matplotlib>=3.7" in metadata_text.splitlines()
 
     # Third-party packages of this environment, without recompute-bench (pip would uninstall it).
