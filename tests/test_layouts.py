@@ -9,16 +9,11 @@ import json
 from helpers import config, invoke
 
 from recompute_bench.analysis import gpu_rates
-from recompute_bench.analysis.flops import model_flops_per_step
-from recompute_bench.analysis.allowance import FITS, fit
 from recompute_bench.analysis.megatron import MegatronRun, stage_peaks
-from recompute_bench.analysis.megatron.layouts import (candidate_layouts, layout_label, search_layouts, setting_chains,
+from recompute_bench.analysis.megatron.layouts import (candidate_layouts, price_every_layout, search_layouts,
                                                        static_bytes, static_key)
-from recompute_bench.analysis.megatron.plan import offload_groups
-from recompute_bench.analysis.megatron.time_model import step_time
-from recompute_bench.analysis.megatron.parameters import stage_parameter_groups
 from recompute_bench.config.rules import validate
-from recompute_bench.config.schema import BadInput, with_setting
+from recompute_bench.config.schema import with_setting
 
 RUN = MegatronRun("h100")
 H100 = gpu_rates.datasheet_rates("h100")
@@ -32,30 +27,6 @@ def small():
                   training__seq_length=1024, training__global_batch_size=16, training__micro_batch_size=1)
 
 
-def exhaustive(cfg, gpus, budget, fraction, fixed_bytes, top):
-    """Every chain's every setting on every accepted layout priced: each layout's fastest that fits."""
-    layouts, _ = candidate_layouts(cfg, gpus, set(), H100)
-    moving = offload_groups(layouts[0], RUN)[0]
-    best = []
-    for c in layouts:
-        params = [stage_parameter_groups(c, s) for s in range(c.parallel.pipeline_model_parallel_size)]
-        rows = []
-        for chain in setting_chains(c, moving, False):
-            for r in chain:
-                run_cfg = with_setting(c, r)
-                try:
-                    validate(run_cfg)
-                    peak = max(s.peak_allocated_bytes for s in stage_peaks(run_cfg, RUN))
-                    if fit(peak, budget, fraction, fixed_bytes) != FITS:
-                        continue
-                    rows.append(step_time(run_cfg, RUN, H100, params).step_seconds)
-                except BadInput:
-                    continue
-        if rows:  # TFLOP/s per GPU: the model FLOPs over the step and the GPUs
-            best.append((-model_flops_per_step(c) / min(rows), round(min(rows), 12), layout_label(c)))
-    return [(step, label) for _, step, label in sorted(best)[:top]]
-
-
 def test_the_pruned_search_finds_what_pricing_everything_finds():
     cfg = small()
     layouts, _ = candidate_layouts(cfg, 8, set(), H100)
@@ -64,7 +35,7 @@ def test_the_pruned_search_finds_what_pricing_everything_finds():
     result = search_layouts(cfg, RUN, H100, 8, budget, 0.0, 0.0, top=4)
     assert result["searched"]["pruned"] > 0  # the bound skipped layouts
     found = [(round(r["step_seconds"], 12), r["layout_label"]) for r in result["layouts"]]
-    assert found == exhaustive(cfg, 8, budget, 0.0, 0.0, 4)
+    assert found == price_every_layout(cfg, RUN, H100, 8, budget, 0.0, 0.0, 4)
     assert any(r["setting"] != "none" for r in result["layouts"])
     tflops = [r["tflops_per_gpu"] for r in result["layouts"]]
     assert tflops == sorted(tflops, reverse=True) and tflops[0] > 0

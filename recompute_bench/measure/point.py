@@ -121,8 +121,9 @@ def _measure(cfg: Config, device: torch.device, peak_tflops: float | None, layou
         probe = layout.probe(model)
         with LocalFlopCounter(display=False) as counter:
             loss = stepper.step(probe)
-        ran.update(kernels_that_ran(getattr(model, "module", model)))  # DDP wraps the GPT
-        ran.update(compiled(getattr(model, "module", model)))
+        gpt = getattr(model, "module", model)  # DDP wraps the GPT
+        ran.update(kernels_that_ran(gpt))
+        ran.update(compiled(gpt))
         ran.update(checked_splits(model))  # a context-parallel kernel proved on this device, or the point fails
         metrics.update(predicted_metrics(cfg, measured_device(device, ran.get("attention_kernel"))))
         done(loss)

@@ -22,8 +22,8 @@ The search prices what it must and no more:
    of their first setting's time; a chain is out when its first setting cannot beat the best so
    far or its last (least memory) does not fit, else the memory model finds the first that fits by
    bisection; a layout whose bound cannot beat the `top`-th best found so far ends the search. The
-   answer equals pricing every chain's every setting on every layout (`tests/test_layouts.py`
-   checks it on a small model). Pure Python.
+   answer equals pricing every chain's every setting on every layout (`price_every_layout`;
+   `tests/test_layouts.py` checks it on a small model, `bench/layout_search.py` times both). Pure Python.
 """
 
 from __future__ import annotations
@@ -37,8 +37,10 @@ from recompute_bench.analysis.flops import model_flops_per_step
 from recompute_bench.analysis.gpu_rates import GpuRates, rates_row
 from recompute_bench.analysis.megatron.flags import run_pasteable
 from recompute_bench.analysis.megatron.gpu import MegatronRun
+from recompute_bench.analysis.megatron.parameters import stage_parameter_groups
 from recompute_bench.analysis.megatron.plan import Planner, offload_groups
 from recompute_bench.analysis.megatron.stage import stage_peaks, static_items
+from recompute_bench.analysis.megatron.time_model import step_time
 from recompute_bench.config.rules import check_expert_parallel_world, layers_per_model_chunk, validate
 from recompute_bench.config.schema import BadInput, Config, RecomputeConfig, with_setting
 
@@ -341,6 +343,32 @@ def search_layouts(cfg: Config, run: MegatronRun, rates: GpuRates, gpus: int, bu
                          f"({len(within)} hold their static memory, but not the activations); pass a larger "
                          "--memory-gb or more --gpus")
     return out
+
+
+def price_every_layout(cfg: Config, run: MegatronRun, rates: GpuRates, gpus: int, budget: float, fraction: float,
+                       fixed_bytes: float, top: int) -> list[tuple[float, str]]:
+    """What the search must find, without its pruning: every chain's every setting priced on every
+    accepted layout, each layout's fastest that fits; the `top` layouts by TFLOP/s per GPU as
+    (step seconds, layout label). Slow: for checking `search_layouts` on a small model."""
+    layouts, _ = candidate_layouts(cfg, gpus, set(), rates)
+    moving = offload_groups(layouts[0], run)[0]
+    best = []
+    for c in layouts:
+        params = [stage_parameter_groups(c, s) for s in range(c.parallel.pipeline_model_parallel_size)]
+        steps = []
+        for chain in setting_chains(c, moving, False):
+            for r in chain:
+                run_cfg = with_setting(c, r)
+                try:
+                    validate(run_cfg)
+                    peak = max(s.peak_allocated_bytes for s in stage_peaks(run_cfg, run))
+                    if fit(peak, budget, fraction, fixed_bytes) == FITS:
+                        steps.append(step_time(run_cfg, run, rates, params).step_seconds)
+                except BadInput:
+                    continue
+        if steps:
+            best.append((-_tflops(c, min(steps), gpus), round(min(steps), 12), layout_label(c)))
+    return [(step, label) for _, step, label in sorted(best)[:top]]
 
 
 def _ranked(cfg: Config, row: dict[str, Any], gpus: int) -> dict[str, Any]:
