@@ -54,6 +54,10 @@ class GpuRates:
     """The datasheet's dense FLOP/s by precision (what MFU divides by); None: `matrix_flops`."""
     measured_gemms: dict[tuple, float] | None = None
     """FLOP/s a profile measured for GEMMs of the run's own shapes, by (m, n, k, precision)."""
+    nccl_sms: int = 0
+    """SMs a NCCL collective over the NVLink domain holds while it runs (the GPU table's `nccl_channels`:
+    one thread block per channel, NCCL src/enqueue.cc); a GEMM launched beside it runs its tiles on the
+    rest (`time_ops.op_times`). 0: not known, not priced (and on the datasheet's roofline)."""
     tile: tuple[int, int] = (128, 256)
     """cuBLAS's output tile of large GEMMs (rows x columns): 128 x 256 on Hopper and Blackwell
     (CUTLASS's default SM90 warp-specialized tile), 256 x 128 on Ampere."""
@@ -137,7 +141,8 @@ def _rates(gpu: Gpu, achieved: bool) -> GpuRates:
                   f"; peaks: {gpu.source}")
     return GpuRates(gpu.kind, gpu.product, matrix, hbm, link, gpu.host_link_bytes_per_s, source,
                     gpu.network_bytes_per_s, gpu.nvlink_domain, sms, dict(gpu.dense_flops),
-                    (128, 256) if gpu.compute_capability >= 90 else (256, 128))
+                    nccl_sms=(gpu.nccl_channels or 0) if achieved else 0,
+                    tile=(128, 256) if gpu.compute_capability >= 90 else (256, 128))
 
 
 DATASHEET: dict[str, GpuRates] = {kind: _rates(gpu, False) for kind, gpu in KINDS.items() if gpu.link_bytes_per_s}

@@ -59,6 +59,11 @@ class Gpu:
     achieved_link_bytes_per_s: float | None = None
     """Bus bandwidth of a ring collective over the NVLink domain, measured (nccl-tests' busbw)."""
     link_source: str = ""
+    nccl_channels: int | None = None
+    """Channels NCCL runs a large collective over the NVLink domain with, as its own log prints them: NCCL
+    launches one thread block per channel, each holding an SM while it runs (`time_ops.Op.nccl`); None: not
+    known, and a GEMM beside NCCL keeps every SM."""
+    nccl_source: str = ""
 
 
 def _dense(bf16_sparse: float, tf32_sparse: float, fp8_sparse: float | None, fp64: float) -> dict[str, float]:
@@ -70,6 +75,8 @@ def _dense(bf16_sparse: float, tf32_sparse: float, fp8_sparse: float | None, fp6
     return out
 
 
+NCCL_CHANNELS_A100 = ("NVIDIA/nccl-tests issue #100: NCCL_DEBUG=INFO log of 8 A100 on HGX A100's NVSwitch, "
+                      "'Channel 00/24' ... 'Channel 23/24' (24 ring channels); NCCL launches one block per channel")
 NCCL_A100 = ("NVIDIA/nccl-tests issue #149: all_reduce_perf on 8 A100 SXM4 80GB over NVSwitch, busbw ~200 GB/s "
              "up to 1 GiB (issue #178: 208 GB/s)")
 # The ring bus bandwidth nccl-tests reached on A100's NVLink, as a share of the one-way link; kinds with no
@@ -92,7 +99,7 @@ GPUS: tuple[Gpu, ...] = (
     # MAMF: A100 SXM bf16 271.2 TFLOPS.
     Gpu("a100", "A100 SXM4 80GB", 80, ("NVIDIA A100-SXM4-80GB", "NVIDIA A100-SXM4-40GB"), "A100 SXM", _A100,
         2039e9, 600e9 / 2, 64e9 / 2, 200 * GBIT, 8, 108, "NVIDIA A100 datasheet (SXM4 80GB); network: DGX A100 datasheet",
-        {"bf16": 271.2e12, "fp16": 271.2e12}, MAMF_SOURCE, None, "", 200e9, NCCL_A100),
+        {"bf16": 271.2e12, "fp16": 271.2e12}, MAMF_SOURCE, None, "", 200e9, NCCL_A100, 24, NCCL_CHANNELS_A100),
     Gpu("a100", "A100 PCIe", 80, ("NVIDIA A100-PCIE-40GB", "NVIDIA A100 80GB PCIe"), "A100 PCIe", _A100,
         source="NVIDIA A100 datasheet (PCIe)"),
     # NVIDIA H100 Tensor Core GPU datasheet, H100 SXM: FP8 3,958 TFLOPS*, BF16 1,979*, TF32 989*, FP64 TC 67;

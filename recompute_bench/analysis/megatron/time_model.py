@@ -207,7 +207,8 @@ def loss_ops(cfg: Config) -> LayerOps:
     bwd += [dgrad, wgrad]
     if sh.t > 1:
         kind = "reduce_scatter" if sh.sp else "all_reduce"
-        bwd.append(sh.tp_comm(f"output_layer.dgrad_{kind}", kind, sh.tokens * sh.h, e, overlaps=wgrad.name))
+        # Megatron's own ColumnParallelLinear: its collectives are NCCL's even under --tp-comm-overlap
+        bwd.append(sh.tp_comm(f"output_layer.dgrad_{kind}", kind, sh.tokens * sh.h, e, overlaps=wgrad.name, nccl=True))
     bwd.append(Op("final_layernorm.backward", "memory", bytes=3 * e * sh.local))
     return LayerOps(fwd, bwd)
 
