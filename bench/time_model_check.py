@@ -22,6 +22,7 @@ from recompute_bench.analysis.megatron.time_checks import (  # noqa: E402
     PAPER_TABLE5_SOURCE,
     SEEDS_BASELINE,
     SEEDS_SOURCE,
+    h200_gemm_row,
     paper_rows,
     paper_table5_rows,
     seeds_rows,
@@ -66,6 +67,9 @@ def main() -> None:
         print(f"{name:<48} {measured:>11.4f} {predicted:>12.4f} {predicted / measured:>12.3f}")
     print(f"{within} of {len(rows)} within {100 * GOAL_ABSOLUTE:.0f}% "
           f"(seeds: measured step = model FLOPs per GPU / the measured TFLOP/s; {PAPER_TABLE5_SOURCE})")
+    g = h200_gemm_row()
+    print(f"  GEMMs of our H200 llama3-8b slice step ({g['gemms']}, {g['flops'] / 1e12:.1f} TFLOP): predicted "
+          f"{1e3 * g['predicted_seconds']:.1f} ms, measured {1e3 * g['measured_seconds']:.1f} ms ({g['ratio']:.3f})")
     for r in paper_rows():
         print(f"  22B Table 4 one layer, {r['setting']}: forward {r['predicted_forward_ms']:.2f} of {r['measured_forward_ms']} ms "
               f"({r['predicted_forward_ms'] / r['measured_forward_ms']:.3f}), backward with its recompute "

@@ -408,3 +408,35 @@ def test_table_5_s_four_models_run_in_table_3_s_layouts_with_its_measured_iterat
         ("22B", "full", 1.42), ("22B", "sequence parallel + selective", 1.10)]
     assert {m: tuple(v.values()) for m, v in time_checks.PAPER_TABLE5_S.items()} == {
         "22B": (1.42, 1.10), "175B": (18.13, 13.75), "530B": (49.05, 37.83), "1T": (94.42, 71.49)}
+
+
+def test_flash_attention_runs_at_the_rates_our_h200_measured_and_other_kinds_at_their_shares():
+    """Our H200 run's profile: cuDNN's causal flash attention, seq 8192, 32 heads of 128, 52 calls each way:
+    forward 52.802 ms, backward 169.173 ms; FLOPs over the causal half, backward 2.5x (`time_attention`)."""
+    from recompute_bench.config import gpus
+    forward = 32 * 8192 * 8193 / 2 * 2 * 256
+    h200, h100 = gpu_rates.achieved_rates("h200"), gpu_rates.achieved_rates("h100")
+    assert h200.attention_flops == pytest.approx({"forward": forward / (52.802e-3 / 52),
+                                                  "backward": 2.5 * forward / (169.173e-3 / 52)})
+    assert h200.attention_flops["forward"] == pytest.approx(541.5e12, rel=1e-3)
+    assert gpus.ATTENTION_SHARE == pytest.approx({k: v / 771e12 for k, v in h200.attention_flops.items()})
+    assert h100.attention_flops == pytest.approx({k: v * 794.5e12 for k, v in gpus.ATTENTION_SHARE.items()})
+    assert gpu_rates.datasheet_rates("h100").attention_flops is None  # the roofline: the bf16 peak
+    cfg = megatron(parallel__tensor_model_parallel_size=4, parallel__sequence_parallel=True)
+    ops = tm.layer_ops(cfg, RUN)
+    (fwd,) = [op for op in ops.forward if op.kind == "attention"]
+    (bwd,) = [op for op in ops.backward if op.kind == "attention"]
+    assert (fwd.backward, bwd.backward) == (False, True)
+    assert fwd.seconds(h100) == pytest.approx(fwd.flops / h100.attention_flops["forward"])
+    assert bwd.seconds(h100) == pytest.approx(bwd.flops / h100.attention_flops["backward"])
+    assert fwd.seconds(H100) == pytest.approx(fwd.flops / 989.5e12)
+
+
+def test_the_gemm_pricing_holds_at_a_real_run_s_shapes_on_the_h200_we_measured():
+    """Our H200 profile: 663 aten::mm calls over 13 steps (51 a step: 17 GEMMs and their two gradients),
+    1.216 s; the model prices those GEMMs from the 8192^3 rate in waves over the SMs."""
+    row = time_checks.h200_gemm_row()
+    assert row["gemms"] * 13 == 663
+    assert row["flops"] == pytest.approx(3 * 2 * 8192 * (4 * 4096 * (6144 + 4096 + 28672) + 4 * 14336 * 4096
+                                                         + 4096 * 128256))
+    assert abs(row["ratio"] - 1) <= 0.05, row

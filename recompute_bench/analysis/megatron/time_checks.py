@@ -164,3 +164,24 @@ def seeds_rows(rates: GpuRates | None = None) -> list[dict[str, Any]]:
              "predicted_step_seconds": steps[name], "predicted_tflops": flops / steps[name] / 1e12,
              "measured_step_seconds": flops / (SEEDS_TFLOPS[name] * 1e12)}
             for name in SEEDS_TFLOPS]
+
+
+H200_SLICE_MM_SECONDS = 1.216 / 13
+"""Our H200 run (shared/gpu-runs/2026-11-28-h200/profiles/prof-plain.txt): the plain PyTorch loop on the
+llama3-8b slice (4 layers, seq 8192, micro-batch 1, bf16; fused qkv and gate/up weights) spent 1.216 s of
+aten::mm self CUDA time over 13 steps, 663 calls: 51 a step, 17 GEMMs forward and each one's data and
+weight gradient."""
+
+
+def h200_gemm_row(rates: GpuRates | None = None) -> dict[str, Any]:
+    """The GEMMs of our H200 run's llama3-8b slice step priced by `GpuRates.gemm_seconds` (the H200's
+    measured 8192^3 rate in waves over its SMs) beside the time the profile measured: a check of the
+    GEMM pricing at a real run's shapes on a GPU we measured, apart from the rate's own source."""
+    rates = rates or achieved_rates("h200")
+    tokens, h, f, vocab, kv = 8192, 4096, 14336, 128256, 1024
+    linears = [(h, h + 2 * kv), (h, h), (h, 2 * f), (f, h)] * 4 + [(h, vocab)]  # (k, n) of each forward GEMM
+    shapes = [s for k, n in linears for s in ((tokens, n, k), (tokens, k, n), (n, k, tokens))]
+    flops = sum(2 * m * n * k for m, n, k in shapes)
+    predicted = sum(rates.gemm_seconds(2 * m * n * k, "bf16", (m, n, k)) for m, n, k in shapes)
+    return {"gemms": len(shapes), "flops": flops, "predicted_seconds": predicted, "measured_seconds": H200_SLICE_MM_SECONDS,
+            "ratio": predicted / H200_SLICE_MM_SECONDS}

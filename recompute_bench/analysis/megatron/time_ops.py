@@ -73,6 +73,8 @@ class Op:
     shape: tuple[float, float, float] | None = None
     """matrix: the GEMM's (m, n, k), whose output tiles run in waves over the SMs (`GpuRates.gemm_seconds`);
     None: priced by its FLOPs alone."""
+    backward: bool = False
+    """attention: the kernel's backward (it runs at the GPU's backward attention rate)."""
     nccl: bool = False
     """comm: a NCCL collective (not TE's userbuffers): its channels' thread blocks hold `GpuRates.nccl_sms`
     SMs while it runs, so the GEMM it `overlaps` runs on the rest meanwhile (`op_times`)."""
@@ -94,6 +96,8 @@ class Op:
         memory = self.bytes / rates.hbm_bytes_per_s
         if self.kind == "memory":
             return memory
+        if self.kind == "attention" and rates.attention_flops and self.precision in ("bf16", "fp16"):
+            return max(self.flops / rates.attention_flops["backward" if self.backward else "forward"], memory)
         return max(rates.gemm_seconds(self.flops, self.precision, self.shape, self.comm_sms), memory)
 
 
