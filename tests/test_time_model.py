@@ -351,3 +351,92 @@ def test_every_plan_row_carries_step_tflops_tokens_mfu_and_its_parts_by_class():
     parts = row["step_parts"]
     assert set(parts) == set(tm.STEP_CLASSES) and parts["host_overhead"] is None
     assert sum(v for v in parts.values() if v) == pytest.approx(st.step_seconds)
+
+
+def test_ampere_gemms_run_in_tiles_of_256_by_128_and_hopper_s_in_128_by_256():
+    """The tile reaches the rates (it once fell into `measured_gemms` by position, and A100 ran 128 x 256)."""
+    a100, h100 = gpu_rates.achieved_rates("a100"), gpu_rates.achieved_rates("h100")
+    assert (a100.tile, h100.tile) == ((256, 128), (128, 256))
+    assert a100.measured_gemms is None and h100.measured_gemms is None
+    # the 22B's qkv on a tp-8 rank: [8192, 6144] x [6144, 2304]: 32 x 18 = 576 tiles of 256 x 128, 6 waves over 108 SMs
+    op = tm.Op("g", "matrix", flops=2 * 8192 * 2304 * 6144, shape=(8192, 2304, 6144))
+    assert op.seconds(a100) == pytest.approx(op.flops / 271.2e12 * 6 * 108 * 256 * 128 / (8192 * 2304))
+
+
+def test_a_nccl_collective_beside_a_gemm_holds_its_channels_sms_while_it_runs():
+    """Megatron's column-parallel backward launches the data gradient's all-reduce (NCCL), then the weight
+    gradient GEMM: on A100 NCCL's 24 channels (one block each) hold 24 of the 108 SMs while it runs."""
+    from recompute_bench.analysis.megatron.time_ops import beside_nccl, op_times
+    a100 = gpu_rates.achieved_rates("a100")
+    assert a100.nccl_sms == 24 and gpu_rates.datasheet_rates("a100").nccl_sms == 0
+    assert gpu_rates.achieved_rates("h100").nccl_sms == 0  # no published channel count: not priced
+    cfg = megatron("gpt3-22b", model__transformer_impl="local", model__attention_backend="local",
+                   parallel__tensor_model_parallel_size=8)
+    ops = tm.layer_ops(cfg, MegatronRun("a100")).backward
+    by_name = {op.name: op for op in ops}
+    nccl = {op.name: op.overlaps for op in ops if op.nccl and op.overlaps}
+    assert nccl == {"linear_fc1.dgrad_all_reduce": "linear_fc1.wgrad", "linear_qkv.dgrad_all_reduce": "linear_qkv.wgrad"}
+    wgrad, comm = by_name["linear_fc1.wgrad"], by_name["linear_fc1.dgrad_all_reduce"]
+    full, c = wgrad.seconds(a100), comm.seconds(a100)
+    # fc1's weight gradient: [3072, 8192] x [8192, 6144]: 12 x 48 = 576 tiles, 6 waves over 108 SMs, 7 over 84
+    slowed = wgrad.flops / 271.2e12 * 7 * 108 * 256 * 128 / (3072 * 6144)
+    assert full == pytest.approx(wgrad.flops / 271.2e12 * 6 * 108 * 256 * 128 / (3072 * 6144))
+    assert c < slowed
+    times = op_times(ops, a100)
+    assert times["linear_fc1.wgrad"] == pytest.approx(c + (1 - c / slowed) * full)
+    assert times["linear_fc1.dgrad_all_reduce"] == 0.0
+    # a collective that outlasts the slowed GEMM leaves the rest exposed
+    short = dataclasses.replace(wgrad, flops=wgrad.flops / 10, shape=None, bytes=0)
+    assert beside_nccl(short, c, a100) == pytest.approx((short.flops / 271.2e12 * 108 / 84, c - short.flops / 271.2e12 * 108 / 84))
+    # under --tp-comm-overlap TE's userbuffers carry the layer's collectives; the output layer's stay NCCL's
+    ub = megatron(parallel__tensor_model_parallel_size=4, parallel__sequence_parallel=True, parallel__tp_comm_overlap=True)
+    assert not any(op.nccl for op in tm.layer_ops(ub, RUN).backward)
+    assert [op.name for op in tm.loss_ops(ub).backward if op.nccl] == ["output_layer.dgrad_reduce_scatter"]
+
+
+def test_table_5_s_four_models_run_in_table_3_s_layouts_with_its_measured_iterations():
+    expected = {"22B": (8, 1, None, 4, 4, 48), "175B": (64, 8, 3, 64, 1, 96), "530B": (280, 35, 3, 280, 1, 105),
+                "1T": (512, 64, None, 512, 1, 128)}
+    for model, (gpus, pp, vp, batch, micro, layers) in expected.items():
+        cfg = time_checks.paper_config(model)
+        par = cfg.parallel
+        assert (par.world_size, par.tensor_model_parallel_size, par.pipeline_model_parallel_size, par.data_parallel_size,
+                par.virtual_pipeline_model_parallel_size) == (gpus, 8, pp, 1, vp)
+        assert (cfg.training.global_batch_size, cfg.training.micro_batch_size, cfg.model.num_layers) == (batch, micro, layers)
+    rows = time_checks.paper_table5_rows(models=("22B",))
+    assert [(r["model"], r["setting"], r["measured_step_seconds"]) for r in rows] == [
+        ("22B", "full", 1.42), ("22B", "sequence parallel + selective", 1.10)]
+    assert {m: tuple(v.values()) for m, v in time_checks.PAPER_TABLE5_S.items()} == {
+        "22B": (1.42, 1.10), "175B": (18.13, 13.75), "530B": (49.05, 37.83), "1T": (94.42, 71.49)}
+
+
+def test_flash_attention_runs_at_the_rates_our_h200_measured_and_other_kinds_at_their_shares():
+    """Our H200 run's profile: cuDNN's causal flash attention, seq 8192, 32 heads of 128, 52 calls each way:
+    forward 52.802 ms, backward 169.173 ms; FLOPs over the causal half, backward 2.5x (`time_attention`)."""
+    from recompute_bench.config import gpus
+    forward = 32 * 8192 * 8193 / 2 * 2 * 256
+    h200, h100 = gpu_rates.achieved_rates("h200"), gpu_rates.achieved_rates("h100")
+    assert h200.attention_flops == pytest.approx({"forward": forward / (52.802e-3 / 52),
+                                                  "backward": 2.5 * forward / (169.173e-3 / 52)})
+    assert h200.attention_flops["forward"] == pytest.approx(541.5e12, rel=1e-3)
+    assert gpus.ATTENTION_SHARE == pytest.approx({k: v / 771e12 for k, v in h200.attention_flops.items()})
+    assert h100.attention_flops == pytest.approx({k: v * 794.5e12 for k, v in gpus.ATTENTION_SHARE.items()})
+    assert gpu_rates.datasheet_rates("h100").attention_flops is None  # the roofline: the bf16 peak
+    cfg = megatron(parallel__tensor_model_parallel_size=4, parallel__sequence_parallel=True)
+    ops = tm.layer_ops(cfg, RUN)
+    (fwd,) = [op for op in ops.forward if op.kind == "attention"]
+    (bwd,) = [op for op in ops.backward if op.kind == "attention"]
+    assert (fwd.backward, bwd.backward) == (False, True)
+    assert fwd.seconds(h100) == pytest.approx(fwd.flops / h100.attention_flops["forward"])
+    assert bwd.seconds(h100) == pytest.approx(bwd.flops / h100.attention_flops["backward"])
+    assert fwd.seconds(H100) == pytest.approx(fwd.flops / 989.5e12)
+
+
+def test_the_gemm_pricing_holds_at_a_real_run_s_shapes_on_the_h200_we_measured():
+    """Our H200 profile: 663 aten::mm calls over 13 steps (51 a step: 17 GEMMs and their two gradients),
+    1.216 s; the model prices those GEMMs from the 8192^3 rate in waves over the SMs."""
+    row = time_checks.h200_gemm_row()
+    assert row["gemms"] * 13 == 663
+    assert row["flops"] == pytest.approx(3 * 2 * 8192 * (4 * 4096 * (6144 + 4096 + 28672) + 4 * 14336 * 4096
+                                                         + 4096 * 128256))
+    assert abs(row["ratio"] - 1) <= 0.05, row

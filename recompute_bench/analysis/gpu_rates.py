@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from recompute_bench.analysis.cache import cache_file, read_json
-from recompute_bench.config.gpus import COPY_SHARE, KINDS, LINK_SHARE, Gpu
+from recompute_bench.config.gpus import ATTENTION_SHARE, COPY_SHARE, KINDS, LINK_SHARE, Gpu
 from recompute_bench.config.schema import BadInput
 
 RATES_SCHEMA = "recompute-bench/gpu-rates/v1"
@@ -54,6 +54,13 @@ class GpuRates:
     """The datasheet's dense FLOP/s by precision (what MFU divides by); None: `matrix_flops`."""
     measured_gemms: dict[tuple, float] | None = None
     """FLOP/s a profile measured for GEMMs of the run's own shapes, by (m, n, k, precision)."""
+    attention_flops: dict[str, float] | None = None
+    """FLOP/s of the fused attention kernel, "forward" and "backward" (16-bit): the GPU table's measured ones or
+    `config.gpus.ATTENTION_SHARE` of the bf16 matmul rate; None: the 16-bit matmul rate (the roofline)."""
+    nccl_sms: int = 0
+    """SMs a NCCL collective over the NVLink domain holds while it runs (the GPU table's `nccl_channels`:
+    one thread block per channel, NCCL src/enqueue.cc); a GEMM launched beside it runs its tiles on the
+    rest (`time_ops.op_times`). 0: not known, not priced (and on the datasheet's roofline)."""
     tile: tuple[int, int] = (128, 256)
     """cuBLAS's output tile of large GEMMs (rows x columns): 128 x 256 on Hopper and Blackwell
     (CUTLASS's default SM90 warp-specialized tile), 256 x 128 on Ampere."""
@@ -137,7 +144,16 @@ def _rates(gpu: Gpu, achieved: bool) -> GpuRates:
                   f"; peaks: {gpu.source}")
     return GpuRates(gpu.kind, gpu.product, matrix, hbm, link, gpu.host_link_bytes_per_s, source,
                     gpu.network_bytes_per_s, gpu.nvlink_domain, sms, dict(gpu.dense_flops),
-                    (128, 256) if gpu.compute_capability >= 90 else (256, 128))
+                    attention_flops=_attention(gpu, matrix) if achieved else None,
+                    nccl_sms=(gpu.nccl_channels or 0) if achieved else 0,
+                    tile=(128, 256) if gpu.compute_capability >= 90 else (256, 128))
+
+
+def _attention(gpu: Gpu, matrix: dict[str, float]) -> dict[str, float] | None:
+    """The flash attention rates a kind achieves: measured on it, else `ATTENTION_SHARE` of its bf16 rate."""
+    if gpu.attention_flops:
+        return dict(gpu.attention_flops)
+    return {k: share * matrix["bf16"] for k, share in ATTENTION_SHARE.items()} if "bf16" in matrix else None
 
 
 DATASHEET: dict[str, GpuRates] = {kind: _rates(gpu, False) for kind, gpu in KINDS.items() if gpu.link_bytes_per_s}

@@ -59,6 +59,14 @@ class Gpu:
     achieved_link_bytes_per_s: float | None = None
     """Bus bandwidth of a ring collective over the NVLink domain, measured (nccl-tests' busbw)."""
     link_source: str = ""
+    nccl_channels: int | None = None
+    """Channels NCCL runs a large collective over the NVLink domain with, as its own log prints them: NCCL
+    launches one thread block per channel, each holding an SM while it runs (`time_ops.Op.nccl`); None: not
+    known, and a GEMM beside NCCL keeps every SM."""
+    nccl_source: str = ""
+    attention_flops: dict[str, float] = field(default_factory=dict)
+    """FP/s a fused (flash) attention kernel reached forward and backward, 16-bit, measured on this kind;
+    empty: the kinds take `ATTENTION_SHARE` of their bf16 matmul rate."""
 
 
 def _dense(bf16_sparse: float, tf32_sparse: float, fp8_sparse: float | None, fp64: float) -> dict[str, float]:
@@ -70,11 +78,31 @@ def _dense(bf16_sparse: float, tf32_sparse: float, fp8_sparse: float | None, fp6
     return out
 
 
+NCCL_CHANNELS_A100 = ("NVIDIA/nccl-tests issue #100: NCCL_DEBUG=INFO log of 8 A100 on HGX A100's NVSwitch, "
+                      "'Channel 00/24' ... 'Channel 23/24' (24 ring channels); NCCL launches one block per channel")
 NCCL_A100 = ("NVIDIA/nccl-tests issue #149: all_reduce_perf on 8 A100 SXM4 80GB over NVSwitch, busbw ~200 GB/s "
              "up to 1 GiB (issue #178: 208 GB/s)")
 # The ring bus bandwidth nccl-tests reached on A100's NVLink, as a share of the one-way link; kinds with no
 # nccl-tests figure of their own take the same share.
 LINK_SHARE = 200e9 / 300e9
+
+def _causal_attention_flops(seq: int, heads: int, head_dim: int) -> float:
+    """A causal attention forward's matrix FLOPs as the time model counts them (QK^T and x V over the
+    s (s + 1) / 2 query-key pairs the flash kernels compute; `time_attention._fused`)."""
+    return heads * seq * (seq + 1) / 2 * 2 * (2 * head_dim)
+
+
+# Our H200 run (shared/gpu-runs/2026-11-28-h200/profiles/prof-plain.txt, torch.profiler over 13 steps of the
+# llama3-8b slice: 4 layers, micro-batch 1, seq 8192, 32 heads of 128, causal, bf16, torch's cuDNN attention):
+# aten::_cudnn_attention_forward 52.802 ms and aten::_cudnn_attention_backward 169.173 ms of self CUDA time over
+# 52 calls each; backward computes 2.5x the forward's FLOPs.
+ATTENTION_H200 = {"forward": _causal_attention_flops(8192, 32, 128) / (52.802e-3 / 52),
+                  "backward": 2.5 * _causal_attention_flops(8192, 32, 128) / (169.173e-3 / 52)}
+ATTENTION_SOURCE = ("our H200 run 2026-11-28 (profiles/prof-plain.txt: cuDNN flash attention, bf16, seq 8192, 32 heads "
+                    "of 128, causal, 52 calls: forward 52.802 ms, backward 169.173 ms)")
+ATTENTION_SHARE = {k: v / 771e12 for k, v in ATTENTION_H200.items()}
+"""The flash attention rates our H200 reached, as shares of the bf16 matmul rate it reached in the same run
+(forward 0.70, backward 0.55): the kinds with no attention measurement of their own take the same shares."""
 
 # The copy our H200 run measured, as a share of its datasheet bandwidth (4.23 / 4.8); the kinds with no
 # copy of their own measured take the same share (HBM controllers of one generation reach alike).
@@ -92,7 +120,7 @@ GPUS: tuple[Gpu, ...] = (
     # MAMF: A100 SXM bf16 271.2 TFLOPS.
     Gpu("a100", "A100 SXM4 80GB", 80, ("NVIDIA A100-SXM4-80GB", "NVIDIA A100-SXM4-40GB"), "A100 SXM", _A100,
         2039e9, 600e9 / 2, 64e9 / 2, 200 * GBIT, 8, 108, "NVIDIA A100 datasheet (SXM4 80GB); network: DGX A100 datasheet",
-        {"bf16": 271.2e12, "fp16": 271.2e12}, MAMF_SOURCE, None, "", 200e9, NCCL_A100),
+        {"bf16": 271.2e12, "fp16": 271.2e12}, MAMF_SOURCE, None, "", 200e9, NCCL_A100, 24, NCCL_CHANNELS_A100),
     Gpu("a100", "A100 PCIe", 80, ("NVIDIA A100-PCIE-40GB", "NVIDIA A100 80GB PCIe"), "A100 PCIe", _A100,
         source="NVIDIA A100 datasheet (PCIe)"),
     # NVIDIA H100 Tensor Core GPU datasheet, H100 SXM: FP8 3,958 TFLOPS*, BF16 1,979*, TF32 989*, FP64 TC 67;
@@ -109,7 +137,8 @@ GPUS: tuple[Gpu, ...] = (
     # DGX H200 datasheet: a 400 Gb/s port per GPU. MAMF: H200 SXM fp8 1,453.4 TFLOPS; bf16 ours, 771 at 8192^3.
     Gpu("h200", "H200 SXM 141GB", 90, ("NVIDIA H200",), "H200 SXM", _H100, 4.8e12, 900e9 / 2, 128e9 / 2, 400 * GBIT, 8,
         132, "NVIDIA H200 datasheet (SXM); network: DGX H200 datasheet",
-        {"bf16": 771e12, "fp16": 771e12, "fp8": 1453.4e12}, f"bf16: {OURS_H200}; fp8: {MAMF_SOURCE}", 4.23e12, OURS_H200),
+        {"bf16": 771e12, "fp16": 771e12, "fp8": 1453.4e12}, f"bf16: {OURS_H200}; fp8: {MAMF_SOURCE}", 4.23e12, OURS_H200,
+        attention_flops=ATTENTION_H200),
     Gpu("h200", "H200 NVL", 90, ("NVIDIA H200 NVL",), "H200 NVL", _dense(1671, 835, 3341, 60), 4.8e12,
         source="NVIDIA H200 datasheet (NVL)"),
     # NVIDIA HGX B200 datasheet, per GPU (the 8-GPU board / 8): FP8 9 PFLOPS*, BF16 4.5*, TF32 2.25*, FP64 TC 296

@@ -105,7 +105,7 @@ def _fused(cfg: Config, sh: Shape, hd: Heads, path: str, att) -> LayerOps:
     if att is not None and att.kind == "all_gather":
         bwd += _gather(sh, att, "core_attention.kv.backward", k + v)
     bwd.append(Op("core_attention.backward_preprocess", "memory", bytes=2 * e * o))  # rowsum(dO * O)
-    kernel_bwd = Op("core_attention.backward", "attention", flops=2.5 * flops,
+    kernel_bwd = Op("core_attention.backward", "attention", flops=2.5 * flops, backward=True,
                     bytes=steps * (2 * e * (q + k + v + o) + lse))
     bwd.append(kernel_bwd)
     if steps > 1:  # K/V and their gradients pass around the ring; dq, dk, dv accumulate per step

@@ -5,13 +5,14 @@ layers) is listed with the work it does on one rank for one micro-batch: its mat
 bytes it reads and writes, or the bytes it sends over the interconnect (`time_ops.Op`). Its time is
 
     matrix work (linears, grouped experts): max(FLOPs / the precision's peak, bytes / HBM bandwidth)
-    attention (the fused kernel):           max(FLOPs / the 16-bit peak, bytes / HBM bandwidth)
+    attention (the fused kernel):           max(FLOPs / its forward or backward rate, bytes / HBM bandwidth)
     memory-bound work:                      bytes / HBM bandwidth
     communication:                          bytes sent / the link's bandwidth (one direction): NVLink
                                             within the NVLink domain, the network beyond it, the host
                                             link for CPU offload (`GpuRates.comm_seconds`)
 
-with every rate from `gpu_rates` (a datasheet, or a profile measured on the GPU). FP8 runs the
+with every rate from `gpu_rates` (a datasheet, or a profile measured on the GPU). A GEMM beside a NCCL
+collective runs on the SMs its channels leave while it lasts (`time_ops.beside_nccl`). FP8 runs the
 linears' three GEMMs (forward, data gradient, weight gradient) at FP8's peak and adds the
 quantisation of their inputs and of the gradients that reach them; attention, the output layer and
 everything memory-bound stay 16-bit. No rate is scaled by an efficiency.
@@ -207,7 +208,8 @@ def loss_ops(cfg: Config) -> LayerOps:
     bwd += [dgrad, wgrad]
     if sh.t > 1:
         kind = "reduce_scatter" if sh.sp else "all_reduce"
-        bwd.append(sh.tp_comm(f"output_layer.dgrad_{kind}", kind, sh.tokens * sh.h, e, overlaps=wgrad.name))
+        # Megatron's own ColumnParallelLinear: its collectives are NCCL's even under --tp-comm-overlap
+        bwd.append(sh.tp_comm(f"output_layer.dgrad_{kind}", kind, sh.tokens * sh.h, e, overlaps=wgrad.name, nccl=True))
     bwd.append(Op("final_layernorm.backward", "memory", bytes=3 * e * sh.local))
     return LayerOps(fwd, bwd)
 

@@ -21,10 +21,13 @@ Sources (Megatron-LM d98e8a6, TransformerEngine d0067d0):
   for proj_fprop, fc2_fprop and bulk for qkv/fc1 dgrad and wgrad with num_sm 16 and set_sm_margin);
   transformer_engine/common/comm_gemm_overlap/comm_gemm_overlap.cpp `CommOverlapCore` (with the margin
   the GEMM beside the communication runs on `_math_sms` = the SM count - num_sm: `UB_COMM_SMS`)
+- NCCL src/enqueue.cc (a collective's kernel runs one thread block per channel) and the channel count
+  NCCL's log prints (`config.gpus`): the SMs a NCCL collective holds beside a GEMM (`beside_nccl`)
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 
 from recompute_bench.analysis.gpu_rates import GpuRates
@@ -70,6 +73,11 @@ class Op:
     shape: tuple[float, float, float] | None = None
     """matrix: the GEMM's (m, n, k), whose output tiles run in waves over the SMs (`GpuRates.gemm_seconds`);
     None: priced by its FLOPs alone."""
+    backward: bool = False
+    """attention: the kernel's backward (it runs at the GPU's backward attention rate)."""
+    nccl: bool = False
+    """comm: a NCCL collective (not TE's userbuffers): its channels' thread blocks hold `GpuRates.nccl_sms`
+    SMs while it runs, so the GEMM it `overlaps` runs on the rest meanwhile (`op_times`)."""
     comm_sms: int = 0
     """matrix: SMs a communication kernel running beside it holds (`UB_COMM_SMS` under --tp-comm-overlap's
     pipelined and bulk overlaps); its tiles run over the rest."""
@@ -88,6 +96,8 @@ class Op:
         memory = self.bytes / rates.hbm_bytes_per_s
         if self.kind == "memory":
             return memory
+        if self.kind == "attention" and rates.attention_flops and self.precision in ("bf16", "fp16"):
+            return max(self.flops / rates.attention_flops["backward" if self.backward else "forward"], memory)
         return max(rates.gemm_seconds(self.flops, self.precision, self.shape, self.comm_sms), memory)
 
 
@@ -100,8 +110,28 @@ def op_times(ops: list[Op], rates: GpuRates) -> dict[str, float]:
     """Each op's added time in a pass, by name (an overlapped comm op: only what outlasts its share
     of the op it runs beside)."""
     own = {op.name: op.seconds(rates) for op in ops}
-    return {op.name: max(0.0, own[op.name] - op.overlap_share * own.get(op.overlaps, 0.0)) if op.overlaps
-            else own[op.name] for op in ops}
+    out = {op.name: max(0.0, own[op.name] - op.overlap_share * own.get(op.overlaps, 0.0)) if op.overlaps
+           else own[op.name] for op in ops}
+    if rates.nccl_sms:
+        by_name = {op.name: op for op in ops}
+        for op in ops:
+            gemm = by_name.get(op.overlaps) if op.nccl else None
+            if gemm is not None and gemm.kind == "matrix":
+                out[gemm.name], out[op.name] = beside_nccl(gemm, own[op.name], rates)
+    return out
+
+
+def beside_nccl(gemm: Op, comm_seconds: float, rates: GpuRates) -> tuple[float, float]:
+    """(the GEMM's time, the collective's exposed time) when a NCCL collective of `comm_seconds` runs
+    beside `gemm` (Megatron's LinearWithGradAccumulationAndAsyncCommunication launches it, then the
+    GEMM): while it runs, the GEMM's tiles run on the SMs its channels leave (`GpuRates.nccl_sms`),
+    at the rate of that many SMs; the rest of the GEMM runs on all of them afterwards. A collective
+    that outlasts the slowed GEMM leaves the difference exposed."""
+    full = gemm.seconds(rates)
+    slowed = dataclasses.replace(gemm, comm_sms=gemm.comm_sms + rates.nccl_sms).seconds(rates)
+    if comm_seconds >= slowed:
+        return slowed, comm_seconds - slowed
+    return comm_seconds + (1 - comm_seconds / slowed) * full, 0.0
 
 
 @dataclass
@@ -152,10 +182,11 @@ class Shape:
         return 2 * share if kind == "all_reduce" else share
 
     def tp_comm(self, name: str, kind: str, elements: float, element_bytes: float, mods: frozenset[str] = frozenset(),
-                overlaps: str | None = None) -> Op:
-        """A tensor-parallel collective (consecutive ranks) of the whole tensor of `elements`."""
+                overlaps: str | None = None, nccl: bool | None = None) -> Op:
+        """A tensor-parallel collective (consecutive ranks) of the whole tensor of `elements`: NCCL's
+        unless --tp-comm-overlap runs it in TE's userbuffers (`nccl`: the caller's word where it knows)."""
         return Op(name, "comm", bytes=self.ring(kind, elements, element_bytes), modules=mods, overlaps=overlaps,
-                  group=self.t, stride=1)
+                  group=self.t, stride=1, nccl=not self.ub if nccl is None else nccl)
 
 
 def quantize(name: str, elements: float, sh: Shape, mods: frozenset[str], fused_with_norm: bool = False) -> list[Op]:
