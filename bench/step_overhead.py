@@ -196,6 +196,7 @@ def self_times(device: torch.device, step) -> tuple[dict[str, tuple[float, int]]
 def harness_paths(cfg, device: torch.device) -> str:
     """The harness's fused paths on this device, and what its loss holds (analysis.harness.stage)."""
     from recompute_bench.analysis.harness.stage import loss_saved_bytes, loss_workspace_bytes
+    from recompute_bench.backends.main_grad_linear import FUSED_DEVICES
     from recompute_bench.models import loss_chunk_rows
     from recompute_bench.models.context_parallel import rank_seq_length
 
@@ -203,9 +204,11 @@ def harness_paths(cfg, device: torch.device) -> str:
     rows = loss_chunk_rows(tokens, cfg.vocab_rows)
     norm = ("nn.LayerNorm (fused)" if cfg.model.normalization == "LayerNorm" else
             "F.rms_norm (fused)" if device.type == "cuda" else "one-node autograd RMSNorm (exact)")
+    wgrad = ("into the fp32 main gradients inside the matmul" if device.type in FUSED_DEVICES
+             else "autograd's, then added into the fp32 main gradients (exact)")
     return (f"harness paths: {norm}; cross-entropy chunked, {rows} of {tokens} tokens a chunk: "
             f"keeps {loss_saved_bytes(cfg, device.type)['loss.logits_gradient']:,.0f} B (the gradient in the "
-            f"logits), fp32 chunk {loss_workspace_bytes(cfg):,.0f} B")
+            f"logits), fp32 chunk {loss_workspace_bytes(cfg):,.0f} B; linear weight gradients {wgrad}")
 
 
 def main() -> None:

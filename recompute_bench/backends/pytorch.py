@@ -30,8 +30,11 @@ NAME = "torch"
 # ----- module factories -----------------------------------------------------------------------
 
 def linear(in_features: int, out_features: int, bias: bool) -> nn.Module:
-    """A dense linear layer."""
-    return nn.Linear(in_features, out_features, bias=bias)
+    """A dense linear layer: `nn.Linear`, whose weight gradient the main-gradient buffer may take
+    straight from the matmul (`backends.main_grad_linear`, Megatron's gradient-accumulation fusion)."""
+    from recompute_bench.backends.main_grad_linear import MainGradLinear
+
+    return MainGradLinear(in_features, out_features, bias=bias)
 
 
 class _RMSNormFunction(torch.autograd.Function):
