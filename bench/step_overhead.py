@@ -193,6 +193,24 @@ def self_times(device: torch.device, step) -> tuple[dict[str, tuple[float, int]]
     return out, peak
 
 
+def harness_paths(cfg, device: torch.device) -> str:
+    """The harness's fused paths on this device, and what its loss holds (analysis.harness.stage)."""
+    from recompute_bench.analysis.harness.stage import loss_saved_bytes, loss_workspace_bytes
+    from recompute_bench.backends.main_grad_linear import FUSED_DEVICES
+    from recompute_bench.models import loss_chunk_rows
+    from recompute_bench.models.context_parallel import rank_seq_length
+
+    tokens = rank_seq_length(cfg) * cfg.training.micro_batch_size
+    rows = loss_chunk_rows(tokens, cfg.vocab_rows)
+    norm = ("nn.LayerNorm (fused)" if cfg.model.normalization == "LayerNorm" else
+            "F.rms_norm (fused)" if device.type == "cuda" else "one-node autograd RMSNorm (exact)")
+    wgrad = ("into the fp32 main gradients inside the matmul" if device.type in FUSED_DEVICES
+             else "autograd's, then added into the fp32 main gradients (exact)")
+    return (f"harness paths: {norm}; cross-entropy chunked, {rows} of {tokens} tokens a chunk: "
+            f"keeps {loss_saved_bytes(cfg, device.type)['loss.logits_gradient']:,.0f} B (the gradient in the "
+            f"logits), fp32 chunk {loss_workspace_bytes(cfg):,.0f} B; linear weight gradients {wgrad}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--workload", default="llama3-8b")
@@ -269,6 +287,7 @@ def main() -> None:
     print(f"{args.workload}: {m.num_layers} layers, h {m.hidden_size}, seq {t.seq_length}, micro-batch "
           f"{t.micro_batch_size} x {cfg.num_microbatches}, {t.precision} weights, fp32 master weights and main "
           f"gradients, on {device} ({args.rounds} interleaved rounds, median)")
+    print(harness_paths(cfg, device))
     base = statistics.median(times["plain eager"])
     peak_label = "peak alloc" if device.type == "cuda" else "peak above start"
     print(f"{'variant':<20}{'step':>11}{'plain eager / it':>18}{peak_label:>20}{'first loss':>12}{'warm-up':>10}")

@@ -227,8 +227,9 @@ def test_memory_counts_megatron_s_padded_vocabulary():
     cfg = config("llama3-8b", parallel__tensor_model_parallel_size=8)
     s, b, h, t, rows = 8192, 1, 4096, 8, 129024
     loss = loss_saved_bytes(cfg)
-    assert loss["loss.softmax"] == 4 * s * b * rows / t  # the fp32 softmax of this rank's vocab shard
-    assert loss_workspace_bytes(cfg) == 2 * s * b * rows / t  # the bf16 logits beside it (or their gradient)
+    assert loss["loss.logits_gradient"] == 2 * s * b * rows / t  # in the bf16 logits of this rank's vocab shard
+    chunk = 2**25 // (rows // t)  # tokens a chunk: 2080 of this rank's 16128 ids
+    assert chunk == 2080 and loss_workspace_bytes(cfg) == 4 * chunk * rows / t  # one chunk's fp32 working copy
     # Word embedding and the untied output layer: 768 padded rows of h each, sharded over the 8 ranks.
     # make_vocab_size_divisible_by = 1 leaves 128256 as it is (it divides by 8).
     unpadded = config("llama3-8b", parallel__tensor_model_parallel_size=8, model__make_vocab_size_divisible_by=1)
@@ -236,7 +237,7 @@ def test_memory_counts_megatron_s_padded_vocabulary():
     # A vocabulary that is not a multiple of 128 pads at tp 1 too: GPT-2's 50257 -> 393 x 128 = 50304.
     gpt2_vocab = config("tiny", model__vocab_size=50257)
     tokens = 128 * 2  # tiny: s = 128, b = 2
-    assert loss_saved_bytes(gpt2_vocab, "cpu")["loss.softmax"] == 4 * tokens * 50304
+    assert loss_saved_bytes(gpt2_vocab, "cpu")["loss.logits_gradient"] == 2 * tokens * 50304
 
 
 def test_parameters_match_published_counts():

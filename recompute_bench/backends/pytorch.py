@@ -30,8 +30,11 @@ NAME = "torch"
 # ----- module factories -----------------------------------------------------------------------
 
 def linear(in_features: int, out_features: int, bias: bool) -> nn.Module:
-    """A dense linear layer."""
-    return nn.Linear(in_features, out_features, bias=bias)
+    """A dense linear layer: `nn.Linear`, whose weight gradient the main-gradient buffer may take
+    straight from the matmul (`backends.main_grad_linear`, Megatron's gradient-accumulation fusion)."""
+    from recompute_bench.backends.main_grad_linear import MainGradLinear
+
+    return MainGradLinear(in_features, out_features, bias=bias)
 
 
 class _RMSNormFunction(torch.autograd.Function):
@@ -393,48 +396,71 @@ _register_gqa_sdpa_flops()
 
 class _VocabParallelCrossEntropy(torch.autograd.Function):
     """Per-token cross-entropy of logits split over the vocabulary (one rank's columns, `start` the
-    first id it holds; `group` None: the whole vocabulary), worked as Megatron's
-    `_VocabParallelCrossEntropy` (megatron/core/tensor_parallel/cross_entropy.py) works it: one fp32
-    working copy of the logits (none when they are fp32 already) turned into the softmax in place,
-    which is all it keeps for backward beside the per-token target and mask; backward writes the
-    gradient into that buffer. 16-bit logits thus hold 2 + 4 bytes per logit at the peak, where
-    `log_softmax` + `nll_loss` hold 2 + 4 + 4 + 4. fp32 logits are overwritten with the softmax, as
-    Megatron's are: pass logits nothing else reads (the output layer's)."""
+    first id it holds; `group` None: the whole vocabulary), chunked over tokens. Megatron's
+    `_VocabParallelCrossEntropy` (megatron/core/tensor_parallel/cross_entropy.py) works one fp32 copy
+    of all the logits into the softmax and keeps it for backward; here, as Liger's cross-entropy does
+    (linkedin/Liger-Kernel src/liger_kernel/ops/cross_entropy.py `cross_entropy_forward`: the
+    gradient written into the input in the forward, scaled by the output's gradient in backward),
+    each chunk of `rows` tokens is cast to fp32 and worked with Megatron's steps (subtract the
+    all-reduced max, exp, divide by the all-reduced sum, subtract 1 at the target) into the
+    gradient of the token's loss, which is written back into the logits' own storage, in their dtype.
+    That buffer is all it keeps; backward multiplies it by each token's gradient in place. The fp32
+    working set is one chunk (`models.loss_chunk_rows`); 16-bit logits hold 2 bytes per logit plus
+    that chunk at the peak (Megatron's 2 + 4). fp32 logits are worked in place, chunk by chunk: pass
+    logits nothing else reads (the output layer's). The chunks follow from the shapes alone, so the
+    result is the same run after run and under every recompute setting."""
 
     @staticmethod
-    def forward(ctx, logits, target, start, group):
-        work = logits.detach().float()  # fp32 logits are worked in place, as Megatron does
-        top = work.max(dim=-1).values
+    def forward(ctx, logits, target, start, group, rows):
+        buffer = logits.detach()  # overwritten with the gradient; nothing else reads the output layer's logits
+        top = buffer.amax(dim=-1).float()
         if group is not None:
             torch.distributed.all_reduce(top, op=torch.distributed.ReduceOp.MAX, group=group)
-        work -= top.unsqueeze(-1)
-        outside = (target < start) | (target >= start + work.shape[-1])
+        outside = (target < start) | (target >= start + buffer.shape[-1])
         local = target - start
         local[outside] = 0
-        picked = work.gather(-1, local.unsqueeze(-1)).squeeze(-1)
+        picked = buffer.gather(-1, local.unsqueeze(-1)).squeeze(-1).float() - top
         picked[outside] = 0.0
-        torch.exp(work, out=work)
-        total = work.sum(dim=-1)
         if group is not None:
             torch.distributed.all_reduce(picked, group=group)
-            torch.distributed.all_reduce(total, group=group)
-        work.div_(total.unsqueeze(-1))  # the softmax, kept for backward
-        ctx.save_for_backward(work, outside, local)
+        total = torch.empty_like(top)
+        in_place = buffer.dtype == torch.float32
+        space = None if in_place else torch.empty(min(rows, buffer.shape[0]), buffer.shape[-1], device=buffer.device)
+        for r in range(0, buffer.shape[0], rows):
+            chunk = buffer[r:r + rows]
+            work = chunk if in_place else space[:chunk.shape[0]].copy_(chunk)  # one fp32 chunk at a time
+            work -= top[r:r + rows].unsqueeze(-1)
+            torch.exp(work, out=work)
+            s = work.sum(dim=-1)
+            if group is not None:
+                torch.distributed.all_reduce(s, group=group)
+            total[r:r + rows] = s
+            work.div_(s.unsqueeze(-1))  # the softmax
+            work.scatter_add_(-1, local[r:r + rows].unsqueeze(-1), (outside[r:r + rows].float() - 1.0).unsqueeze(-1))
+            if not in_place:
+                chunk.copy_(work)
+        ctx.rows = rows
+        ctx.save_for_backward(buffer)
         return torch.log(total) - picked
 
     @staticmethod
     def backward(ctx, grad):
-        softmax, outside, local = ctx.saved_tensors
-        softmax.scatter_add_(-1, local.unsqueeze(-1), (outside.float() - 1.0).unsqueeze(-1))
-        softmax.mul_(grad.unsqueeze(-1))
-        return softmax, None, None, None
+        (gradient,) = ctx.saved_tensors
+        # chunk by chunk: a CPU kernel multiplying 16-bit values by fp32 ones computes into an fp32
+        # temporary the size of its output (CUDA's casts in the kernel)
+        for r in range(0, gradient.shape[0], ctx.rows):
+            gradient[r:r + ctx.rows].mul_(grad[r:r + ctx.rows].unsqueeze(-1))
+        return gradient, None, None, None, None
 
 
-def cross_entropy(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+def cross_entropy(logits: torch.Tensor, labels: torch.Tensor, rows: int | None = None) -> torch.Tensor:
     """Mean next-token cross-entropy of [..., vocab] logits, vocabulary-parallel when the logits
     are a DTensor sharded over the vocabulary (each rank works on its local columns; max, target
-    logit and sum of exponentials are all-reduced over the tensor-parallel group)."""
+    logit and sum of exponentials are all-reduced over the tensor-parallel group). `rows`: tokens
+    per fp32 chunk (default `models.loss_chunk_rows`, which the estimate follows)."""
     from torch.distributed.tensor import DTensor
+
+    from recompute_bench.models import loss_chunk_rows
 
     group, start = None, 0
     if isinstance(logits, DTensor):
@@ -443,7 +469,8 @@ def cross_entropy(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         group = mesh.get_group()
         start = mesh.get_local_rank() * logits.shape[-1]
     flat = logits.reshape(-1, logits.shape[-1])
-    return _VocabParallelCrossEntropy.apply(flat, labels.reshape(-1), start, group).mean()
+    rows = rows or loss_chunk_rows(flat.shape[0], flat.shape[-1])
+    return _VocabParallelCrossEntropy.apply(flat, labels.reshape(-1), start, group, rows).mean()
 
 
 # ----- recompute primitives -------------------------------------------------------------------

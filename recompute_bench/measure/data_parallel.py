@@ -33,6 +33,7 @@ from typing import Iterator
 import torch
 import torch.distributed as dist
 
+from recompute_bench.backends.main_grad_linear import fusable_weights
 from recompute_bench.backends.pytorch import local
 from recompute_bench.measure.layout import DTYPES, SingleRank
 from recompute_bench.measure.optimizer import MainGradAdam, MainGrads, make_adam
@@ -148,7 +149,8 @@ class DataParallel(SingleRank):
         ordered = dense[::-1] + [p for p in params if id(p) in experts][::-1]
         dense_group = self.grad_mesh.get_group() if self.grad_mesh is not None else dist.group.WORLD
         groups = [dense_group] * len(dense) + [self.expert_dp_group] * (len(ordered) - len(dense))
-        return MainGradAdam(BucketedGrads(ordered, groups, self.grad_ranks, BUCKET_PARAMETERS), precision)
+        return MainGradAdam(BucketedGrads(ordered, groups, self.grad_ranks, BUCKET_PARAMETERS,
+                                          fusable_weights(model)), precision)
 
     def no_sync(self, model: torch.nn.Module, optimizer) -> AbstractContextManager:
         """Around a micro-batch but the last: DDP accumulates into the main gradients without
@@ -231,8 +233,9 @@ class BucketedGrads(MainGrads):
     got no gradient) and waits for all. Under `no_sync` gradients are only accumulated. The buffer is
     the communication buffer: no bucket copy, nothing held beyond the 4 bytes per parameter."""
 
-    def __init__(self, params: list[torch.nn.Parameter], groups: list, dp_size: int, bucket_parameters: int):
-        super().__init__(params)
+    def __init__(self, params: list[torch.nn.Parameter], groups: list, dp_size: int, bucket_parameters: int,
+                 fused: set[int] = frozenset()):
+        super().__init__(params, fused)
         self.scale = 1.0 / dp_size
         self.sync = True
         self.buckets: list[tuple[slice, object, set[int]]] = []

@@ -12,6 +12,7 @@ from contextlib import AbstractContextManager, nullcontext
 
 import torch
 
+from recompute_bench.backends.main_grad_linear import FUSED_DEVICES, fusable_weights
 from recompute_bench.backends.pytorch import local
 
 
@@ -42,9 +43,14 @@ class MainGrads:
     so micro-batches accumulate in fp32 and at most one parameter's own gradient exists at a time:
     4 bytes per parameter held, in every precision. A DTensor (tensor-parallel) parameter takes part
     through its local shard. One rank reduces nothing (`measure.data_parallel.BucketedGrads` reduces
-    over the data-parallel ranks)."""
+    over the data-parallel ranks).
 
-    def __init__(self, params: list[torch.nn.Parameter]):
+    The weights in `fused` (`backends.main_grad_linear.fusable_weights`) get no gradient from their
+    linear: its weight-gradient matmul accumulates into the main gradient (Megatron's
+    gradient_accumulation_fusion); the hook still runs, adds what other uses gave, if any, and
+    marks the weight ready."""
+
+    def __init__(self, params: list[torch.nn.Parameter], fused: set[int] = frozenset()):
         self.params = params
         self.data = torch.zeros(sum(local(p).numel() for p in params), dtype=torch.float32, device=params[0].device)
         offset = 0
@@ -52,11 +58,13 @@ class MainGrads:
             mine = local(p)
             p.main_grad = self.data[offset:offset + mine.numel()].view_as(mine)
             p.register_post_accumulate_grad_hook(self._accumulate)
+            p.fuse_wgrad = id(p) in fused
             offset += mine.numel()
 
     @torch.no_grad()
     def _accumulate(self, p: torch.nn.Parameter) -> None:
-        p.main_grad.add_(local_grad(p))  # fp32 += 16-bit, computed in fp32
+        if p.grad is not None:  # None: a fused weight's linear accumulated into main_grad itself
+            p.main_grad.add_(local_grad(p))  # fp32 += 16-bit, computed in fp32
         p.grad = None  # the parameter's own gradient is not kept
         self.ready(p)
 
@@ -116,7 +124,10 @@ class MainGradAdam:
         self.grads.data.zero_()
 
 
-def make_optimizer(model: torch.nn.Module, precision: str, lr: float = 1e-4) -> MainGradAdam:
+def make_optimizer(model: torch.nn.Module, precision: str, lr: float = 1e-4,
+                   fused_devices: tuple[str, ...] = FUSED_DEVICES) -> MainGradAdam:
     """The optimizer `run_point` steps on one rank: Adam on fp32 main gradients (18 bytes per
-    parameter under bf16/fp16, 16 in fp32)."""
-    return MainGradAdam(MainGrads([p for p in model.parameters() if p.requires_grad]), precision, lr)
+    parameter under bf16/fp16, 16 in fp32), the linears' weight gradients accumulated into them in
+    their matmul on `fused_devices`."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    return MainGradAdam(MainGrads(params, fusable_weights(model, fused_devices)), precision, lr)

@@ -31,6 +31,15 @@ bf16 activations; only the linears' matrix multiplies and what they save change 
 FP32_BYTES = 4
 MASK_BYTES = 1      # dropout keeps a bool mask (native_dropout)
 INDEX_BYTES = 8     # int64 token ids and labels
+LOSS_CHUNK_LOGITS = 2**25
+"""The cross-entropy works its fp32 copy of the logits this many logits at a time (whole tokens):
+128 MiB of fp32 (backends/pytorch.py `cross_entropy`, analysis.harness.stage `loss_workspace_bytes`)."""
+
+
+def loss_chunk_rows(tokens: int, vocab: int) -> int:
+    """Tokens per chunk of the cross-entropy's fp32 working copy: as many whole rows of `vocab`
+    logits (this rank's shard) as fit in `LOSS_CHUNK_LOGITS`, at least one, at most `tokens`."""
+    return max(1, min(int(tokens), LOSS_CHUNK_LOGITS // int(vocab)))
 
 
 def device_kind(device: str) -> str:

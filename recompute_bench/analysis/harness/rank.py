@@ -205,8 +205,7 @@ def model_chunks(cfg: Config, stage: int = 0, device: str = "cuda", acts: StageA
 def saved_token_bytes(cfg: Config, stage: int = 0) -> float:
     """The step's token tensor as the saved tensors of pipeline rank `stage` hold it: the embedding
     keeps a view of it (token ids), on the rank of the first virtual stage only. The loss keeps no
-    view of it: it saves its own target ids within the vocabulary shard (`loss_saved_bytes`),
-    whatever the micro-batch size (measured: a last stage alone at micro-batch 1 holds no token ids)."""
+    view of it: it keeps only the gradient of its logits (`loss_saved_bytes`), whatever the micro-batch size (measured: a last stage alone at micro-batch 1 holds no token ids)."""
     par = cfg.parallel
     p, vp = par.pipeline_model_parallel_size, par.virtual_pipeline_model_parallel_size or 1
     stages = rank_stages(par.schedule, p, vp, stage) if p > 1 else [0]
@@ -339,15 +338,15 @@ def pipeline_buffer_bytes(cfg: Config, stage: int) -> float:
     micro-batch of the step (`_setup_forward_recv_info`; those of the held micro-batches are the
     first layer's saved input, counted there), and for each chunk whose output goes to another rank
     one gradient buffer per micro-batch (`_setup_backward_recv_info`); and each held chunk-forward's
-    output until its backward (`fwd_cache`: the hidden states, or the last chunk's logits), which no
-    saved tensor of this rank holds; the held ones are those of the moment the most chunk-forwards
-    are held. GPU accounting: the CPU probe counts saved tensors only."""
+    hidden-state output until its backward (`fwd_cache`), which no saved tensor of this rank holds;
+    the held ones are those of the moment the most chunk-forwards are held. The last chunk's output,
+    the logits, is the storage the loss writes its gradient into and keeps (`loss_saved_bytes`).
+    GPU accounting: the CPU probe counts saved tensors only."""
     m, tr, par = cfg.model, cfg.training, cfg.parallel
     p, vp = par.pipeline_model_parallel_size, par.virtual_pipeline_model_parallel_size or 1
     held = peak_chunks(rank_actions(par.schedule, p, vp, cfg.num_microbatches, stage))
     e, t, s = ELEMENT_BYTES[tr.precision], par.tensor_model_parallel_size, rank_seq_length(cfg)
     hidden = e * tr.micro_batch_size * s * m.hidden_size / (t if par.sequence_parallel else 1)
-    logits = e * tr.micro_batch_size * s * cfg.vocab_rows / t
     mine = set(rank_stages(par.schedule, p, vp, stage))
     n, total = cfg.num_microbatches, 0.0
     for v in sorted(mine):
@@ -356,7 +355,8 @@ def pipeline_buffer_bytes(cfg: Config, stage: int) -> float:
             total += (n - kept) * hidden
         if v < p * vp - 1 and v + 1 not in mine:
             total += n * hidden
-        total += kept * (logits if v == p * vp - 1 else hidden)
+        if v < p * vp - 1:
+            total += kept * hidden
     return total
 
 

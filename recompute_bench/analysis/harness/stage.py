@@ -14,7 +14,7 @@ from recompute_bench.analysis.harness.layer import layer_activation_bytes, layer
 from recompute_bench.analysis.pipelining_schedule import rank_stages
 from recompute_bench.config.rules import layers_per_model_chunk
 from recompute_bench.config.schema import Config
-from recompute_bench.models import ELEMENT_BYTES, FP32_BYTES, INDEX_BYTES, MASK_BYTES, kind_config
+from recompute_bench.models import ELEMENT_BYTES, FP32_BYTES, INDEX_BYTES, MASK_BYTES, kind_config, loss_chunk_rows
 from recompute_bench.models.context_parallel import rank_seq_length
 from recompute_bench.recompute.policy import LayerPolicy, chunks, layer_kind, layer_policies
 
@@ -122,8 +122,8 @@ def embedding_saved_bytes(cfg: Config) -> dict[str, float]:
 
 def loss_saved_bytes(cfg: Config, device: str = "cuda") -> dict[str, float]:
     """Per micro-batch, last pipeline stage: final norm, output layer and the cross-entropy, which
-    keeps (backends/pytorch.py `_VocabParallelCrossEntropy`, Megatron's way) its fp32 softmax of this
-    rank's vocabulary shard and each token's target id within the shard and whether the shard holds it."""
+    keeps (backends/pytorch.py `_VocabParallelCrossEntropy`, chunked over tokens) the gradient of
+    the loss in the logits' own storage, in their dtype, for this rank's vocabulary shard."""
     m, tr, par = cfg.model, cfg.training, cfg.parallel
     e, t = ELEMENT_BYTES[tr.precision], par.tensor_model_parallel_size
     tokens = rank_seq_length(cfg) * tr.micro_batch_size
@@ -132,9 +132,7 @@ def loss_saved_bytes(cfg: Config, device: str = "cuda") -> dict[str, float]:
         "final_layernorm.input": e * tokens * m.hidden_size / t_sp,
         "final_layernorm.stats": cfg.spec.norm_stats_bytes(cfg, device, tokens) / t_sp,
         "output_layer.input": e * tokens * m.hidden_size / t_sp,
-        "loss.softmax": FP32_BYTES * tokens * cfg.vocab_rows / t,  # fp32, worked in place, vocab-parallel
-        "loss.masked_target": INDEX_BYTES * tokens,
-        "loss.target_mask": MASK_BYTES * tokens,
+        "loss.logits_gradient": e * tokens * cfg.vocab_rows / t,  # written into the logits, vocab-parallel
     }
 
 
@@ -146,15 +144,14 @@ def token_bytes(cfg: Config) -> float:
 
 
 def loss_workspace_bytes(cfg: Config) -> float:
-    """Transient at the loss: in its forward the 16-bit logits beside their fp32 working copy, in its
-    backward the gradient's cast back to the logits' 16 bits beside the fp32 buffer it was computed
-    in: 2 bytes per logit of this rank's shard over the 4 kept (nothing for fp32 logits, worked in
-    place)."""
+    """Transient at the loss: in its forward one chunk's fp32 working copy of 16-bit logits
+    (`models.loss_chunk_rows` tokens of this rank's vocabulary shard); nothing for fp32 logits, worked
+    in place, and nothing in its backward, which scales the kept gradient in place."""
     tr = cfg.training
-    e = ELEMENT_BYTES[tr.precision]
-    if e >= FP32_BYTES:
+    if ELEMENT_BYTES[tr.precision] >= FP32_BYTES:
         return 0.0
-    return e * rank_seq_length(cfg) * tr.micro_batch_size * cfg.vocab_rows / cfg.parallel.tensor_model_parallel_size
+    vocab = cfg.vocab_rows // cfg.parallel.tensor_model_parallel_size
+    return FP32_BYTES * loss_chunk_rows(rank_seq_length(cfg) * tr.micro_batch_size, vocab) * vocab
 
 
 def activation_bytes(cfg: Config, device: str = "cuda") -> dict[str, float]:
