@@ -256,6 +256,14 @@ STEPS = [
                                                      ("moe", {"recompute_modules": ["moe"]})], 25),
         sweep(ctx, "tiny-mla", ["-w", "tiny-mla"], [("none", {}), ("mla_up_proj", {"recompute_modules": ["mla_up_proj"]})], 25)],
          call=3, quick=True),
+    Step("torchao FP8", "--precision fp8 through torchao's float8 training: the FP8 GPU tests, then the llama3-8b slice "
+                        "in FP8 (tensorwise, rowwise) beside its bf16 points (issue 35)", lambda ctx: [
+        pytest_command(ctx, ["tests/gpu/test_float8_cuda.py"], "pytest-fp8.xml", 60),
+        sweep(ctx, "llama-fp8", [*LLAMA_SLICE[:-2], "--precision", "fp8", "--fp8-recipe", "tensorwise"],
+              [("none tensorwise", {}), ("none rowwise", {"fp8_recipe": "rowwise"}),
+               ("selective mlp tensorwise", {"recompute_modules": ["mlp"]})], 40)], call=4,
+         absent=lambda: None if importlib.util.find_spec("torchao") else
+         "torchao does not import on this machine (bring its wheel: docs/gpu-check.md)"),
     Step("mixtral slice", "a MoE slice of a real size: moe_act's saving and the grouped-matmul path", lambda ctx: [
         sweep(ctx, "mixtral", MIXTRAL_SLICE, [("none", {}), ("moe_act", {"recompute_modules": ["moe_act"]})], 45)],
          call=3),
