@@ -19,7 +19,8 @@ $(STAMP): pyproject.toml
 	# Users bring their own CUDA torch; without an NVIDIA GPU take the CPU build (it lies on disk here).
 	if ! command -v nvidia-smi >/dev/null 2>&1 && ! $(PY) -c 'import torch' 2>/dev/null; then \
 		$(PY) -m pip install -q torch==2.13.0; fi
-	$(PY) -m pip install -q -e '.[test]'
+	# torchao (the fp8 extra) is one 3 MB wheel without dependencies: the FP8 tests run for real on the CPU.
+	$(PY) -m pip install -q -e '.[test,fp8]'
 	touch $(STAMP)
 
 # The default sweep (every recompute setting of `tiny`, each in its own process), compared with the
@@ -54,7 +55,7 @@ bench: $(STAMP)
 	$(PY) bench/step_overhead.py
 	$(PY) bench/layout_search.py
 
-# Everything the GPU tests and the GPU-only checks need, in three calls (CALL=1, 2, 3) of at most
+# Everything the GPU tests and the GPU-only checks need, in four calls (CALL=1, 2, 3, 4) of at most
 # 8 minutes of steps each on one H100/H200 (a device command runs at most 10 minutes), or CALL=quick:
 # what matters most in at most 6 minutes; with the device's own Python and torch (no venv): each
 # leaves OUT/summary-<call>.md, .json and one archive of its runs and logs (docs/gpu-check.md).

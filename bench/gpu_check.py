@@ -190,11 +190,11 @@ H200 run goes); another change adds it, so the step says so where it is absent."
 
 
 def te_tests() -> list[str]:
-    """The test files that import Transformer Engine (outside tests/gpu, which its own step runs)."""
+    """The test files that import Transformer Engine (tests/gpu's too: this step runs them by name)."""
     found = []
     for path in sorted((ROOT / "tests").rglob("test_*.py")):
         text = path.read_text(errors="replace")
-        if "tests/gpu" not in path.relative_to(ROOT).as_posix() and re.search(
+        if re.search(
                 r"^\s*(import transformer_engine|from transformer_engine|.*importorskip\([\"']transformer_engine)", text, re.M):
             found.append(str(path.relative_to(ROOT)))
     return found
@@ -256,6 +256,14 @@ STEPS = [
                                                      ("moe", {"recompute_modules": ["moe"]})], 25),
         sweep(ctx, "tiny-mla", ["-w", "tiny-mla"], [("none", {}), ("mla_up_proj", {"recompute_modules": ["mla_up_proj"]})], 25)],
          call=3, quick=True),
+    Step("torchao FP8", "--precision fp8 through torchao's float8 training: the FP8 GPU tests, then the llama3-8b slice "
+                        "in FP8 (tensorwise, rowwise) beside its bf16 points (issue 35)", lambda ctx: [
+        pytest_command(ctx, ["tests/gpu/test_float8_cuda.py"], "pytest-fp8.xml", 60),
+        sweep(ctx, "llama-fp8", [*LLAMA_SLICE[:-2], "--precision", "fp8", "--fp8-recipe", "tensorwise"],
+              [("none tensorwise", {}), ("none rowwise", {"fp8_recipe": "rowwise"}),
+               ("selective mlp tensorwise", {"recompute_modules": ["mlp"]})], 40)], call=4,
+         absent=lambda: None if importlib.util.find_spec("torchao") else
+         "torchao does not import on this machine (bring its wheel: docs/gpu-check.md)"),
     Step("mixtral slice", "a MoE slice of a real size: moe_act's saving and the grouped-matmul path", lambda ctx: [
         sweep(ctx, "mixtral", MIXTRAL_SLICE, [("none", {}), ("moe_act", {"recompute_modules": ["moe_act"]})], 45)],
          call=3),

@@ -50,13 +50,13 @@ def test_each_call_fits_one_device_command(call, tmp_path, capsys):
     out = capsys.readouterr().out
     assert f"call {call}: {planned:.0f} s planned" in out
     assert [line[2:].split(": ")[0] for line in out.splitlines() if line.startswith("- ")] == [s.name for s in steps]
-    assert gpu_check.CALLS == [1, 2, 3] and {s.call for s in gpu_check.STEPS} == {1, 2, 3}
+    assert gpu_check.CALLS == [1, 2, 3, 4] and {s.call for s in gpu_check.STEPS} == {1, 2, 3, 4}
 
 
 def test_every_planned_sweep_is_a_plan_the_cli_accepts(tmp_path):
     ctx = _ctx(tmp_path)
     sweeps = [c for step in gpu_check.STEPS for c in step.commands(ctx) if c.argv[len(gpu_check.CLI):][:1] == ["sweep"]]
-    assert len(sweeps) == 6
+    assert len(sweeps) == 7
     for command in sweeps:
         for path, text in command.files.items():
             path.parent.mkdir(parents=True, exist_ok=True)

@@ -98,9 +98,10 @@ REFUSED = [
      "cp_comm_type lists 2 types for 4 layers; pass one type for every layer (--set parallel.cp_comm_type=p2p) "
      "or 4 separated by spaces"),
     (["run", "--precision", "fp8"],
-     "this harness does not run FP8 yet; estimate Megatron's FP8 with --framework megatron, or pass --precision bf16"),
+     "--precision fp8 runs torchao's float8 training here, tensorwise or rowwise, not delayed (Transformer "
+     "Engine's); pass --fp8-recipe tensorwise or rowwise"),
     (["estimate", "--framework", "megatron", "--precision", "fp8", "--set", "training.fp8_recipe=current"],
-     "fp8_recipe 'current' is not one of delayed, tensorwise, blockwise, mxfp8; pass --set training.fp8_recipe=tensorwise"),
+     "fp8_recipe 'current' is not one of delayed, tensorwise, blockwise, mxfp8, rowwise; pass --set training.fp8_recipe=tensorwise"),
     # The message lists what the dense model offers, not modules it would then refuse.
     (["run", "--recompute-modules", "attention"],
      "unknown recompute module(s) attention; pass --recompute-modules with any of core_attn, mlp, layernorm "

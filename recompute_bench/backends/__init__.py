@@ -1,7 +1,7 @@
 """Backends: the modules a layer is built from and the recompute primitives (see `pytorch.py`).
 
-Only the pure-PyTorch backend exists; a Transformer Engine backend would be one more module
-offering the same names."""
+Only the pure-PyTorch backend builds layers; `transformer_engine.py` holds what a Transformer Engine
+backend will follow (Megatron's TE layer and its recompute) and refuses the flag until it builds."""
 
 from __future__ import annotations
 

@@ -109,6 +109,14 @@ def check_runnable(cfg: Config, device: str | None, launch: Launch | None = None
         problem = compile_problem("cuda" if on_cuda else "cpu")
         if problem:
             raise BadInput(f"{problem}; drop --compile")
+    if cfg.training.precision == "fp8" and cfg.training.framework == "recompute-bench":
+        from recompute_bench.launch.devices import visible_gpu_capability
+        from recompute_bench.measure.float8 import float8_problem
+        index = (device or "").partition(":")[2]
+        problem = float8_problem("cuda" if on_cuda else "cpu",
+                                 visible_gpu_capability(int(index) if index.isdigit() else 0) if on_cuda else None)
+        if problem:
+            raise BadInput(problem)
     if device and device.startswith("cuda") and not cuda_here:
         raise BadInput(f"--device {device} asks for CUDA but no CUDA device is visible here; pass --device cpu")
     index = device.partition(":")[2] if device else ""

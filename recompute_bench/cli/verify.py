@@ -21,7 +21,7 @@ from recompute_bench.config.schema import BadInput
 
 
 @point_options(panels=("Workload", "Parallelism", "Recompute"),
-               exclude=("global_batch_size", "precision", "attention_backend", "activation_offload_layers",
+               exclude=("global_batch_size", "precision", "fp8_recipe", "attention_backend", "activation_offload_layers",
                         "data_parallel_size"), gpu=False)
 @launch_options
 def verify(

@@ -7,9 +7,12 @@ METHODS = ("uniform", "block")
 PRECISIONS = ("bf16", "fp16", "fp32", "fp8")
 """fp8: bf16 weights, activations and gradients with the linears' matrix multiplies in FP8
 (Megatron's --bf16 with --fp8-format; the scaling is `fp8_recipe`)."""
-FP8_RECIPES = ("delayed", "tensorwise", "blockwise", "mxfp8")
+FP8_RECIPES = ("delayed", "tensorwise", "blockwise", "mxfp8", "rowwise")
 """Megatron's --fp8-recipe (Transformer Engine's DelayedScaling, Float8CurrentScaling,
-Float8BlockScaling, MXFP8BlockScaling); delayed is Megatron's default."""
+Float8BlockScaling, MXFP8BlockScaling); delayed is Megatron's default. rowwise is torchao's, which
+this harness runs beside tensorwise (`measure.float8`)."""
+HARNESS_FP8_RECIPES = ("tensorwise", "rowwise")
+"""The recipes of torchao's float8 training this harness runs under --precision fp8."""
 FP8_FORMATS = ("hybrid", "e4m3")
 """Megatron's --fp8-format: hybrid (E4M3 forward, E5M2 gradients) or e4m3 throughout."""
 CUDA_GRAPH_IMPLS = ("none", "local", "transformer_engine", "full_iteration")

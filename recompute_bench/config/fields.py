@@ -83,6 +83,7 @@ FLAGS: dict[str, Flag] = {
     "micro_batch_size": Flag("Workload", short="-mb"),
     "global_batch_size": Flag("Workload", short="-gb"),
     "precision": Flag("Workload"),
+    "fp8_recipe": Flag("Workload"),
     "attention_backend": Flag("Workload"),
     "framework": Flag("Workload"),
     "transformer_impl": Flag("Workload"),

@@ -6,13 +6,13 @@ this harness's own for `--compile` (`validate_compile`).
 raises BadInput with one line naming the problem and the fix, as Megatron's validation would refuse
 the run (megatron/training/arguments.py `validate_args`, megatron/core/transformer/
 transformer_config.py `__post_init__`, megatron/core/transformer/transformer_layer.py
-`_set_offload_modules`). This harness runs none of them: with framework recompute-bench each field
-must keep its default.
+`_set_offload_modules`). This harness runs none of them but FP8, through torchao
+(`validate_harness_fp8`): with framework recompute-bench every other field keeps its default.
 """
 
 from __future__ import annotations
 
-from recompute_bench.config.choices import CUDA_GRAPH_IMPLS, CUDA_GRAPH_MODULES, OFFLOAD_MODULES
+from recompute_bench.config.choices import CUDA_GRAPH_IMPLS, CUDA_GRAPH_MODULES, HARNESS_FP8_RECIPES, OFFLOAD_MODULES
 from recompute_bench.config.schema import BadInput, Config
 
 MOE_OFFLOAD_MODULES = ("expert_fc1", "moe_act", "fused_group_mlp")
@@ -34,10 +34,15 @@ def validate_fp8(cfg: Config) -> None:
         for name, default in fp8_only.items():
             if getattr(t, name) != default:
                 raise BadInput(f"training.{name} applies to FP8 runs only; pass --precision fp8 or drop it")
+        if t.framework != "megatron" and t.fp8_recipe != "delayed":
+            raise BadInput(f"--fp8-recipe {t.fp8_recipe} applies to FP8 runs only; pass --precision fp8 or drop it")
         return
     if t.framework != "megatron":
-        raise BadInput("this harness does not run FP8 yet; estimate Megatron's FP8 with --framework megatron, or pass "
-                       "--precision bf16")
+        validate_harness_fp8(cfg)
+        return
+    if t.fp8_recipe == "rowwise":
+        raise BadInput("rowwise is torchao's recipe, which this harness runs; Megatron's --fp8-recipe is delayed, "
+                       "tensorwise, blockwise or mxfp8: pass one of those")
     if m.transformer_impl != "transformer_engine":
         raise BadInput("FP8 runs in Transformer Engine's linears; pass --transformer-impl transformer_engine or "
                        "--precision bf16")
@@ -62,6 +67,42 @@ def validate_fp8(cfg: Config) -> None:
     if t.fp8_recipe == "delayed" and r.granularity == "selective" and {"moe_act", "layernorm"} & set(r.modules):
         raise BadInput("Delayed scaling does not support moe_act and layernorm recompute for fp8 (Megatron's rule); "
                        "pass --set training.fp8_recipe=tensorwise or drop those recompute modules")
+
+
+def validate_harness_fp8(cfg: Config) -> None:
+    """`--precision fp8` in this harness (`measure.float8`): torchao's float8 training, tensorwise or
+    rowwise, on dense layers, one rank or data parallel (DDP), every linear dimension and the
+    micro-batch's tokens a multiple of 16 (`torch._scaled_mm`'s rule; torchao's `_auto_filter_for_recipe`
+    skips such linears, this harness refuses instead of measuring a model half in FP8). Whether the
+    device can run it is `measure.float8.float8_problem`'s question, asked at launch."""
+    t, m, p = cfg.training, cfg.model, cfg.parallel
+    if t.fp8_recipe not in HARNESS_FP8_RECIPES:
+        raise BadInput(f"--precision fp8 runs torchao's float8 training here, tensorwise or rowwise, not "
+                       f"{t.fp8_recipe} (Transformer Engine's); pass --fp8-recipe tensorwise or rowwise")
+    for name in ("fp8_format", "fp8_amax_history_len"):
+        if getattr(t, name) != getattr(type(t), name):
+            raise BadInput(f"training.{name} is Transformer Engine's; torchao's recipe sets it (tensorwise: E4M3 "
+                           "forward, E5M2 gradients; rowwise: E4M3 throughout, no history): drop it")
+    split = [f"{name} {size}" for name, size in (("tensor_model_parallel_size", p.tensor_model_parallel_size),
+                                                 ("context_parallel_size", p.context_parallel_size),
+                                                 ("pipeline_model_parallel_size", p.pipeline_model_parallel_size))
+             if size > 1]
+    if p.use_distributed_optimizer and p.data_parallel_size > 1:
+        split.append("FSDP (use_distributed_optimizer)")
+    if split:
+        raise BadInput(f"--precision fp8 is measured on one rank and under DDP, not with {', '.join(split)}; "
+                       "drop --precision fp8 or that parallelism")
+    if m.num_moe_experts or m.multi_latent_attention:
+        raise BadInput("--precision fp8 runs dense layers' linears in FP8 here; mixture-of-experts and multi-latent "
+                       "attention are not measured in FP8: estimate them with --framework megatron")
+    q, kv = m.num_attention_heads * m.head_dim, m.groups * m.head_dim
+    ffn = m.ffn_hidden_size * (2 if m.activation == "swiglu" else 1)
+    sizes = {"hidden_size": m.hidden_size, "query width": q, "key/value width": kv, "linear_fc1 width": ffn,
+             "ffn_hidden_size": m.ffn_hidden_size, "tokens per micro-batch": t.seq_length * t.micro_batch_size}
+    odd = [f"{name} {size}" for name, size in sizes.items() if size % 16]
+    if odd:
+        raise BadInput(f"FP8 matrix multiplies need every dimension a multiple of 16, and {', '.join(odd)} is not; "
+                       "change the shape with --set or pass --precision bf16")
 
 
 def validate_cuda_graphs(cfg: Config) -> None:

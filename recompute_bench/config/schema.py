@@ -284,10 +284,11 @@ class TrainingConfig:
     """Samples per optimizer step, over all data-parallel ranks."""
     precision: str = "bf16"
     """bf16 or fp16 (16-bit weights and activations, fp32 master weights, grads and Adam), fp32, or
-    fp8 (bf16 with FP8 matrix multiplies in the linears; framework megatron)."""
+    fp8 (bf16 with FP8 matrix multiplies in the linears: Transformer Engine's under framework megatron,
+    torchao's float8 training in this harness)."""
     fp8_recipe: str = "delayed"
     """With precision fp8: the scaling recipe (Megatron's --fp8-recipe): delayed, tensorwise (current
-    scaling), blockwise or mxfp8."""
+    scaling), blockwise or mxfp8; this harness (torchao) runs tensorwise or rowwise."""
     fp8_format: str = "hybrid"
     """With precision fp8: Megatron's --fp8-format, hybrid (E4M3 forward, E5M2 backward) or e4m3."""
     fp8_param_gather: bool = False

@@ -62,25 +62,38 @@ def _decode(value) -> str:
 def visible_gpu_name(index: int = 0) -> str:
     """Name of the GPU a worker's `cuda:<index>` would be (e.g. "NVIDIA H100 80GB HBM3"), or "cpu"
     where NVML, its driver library or that GPU is missing."""
+    name = _ask_nvml(index, lambda nvml, handle: _decode(nvml.nvmlDeviceGetName(handle)))
+    return CPU if name is None else name
+
+
+def visible_gpu_capability(index: int = 0) -> tuple[int, int] | None:
+    """(major, minor) CUDA compute capability of the GPU a worker's `cuda:<index>` would be, from
+    NVML; None where NVML, its driver library or that GPU is missing."""
+    return _ask_nvml(index, lambda nvml, handle: tuple(nvml.nvmlDeviceGetCudaComputeCapability(handle)))
+
+
+def _ask_nvml(index: int, ask):
+    """`ask(pynvml, handle)` of the GPU a worker's `cuda:<index>` would be, or None where NVML, its
+    driver library or that GPU is missing."""
     entry = _visible(index)
     if entry is None:
-        return CPU
+        return None
     try:
         import pynvml
     except ImportError:
-        return CPU
+        return None
     try:
         pynvml.nvmlInit()
     except Exception:  # no driver library (NVMLError_LibraryNotFound) or no driver loaded: no GPU here
-        return CPU
+        return None
     try:
         if entry.isdigit():
             handle = pynvml.nvmlDeviceGetHandleByIndex(int(entry))
         else:
             handle = pynvml.nvmlDeviceGetHandleByUUID(entry)
-        return _decode(pynvml.nvmlDeviceGetName(handle))
+        return ask(pynvml, handle)
     except Exception:  # an index past the last GPU, an unknown UUID, no permission
-        return CPU
+        return None
     finally:
         try:
             pynvml.nvmlShutdown()

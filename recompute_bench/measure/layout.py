@@ -14,6 +14,7 @@ from typing import Any
 import torch
 
 from recompute_bench.measure.compile import compile_layers
+from recompute_bench.measure.float8 import float8_layers
 from recompute_bench.measure.optimizer import make_optimizer
 from recompute_bench.measure.probe import SavedTensorProbe
 from recompute_bench.measure.step import Stepper, synthetic_batches
@@ -21,8 +22,8 @@ from recompute_bench.models.dense.layers import GPT, materialize
 from recompute_bench.recompute.apply import apply_recompute
 from recompute_bench.config.schema import Config
 
-DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
-"""The torch dtype of each training precision."""
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32, "fp8": torch.bfloat16}
+"""The torch dtype of each training precision's weights (fp8: bf16 weights, FP8 matrix multiplies)."""
 
 
 class SingleRank:
@@ -50,10 +51,12 @@ class SingleRank:
         dtype = dtype or DTYPES[cfg.training.precision]
         spec = cfg.spec
         if self.splits:
-            model = apply_recompute(self.split(spec.build(cfg, "meta", dtype)), cfg.recompute, self.tensor_group)
+            model = float8_layers(spec.build(cfg, "meta", dtype), cfg.training)  # fp8: torchao's linears
+            model = apply_recompute(self.split(model), cfg.recompute, self.tensor_group)
             model = materialize(self.shard(model, cfg), device, cfg.training.seed)
         else:
-            model = apply_recompute(spec.build(cfg, device, dtype), cfg.recompute, self.tensor_group)
+            model = apply_recompute(float8_layers(spec.build(cfg, device, dtype), cfg.training), cfg.recompute,
+                                    self.tensor_group)
         if cfg.training.compile:
             compile_layers(model)  # after recompute: its policy runs inside and around the compiled layers
         if device.type == "cuda":

@@ -28,6 +28,7 @@ from recompute_bench.backends.pytorch import kernels_that_ran
 from recompute_bench.models.cp_check import checked_splits
 from recompute_bench.measure import memory
 from recompute_bench.measure.compile import compiled
+from recompute_bench.measure.float8 import float8_env
 from recompute_bench.measure.layout import SingleRank
 from recompute_bench.measure.probe import LocalFlopCounter, tokens_per_expert
 from recompute_bench.measure.record import make_record, predicted_metrics, unmeasured_metrics, unmeasured_rank
@@ -124,6 +125,7 @@ def _measure(cfg: Config, device: torch.device, peak_tflops: float | None, layou
         gpt = getattr(model, "module", model)  # DDP wraps the GPT
         ran.update(kernels_that_ran(gpt))
         ran.update(compiled(gpt))
+        ran.update(float8_env(gpt, t.fp8_recipe))
         ran.update(checked_splits(model))  # a context-parallel kernel proved on this device, or the point fails
         metrics.update(predicted_metrics(cfg, measured_device(device, ran.get("attention_kernel"))))
         done(loss)
