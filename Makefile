@@ -43,8 +43,10 @@ gate: $(STAMP)
 test: $(STAMP)
 	$(PY) -m pytest -m "not slow"
 
+# Two pytest workers (pytest-xdist), a test file each at a time (module fixtures built once): the
+# slow tests mostly wait on the worker processes and ranks they start, so two overlap on 2 cores.
 test-all: $(STAMP)
-	$(PY) -m pytest
+	$(PY) -m pytest -n 2 --dist loadscope
 
 bench: $(STAMP)
 	$(PY) bench/recompute_overhead.py
