@@ -20,7 +20,7 @@ from typer.testing import CliRunner
 from recompute_bench.cli.app import app, normalize_argv
 from recompute_bench.gate.golden import golden_row, write_golden
 from recompute_bench.launch.torchrun import Launch, check_launch, run_ranks
-from recompute_bench.measure.layout import DTYPES
+from recompute_bench.measure.layout import DTYPES, SingleRank
 from recompute_bench.measure.point import run_point
 from recompute_bench.measure.probe import SavedTensorProbe
 from recompute_bench.measure.record import SCHEMA
@@ -292,3 +292,22 @@ def processes_naming(path: Path) -> list[int]:
             except OSError:
                 pass
     return pids
+
+
+# A dense model's five kinds of setting as --set lines: none, each selective module, full recompute.
+SETTINGS = {"none": [], "core_attn": ["recompute.granularity=selective", 'recompute.modules=["core_attn"]'],
+            "layernorm": ["recompute.granularity=selective", 'recompute.modules=["layernorm"]'],
+            "mlp": ["recompute.granularity=selective", 'recompute.modules=["mlp"]'],
+            "full": ["recompute.granularity=full", "recompute.method=uniform", "recompute.num_layers=1"]}
+
+
+def saved_step(cfg, device: str = "cpu"):
+    """(loss, measured saved bytes, gradients by name, model) of one seeded micro-batch of 32 tokens of
+    the model `run` builds for cfg (a vocabulary of at least 256)."""
+    model = SingleRank().build(cfg, torch.device(device)).train()
+    tokens = torch.randint(0, 256, (1, 33), generator=torch.Generator().manual_seed(0)).to(device)
+    probe = SavedTensorProbe(model)
+    with probe.watch():
+        loss = model(tokens[:, :-1], tokens[:, 1:])
+    loss.backward()
+    return loss.item(), probe.bytes()[0], {n: p.grad for n, p in model.named_parameters()}, model

@@ -6,34 +6,23 @@ from __future__ import annotations
 import pytest
 import torch
 
-from helpers import invoke
+from helpers import SETTINGS, invoke, saved_step
 from recompute_bench.config.fields import field
 from recompute_bench.gate.verdicts import row_key
 from recompute_bench.launch.compiler import compile_problem
 from recompute_bench.measure.compile import compiled
 from recompute_bench.measure.layout import SingleRank
-from recompute_bench.measure.probe import SavedTensorProbe
 from recompute_bench.results.rows import KEY_COLUMNS
 from recompute_bench.workload import resolve
 
 SMALL = ["model.num_layers=2", "model.hidden_size=64", "model.num_attention_heads=4", "model.num_query_groups=2",
          "model.ffn_hidden_size=128", "model.vocab_size=256", "training.seq_length=32", "training.global_batch_size=1",
          "model.max_position_embeddings=64", "training.precision=fp32"]
-SETTINGS = {"none": [], "core_attn": ["recompute.granularity=selective", 'recompute.modules=["core_attn"]'],
-            "layernorm": ["recompute.granularity=selective", 'recompute.modules=["layernorm"]'],
-            "mlp": ["recompute.granularity=selective", 'recompute.modules=["mlp"]'],
-            "full": ["recompute.granularity=full", "recompute.method=uniform", "recompute.num_layers=1"]}
 
 
 def _step(sets: list[str], compile_: bool, device: str = "cpu") -> tuple[float, int, dict[str, torch.Tensor]]:
     cfg, _ = resolve("llama3-8b", sets=[*SMALL, *sets, f"training.compile={str(compile_).lower()}"], gpu="cpu")
-    model = SingleRank().build(cfg, torch.device(device)).train()
-    tokens = torch.randint(0, 256, (1, 33), generator=torch.Generator().manual_seed(0)).to(device)
-    probe = SavedTensorProbe(model)
-    with probe.watch():
-        loss = model(tokens[:, :-1], tokens[:, 1:])
-    loss.backward()
-    return loss.item(), probe.bytes()[0], {n: p.grad for n, p in model.named_parameters()}
+    return saved_step(cfg, device)[:3]
 
 
 @pytest.mark.slow

@@ -9,14 +9,13 @@ import importlib.util
 import pytest
 import torch
 
-from helpers import invoke
+from helpers import SETTINGS, invoke, saved_step
 from recompute_bench.analysis.harness.stage import activation_bytes
 from recompute_bench.cli.run import check_runnable
 from recompute_bench.config.schema import BadInput
 from recompute_bench.gate.verdicts import row_key
 from recompute_bench.measure import float8
 from recompute_bench.measure.layout import SingleRank
-from recompute_bench.measure.probe import SavedTensorProbe
 from recompute_bench.results.rows import KEY_COLUMNS
 from recompute_bench.workload import resolve
 
@@ -27,10 +26,6 @@ needs_torchao = pytest.mark.skipif(NO_TORCHAO, reason="torchao not importable (p
 SMALL = ["model.num_layers=2", "model.hidden_size=64", "model.num_attention_heads=4", "model.num_query_groups=2",
          "model.ffn_hidden_size=128", "model.vocab_size=256", "training.seq_length=32", "training.global_batch_size=1",
          "model.max_position_embeddings=64", "model.hidden_dropout=0", "model.attention_dropout=0"]
-SETTINGS = {"none": [], "core_attn": ["recompute.granularity=selective", 'recompute.modules=["core_attn"]'],
-            "layernorm": ["recompute.granularity=selective", 'recompute.modules=["layernorm"]'],
-            "mlp": ["recompute.granularity=selective", 'recompute.modules=["mlp"]'],
-            "full": ["recompute.granularity=full", "recompute.method=uniform", "recompute.num_layers=1"]}
 
 
 def _step(sets: list[str], precision: str, recipe: str = "tensorwise", device: str = "cpu"):
@@ -39,14 +34,8 @@ def _step(sets: list[str], precision: str, recipe: str = "tensorwise", device: s
     cfg, _ = resolve("llama3-8b", sets=[*SMALL, *sets, f"training.precision={precision}", *fp8], gpu="cpu")
     if device == "cpu":
         torch.set_num_threads(1)  # oneDNN's FP8 GEMMs on a shared 2-core machine: one thread is the fast way
-    model = SingleRank().build(cfg, torch.device(device)).train()
-    tokens = torch.randint(0, 256, (1, 33), generator=torch.Generator().manual_seed(0)).to(device)
-    probe = SavedTensorProbe(model)
-    with probe.watch():
-        loss = model(tokens[:, :-1], tokens[:, 1:])
-    loss.backward()
-    grads = {n: p.grad for n, p in model.named_parameters()}
-    return loss.item(), probe.bytes()[0], activation_bytes(cfg, device)["activation_bytes"], grads, model
+    loss, saved, grads, model = saved_step(cfg, device)
+    return loss, saved, activation_bytes(cfg, device)["activation_bytes"], grads, model
 
 
 @needs_torchao
