@@ -17,7 +17,8 @@ its initialisation where `device == "meta"`; `module/linear.py` `Linear(in_featu
 bias, ..., params_dtype, ..., device)`; `attention/dot_product_attention/dot_product_attention.py`
 `DotProductAttention(num_attention_heads, kv_channels, num_gqa_groups, attention_dropout, qkv_format,
 attn_mask_type, ...)`, whose forward takes q, k, v laid out [b, s, heads, d] under qkv_format "bshd" and
-gives [b, s, heads * d], the harness's core-attention contract. The layers are built on the meta device
+gives [b, s, heads * d], the harness's core-attention contract (q, k, v views of the fused QKV output
+in a layout TE does not read are made contiguous by `utils.py` `get_qkv_layout`). The layers are built on the meta device
 like the harness's own and materialised by `layers.materialize`: the norm weights fill with ones and
 the matrices take the same draws, in the same order, as the harness's layer (no norm weight is drawn).
 
