@@ -1,29 +1,39 @@
 """`--transformer-impl transformer_engine` in the harness (`backends/transformer_engine.py`): the
-one-line refusal, and how Megatron's TE layer takes each recompute setting (pure Python, read from
-Megatron-LM). The tests that need Transformer Engine itself: tests/gpu/test_transformer_engine_cuda.py."""
+one-line refusal where TE cannot run, and how Megatron's TE layer takes each recompute setting (pure Python, read from
+Megatron-LM). The layers built from TE's modules: tests/test_te_layers.py (a stand-in of TE on the CPU) and
+tests/gpu/test_transformer_engine_cuda.py (TE itself)."""
 
 from __future__ import annotations
 
+import sys
+
 import pytest
 
+import te_standin
 from helpers import invoke
 from recompute_bench.backends import transformer_engine as te_backend
 from recompute_bench.backends.transformer_engine import TE_MODULES, te_recompute
 
 
-@pytest.mark.parametrize("present", [False, True])
-def test_the_te_layers_asked_of_the_harness_are_refused_in_one_line_naming_why(present, monkeypatch, tmp_path):
+@pytest.mark.parametrize("case", ["absent", "broken", "no-cuda"])
+def test_the_te_layers_are_refused_in_one_line_where_te_cannot_run(case, monkeypatch, tmp_path):
     real = te_backend.importlib.util.find_spec
     monkeypatch.setattr(te_backend.importlib.util, "find_spec",
-                        lambda name, *a: (object() if present else None) if name == "transformer_engine" else real(name, *a))
+                        lambda name, *a: (None if case == "absent" else object()) if name == "transformer_engine"
+                        else real(name, *a))
+    if case == "broken":  # installed, but its import fails (a torch or CUDA mismatch)
+        monkeypatch.setitem(sys.modules, "transformer_engine.pytorch", None)
+    elif case == "no-cuda":
+        te_standin.install(monkeypatch)
+    monkeypatch.setattr(te_backend, "cuda_present", lambda: False)
     result = invoke("run", "--results", str(tmp_path / "r.jsonl"), "--transformer-impl", "transformer_engine")
     assert result.exit_code == 2, result.output
     err = result.stderr.strip()
     assert len(err.splitlines()) == 1 and "Traceback" not in result.output
-    if present:
-        assert "does not build Transformer Engine's layers yet" in err and "--framework megatron" in err
-    else:
-        assert "transformer_engine is not importable; pip install" in err and "drop --transformer-impl" in err
+    expected = {"absent": "transformer_engine is not importable; pip install",
+                "broken": "transformer_engine.pytorch does not import (ModuleNotFoundError",
+                "no-cuda": "torch sees no CUDA device here"}[case]
+    assert expected in err and "drop --transformer-impl" in err
     assert not (tmp_path / "r.jsonl").exists()
 
 

@@ -20,10 +20,10 @@ of transformer_engine), read from Megatron-LM (d98e8a6):
   FP8 (`megatron/core/extensions/transformer_engine.py` `te_checkpoint`:
   `transformer_engine.pytorch.distributed.checkpoint`), else `tensor_parallel.checkpoint`.
 
-This harness does not build the layers from these modules yet: `transformer_engine` cannot be
-installed on the machines it was written on, and a backend that never ran is not offered. `te_problem`
-refuses the flag in one line either way, naming why; the plan below is what the builder will follow,
-and `tests/gpu/test_transformer_engine_cuda.py` checks its module names against an installed TE.
+The harness builds its dense layers from these modules (`te_layers.py`) where `transformer_engine.pytorch`
+imports and a CUDA device is present; `te_problem` refuses the flag in one line elsewhere, and for the
+layouts the TE layers are not built for yet. Only the stand-in of tests/te_standin.py has run them so far;
+`tests/gpu/test_transformer_engine_cuda.py` runs them on an installed TE.
 """
 
 from __future__ import annotations
@@ -73,11 +73,43 @@ def te_recompute(granularity: str, modules: tuple[str, ...] | list[str], precisi
     return TERecompute(checkpointed, how if checkpointed else "none", no_effect)
 
 
-def te_problem() -> str:
-    """Why `--transformer-impl transformer_engine` cannot run in this harness here (one line)."""
+def cuda_present() -> bool:
+    """Whether torch sees a CUDA device (TE's modules run only there)."""
+    import torch
+
+    return torch.cuda.is_available()
+
+
+def te_problem(cfg=None) -> str | None:
+    """Why `--transformer-impl transformer_engine` cannot run in this harness here (one line), or None:
+    TE not importable, no CUDA device, or (with `cfg`) a model or layout its layers are not built for."""
     if importlib.util.find_spec("transformer_engine") is None:
         return ("--transformer-impl transformer_engine builds the layers from Transformer Engine's modules and "
                 f"transformer_engine is not importable; {TE_INSTALL}, drop --transformer-impl, or estimate "
                 "Megatron's TE layers with --framework megatron")
-    return ("--transformer-impl transformer_engine: this harness does not build Transformer Engine's layers yet "
-            "(docs/speed.md); estimate them with --framework megatron, or drop --transformer-impl")
+    try:
+        importlib.import_module("transformer_engine.pytorch")
+    except Exception as e:  # installed but broken: a CUDA or torch mismatch, said in its own words
+        first = (str(e).splitlines() or [""])[0]
+        return (f"--transformer-impl transformer_engine: transformer_engine.pytorch does not import "
+                f"({type(e).__name__}: {first}); reinstall it ({TE_INSTALL}) or drop --transformer-impl")
+    if not cuda_present():
+        return ("--transformer-impl transformer_engine: Transformer Engine's modules run on CUDA and torch sees no "
+                "CUDA device here; run on a GPU, drop --transformer-impl, or estimate with --framework megatron")
+    return None if cfg is None else _unbuilt(cfg)
+
+
+def _unbuilt(cfg) -> str | None:
+    """The models and layouts `te_layers.py` does not build TE layers for (one line), or None."""
+    m, p, t = cfg.model, cfg.parallel, cfg.training
+    unbuilt = [(m.num_moe_experts, "mixture-of-experts layers"), (m.multi_latent_attention, "multi-latent attention"),
+               (p.tensor_model_parallel_size > 1, "--tensor-model-parallel-size above 1"),
+               (p.pipeline_model_parallel_size > 1, "--pipeline-model-parallel-size above 1"),
+               (p.context_parallel_size > 1, "--context-parallel-size above 1"),
+               (t.precision == "fp8", "--precision fp8 (TE's fp8_autocast is not wired)"),
+               (t.compile, "--compile")]
+    what = [name for hit, name in unbuilt if hit]
+    if not what:
+        return None
+    return (f"--transformer-impl transformer_engine builds dense single-rank layers (data parallel allowed), not "
+            f"{', '.join(what)}; drop those, or estimate Megatron's TE layers with --framework megatron")

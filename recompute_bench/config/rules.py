@@ -281,10 +281,12 @@ def _validate_framework(cfg: Config) -> None:
         return
     check_choice("attention_backend", m.attention_backend, ATTENTION_BACKENDS,
                  "pass --attention-backend sdpa or math (Megatron's names go with --framework megatron)")
-    if m.transformer_impl != "local":  # transformer_engine: not importable, or not built here yet
+    if m.transformer_impl != "local":  # transformer_engine: where it imports on CUDA, for what te_layers builds
         from recompute_bench.backends.transformer_engine import te_problem
-        raise BadInput(te_problem())
-    path = _non_default(cfg, [f"model.{name}" for name in MEGATRON_ONLY])
+        problem = te_problem(cfg)
+        if problem:
+            raise BadInput(problem)
+    path = _non_default(cfg, [f"model.{name}" for name in MEGATRON_ONLY if name != "transformer_impl"])
     if path is not None:
         raise BadInput(f"{path} describes how Megatron runs; drop it, or estimate Megatron with --framework megatron")
     path = _non_default(cfg, MEGATRON_ONLY_SETTINGS)

@@ -25,6 +25,7 @@ import torch
 
 from recompute_bench.analysis import flops
 from recompute_bench.backends.pytorch import kernels_that_ran
+from recompute_bench.backends.te_layers import implementation
 from recompute_bench.models.cp_check import checked_splits
 from recompute_bench.measure import memory
 from recompute_bench.measure.compile import compiled
@@ -125,6 +126,7 @@ def _measure(cfg: Config, device: torch.device, peak_tflops: float | None, layou
         gpt = getattr(model, "module", model)  # DDP wraps the GPT
         ran.update(kernels_that_ran(gpt))
         ran.update(compiled(gpt))
+        ran.update(implementation(gpt))
         ran.update(float8_env(gpt, t.fp8_recipe))
         ran.update(checked_splits(model))  # a context-parallel kernel proved on this device, or the point fails
         metrics.update(predicted_metrics(cfg, measured_device(device, ran.get("attention_kernel"))))

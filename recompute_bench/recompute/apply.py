@@ -150,7 +150,9 @@ def apply_policies(model: nn.Module, policies: list[LayerPolicy], distribute_ove
         if "mla_up_proj" in policy.modules:
             attention = layer.self_attention
             _discard_after(attention, attention.core_attention, backend, "qkv_up_proj_and_rope")
-        if "layernorm" in policy.modules:
+        # megatron/core/transformer/transformer_layer.py: an IdentityOp norm (fused into TE's
+        # LayerNormLinear) is not recomputed
+        if "layernorm" in policy.modules and not isinstance(layer.input_layernorm, nn.Identity):
             _discard_after(layer.input_layernorm, layer.self_attention, backend)
             _discard_after(layer.pre_mlp_layernorm, layer.mlp, backend)
     offloaded = [i for i, policy in enumerate(policies) if policy.offload]

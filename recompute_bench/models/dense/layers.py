@@ -5,7 +5,8 @@ model, with the same parameter names, serves every setting.
 Layout is batch-first, [b, s, h]. A layer is pre-norm:
     x = x + dropout(linear_proj(core_attention(rope(linear_qkv(input_layernorm(x))))))
     x = x + dropout(mlp(pre_mlp_layernorm(x)))
-Modules come from a backend (`backends/`): the pure-PyTorch one by default.
+Modules come from a backend (`backends/`): the pure-PyTorch one by default; Transformer Engine's
+builds the whole layer (`backends/te_layers.py`) under the same module names.
 
 The model is built on the meta device and materialised on the target device (`materialize`:
 `to_empty`, then `init_weights`), as torchtitan does: no host copy of a large layer, and the seeded
@@ -185,7 +186,8 @@ class GPT(nn.Module):
                                     if cfg.position_embedding_type == "learned_absolute" else None)
         self.rotary = RotaryEmbedding(cfg) if cfg.position_embedding_type == "rope" else None
         self.embedding_dropout = b.dropout(cfg.hidden_dropout)
-        self.layers = TransformerLayers(TransformerLayer(cfg, b, mlp_for(i, b) if mlp_for else None, attention)
+        layer = getattr(b, "transformer_layer", TransformerLayer)  # a backend may build the layer itself (TE's)
+        self.layers = TransformerLayers(layer(cfg, b, mlp_for(i, b) if mlp_for else None, attention)
                                         for i in range(cfg.num_layers))
         self.final_layernorm = b.norm(cfg.normalization, cfg.hidden_size, cfg.layernorm_epsilon)
         self.output_layer = b.linear(cfg.hidden_size, vocab, False)
@@ -314,7 +316,10 @@ def build_model(cfg: ModelConfig, seed: int, device: torch.device | str = "cpu",
     """Build on the meta device in `dtype`, materialise on `device` and initialise from `seed`
     (`materialize`). Two builds with the same seed on the same device are identical, whatever the
     dtype (the weights are drawn in fp32 and rounded). On "meta" (shapes only, as FLOP counting and
-    the sharded layouts use it) nothing is allocated or initialised."""
+    the sharded layouts use it) nothing is allocated or initialised. `transformer_impl
+    transformer_engine` builds the layers from Transformer Engine's modules (`backends/te_layers.py`)."""
+    if cfg.transformer_impl == "transformer_engine":
+        backend = "transformer_engine"
     with torch.device("meta"):
         model = GPT(cfg, backend, mlp_for, attention).to(dtype=dtype)
     return materialize(model, device, seed)
