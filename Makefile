@@ -38,7 +38,7 @@ gate: $(STAMP)
 	$(CLI) compare gate-$(RUN_ID) $(if $(GOLDEN),--golden $(GOLDEN)) \
 		--junit results/gate-$(RUN_ID)/junit.xml --markdown results/gate-$(RUN_ID)/compare.md
 
-# The fast lane (about four minutes on 2 cores): everything but the tests marked slow (multi-rank
+# The fast lane (about three minutes on 2 cores): everything but the tests marked slow (multi-rank
 # launches, sweeps of worker processes, the wheel). test-all runs the whole suite, as CI does.
 test: $(STAMP)
 	$(PY) -m pytest -m "not slow"
