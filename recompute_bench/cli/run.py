@@ -97,8 +97,10 @@ def check_runnable(cfg: Config, device: str | None, launch: Launch | None = None
 
     cuda_here = default_device_type() == "cuda"
     on_cuda = (device or ("cuda" if cuda_here else "cpu")).startswith("cuda")
+    device_type = "cuda" if on_cuda else "cpu"
+    index = (device or "").partition(":")[2]  # "0" of cuda:0; empty without one
     launch = launch or Launch()
-    cfg = check_launch(cfg, launch, "cuda" if on_cuda else "cpu")
+    cfg = check_launch(cfg, launch, device_type)
     offloads = cfg.recompute.activation_offload_layers or any("offload" in e for e in cfg.recompute.layer_policy)
     if offloads and not on_cuda:
         raise BadInput("activation offload moves saved tensors from a CUDA device to host memory and there is "
@@ -106,20 +108,18 @@ def check_runnable(cfg: Config, device: str | None, launch: Launch | None = None
                                                      else "drop --activation-offload-layers"))
     if cfg.training.compile:
         from recompute_bench.launch.compiler import compile_problem
-        problem = compile_problem("cuda" if on_cuda else "cpu")
+        problem = compile_problem(device_type)
         if problem:
             raise BadInput(f"{problem}; drop --compile")
     if cfg.training.precision == "fp8" and cfg.training.framework == "recompute-bench":
         from recompute_bench.launch.devices import visible_gpu_capability
         from recompute_bench.measure.float8 import float8_problem
-        index = (device or "").partition(":")[2]
-        problem = float8_problem("cuda" if on_cuda else "cpu",
+        problem = float8_problem(device_type,
                                  visible_gpu_capability(int(index) if index.isdigit() else 0) if on_cuda else None)
         if problem:
             raise BadInput(problem)
     if device and device.startswith("cuda") and not cuda_here:
         raise BadInput(f"--device {device} asks for CUDA but no CUDA device is visible here; pass --device cpu")
-    index = device.partition(":")[2] if device else ""
     if on_cuda and index.isdigit():
         from recompute_bench.launch.devices import visible_gpu_count
         gpus = visible_gpu_count()
