@@ -420,6 +420,25 @@ def test_estimate_commands_of_the_issue():
     assert "the paper's layer" in result.stderr
 
 
+def test_a_megatron_estimate_shows_each_settings_predicted_step_and_where_it_goes():
+    seed = "tests/data/seed/LLAMA3_70B_SFT_CONFIG_H100_FP8_CS_V1.yaml"
+    result = invoke("estimate", "--framework", "megatron", "--from", seed, "--gpus", "32", "--json")
+    assert result.exit_code == 0, result.output
+    rows = json.loads(result.stdout)["settings"]
+    lines = result.stderr.splitlines()
+    title = next(i for i, line in enumerate(lines) if "predicted step per GPU on h100" in line)
+    table = lines[title:title + len(rows) + 5]
+    header = next(line for line in table if "step s" in line)
+    assert all(word in header for word in ("TFLOP/s", "tokens/s", "MFU", "GEMM", "attn", "memory", "bubble", "optim"))
+    for r in rows:
+        cells = [c.strip() for c in next(line for line in table if f" {r['label']} " in line).split("│")[2:-1]]
+        assert cells[:4] == [f"{r['step_seconds']:.3f}", f"{r['tflops_per_gpu']:.0f}", f"{r['tokens_per_s_per_gpu']:.0f}",
+                             f"{100 * r['mfu']:.1f}%"]
+        assert cells[4] == f"{1e3 * r['step_parts']['gemm']:.0f}"
+        # the recompute class is what separates the settings' steps
+        assert r["step_parts"]["recompute"] >= 0 and (r["step_parts"]["recompute"] > 0) == (r["recompute_overhead"] > 0)
+
+
 def test_plan_recommends_the_fastest_setting_that_fits():
     result = invoke("plan", "--workload", "llama3-70b", "--tp", "8", "--sequence-parallel", "--pp", "4", "--memory-gb", "64", "--json")
     assert result.exit_code == 0, result.output

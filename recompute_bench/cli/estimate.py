@@ -58,7 +58,7 @@ def estimate(
     from recompute_bench.analysis.megatron import estimate_report as megatron_report
     from recompute_bench.ingest.record import logged_memory
     from recompute_bench.render.estimate import (breakdown_table, layout_line, logged_memory_table, paper_notes,
-                                                 paper_table, settings_table, stages_table, terms_table)
+                                                 paper_table, settings_table, stages_table, terms_table, time_table)
 
     source = None
     try:
@@ -88,6 +88,9 @@ def estimate(
     err.print(escape(layout_line(report)), highlight=False)
     err.print(settings_table(report["settings"], "every setting: activations per micro-batch, whole-rank peak, FLOPs",
                              current=cfg.recompute.label))
+    if (times := time_table(report["settings"], f"every setting: predicted step per GPU on {report.get('gpu')} at its achieved "
+                            "rates; where it goes, ms a step", current=cfg.recompute.label)) is not None:
+        err.print(times)
     err.print(paper_table(report))
     for note in paper_notes(report):
         err.print(f"[dim]note:[/] {escape(note)}", highlight=False)

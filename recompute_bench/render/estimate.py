@@ -59,6 +59,32 @@ def settings_table(rows: list[dict[str, Any]], title: str, current: str | None =
     return table
 
 
+CLASS_HEADERS = {"gemm": "GEMM", "attention": "attn", "memory": "memory", "recompute": "recomp", "tp_comm": "TP comm",
+                 "cp_exchange": "CP", "expert_all_to_all": "a2a", "pipeline_p2p": "p2p", "pipeline_bubble": "bubble",
+                 "data_parallel_exposed": "DP", "optimizer": "optim", "host_overhead": "host"}
+"""Short headers for `StepTime.by_class`'s classes (ms columns of `time_table`)."""
+
+
+def time_table(rows: list[dict[str, Any]], title: str, current: str | None = None) -> Table | None:
+    """One row per recompute setting: the predicted step, TFLOP/s and tokens/s per GPU, MFU, and where
+    the step goes by class (ms; "-" a class the model does not price; a class no setting spends
+    time in is left out). None where no row has a predicted step."""
+    priced = [r for r in rows if r.get("step_seconds") is not None]
+    if not priced:
+        return None
+    classes = [c for c in priced[0]["step_parts"] if any(r["step_parts"][c] for r in priced)]
+    table = Table(title=escape(title), header_style="bold")
+    table.add_column("setting", no_wrap=True)
+    for col in ("step s", "TFLOP/s", "tokens/s", "MFU", *(CLASS_HEADERS.get(c, c) for c in classes)):
+        table.add_column(col, justify="right", no_wrap=True)
+    for r in priced:
+        label = escape(r["label"]) + (" *" if r["label"] == current else "")
+        parts = ["-" if r["step_parts"][c] is None else f"{1e3 * r['step_parts'][c]:.0f}" for c in classes]
+        table.add_row(label, f"{r['step_seconds']:.3f}", f"{r['tflops_per_gpu']:.0f}", f"{r['tokens_per_s_per_gpu']:.0f}",
+                      f"{100 * r['mfu']:.1f}%", *parts)
+    return table
+
+
 def paper_table(report: dict[str, Any]) -> Table:
     """Table 2 of the paper for this shape beside the built layer."""
     par = report["config"]["parallel"]
