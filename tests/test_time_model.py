@@ -295,12 +295,14 @@ def test_tp_comm_overlap_s_pipelined_and_bulk_overlaps_take_16_sms_from_their_ge
     # waves over the 132 - 16 = 116 SMs left (16 over all 132), each wave as long as over all SMs
     fc2 = by_name["linear_fc2"]
     assert fc2.shape == (8192, 8192, 7168) and fc2.precision == "bf16"
-    assert fc2.seconds(achieved) == pytest.approx(fc2.flops / 794.5e12 * 18 * 132 * 128 * 256 / (8192 * 8192))
+    # (and its K of 7168 pays a little more per FLOP than the MAMF shape's 13312: `short_k_factor`)
+    short = achieved.short_k_factor(7168, "bf16")
+    assert fc2.seconds(achieved) == pytest.approx(fc2.flops / 794.5e12 * 18 * 132 * 128 * 256 / (8192 * 8192) * short)
     assert dataclasses.replace(fc2, comm_sms=0).seconds(achieved) == pytest.approx(
-        fc2.flops / 794.5e12 * 16 * 132 * 128 * 256 / (8192 * 8192))
+        fc2.flops / 794.5e12 * 16 * 132 * 128 * 256 / (8192 * 8192) * short)
     # a GEMM priced without a shape runs at 116 / 132 of its rate
     bare = dataclasses.replace(fc2, shape=None)
-    assert bare.seconds(achieved) == pytest.approx(fc2.flops / 794.5e12 * 132 / 116)
+    assert bare.seconds(achieved) == pytest.approx(fc2.flops / 794.5e12 * 132 / 116)  # no shape, no K
     assert fc2.seconds(H100) == fc2.flops / 989.5e12  # the datasheet roofline has no SMs to take
 
 
@@ -310,11 +312,44 @@ def test_the_plan_prices_at_the_gpu_table_s_achieved_rates_with_each_gemm_s_wave
     assert achieved.peak("bf16") == 989.5e12 and achieved.sms == 132
     # 32 x 10 tiles of 128 x 256 take 3 waves over 132 SMs: 396 tiles' time for 320 tiles' work
     op = tm.Op("g", "matrix", flops=2 * 4096 * 2560 * 8192, precision="fp8", shape=(4096, 2560, 8192))
-    assert op.seconds(achieved) == pytest.approx(op.flops / 1402.6e12 * 396 / 320)
-    assert op.seconds(H100) == op.flops / 1979e12  # the datasheet: the roofline, no waves
+    short = (8192 + 774) / 8192 / ((14336 + 774) / 14336)  # K 8192 against the MAMF shape's 14336
+    assert op.seconds(achieved) == pytest.approx(op.flops / 1402.6e12 * 396 / 320 * short)
+    assert op.seconds(H100) == op.flops / 1979e12  # the datasheet: the roofline, no waves, no short K
     from recompute_bench.config.gpus import COMPUTE_CAPABILITY
     from recompute_bench.analysis.flops import PEAK_FLOPS
     assert COMPUTE_CAPABILITY["h200"] == 90 and PEAK_FLOPS["NVIDIA H200"][1] == H100.matrix_flops["bf16"]
+
+
+# DeepGEMM's H800 FP8 table at M 4096 (config/gpus.py): (N, K) -> TFLOP/s
+DEEPGEMM_H800 = {(24576, 1536): 990, (32768, 512): 590, (7168, 16384): 1358, (4096, 7168): 1304, (7168, 2048): 1025}
+
+
+def test_a_short_k_costs_each_output_tile_a_fixed_time_as_the_published_fp8_table_measured():
+    import math
+    from recompute_bench.config.gpus import SHORT_K_HOPPER
+    k0 = SHORT_K_HOPPER["fp8"]
+    # one rate R and the tiles' fixed cost k0 reproduce every row: R K / (K + k0), R their geometric mean
+    implied = [tflops * (k + k0) / k for (_, k), tflops in DEEPGEMM_H800.items()]
+    rate = math.exp(sum(map(math.log, implied)) / len(implied))
+    for (_, k), tflops in DEEPGEMM_H800.items():
+        assert rate * k / (k + k0) == pytest.approx(tflops, rel=0.03), (k, tflops)
+    # without the fixed cost the table's K 512 and K 16384 rows would be one rate, 2.3x apart
+    assert DEEPGEMM_H800[(7168, 16384)] / DEEPGEMM_H800[(32768, 512)] > 2.2
+    h100, a100, b200 = (gpu_rates.achieved_rates(kind) for kind in ("h100", "a100", "b200"))
+    # normalised to the K the MAMF rate was measured at, longer K runs faster, shorter slower
+    assert h100.short_k_factor(14336, "fp8") == pytest.approx(1.0)
+    assert h100.short_k_factor(2048, "fp8") == pytest.approx((2048 + k0) / 2048 / ((14336 + k0) / 14336))
+    assert h100.short_k_factor(65536, "fp8") < 1 < h100.short_k_factor(1024, "fp8")
+    # bf16's main loop is half as fast per K element for the same fixed time: half the K
+    assert SHORT_K_HOPPER["bf16"] == pytest.approx(k0 * 794.5 / 1402.6)
+    assert h100.short_k_factor(2048, "bf16") < h100.short_k_factor(2048, "fp8")
+    # no table measures A100's or Blackwell's short K: not priced there, nor on the datasheet roofline
+    assert a100.short_k_factor(96, "bf16") == b200.short_k_factor(96, "fp8") == H100.short_k_factor(96, "fp8") == 1.0
+    # a profile's square matmul becomes the K its rates were measured at
+    profile = {"device_name": "NVIDIA H100 80GB HBM3", "measured": {"bf16_flops": 700e12, "fp8_flops": 1300e12}}
+    measured = gpu_rates.with_profile(h100, profile)
+    assert measured.rate_k["fp8"] == measured.rate_k["bf16"] == gpu_rates.PROFILE_MATMUL_SIZE == 8192
+    assert measured.short_k_factor(8192, "fp8") == pytest.approx(1.0)
 
 
 def test_a_profile_s_measured_gemms_price_those_shapes_and_the_shipped_h200_profile_is_found(tmp_path):

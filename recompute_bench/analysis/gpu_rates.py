@@ -64,6 +64,12 @@ class GpuRates:
     tile: tuple[int, int] = (128, 256)
     """cuBLAS's output tile of large GEMMs (rows x columns): 128 x 256 on Hopper and Blackwell
     (CUTLASS's default SM90 warp-specialized tile), 256 x 128 on Ampere."""
+    short_k: dict[str, float] = dataclasses.field(default_factory=dict)
+    """By precision: the K elements an output tile's fixed cost is worth (`config.gpus.SHORT_K_HOPPER`);
+    empty: short K not priced (the datasheet's roofline, or a kind no table measures)."""
+    rate_k: dict[str, float] = dataclasses.field(default_factory=dict)
+    """By precision: the K of the GEMM `matrix_flops` was measured at (the MAMF best shape, or a profile's
+    square matmul), where the short-K factor is 1."""
 
     def peak(self, precision: str = "bf16") -> float:
         """The datasheet's dense FLOP/s of `precision` (MFU's denominator)."""
@@ -78,7 +84,8 @@ class GpuRates:
         useful / launched tile work. `comm_sms`: SMs a communication kernel running beside the GEMM
         holds (Transformer Engine's SM margin, `time_ops.UB_COMM_SMS`): the tiles run in waves over the
         SMs left, each SM at its share of the rate (a measured GEMM of the shape: its time scaled by
-        all SMs / the SMs left). Without an SM count (the datasheet's roofline) nothing is taken."""
+        all SMs / the SMs left). A short K costs more per FLOP where the kind prices it (`short_k_factor`).
+        Without an SM count (the datasheet's roofline) nothing is taken."""
         rate = self.matrix_rate(precision)
         left = self.sms - comm_sms if self.sms else None
         if left is not None and left <= 0:
@@ -88,11 +95,21 @@ class GpuRates:
             return measured * self.sms / left if left else measured
         if not self.sms or shape is None:
             return flops / rate * (self.sms / left if left else 1.0)
-        m, n, _ = shape
+        m, n, k = shape
         tm, tn = self.tile
         tiles = math.ceil(m / tm) * math.ceil(n / tn)
         waves = math.ceil(tiles / left)
-        return flops / rate * (waves * self.sms * tm * tn) / (m * n)
+        return flops / rate * (waves * self.sms * tm * tn) / (m * n) * self.short_k_factor(k, precision)
+
+    def short_k_factor(self, k: float, precision: str) -> float:
+        """How much longer than at the rate's own K a GEMM of inner size `k` takes: each output tile pays
+        a fixed cost worth `short_k` elements of K (filling its pipeline, writing its output), so the
+        time goes as (K + k0) / K, normalised to 1 at the K the rate was measured at (`rate_k`). 1 where
+        the kind prices no short K."""
+        k0, measured_at = self.short_k.get(precision), self.rate_k.get(precision)
+        if not k0 or not measured_at or k <= 0:
+            return 1.0
+        return (k + k0) / k / ((measured_at + k0) / measured_at)
 
     def comm_seconds(self, nbytes: float, group: int, stride: int, pattern: str) -> float:
         """Time one rank spends sending `nbytes` in a collective over `group` ranks `stride` ranks
@@ -146,7 +163,8 @@ def _rates(gpu: Gpu, achieved: bool) -> GpuRates:
                     gpu.network_bytes_per_s, gpu.nvlink_domain, sms, dict(gpu.dense_flops),
                     attention_flops=_attention(gpu, matrix) if achieved else None,
                     nccl_sms=(gpu.nccl_channels or 0) if achieved else 0,
-                    tile=(128, 256) if gpu.compute_capability >= 90 else (256, 128))
+                    tile=(128, 256) if gpu.compute_capability >= 90 else (256, 128),
+                    short_k=dict(gpu.short_k) if achieved else {}, rate_k=dict(gpu.mamf_k) if achieved else {})
 
 
 def _attention(gpu: Gpu, matrix: dict[str, float]) -> dict[str, float] | None:
@@ -180,6 +198,8 @@ def datasheet_rates(kind: str) -> GpuRates:
 
 PROFILE_FIELDS = ("bf16_flops", "fp8_flops", "hbm_bytes_per_s")
 """What `measure/rates.py` measures on one GPU (NVLink needs two GPUs: it keeps the datasheet's)."""
+PROFILE_MATMUL_SIZE = 8192
+"""The square matmul (M = N = K) `measure/rates.py` times for a profile's bf16 and FP8 rates."""
 
 
 def rates_cache_path(device_name: str, folder: Path = Path("results/profiles"), shapes: list | tuple = ()) -> Path:
@@ -201,15 +221,17 @@ def with_profile(rates: GpuRates, profile: dict[str, Any]) -> GpuRates:
     """`rates` with each figure the profile measured in its place (bf16 also prices fp16; the
     datasheet keeps what the profile did not measure: TF32, NVLink, FP8 where it could not run)."""
     measured = profile["measured"]
-    matrix = dict(rates.matrix_flops)
+    matrix, rate_k = dict(rates.matrix_flops), dict(rates.rate_k)
     if measured.get("bf16_flops"):
         matrix["bf16"] = matrix["fp16"] = float(measured["bf16_flops"])
+        rate_k["bf16"] = rate_k["fp16"] = PROFILE_MATMUL_SIZE
     if measured.get("fp8_flops"):
         matrix["fp8"] = float(measured["fp8_flops"])
+        rate_k["fp8"] = PROFILE_MATMUL_SIZE
     hbm = float(measured.get("hbm_bytes_per_s") or rates.hbm_bytes_per_s)
     gemms = {(g["m"], g["n"], g["k"], g["precision"]): float(g["flops_per_s"]) for g in profile.get("gemms") or ()}
     taken = ", ".join([k for k in PROFILE_FIELDS if measured.get(k)] + ([f"{len(gemms)} GEMM shapes"] if gemms else []))
-    return dataclasses.replace(rates, matrix_flops=matrix, hbm_bytes_per_s=hbm, measured_gemms=gemms or None,
+    return dataclasses.replace(rates, matrix_flops=matrix, rate_k=rate_k, hbm_bytes_per_s=hbm, measured_gemms=gemms or None,
                                source=f"measured on {profile['device_name']} ({taken}); the rest: {rates.source}")
 
 

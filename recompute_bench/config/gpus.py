@@ -67,6 +67,13 @@ class Gpu:
     attention_flops: dict[str, float] = field(default_factory=dict)
     """FP/s a fused (flash) attention kernel reached forward and backward, 16-bit, measured on this kind;
     empty: the kinds take `ATTENTION_SHARE` of their bf16 matmul rate."""
+    mamf_k: dict[str, int] = field(default_factory=dict)
+    """The K of the shape each `mamf` rate was measured at (the MAMF table's best shape, or ours): where a
+    kind prices short K (`short_k`), a GEMM of that K runs at the table's rate."""
+    short_k: dict[str, float] = field(default_factory=dict)
+    """By precision: the K elements a GEMM output tile's fixed cost (filling its pipeline, writing its
+    output, taking the next tile) is worth in main-loop time, so a GEMM runs at its rate times
+    K / (K + short_k) (`SHORT_K_HOPPER`); empty: short K not priced on this kind."""
 
 
 def _dense(bf16_sparse: float, tf32_sparse: float, fp8_sparse: float | None, fp64: float) -> dict[str, float]:
@@ -108,6 +115,19 @@ ATTENTION_SHARE = {k: v / 771e12 for k, v in ATTENTION_H200.items()}
 # copy of their own measured take the same share (HBM controllers of one generation reach alike).
 COPY_SHARE = 4.23e12 / 4.8e12
 
+# DeepGEMM's published FP8 GEMM table on H800 SXM5 (deepseek-ai/DeepGEMM README at its first release,
+# "Normal GEMMs for dense models", NVCC 12.8; H800 has H100 SXM5's 132 SMs and tensor cores): at M 4096,
+# (N, K) -> TFLOP/s: (24576, 1536) 990, (32768, 512) 590, (7168, 16384) 1358, (4096, 7168) 1304,
+# (7168, 2048) 1025. One GEMM's time as 2 M N (K + k0) / R, a fixed cost per output tile worth k0 elements
+# of K, fits these five rows within 2.7% at k0 = 774 (R = 1,450 TFLOP/s; the (2112, 7168) row, 1058, is
+# N's tiles over the SMs: `GpuRates.gemm_seconds`' waves). The bf16 GEMMs of Hopper pay the same fixed
+# time per tile with a main loop half as fast per K element: k0 x the bf16 / FP8 matmul rate
+# (794.5 / 1402.6). Blackwell's MAMF best shapes have K 1024 to 3072 and A100's 5120: no table measures
+# their short K, so it is not priced there.
+SHORT_K_SOURCE = ("deepseek-ai/DeepGEMM README (first release), 'Normal GEMMs for dense models' on H800, M 4096: "
+                  "k0 = 774 fits 5 rows within 2.7%")
+SHORT_K_HOPPER = {"fp8": 774.0, "bf16": 774.0 * 794.5 / 1402.6, "fp16": 774.0 * 794.5 / 1402.6}
+
 _A100 = _dense(624, 312, None, 19.5)
 _H100 = _dense(1979, 989, 3958, 67)
 _B200 = _dense(4500, 2250, 9000, 296 / 8)
@@ -117,42 +137,44 @@ GPUS: tuple[Gpu, ...] = (
     # NVIDIA A100 Tensor Core GPU datasheet, A100 80GB SXM: BF16/FP16 624 TFLOPS*, TF32 312* (* sparsity), no
     # FP8, FP64 Tensor Core 19.5; 2,039 GB/s; NVLink 600 GB/s; PCIe Gen4 64 GB/s. DGX A100 datasheet: 8 GPUs
     # on NVSwitch, a 200 Gb/s HDR InfiniBand port per GPU. 108 SMs (NVIDIA A100 whitepaper).
-    # MAMF: A100 SXM bf16 271.2 TFLOPS.
+    # MAMF: A100 SXM bf16 271.2 TFLOPS (best shape 1024x10240x5120).
     Gpu("a100", "A100 SXM4 80GB", 80, ("NVIDIA A100-SXM4-80GB", "NVIDIA A100-SXM4-40GB"), "A100 SXM", _A100,
         2039e9, 600e9 / 2, 64e9 / 2, 200 * GBIT, 8, 108, "NVIDIA A100 datasheet (SXM4 80GB); network: DGX A100 datasheet",
-        {"bf16": 271.2e12, "fp16": 271.2e12}, MAMF_SOURCE, None, "", 200e9, NCCL_A100, 24, NCCL_CHANNELS_A100),
+        {"bf16": 271.2e12, "fp16": 271.2e12}, MAMF_SOURCE, None, "", 200e9, NCCL_A100, 24, NCCL_CHANNELS_A100,
+        mamf_k={"bf16": 5120, "fp16": 5120}),
     Gpu("a100", "A100 PCIe", 80, ("NVIDIA A100-PCIE-40GB", "NVIDIA A100 80GB PCIe"), "A100 PCIe", _A100,
         source="NVIDIA A100 datasheet (PCIe)"),
     # NVIDIA H100 Tensor Core GPU datasheet, H100 SXM: FP8 3,958 TFLOPS*, BF16 1,979*, TF32 989*, FP64 TC 67;
     # 3.35 TB/s; NVLink 900 GB/s; PCIe Gen5 128 GB/s. DGX H100 datasheet: a 400 Gb/s ConnectX-7 port per GPU.
-    # 132 SMs (NVIDIA H100 whitepaper, SXM5). MAMF: H100 SXM bf16 794.5, fp8 1,402.6 TFLOPS.
+    # 132 SMs (NVIDIA H100 whitepaper, SXM5). MAMF: H100 SXM bf16 794.5 (2048x2048x13312), fp8 1,402.6 (1024x9216x14336) TFLOPS.
     Gpu("h100", "H100 SXM5 80GB", 90, ("NVIDIA H100 80GB HBM3",), "H100 SXM", _H100, 3.35e12, 900e9 / 2, 128e9 / 2,
         400 * GBIT, 8, 132, "NVIDIA H100 datasheet (SXM5); network: DGX H100 datasheet",
-        {"bf16": 794.5e12, "fp16": 794.5e12, "fp8": 1402.6e12}, MAMF_SOURCE),
+        {"bf16": 794.5e12, "fp16": 794.5e12, "fp8": 1402.6e12}, MAMF_SOURCE,
+        mamf_k={"bf16": 13312, "fp16": 13312, "fp8": 14336}, short_k=SHORT_K_HOPPER),
     Gpu("h100", "H100 PCIe", 90, ("NVIDIA H100 PCIe",), "H100 PCIe", _dense(1513, 756, 3026, 51), 2.0e12,
         source="NVIDIA H100 datasheet (PCIe)"),
     Gpu("h100", "H100 NVL", 90, ("NVIDIA H100 NVL",), "H100 NVL", _dense(1671, 835, 3341, 60), 3.9e12,
         source="NVIDIA H100 datasheet (NVL)"),
     # NVIDIA H200 datasheet, H200 SXM: tensor cores as H100 SXM; 4.8 TB/s; NVLink 900 GB/s; PCIe Gen5 128 GB/s.
-    # DGX H200 datasheet: a 400 Gb/s port per GPU. MAMF: H200 SXM fp8 1,453.4 TFLOPS; bf16 ours, 771 at 8192^3.
+    # DGX H200 datasheet: a 400 Gb/s port per GPU. MAMF: H200 SXM fp8 1,453.4 TFLOPS (1280x4096x12032); bf16 ours, 771 at 8192^3.
     Gpu("h200", "H200 SXM 141GB", 90, ("NVIDIA H200",), "H200 SXM", _H100, 4.8e12, 900e9 / 2, 128e9 / 2, 400 * GBIT, 8,
         132, "NVIDIA H200 datasheet (SXM); network: DGX H200 datasheet",
         {"bf16": 771e12, "fp16": 771e12, "fp8": 1453.4e12}, f"bf16: {OURS_H200}; fp8: {MAMF_SOURCE}", 4.23e12, OURS_H200,
-        attention_flops=ATTENTION_H200),
+        attention_flops=ATTENTION_H200, mamf_k={"bf16": 8192, "fp16": 8192, "fp8": 12032}, short_k=SHORT_K_HOPPER),
     Gpu("h200", "H200 NVL", 90, ("NVIDIA H200 NVL",), "H200 NVL", _dense(1671, 835, 3341, 60), 4.8e12,
         source="NVIDIA H200 datasheet (NVL)"),
     # NVIDIA HGX B200 datasheet, per GPU (the 8-GPU board / 8): FP8 9 PFLOPS*, BF16 4.5*, TF32 2.25*, FP64 TC 296
     # TFLOPS for the 8; 8 TB/s; NVLink 1.8 TB/s (no per-GPU host link). DGX B200: a 400 Gb/s port per GPU.
-    # 148 SMs (NVIDIA Blackwell architecture technical brief). MAMF: B200 SXM bf16 1,745.0, fp8 3,432.5 TFLOPS.
+    # 148 SMs (NVIDIA Blackwell architecture technical brief). MAMF: B200 SXM bf16 1,745.0 (1792x16128x3072), fp8 3,432.5 (15360x4096x3072) TFLOPS.
     Gpu("b200", "B200 (HGX)", 100, ("NVIDIA B200",), "B200", _B200, 8e12, 1.8e12 / 2, None, 400 * GBIT, 8, 148,
         "NVIDIA HGX B200 datasheet, per GPU; network: DGX B200 datasheet",
-        {"bf16": 1745e12, "fp16": 1745e12, "fp8": 3432.5e12}, MAMF_SOURCE),
+        {"bf16": 1745e12, "fp16": 1745e12, "fp8": 3432.5e12}, MAMF_SOURCE, mamf_k={"bf16": 3072, "fp16": 3072, "fp8": 3072}),
     # NVIDIA GB200 NVL72 datasheet, per GPU (the rack / 72): FP8 10 PFLOPS*, BF16 5*, TF32 2.5*, FP64 TC 3,240
     # TFLOPS for the 72; 8 TB/s; NVLink 1.8 TB/s in one 72-GPU domain; NVLink-C2C to Grace 900 GB/s. DGX GB200:
-    # a 400 Gb/s port per GPU. 148 SMs. MAMF: GB200 SXM bf16 1,822.0, fp8 3,615.6 TFLOPS.
+    # a 400 Gb/s port per GPU. 148 SMs. MAMF: GB200 SXM bf16 1,822.0 (4096x9728x2048), fp8 3,615.6 (19456x5120x1536) TFLOPS.
     Gpu("gb200", "GB200 (NVL72)", 100, ("NVIDIA GB200",), "GB200", _GB200, 8e12, 1.8e12 / 2, 900e9 / 2, 400 * GBIT, 72,
         148, "NVIDIA GB200 NVL72 datasheet, per GPU; network: DGX GB200 datasheet",
-        {"bf16": 1822e12, "fp16": 1822e12, "fp8": 3615.6e12}, MAMF_SOURCE),
+        {"bf16": 1822e12, "fp16": 1822e12, "fp8": 3615.6e12}, MAMF_SOURCE, mamf_k={"bf16": 2048, "fp16": 2048, "fp8": 1536}),
     # NVIDIA L40S datasheet: BF16 733 TFLOPS*, TF32 366*.
     Gpu("l40s", "L40S", 89, ("NVIDIA L40S",), "L40S", {"bf16": 362.05e12, "fp16": 362.05e12, "fp32": 183e12},
         source="NVIDIA L40S datasheet"),

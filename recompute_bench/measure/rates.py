@@ -22,12 +22,12 @@ from typing import Any, Callable
 import torch
 
 from recompute_bench.analysis.cache import read_or_measure
-from recompute_bench.analysis.gpu_rates import RATES_SCHEMA, rates_cache_path, read_rates_profile
+from recompute_bench.analysis.gpu_rates import PROFILE_MATMUL_SIZE, RATES_SCHEMA, rates_cache_path, read_rates_profile
 from recompute_bench.config.schema import BadInput
 from recompute_bench.measure.telemetry import device_name
 from recompute_bench.measure.timing import timed
 
-MATMUL_SIZE = 8192
+MATMUL_SIZE = PROFILE_MATMUL_SIZE
 COPY_BYTES = 2**30
 
 
