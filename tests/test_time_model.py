@@ -352,6 +352,24 @@ def test_a_short_k_costs_each_output_tile_a_fixed_time_as_the_published_fp8_tabl
     assert measured.short_k_factor(8192, "fp8") == pytest.approx(1.0)
 
 
+def test_a_grouped_gemm_s_experts_share_the_waves_each_over_its_share_of_the_tokens():
+    h100 = gpu_rates.achieved_rates("h100")
+    sh = tm.Shape(megatron(training__precision="bf16"))
+    # 8 local experts over 800 routed rows: 100 rows each, a [100, 2048] x [2048, 1536] GEMM apiece; each
+    # expert's rows fill one 128-row tile: 8 x 1 x 6 = 48 tiles of 128 x 256, one wave over 132 SMs
+    fc1 = tm.linear("experts.linear_fc1", sh, 800, 2048, 1536, frozenset(), weights=8)
+    assert (fc1.shape, fc1.groups) == ((100, 1536, 2048), 8)
+    short = h100.short_k_factor(2048, "bf16")
+    assert fc1.seconds(h100) == pytest.approx(fc1.flops / 794.5e12 * 132 * 128 * 256 / (8 * 100 * 1536) * short)
+    # the weight gradient's K is each expert's rows: a short K
+    wgrad = next(op for op in tm.linear_backward(fc1, sh, 800, 2048, 1536, weights=8) if op.name.endswith("wgrad"))
+    assert (wgrad.shape, wgrad.groups) == ((1536, 2048, 100), 8)
+    assert h100.short_k_factor(100, "bf16") > 4
+    # one expert is the dense linear
+    one = tm.linear("x", sh, 800, 2048, 1536, frozenset(), weights=1)
+    assert one.seconds(h100) == tm.linear("x", sh, 800, 2048, 1536, frozenset()).seconds(h100)
+
+
 def test_a_profile_s_measured_gemms_price_those_shapes_and_the_shipped_h200_profile_is_found(tmp_path):
     import json
     profile = {"schema": gpu_rates.RATES_SCHEMA, "device_name": "NVIDIA H100 80GB HBM3",

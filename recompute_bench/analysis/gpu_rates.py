@@ -76,12 +76,13 @@ class GpuRates:
         return (self.peak_flops or self.matrix_flops).get(precision) or self.matrix_rate(precision)
 
     def gemm_seconds(self, flops: float, precision: str, shape: tuple[float, float, float] | None = None,
-                     comm_sms: int = 0) -> float:
+                     comm_sms: int = 0, groups: int = 1) -> float:
         """A GEMM's time at the precision's rate. With the GPU's SM count and the GEMM's (m, n, k):
         cuBLAS splits the m x n output into tiles (`TILE`: 128 x 256 on Hopper and Blackwell, 256 x 128
         on Ampere, its largest kernels' tiles: `tile`), run one per SM in waves; a partial last tile or a last
         wave that leaves SMs idle takes as long as a full one, so the GEMM runs at the rate times
-        useful / launched tile work. `comm_sms`: SMs a communication kernel running beside the GEMM
+        useful / launched tile work (`groups` GEMMs of the shape in one grouped GEMM, the local experts',
+        share the waves). `comm_sms`: SMs a communication kernel running beside the GEMM
         holds (Transformer Engine's SM margin, `time_ops.UB_COMM_SMS`): the tiles run in waves over the
         SMs left, each SM at its share of the rate (a measured GEMM of the shape: its time scaled by
         all SMs / the SMs left). A short K costs more per FLOP where the kind prices it (`short_k_factor`).
@@ -97,9 +98,9 @@ class GpuRates:
             return flops / rate * (self.sms / left if left else 1.0)
         m, n, k = shape
         tm, tn = self.tile
-        tiles = math.ceil(m / tm) * math.ceil(n / tn)
+        tiles = groups * math.ceil(m / tm) * math.ceil(n / tn)
         waves = math.ceil(tiles / left)
-        return flops / rate * (waves * self.sms * tm * tn) / (m * n) * self.short_k_factor(k, precision)
+        return flops / rate * (waves * self.sms * tm * tn) / (groups * m * n) * self.short_k_factor(k, precision)
 
     def short_k_factor(self, k: float, precision: str) -> float:
         """How much longer than at the rate's own K a GEMM of inner size `k` takes: each output tile pays

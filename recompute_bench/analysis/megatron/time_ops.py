@@ -73,6 +73,9 @@ class Op:
     shape: tuple[float, float, float] | None = None
     """matrix: the GEMM's (m, n, k), whose output tiles run in waves over the SMs (`GpuRates.gemm_seconds`);
     None: priced by its FLOPs alone."""
+    groups: int = 1
+    """matrix: GEMMs of `shape` run as one grouped GEMM (the local experts', each over its share of the
+    routed tokens): their tiles share the waves."""
     backward: bool = False
     """attention: the kernel's backward (it runs at the GPU's backward attention rate)."""
     nccl: bool = False
@@ -98,7 +101,7 @@ class Op:
             return memory
         if self.kind == "attention" and rates.attention_flops and self.precision in ("bf16", "fp16"):
             return max(self.flops / rates.attention_flops["backward" if self.backward else "forward"], memory)
-        return max(rates.gemm_seconds(self.flops, self.precision, self.shape, self.comm_sms), memory)
+        return max(rates.gemm_seconds(self.flops, self.precision, self.shape, self.comm_sms, self.groups), memory)
 
 
 def pass_seconds(ops: list[Op], rates: GpuRates) -> float:
@@ -221,11 +224,12 @@ def norm_backward(name: str, sh: Shape, tokens: float | None = None, width: floa
 def linear(name: str, sh: Shape, tokens: float, k: float, n: float, mods: frozenset[str], weights: float = 1,
            precision: str | None = None, row: bool = False) -> Op:
     """A linear's forward GEMM [tokens, k] x [k, n] (`weights` such weights, the local experts of a
-    grouped GEMM): reads its input and weights, writes its output. A row-parallel one (`row`) under
-    --tp-comm-overlap runs beside its output's pipelined reduce-scatter, on the SMs it leaves."""
+    grouped GEMM, each over an even share of the tokens): reads its input and weights, writes its
+    output. A row-parallel one (`row`) under --tp-comm-overlap runs beside its output's pipelined
+    reduce-scatter, on the SMs it leaves."""
     in_bytes = sh.in_bytes if precision is None else ELEMENT_BYTES.get(precision, sh.e)
     return Op(name, "matrix", flops=2 * tokens * k * n, bytes=in_bytes * (tokens * k + weights * k * n) + sh.e * tokens * n,
-              precision=precision or sh.gemm_precision, modules=mods, shape=(tokens, n, k) if weights == 1 else None,
+              precision=precision or sh.gemm_precision, modules=mods, shape=(tokens / weights, n, k), groups=weights,
               comm_sms=sh.ub_sms if row else 0)
 
 
@@ -246,16 +250,16 @@ def linear_backward(fwd: Op, sh: Shape, tokens: float, k: float, n: float, colum
         reads = (2 if sh.recipe == "tensorwise" else 1) * sh.e * tokens * n
         ops.append(Op(f"{fwd.name}.grad_quantize", "memory", bytes=reads + 2 * FP8_BYTES * tokens * n))
     in_bytes = FP8_BYTES if fp8 else sh.e
-    single = weights == 1
+    rows = tokens / weights  # each expert's share of a grouped GEMM's tokens
     bulk = sh.ub_sms if column and sh.t > 1 else 0
     dgrad = Op(f"{fwd.name}.dgrad", "matrix", flops=fwd.flops, bytes=in_bytes * (tokens * n + weights * k * n) + sh.e * tokens * k,
-               precision=fwd.precision, shape=(tokens, k, n) if single else None, comm_sms=bulk)
+               precision=fwd.precision, shape=(rows, k, n), groups=weights, comm_sms=bulk)
     if row and sh.sp:  # the output gradient gathered first (with tp_comm_overlap, pipelined with dgrad)
         ops.insert(0, sh.tp_comm(f"{fwd.name}.grad_all_gather", "all_gather", sh.tokens * n, sh.e,
                                  overlaps=dgrad.name if sh.ub else None))
     wgrad = Op(f"{fwd.name}.wgrad", "matrix", flops=fwd.flops,
                bytes=in_bytes * (tokens * n + tokens * k) + 2 * 4 * weights * k * n, precision=fwd.precision,
-               shape=(n, k, tokens) if single else None, comm_sms=bulk)
+               shape=(n, k, rows), groups=weights, comm_sms=bulk)
     ops += [dgrad, wgrad]
     if column and sh.t > 1:
         if sh.sp:
