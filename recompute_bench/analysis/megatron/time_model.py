@@ -6,7 +6,8 @@ bytes it reads and writes, or the bytes it sends over the interconnect (`time_op
 
     matrix work (linears, grouped experts): max(FLOPs / the precision's peak, bytes / HBM bandwidth)
     attention (the fused kernel):           max(FLOPs / its forward or backward rate, bytes / HBM bandwidth)
-    memory-bound work:                      bytes / HBM bandwidth
+    memory-bound work:                      bytes / HBM bandwidth (the optimizer's multi-tensor kernels at
+                                            their measured share of it, `time_optimizer`)
     communication:                          bytes sent / the link's bandwidth (one direction): NVLink
                                             within the NVLink domain, the network beyond it, the host
                                             link for CPU offload (`GpuRates.comm_seconds`)
