@@ -131,8 +131,12 @@ def test_explain_shows_the_step_op_by_op_and_json_carries_the_parts():
     assert result.exit_code == 0, result.output
     parts = json.loads(result.stdout)["time_parts"]
     assert {"linear_fc1", "linear_fc1.dgrad", "core_attention", "cross_entropy"} <= {p["op"] for p in parts["parts"]}
-    assert sum(p["seconds"] for p in parts["parts"]) == pytest.approx(
+    # the micro-batches' ops, and the optimizer step's passes listed after them (each an op of its own)
+    assert sum(p["seconds"] for p in parts["parts"] if p["pass"] != "optimizer") == pytest.approx(
         parts["num_microbatches"] * parts["microbatch_seconds"][parts["pacing_stage"]])
+    assert sum(p["seconds"] for p in parts["parts"] if p["pass"] == "optimizer") == pytest.approx(
+        parts["optimizer_seconds"])
+    assert {"optimizer.adam", "optimizer.grad_norm", "optimizer.clip_grad"} <= {p["op"] for p in parts["parts"]}
     recomputed = {p["op"] for p in parts["parts"] if p["pass"] == "recompute"}
     # the MLP's checkpoint holds TE's pre-MLP norm (fused into fc1) and the sequence-parallel collectives
     assert recomputed == {"pre_mlp_layernorm", "linear_fc1", "linear_fc1.all_gather", "activation", "linear_fc2",

@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from recompute_bench.analysis.cache import cache_file, read_json
-from recompute_bench.config.gpus import ATTENTION_SHARE, COPY_SHARE, KINDS, LINK_SHARE, Gpu
+from recompute_bench.config.gpus import ATTENTION_SHARE, COPY_SHARE, KINDS, LINK_SHARE, MULTI_TENSOR_SHARE, Gpu
 from recompute_bench.config.schema import BadInput
 
 RATES_SCHEMA = "recompute-bench/gpu-rates/v1"
@@ -61,6 +61,9 @@ class GpuRates:
     """SMs a NCCL collective over the NVLink domain holds while it runs (the GPU table's `nccl_channels`:
     one thread block per channel, NCCL src/enqueue.cc); a GEMM launched beside it runs its tiles on the
     rest (`time_ops.op_times`). 0: not known, not priced (and on the datasheet's roofline)."""
+    kernel_shares: dict[str, float] | None = None
+    """The share of `hbm_bytes_per_s` the multi-tensor-apply kernels reach, by `time_ops.Op.kernel` ("adam",
+    "multi_tensor"): `config.gpus.MULTI_TENSOR_SHARE`, measured on our H200; None: the copy's (the roofline)."""
     tile: tuple[int, int] = (128, 256)
     """cuBLAS's output tile of large GEMMs (rows x columns): 128 x 256 on Hopper and Blackwell
     (CUTLASS's default SM90 warp-specialized tile), 256 x 128 on Ampere."""
@@ -70,6 +73,10 @@ class GpuRates:
     rate_k: dict[str, float] = dataclasses.field(default_factory=dict)
     """By precision: the K of the GEMM `matrix_flops` was measured at (the MAMF best shape, or a profile's
     square matmul), where the short-K factor is 1."""
+
+    def memory_rate(self, kernel: str | None = None) -> float:
+        """Bytes per second a memory-bound kernel moves: the copy bandwidth, or a multi-tensor kernel's share of it."""
+        return self.hbm_bytes_per_s * (self.kernel_shares or {}).get(kernel, 1.0)
 
     def peak(self, precision: str = "bf16") -> float:
         """The datasheet's dense FLOP/s of `precision` (MFU's denominator)."""
@@ -158,12 +165,15 @@ def _rates(gpu: Gpu, achieved: bool) -> GpuRates:
         sms = gpu.sms
         source = (f"achieved: matmul {gpu.mamf_source or 'the datasheet'}; copy "
                   f"{gpu.hbm_source or f'{COPY_SHARE:.0%} of the datasheet (the share our H200 copy reached)'}; "
+                  f"fused Adam {MULTI_TENSOR_SHARE['adam']:.0%} and the other multi-tensor kernels "
+                  f"{MULTI_TENSOR_SHARE['multi_tensor']:.0%} of the copy (our H200's); "
                   f"NVLink {gpu.link_source or f'{LINK_SHARE:.0%} of the datasheet (the busbw share nccl-tests reach on A100)'}"
                   f"; peaks: {gpu.source}")
     return GpuRates(gpu.kind, gpu.product, matrix, hbm, link, gpu.host_link_bytes_per_s, source,
                     gpu.network_bytes_per_s, gpu.nvlink_domain, sms, dict(gpu.dense_flops),
                     attention_flops=_attention(gpu, matrix) if achieved else None,
                     nccl_sms=(gpu.nccl_channels or 0) if achieved else 0,
+                    kernel_shares=dict(MULTI_TENSOR_SHARE) if achieved else None,
                     tile=(128, 256) if gpu.compute_capability >= 90 else (256, 128),
                     short_k=dict(gpu.short_k) if achieved else {}, rate_k=dict(gpu.mamf_k) if achieved else {})
 

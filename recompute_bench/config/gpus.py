@@ -8,7 +8,11 @@ Datasheets print tensor-core rates with 2:4 sparsity; the figures here are the d
 NVLink is printed as the total of both directions; a ring collective sends one way at a time, so the
 link figure is half the printed one. Achieved rates ("mamf": the maximum achievable matmul FLOP/s, the
 best shape a brute-force search found) come from published microbenchmarks or our own measurement,
-each named beside its figure; none is set from an end-to-end training throughput.
+each named beside its figure; none is set from an end-to-end training throughput. What one kind
+measured and the others lack is carried over as a share of a rate every kind has: the copy as a share
+of the datasheet bandwidth (`COPY_SHARE`), flash attention as a share of the matmul rate
+(`ATTENTION_SHARE`), fused Adam and the other multi-tensor-apply kernels as shares of the copy
+(`MULTI_TENSOR_SHARE`), each measured on our H200.
 """
 
 from __future__ import annotations
@@ -127,6 +131,27 @@ COPY_SHARE = 4.23e12 / 4.8e12
 SHORT_K_SOURCE = ("deepseek-ai/DeepGEMM README (first release), 'Normal GEMMs for dense models' on H800, M 4096: "
                   "k0 = 774 fits 5 rows within 2.7%")
 SHORT_K_HOPPER = {"fp8": 774.0, "bf16": 774.0 * 794.5 / 1402.6, "fp16": 774.0 * 794.5 / 1402.6}
+
+# Our H200 run (shared/gpu-runs/2026-11-28-h200/profiles/prof-harness.txt, torch.profiler over the llama3-8b
+# slice's steps, 1,923,125,248 parameters (peers.json `params`) in one flat fp32 master buffer):
+# - aten::_fused_adam_ (fp32 params, grads and both moments: reads 16 B, writes 12 B per parameter), 223.266 ms of
+#   self CUDA time in 1196 multi_tensor_apply launches: 13 steps of 92 (ceil(ceil(n / 65536 elements a chunk) /
+#   320 chunks a launch) = 92). The table counts 14 calls: the profile holds 14 steps' CPU ops but 13 steps'
+#   kernels (aten::mm 714 calls = 14 x 51, its nvjet kernels 663 = 13 x 51), so the 14th launched nothing in
+#   the window and is not a step: 28 B x n x 13 / 223.266 ms = 3.14 TB/s, 0.74 of the 4.23 TB/s copy;
+# - aten::_foreach_copy_ (the fp32 master into the bf16 weights, 6 B per parameter), 41.310 ms in the same 1196
+#   launches: 3.63 TB/s, 0.86 of the copy.
+# prof-plain.txt: aten::_fused_adamw_ on bf16 weights, grads and moments (14 B per parameter, in ~39 tensors),
+# 165.038 ms over 13 calls: 2.12 TB/s, 0.50 of the copy; Megatron's Adam runs on fp32 state, so the fp32 kernel
+# is the one the model prices at.
+ADAM_H200_BYTES_PER_S = 28 * 1_923_125_248 * 13 / 223.266e-3
+MULTI_TENSOR_COPY_H200_BYTES_PER_S = 6 * 1_923_125_248 * 13 / 41.310e-3
+MULTI_TENSOR_SHARE = {"adam": ADAM_H200_BYTES_PER_S / 4.23e12, "multi_tensor": MULTI_TENSOR_COPY_H200_BYTES_PER_S / 4.23e12}
+"""The share of the measured copy bandwidth the multi-tensor-apply kernels reached on our H200: fused Adam over
+fp32 state (0.74) and a multi-tensor copy (0.86, the rate of Megatron's multi-tensor L2 norm, scale and unscale
+passes); the kinds take the same shares of their copy rate (`analysis.gpu_rates.GpuRates.memory_rate`)."""
+MULTI_TENSOR_SOURCE = ("our H200 run 2026-11-28 (profiles/prof-harness.txt: aten::_fused_adam_ fp32, 28 B/param x "
+                       "1,923,125,248 params x 13 steps in 223.266 ms; aten::_foreach_copy_ fp32 -> bf16, 6 B/param, 41.310 ms)")
 
 _A100 = _dense(624, 312, None, 19.5)
 _H100 = _dense(1979, 989, 3958, 67)

@@ -6,7 +6,8 @@ bytes it reads and writes, or the bytes it sends over the interconnect (`time_op
 
     matrix work (linears, grouped experts): max(FLOPs / the precision's peak, bytes / HBM bandwidth)
     attention (the fused kernel):           max(FLOPs / its forward or backward rate, bytes / HBM bandwidth)
-    memory-bound work:                      bytes / HBM bandwidth
+    memory-bound work:                      bytes / HBM bandwidth (the optimizer's multi-tensor kernels at
+                                            their measured share of it, `time_optimizer`)
     communication:                          bytes sent / the link's bandwidth (one direction): NVLink
                                             within the NVLink domain, the network beyond it, the host
                                             link for CPU offload (`GpuRates.comm_seconds`)
@@ -47,7 +48,7 @@ Sources (Megatron-LM d98e8a6, TransformerEngine d0067d0), beside those of `time_
   send_backward_recv_forward; it refuses overlap_p2p_comm), `forward_backward_pipelining_with_interleaving`
   (overlap_p2p_comm: the sends run beside the next chunk); megatron/training/arguments.py
   (--no-overlap-p2p-communication: overlap on by default for the interleaved schedule)
-- megatron/core/optimizer (fused Adam over the rank's shard), megatron/core/tensor_parallel/random.py
+- megatron/core/optimizer (the optimizer step's passes: `time_optimizer`), megatron/core/tensor_parallel/random.py
   (CheckpointFunction with distribute_saved_activations)
 - transformer_engine/pytorch/cpu_offload.py, megatron/core/pipeline_parallel/fine_grained_activation_offload.py
   (which saved tensors leave for the host: `analysis.megatron.offload`)
@@ -66,12 +67,13 @@ from recompute_bench.analysis.megatron.gpu import MegatronRun
 from recompute_bench.analysis.megatron.time_attention import Heads, attention_ops
 from recompute_bench.analysis.megatron.time_mla import mla_attention_ops
 from recompute_bench.analysis.megatron.time_moe import moe_ops
+from recompute_bench.analysis.megatron.time_optimizer import optimizer_ops
 from recompute_bench.analysis.megatron.time_ops import (HOST, LayerOps, Op, Shape, bias_dropout_add, column_input,
                                                         linear, linear_backward, mlp_ops, modules, norm,
                                                         norm_backward, op_times, pass_seconds, quantize, row_output)
 from recompute_bench.config.pipeline_split import model_chunks
 from recompute_bench.config.schema import BadInput, Config
-from recompute_bench.models import ELEMENT_BYTES, FP32_BYTES, MASK_BYTES
+from recompute_bench.models import FP32_BYTES, MASK_BYTES
 from recompute_bench.recompute.policy import LayerPolicy, layer_policies
 
 __all__ = ["LayerOps", "Op", "STEP_CLASSES", "StepTime", "part_class", "checkpoint_ops", "embedding_ops", "gemm_shapes", "layer_ops", "layer_seconds", "loss_ops",
@@ -214,28 +216,6 @@ def loss_ops(cfg: Config) -> LayerOps:
     return LayerOps(fwd, bwd)
 
 
-def optimizer_ops(cfg: Config, parameters: float | dict[str, float]) -> list[Op]:
-    """The step after the micro-batches, on a rank holding `parameters` (a count, or counts by
-    group: "dense", and "expert" for the routed experts): zeroing the fp32 gradient buffer, the
-    gradient norm (a read of the rank's gradient shard) and fused Adam over the shard (reads the
-    fp32 gradient, reads and writes the fp32 master weight and both moments, writes the 16-bit
-    weight); the distributed optimizer shards the dense parameters over dp x cp and the experts'
-    over the expert-data-parallel group."""
-    par = cfg.parallel
-    groups = parameters if isinstance(parameters, dict) else {"dense": parameters}
-    total = sum(groups.values())
-    if par.use_distributed_optimizer:
-        shard = groups.get("dense", 0.0) / (par.data_parallel_size * par.context_parallel_size) + \
-            groups.get("expert", 0.0) / par.expert_data_parallel_size
-    else:
-        shard = total
-    e = ELEMENT_BYTES[cfg.training.precision]
-    adam = FP32_BYTES + 6 * FP32_BYTES + (e if cfg.training.precision != "fp32" else 0)
-    return [Op("optimizer.zero_grad", "memory", bytes=FP32_BYTES * total),
-            Op("optimizer.grad_norm", "memory", bytes=FP32_BYTES * shard),
-            Op("optimizer.adam", "memory", bytes=adam * shard)]
-
-
 # ----- the step ---------------------------------------------------------------------------------
 
 
@@ -267,7 +247,6 @@ class StepTime:
         for p in self.parts:
             out[part_class(p)] += p["seconds"]
         out["pipeline_bubble"] = self.bubble_seconds
-        out["optimizer"] = self.optimizer_seconds
         out["data_parallel_exposed"] = out["host_overhead"] = None
         return out
 
@@ -279,7 +258,7 @@ STEP_CLASSES = ("gemm", "attention", "memory", "recompute", "tp_comm", "cp_excha
 
 def part_class(part: dict[str, Any]) -> str:
     """The class of one part of `StepTime.parts` (an op in one pass)."""
-    if part["pass"] in ("recompute", "offload"):
+    if part["pass"] in ("recompute", "offload", "optimizer"):
         return part["pass"]
     if part["pass"] == "pipeline":
         return "pipeline_p2p"
@@ -363,11 +342,15 @@ def step_time(cfg: Config, run: MegatronRun, rates: GpuRates,
     pacing = max(range(p), key=lambda s: micro[s])
     m = cfg.num_microbatches
     bubble = (p - 1) / vp * micro[pacing]
-    optimizer = 0.0
-    if parameters is not None:
-        optimizer = max(pass_seconds(optimizer_ops(cfg, params), rates) for params in parameters)
     listed = [{"op": name, "kind": kind, "module": module, "pass": pass_name, "seconds": m * sec}
               for (name, kind, module, pass_name), sec in stages[pacing].items() if sec]
+    optimizer = 0.0
+    if parameters is not None:  # the slowest stage's optimizer step, pass by pass
+        ops = max((optimizer_ops(cfg, params) for params in parameters), key=lambda o: pass_seconds(o, rates))
+        times = op_times(ops, rates)
+        optimizer = sum(times.values())
+        listed += [{"op": op.name, "kind": op.kind, "module": None, "pass": "optimizer", "seconds": times[op.name]}
+                   for op in ops if times[op.name]]
     listed.sort(key=lambda r: -r["seconds"])
     return StepTime(m * micro[pacing] + bubble + optimizer, micro, pacing, bubble, optimizer, listed)
 

@@ -84,6 +84,9 @@ class Op:
     comm_sms: int = 0
     """matrix: SMs a communication kernel running beside it holds (`UB_COMM_SMS` under --tp-comm-overlap's
     pipelined and bulk overlaps); its tiles run over the rest."""
+    kernel: str | None = None
+    """memory: the multi-tensor-apply kernel that runs it ("adam", "multi_tensor"), whose bytes move at its
+    measured share of the copy bandwidth (`GpuRates.memory_rate`); None: a copy, cast or fill, at the copy's."""
 
     @property
     def module(self) -> str | None:
@@ -96,7 +99,7 @@ class Op:
             if self.pattern == HOST:
                 return self.bytes / rates.host_link_bytes_per_s
             return rates.comm_seconds(self.bytes, self.group, self.stride, self.pattern)
-        memory = self.bytes / rates.hbm_bytes_per_s
+        memory = self.bytes / rates.memory_rate(self.kernel)
         if self.kind == "memory":
             return memory
         if self.kind == "attention" and rates.attention_flops and self.precision in ("bf16", "fp16"):
