@@ -3,7 +3,8 @@ the NVLink bytes/s one GPU sends (one direction), the host link (CPU offload) an
 the NVLink domain. Every figure comes from the one GPU table (`config.gpus`, each with its source):
 `datasheet_rates` (the roofline) or `achieved_rates` (what the plan prices at: the maximum achievable
 matmul rate a published microbenchmark or our own run measured, the measured copy bandwidth, and the
-waves a GEMM's tiles take over the SMs), or from a profile measured on the GPU itself
+waves a GEMM's tiles take over the SMs, and nccl-tests' collectives by message size where a sweep was
+published for the kind), or from a profile measured on the GPU itself
 (`measure/rates.py`, cached under results/profiles/; ours ship in `data/profiles/`), which overrides
 what it measured. Pure Python.
 """
@@ -17,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from recompute_bench.analysis.cache import cache_file, read_json
-from recompute_bench.config.gpus import ATTENTION_SHARE, COPY_SHARE, KINDS, LINK_SHARE, MULTI_TENSOR_SHARE, Gpu
+from recompute_bench.config.gpus import ATTENTION_SHARE, COPY_SHARE, KINDS, LINK_SHARE, MULTI_TENSOR_SHARE, Gpu, NcclTable
 from recompute_bench.config.schema import BadInput
 
 RATES_SCHEMA = "recompute-bench/gpu-rates/v1"
@@ -64,6 +65,10 @@ class GpuRates:
     kernel_shares: dict[str, float] | None = None
     """The share of `hbm_bytes_per_s` the multi-tensor-apply kernels reach, by `time_ops.Op.kernel` ("adam",
     "multi_tensor"): `config.gpus.MULTI_TENSOR_SHARE`, measured on our H200; None: the copy's (the roofline)."""
+    nccl: NcclTable | None = None
+    """nccl-tests' all-gather, reduce-scatter and all-reduce by message size over the NVLink domain (the GPU
+    table's published sweep): a collective of those kinds within the domain is priced by its size
+    (`collective_seconds`); None: at `link_bytes_per_s` whatever its size."""
     tile: tuple[int, int] = (128, 256)
     """cuBLAS's output tile of large GEMMs (rows x columns): 128 x 256 on Hopper and Blackwell
     (CUTLASS's default SM90 warp-specialized tile), 256 x 128 on Ampere."""
@@ -119,19 +124,23 @@ class GpuRates:
             return 1.0
         return (k + k0) / k / ((measured_at + k0) / measured_at)
 
-    def comm_seconds(self, nbytes: float, group: int, stride: int, pattern: str) -> float:
+    def comm_seconds(self, nbytes: float, group: int, stride: int, pattern: str,
+                     collective: str | None = None) -> float:
         """Time one rank spends sending `nbytes` in a collective over `group` ranks `stride` ranks
         apart (Megatron's rank order puts tensor parallel innermost, then context, expert and data
-        parallel: a group spans group x stride consecutive ranks). Within one NVLink domain: bytes
-        over NVLink. Across domains, a ring ("ring": all-gather, reduce-scatter, all-reduce, a
-        context-parallel ring step) is as fast as its slowest hop, the network; an all-to-all
-        ("all_to_all") sends the share addressed to peers outside the rank's domain over the network
-        and the rest over NVLink at the same time. BadInput where the network would be needed and the
+        parallel: a group spans group x stride consecutive ranks). Within one NVLink domain: an
+        all-gather, reduce-scatter or all-reduce (`collective`) on a kind with nccl-tests' table by its
+        size (`collective_seconds`), anything else as bytes over NVLink. Across domains, a ring ("ring":
+        all-gather, reduce-scatter, all-reduce, a context-parallel ring step) is as fast as its slowest
+        hop, the network; an all-to-all ("all_to_all") sends the share addressed to peers outside the
+        rank's domain over the network and the rest over NVLink at the same time. BadInput where the network would be needed and the
         GPU kind names none."""
         if nbytes <= 0:
             return 0.0
         if group * stride <= self.nvlink_domain or group <= 1:
-            return nbytes / self.link_bytes_per_s
+            ring = collective and pattern == "ring" and group > 1
+            measured = self.collective_seconds(nbytes, group, collective) if ring else None
+            return nbytes / self.link_bytes_per_s if measured is None else measured
         if not self.network_bytes_per_s:
             raise BadInput(f"a collective over {group} ranks {stride} apart leaves {self.product}'s NVLink domain of "
                            f"{self.nvlink_domain} GPUs, and no network rate is named for it; lay the group out within "
@@ -142,12 +151,51 @@ class GpuRates:
         outside = (group - min(local, group)) / (group - 1)
         return max(nbytes * (1 - outside) / self.link_bytes_per_s, nbytes * outside / self.network_bytes_per_s)
 
+    def collective_seconds(self, nbytes: float, group: int, collective: str) -> float | None:
+        """A ring `collective` (all_gather, reduce_scatter, all_reduce) over `group` ranks of the NVLink domain
+        in which one rank sends `nbytes` (`time_ops.ring_bytes`: (g - 1) shards of the whole buffer / g, twice
+        that for all-reduce), priced from nccl-tests' published sweep of this kind (`nccl`); None where the
+        GPU table has none for it.
+
+        nccl-tests' busbw is exactly those bytes one rank sends per second, so on the table's own rank count
+        and sizes the price is the measured time. Between sizes the time is interpolated linearly in log
+        size and log time, and below the smallest it stays at the smallest one's time (a small collective is
+        latency-bound: its time does not go to 0); above the largest, the largest one's busbw (the plateau)
+        carries on. The classic latency + size / bandwidth fit (least squares in relative error) misses the
+        B200 sweep by up to 34 % (all-gather) to 49 % (reduce-scatter) around 8 MiB, where NCCL changes
+        protocol, and the H100 sweep by up to 15 to 19 %; the interpolation is exact at every measured size.
+        Fewer ranks than the table's (a tp 4 group on an 8-GPU board): a ring of g ranks takes g - 1 steps
+        (2 (g - 1) for all-reduce) of one shard each, so its busbw is taken as the table's at the same shard
+        (the table size ranks x shard), and its time as that row's time x its steps / the table's steps. NVLink SHARP all-reduce on Hopper and Blackwell is not a ring; the same rule is kept for it."""
+        table = self.nccl.rows.get(collective) if self.nccl else None
+        if not table or nbytes <= 0:
+            return None
+        reduce = 2 if collective == "all_reduce" else 1
+        steps, table_steps = reduce * (group - 1), reduce * (self.nccl.ranks - 1)
+        size = self.nccl.ranks * nbytes / steps  # the table's size whose shard is this collective's
+        return _interpolated_seconds(table, size) * steps / table_steps
+
     def matrix_rate(self, precision: str) -> float:
         """FLOP/s of matrix work in `precision`; BadInput where this GPU has none (FP8 before Hopper)."""
         if precision not in self.matrix_flops:
             raise BadInput(f"{self.product} has no {precision} tensor cores (its rates: {', '.join(self.matrix_flops)}); "
                            f"pass --precision bf16 or another --gpu")
         return self.matrix_flops[precision]
+
+
+def _interpolated_seconds(rows: tuple[tuple[float, float, float], ...], size: float) -> float:
+    """The time (seconds) of a collective of `size` bytes from nccl-tests' rows (size, microseconds, busbw):
+    linear in log size and log time between rows, the first row's time below them, the last row's busbw
+    above them."""
+    first, last = rows[0], rows[-1]
+    if size <= first[0]:
+        return first[1] * 1e-6
+    if size >= last[0]:
+        return last[1] * 1e-6 * size / last[0]
+    hi = next(i for i, row in enumerate(rows) if row[0] >= size)
+    (s0, t0, _), (s1, t1, _) = rows[hi - 1], rows[hi]
+    w = math.log(size / s0) / math.log(s1 / s0)
+    return math.exp((1 - w) * math.log(t0) + w * math.log(t1)) * 1e-6
 
 
 def _rates(gpu: Gpu, achieved: bool) -> GpuRates:
@@ -168,11 +216,12 @@ def _rates(gpu: Gpu, achieved: bool) -> GpuRates:
                   f"fused Adam {MULTI_TENSOR_SHARE['adam']:.0%} and the other multi-tensor kernels "
                   f"{MULTI_TENSOR_SHARE['multi_tensor']:.0%} of the copy (our H200's); "
                   f"NVLink {gpu.link_source or f'{LINK_SHARE:.0%} of the datasheet (the busbw share nccl-tests reach on A100)'}"
+                  f"{f' of {gpu.nccl.source}, which prices all-gather, reduce-scatter, all-reduce by size' if gpu.nccl else ''}"
                   f"; peaks: {gpu.source}")
     return GpuRates(gpu.kind, gpu.product, matrix, hbm, link, gpu.host_link_bytes_per_s, source,
                     gpu.network_bytes_per_s, gpu.nvlink_domain, sms, dict(gpu.dense_flops),
                     attention_flops=_attention(gpu, matrix) if achieved else None,
-                    nccl_sms=(gpu.nccl_channels or 0) if achieved else 0,
+                    nccl_sms=(gpu.nccl_channels or 0) if achieved else 0, nccl=gpu.nccl if achieved else None,
                     kernel_shares=dict(MULTI_TENSOR_SHARE) if achieved else None,
                     tile=(128, 256) if gpu.compute_capability >= 90 else (256, 128),
                     short_k=dict(gpu.short_k) if achieved else {}, rate_k=dict(gpu.mamf_k) if achieved else {})

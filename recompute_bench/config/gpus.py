@@ -12,7 +12,9 @@ each named beside its figure; none is set from an end-to-end training throughput
 measured and the others lack is carried over as a share of a rate every kind has: the copy as a share
 of the datasheet bandwidth (`COPY_SHARE`), flash attention as a share of the matmul rate
 (`ATTENTION_SHARE`), fused Adam and the other multi-tensor-apply kernels as shares of the copy
-(`MULTI_TENSOR_SHARE`), each measured on our H200.
+(`MULTI_TENSOR_SHARE`), each measured on our H200. Collectives by message
+size come from nccl-tests' own published output (`NcclTable`): measured for H100 and B200; A100 has
+nccl-tests' plateau only, and the other kinds assume `LINK_SHARE` of their link at every size.
 """
 
 from __future__ import annotations
@@ -78,6 +80,10 @@ class Gpu:
     """By precision: the K elements a GEMM output tile's fixed cost (filling its pipeline, writing its
     output, taking the next tile) is worth in main-loop time, so a GEMM runs at its rate times
     K / (K + short_k) (`SHORT_K_HOPPER`); empty: short K not priced on this kind."""
+    nccl: NcclTable | None = None
+    """nccl-tests' all-gather, reduce-scatter and all-reduce by message size over the NVLink domain, published for
+    this kind; None: no table found, and every collective runs at `achieved_link_bytes_per_s` (or `LINK_SHARE` of
+    the link) whatever its size."""
 
 
 def _dense(bf16_sparse: float, tf32_sparse: float, fp8_sparse: float | None, fp64: float) -> dict[str, float]:
@@ -96,6 +102,77 @@ NCCL_A100 = ("NVIDIA/nccl-tests issue #149: all_reduce_perf on 8 A100 SXM4 80GB 
 # The ring bus bandwidth nccl-tests reached on A100's NVLink, as a share of the one-way link; kinds with no
 # nccl-tests figure of their own take the same share.
 LINK_SHARE = 200e9 / 300e9
+
+
+@dataclass(frozen=True)
+class NcclTable:
+    """nccl-tests' own output over one NVLink domain: for each collective, its rows as printed (size in bytes,
+    the out-of-place time in microseconds, the busbw in GB/s), measured on `ranks` GPUs. nccl-tests prints the
+    size of the whole buffer S (the all-gather's output, the reduce-scatter's input, the all-reduce's buffer) and
+    busbw = S / time x 2 (n - 1) / n for all-reduce, x (n - 1) / n for all-gather and reduce-scatter (its
+    doc/PERFORMANCE.md): the bytes one rank sends per second, the figure `GpuRates.comm_seconds` prices with."""
+
+    ranks: int
+    rows: dict[str, tuple[tuple[float, float, float], ...]]
+    source: str
+
+
+# A public script's nccl-tests output on 8 H100 SXM of one board (bf16, 1 MiB to 8 GiB doubling, out-of-place;
+# its all_reduce runs NVLink SHARP). Its plateaus are the ones NVIDIA gives in NVIDIA/nccl-tests issue #212
+# (sjeaugey: ~370 GB/s busbw for collectives other than all-reduce, ~480 GB/s for all-reduce on 8 H100).
+NCCL_H100 = NcclTable(8, {
+    "all_reduce": (
+        (1048576, 46.24, 39.69), (2097152, 45.71, 80.29), (4194304, 57.93, 126.71), (8388608, 86.55, 169.61),
+        (16777216, 125.9, 233.17), (33554432, 203.3, 288.90), (67108864, 328.4, 357.65), (134217728, 579.2, 405.51),
+        (268435456, 1090.5, 430.79), (536870912, 2106.2, 446.07), (1073741824, 4022.4, 467.15),
+        (2147483648, 7924.8, 474.22), (4294967296, 15736, 477.66), (8589934592, 31450, 477.98)),
+    "all_gather": (
+        (1048576, 47.14, 19.46), (2097152, 45.69, 40.16), (4194304, 47.23, 77.70), (8388608, 48.87, 150.21),
+        (16777216, 73.03, 201.02), (33554432, 128.2, 228.99), (67108864, 211.3, 277.88), (134217728, 386.4, 303.92),
+        (268435456, 730.2, 321.68), (536870912, 1394.3, 336.91), (1073741824, 2734.1, 343.63),
+        (2147483648, 5379.0, 349.33), (4294967296, 10615, 354.05), (8589934592, 21025, 357.49)),
+    "reduce_scatter": (
+        (1048576, 43.62, 21.03), (2097152, 44.87, 40.90), (4194304, 59.15, 62.05), (8388608, 54.41, 134.90),
+        (16777216, 75.44, 194.60), (33554432, 117.8, 249.25), (67108864, 205.3, 286.09), (134217728, 385.5, 304.68),
+        (268435456, 726.0, 323.52), (536870912, 1410.0, 333.16), (1073741824, 2758.3, 340.61),
+        (2147483648, 5419.6, 346.72), (4294967296, 10584, 355.09), (8589934592, 20940, 358.94)),
+}, "nccl-tests on 8 H100 SXM (a public script's all_reduce_nccl_test, all_gather_nccl_test, reduce_scatter_nccl_test "
+   "data, bf16, out-of-place, 1 MiB to 8 GiB; plateaus as NVIDIA/nccl-tests issue #212 gives them)")
+
+
+# Rows of 128 B and up of a public HGX B200 acceptance report ("B200 / Vultr POC - cluster test summary", section 10
+# "NCCL raw sweep", its nccl_tests_dgxc.log): all_reduce_perf, all_gather_perf and reduce_scatter_perf, float, 8
+# ranks on one HGX B200 board's NVSwitch, 8 B to 16 GiB doubling; the out-of-place columns.
+NCCL_B200 = NcclTable(8, {
+    "all_reduce": (
+        (128, 24.64, 0.01), (256, 24.73, 0.02), (512, 25.22, 0.04), (1024, 25.47, 0.07), (2048, 25.98, 0.14),
+        (4096, 26.37, 0.27), (8192, 26.44, 0.54), (16384, 26.69, 1.07), (32768, 27.41, 2.09), (65536, 28.39, 4.04),
+        (131072, 28.90, 7.94), (262144, 29.22, 15.70), (524288, 29.63, 30.96), (1048576, 30.10, 60.97),
+        (2097152, 34.29, 107.03), (4194304, 56.17, 130.67), (8388608, 76.96, 190.75), (16777216, 106.99, 274.42),
+        (33554432, 169.72, 345.98), (67108864, 277.18, 423.70), (134217728, 394.59, 595.26),
+        (268435456, 712.60, 659.23), (536870912, 1334.60, 703.98), (1073741824, 2601.84, 722.20),
+        (2147483648, 4605.28, 816.04), (4294967296, 9026.71, 832.66), (8589934592, 17919.9, 838.86),
+        (17179869184, 35667.8, 842.91)),
+    "all_gather": (
+        (128, 16.12, 0.01), (256, 16.05, 0.01), (512, 16.21, 0.03), (1024, 16.42, 0.05), (2048, 16.74, 0.11),
+        (4096, 16.88, 0.21), (8192, 17.13, 0.42), (16384, 17.10, 0.84), (32768, 17.93, 1.60), (65536, 18.70, 3.07),
+        (131072, 18.87, 6.08), (262144, 19.21, 11.94), (524288, 19.89, 23.06), (1048576, 19.69, 46.59),
+        (2097152, 22.35, 82.09), (4194304, 29.96, 122.48), (8388608, 44.92, 163.40), (16777216, 49.04, 299.38),
+        (33554432, 76.98, 381.39), (67108864, 139.13, 422.06), (134217728, 207.50, 565.98),
+        (268435456, 393.96, 596.21), (536870912, 762.42, 616.14), (1073741824, 1486.06, 632.22),
+        (2147483648, 2911.01, 645.50), (4294967296, 5723.35, 656.62), (8589934592, 11322.8, 663.81),
+        (17179869184, 22357.0, 672.38)),
+    "reduce_scatter": (
+        (128, 16.06, 0.01), (256, 16.01, 0.01), (512, 16.17, 0.03), (1024, 16.40, 0.05), (2048, 16.66, 0.11),
+        (4096, 17.00, 0.21), (8192, 16.82, 0.43), (16384, 17.42, 0.82), (32768, 17.67, 1.62), (65536, 18.52, 3.10),
+        (131072, 18.50, 6.20), (262144, 19.31, 11.88), (524288, 20.06, 22.87), (1048576, 19.70, 46.57),
+        (2097152, 23.90, 76.79), (4194304, 34.26, 107.13), (8388608, 58.36, 125.78), (16777216, 52.30, 280.68),
+        (33554432, 80.28, 365.71), (67108864, 138.64, 423.55), (134217728, 206.09, 569.85),
+        (268435456, 388.79, 604.14), (536870912, 753.29, 623.61), (1073741824, 1451.69, 647.19),
+        (2147483648, 2808.62, 669.03), (4294967296, 5552.57, 676.82), (8589934592, 10912.1, 688.79),
+        (17179869184, 21629.9, 694.98)),
+}, "nccl-tests on 8 B200 of one HGX B200 board (public acceptance report 'B200 / Vultr POC - cluster test summary', "
+   "section 10 'NCCL raw sweep': all_reduce_perf, all_gather_perf, reduce_scatter_perf, out-of-place, 128 B to 16 GiB)")
 
 def _causal_attention_flops(seq: int, heads: int, head_dim: int) -> float:
     """A causal attention forward's matrix FLOPs as the time model counts them (QK^T and x V over the
@@ -171,10 +248,13 @@ GPUS: tuple[Gpu, ...] = (
         source="NVIDIA A100 datasheet (PCIe)"),
     # NVIDIA H100 Tensor Core GPU datasheet, H100 SXM: FP8 3,958 TFLOPS*, BF16 1,979*, TF32 989*, FP64 TC 67;
     # 3.35 TB/s; NVLink 900 GB/s; PCIe Gen5 128 GB/s. DGX H100 datasheet: a 400 Gb/s ConnectX-7 port per GPU.
-    # 132 SMs (NVIDIA H100 whitepaper, SXM5). MAMF: H100 SXM bf16 794.5 (2048x2048x13312), fp8 1,402.6 (1024x9216x14336) TFLOPS.
+    # 132 SMs (NVIDIA H100 whitepaper, SXM5). MAMF: H100 SXM bf16 794.5 (2048x2048x13312), fp8 1,402.6
+    # (1024x9216x14336) TFLOPS. Collectives by size: the published 8-H100 nccl-tests sweep (`NCCL_H100`); its
+    # all_gather plateau prices what has no table.
     Gpu("h100", "H100 SXM5 80GB", 90, ("NVIDIA H100 80GB HBM3",), "H100 SXM", _H100, 3.35e12, 900e9 / 2, 128e9 / 2,
         400 * GBIT, 8, 132, "NVIDIA H100 datasheet (SXM5); network: DGX H100 datasheet",
         {"bf16": 794.5e12, "fp16": 794.5e12, "fp8": 1402.6e12}, MAMF_SOURCE,
+        achieved_link_bytes_per_s=357.49e9, link_source="the all_gather busbw at 8 GiB", nccl=NCCL_H100,
         mamf_k={"bf16": 13312, "fp16": 13312, "fp8": 14336}, short_k=SHORT_K_HOPPER),
     Gpu("h100", "H100 PCIe", 90, ("NVIDIA H100 PCIe",), "H100 PCIe", _dense(1513, 756, 3026, 51), 2.0e12,
         source="NVIDIA H100 datasheet (PCIe)"),
@@ -185,15 +265,22 @@ GPUS: tuple[Gpu, ...] = (
     Gpu("h200", "H200 SXM 141GB", 90, ("NVIDIA H200",), "H200 SXM", _H100, 4.8e12, 900e9 / 2, 128e9 / 2, 400 * GBIT, 8,
         132, "NVIDIA H200 datasheet (SXM); network: DGX H200 datasheet",
         {"bf16": 771e12, "fp16": 771e12, "fp8": 1453.4e12}, f"bf16: {OURS_H200}; fp8: {MAMF_SOURCE}", 4.23e12, OURS_H200,
-        attention_flops=ATTENTION_H200, mamf_k={"bf16": 8192, "fp16": 8192, "fp8": 12032}, short_k=SHORT_K_HOPPER),
+        attention_flops=ATTENTION_H200, mamf_k={"bf16": 8192, "fp16": 8192, "fp8": 12032}, short_k=SHORT_K_HOPPER,
+        # the HGX H200 board has the HGX H100's NVLink 4 and NVSwitch: H100's collectives by size
+        achieved_link_bytes_per_s=357.49e9, link_source="H100's all_gather busbw at 8 GiB (the same NVLink board)",
+        nccl=NCCL_H100),
     Gpu("h200", "H200 NVL", 90, ("NVIDIA H200 NVL",), "H200 NVL", _dense(1671, 835, 3341, 60), 4.8e12,
         source="NVIDIA H200 datasheet (NVL)"),
     # NVIDIA HGX B200 datasheet, per GPU (the 8-GPU board / 8): FP8 9 PFLOPS*, BF16 4.5*, TF32 2.25*, FP64 TC 296
     # TFLOPS for the 8; 8 TB/s; NVLink 1.8 TB/s (no per-GPU host link). DGX B200: a 400 Gb/s port per GPU.
-    # 148 SMs (NVIDIA Blackwell architecture technical brief). MAMF: B200 SXM bf16 1,745.0 (1792x16128x3072), fp8 3,432.5 (15360x4096x3072) TFLOPS.
+    # 148 SMs (NVIDIA Blackwell architecture technical brief). MAMF: B200 SXM bf16 1,745.0 (1792x16128x3072), fp8
+    # 3,432.5 (15360x4096x3072) TFLOPS. Collectives by size: nccl-tests' published B200 sweep (`NCCL_B200`); the
+    # plateau (all_gather, 16 GiB) prices what has no table (point-to-point sends, all-to-all).
     Gpu("b200", "B200 (HGX)", 100, ("NVIDIA B200",), "B200", _B200, 8e12, 1.8e12 / 2, None, 400 * GBIT, 8, 148,
         "NVIDIA HGX B200 datasheet, per GPU; network: DGX B200 datasheet",
-        {"bf16": 1745e12, "fp16": 1745e12, "fp8": 3432.5e12}, MAMF_SOURCE, mamf_k={"bf16": 3072, "fp16": 3072, "fp8": 3072}),
+        {"bf16": 1745e12, "fp16": 1745e12, "fp8": 3432.5e12}, MAMF_SOURCE,
+        achieved_link_bytes_per_s=672.38e9, link_source="the all_gather busbw at 16 GiB",
+        nccl=NCCL_B200, mamf_k={"bf16": 3072, "fp16": 3072, "fp8": 3072}),
     # NVIDIA GB200 NVL72 datasheet, per GPU (the rack / 72): FP8 10 PFLOPS*, BF16 5*, TF32 2.5*, FP64 TC 3,240
     # TFLOPS for the 72; 8 TB/s; NVLink 1.8 TB/s in one 72-GPU domain; NVLink-C2C to Grace 900 GB/s. DGX GB200:
     # a 400 Gb/s port per GPU. 148 SMs. MAMF: GB200 SXM bf16 1,822.0 (4096x9728x2048), fp8 3,615.6 (19456x5120x1536) TFLOPS.

@@ -21,6 +21,8 @@ Sources (Megatron-LM d98e8a6, TransformerEngine d0067d0):
   for proj_fprop, fc2_fprop and bulk for qkv/fc1 dgrad and wgrad with num_sm 16 and set_sm_margin);
   transformer_engine/common/comm_gemm_overlap/comm_gemm_overlap.cpp `CommOverlapCore` (with the margin
   the GEMM beside the communication runs on `_math_sms` = the SM count - num_sm: `UB_COMM_SMS`)
+- nccl-tests doc/PERFORMANCE.md (busbw = algbw x (n - 1)/n for all-gather and reduce-scatter, x 2 (n - 1)/n
+  for all-reduce: the bytes one rank sends per second, `ring_bytes`)
 - NCCL src/enqueue.cc (a collective's kernel runs one thread block per channel) and the channel count
   NCCL's log prints (`config.gpus`): the SMs a NCCL collective holds beside a GEMM (`beside_nccl`)
 """
@@ -70,6 +72,10 @@ class Op:
     """comm: how many ranks apart its members are (Megatron's rank order)."""
     pattern: str = "ring"
     """comm: ring (all-gather, reduce-scatter, all-reduce, ring step), all_to_all, or host (CPU offload)."""
+    collective: str | None = None
+    """comm: all_gather, reduce_scatter or all_reduce, sending the bytes `ring_bytes` counts; a NCCL one (`nccl`)
+    is priced by its size where the GPU table has nccl-tests' sweep of it (`GpuRates.collective_seconds`);
+    None: by bytes over the link."""
     shape: tuple[float, float, float] | None = None
     """matrix: the GEMM's (m, n, k), whose output tiles run in waves over the SMs (`GpuRates.gemm_seconds`);
     None: priced by its FLOPs alone."""
@@ -98,7 +104,9 @@ class Op:
         if self.kind == "comm":
             if self.pattern == HOST:
                 return self.bytes / rates.host_link_bytes_per_s
-            return rates.comm_seconds(self.bytes, self.group, self.stride, self.pattern)
+            # nccl-tests measured NCCL's collectives; TE's userbuffers (--tp-comm-overlap) keep the flat link rate
+            return rates.comm_seconds(self.bytes, self.group, self.stride, self.pattern,
+                                      self.collective if self.nccl else None)
         memory = self.bytes / rates.memory_rate(self.kernel)
         if self.kind == "memory":
             return memory
@@ -182,17 +190,24 @@ class Shape:
 
     def ring(self, kind: str, elements: float, element_bytes: float, group: int | None = None) -> float:
         """Bytes one rank sends in a ring collective over `group` ranks (default t) of the whole
-        tensor of `elements`: all-gather and reduce-scatter (g - 1)/g of it, all-reduce twice that."""
-        g = self.t if group is None else group
-        share = (g - 1) / g * elements * element_bytes
-        return 2 * share if kind == "all_reduce" else share
+        tensor of `elements` (`ring_bytes`)."""
+        return ring_bytes(kind, elements * element_bytes, self.t if group is None else group)
 
     def tp_comm(self, name: str, kind: str, elements: float, element_bytes: float, mods: frozenset[str] = frozenset(),
                 overlaps: str | None = None, nccl: bool | None = None) -> Op:
         """A tensor-parallel collective (consecutive ranks) of the whole tensor of `elements`: NCCL's
         unless --tp-comm-overlap runs it in TE's userbuffers (`nccl`: the caller's word where it knows)."""
         return Op(name, "comm", bytes=self.ring(kind, elements, element_bytes), modules=mods, overlaps=overlaps,
-                  group=self.t, stride=1, nccl=not self.ub if nccl is None else nccl)
+                  group=self.t, stride=1, nccl=not self.ub if nccl is None else nccl, collective=kind)
+
+
+def ring_bytes(kind: str, nbytes: float, group: int) -> float:
+    """Bytes one rank sends in a ring `kind` over `group` ranks of a whole buffer of `nbytes` (nccl-tests'
+    size: the all-gather's output, the reduce-scatter's input): all-gather and reduce-scatter (g - 1)/g of it,
+    all-reduce twice that. That is nccl-tests' busbw x time (busbw = algbw x (g - 1)/g, x 2 (g - 1)/g for
+    all-reduce; its doc/PERFORMANCE.md), so these bytes / busbw is the collective's time."""
+    share = (group - 1) / group * nbytes
+    return 2 * share if kind == "all_reduce" else share
 
 
 def quantize(name: str, elements: float, sh: Shape, mods: frozenset[str], fused_with_norm: bool = False) -> list[Op]:
