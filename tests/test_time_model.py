@@ -374,6 +374,28 @@ def test_a_grouped_gemm_s_experts_share_the_waves_each_over_its_share_of_the_tok
     assert one.seconds(h100) == tm.linear("x", sh, 800, 2048, 1536, frozenset()).seconds(h100)
 
 
+def test_current_scaling_under_sequence_parallel_all_reduces_each_gathered_operand_s_amax():
+    """TE's set_quantizer_amax_reduction_group: the inputs of column-parallel linears and the output gradients
+    of row-parallel ones share one scale over the tensor-parallel group; a NCCL all-reduce of one fp32."""
+    fp8 = dict(training__precision="fp8", parallel__tensor_model_parallel_size=4, parallel__sequence_parallel=True)
+    h100 = gpu_rates.achieved_rates("h100")
+
+    def amax_ops(**overrides):
+        ops = tm.layer_ops(megatron(**{**fp8, **overrides}), RUN)
+        return {op.name: op for op in ops.forward + ops.backward if "amax" in op.name}
+
+    ops = amax_ops(training__fp8_recipe="tensorwise")
+    assert set(ops) == {"linear_qkv.amax_all_reduce", "linear_fc1.amax_all_reduce",
+                        "linear_proj.grad.amax_all_reduce", "linear_fc2.grad.amax_all_reduce"}
+    assert ops["linear_fc1.amax_all_reduce"].modules == frozenset({"mlp"})  # re-run with the MLP
+    for op in ops.values():
+        assert op.nccl and op.collective == "all_reduce" and op.group == 4 and op.bytes == 2 * 3 / 4 * 4
+        # four bytes cost the collective's latency: H100's smallest measured all-reduce, 3 of its 7 steps a way
+        assert op.seconds(h100) == pytest.approx(46.24e-6 * 6 / 14)
+    assert not amax_ops(training__fp8_recipe="delayed") and not amax_ops(training__fp8_recipe="mxfp8")
+    assert not amax_ops(training__fp8_recipe="tensorwise", parallel__sequence_parallel=False)
+
+
 def test_a_profile_s_measured_gemms_price_those_shapes_and_the_shipped_h200_profile_is_found(tmp_path):
     import json
     profile = {"schema": gpu_rates.RATES_SCHEMA, "device_name": "NVIDIA H100 80GB HBM3",

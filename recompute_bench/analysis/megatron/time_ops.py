@@ -223,6 +223,19 @@ def quantize(name: str, elements: float, sh: Shape, mods: frozenset[str], fused_
     return [Op(f"{name}.quantize", "memory", bytes=reads + 2 * FP8_BYTES * elements, modules=mods)]
 
 
+def amax_reduction(name: str, sh: Shape, mods: frozenset[str] = frozenset()) -> list[Op]:
+    """FP8 current scaling under sequence parallel: the amax of an operand that is all-gathered in FP8 (a
+    column-parallel linear's input) or whose gradient comes gathered (a row-parallel linear's output
+    gradient) is all-reduced over the tensor-parallel group first, so every rank casts with one scale
+    (TE module/linear.py and layernorm_linear.py `set_quantizer_amax_reduction_group`: the input
+    quantizer of a column-parallel linear, the grad-output quantizer of a row-parallel one). One fp32,
+    a NCCL all-reduce even under --tp-comm-overlap: its latency, not its bytes. Delayed scaling reduces
+    its amax history once a step; blockwise and MXFP8 scale locally."""
+    if not (sh.fp8 and sh.recipe == "tensorwise" and sh.sp):
+        return []
+    return [sh.tp_comm(f"{name}.amax_all_reduce", "all_reduce", 1, 4, mods, nccl=True)]
+
+
 def norm(name: str, sh: Shape, mods: frozenset[str], quantized_output: bool, tokens: float | None = None,
          width: float | None = None) -> Op:
     """A LayerNorm/RMSNorm forward over `tokens` x `width` (default: the rank's sequence shard of the
@@ -267,6 +280,8 @@ def linear_backward(fwd: Op, sh: Shape, tokens: float, k: float, n: float, colum
     if fp8:
         reads = (2 if sh.recipe == "tensorwise" else 1) * sh.e * tokens * n
         ops.append(Op(f"{fwd.name}.grad_quantize", "memory", bytes=reads + 2 * FP8_BYTES * tokens * n))
+        if row:
+            ops += amax_reduction(f"{fwd.name}.grad", sh)
     in_bytes = FP8_BYTES if fp8 else sh.e
     rows = tokens / weights  # each expert's share of a grouped GEMM's tokens
     bulk = sh.ub_sms if column and sh.t > 1 else 0
@@ -296,6 +311,7 @@ def column_input(name: str, sh: Shape, mods: frozenset[str], norm_name: str | No
     width = width or sh.h
     ops = [norm(norm_name, sh, norm_mods, quantized_output=True, tokens=sh.local_tokens, width=width)] if norm_name else []
     ops += quantize(name, sh.local_tokens * width, sh, mods, fused_with_norm=norm_name is not None)
+    ops += amax_reduction(name, sh, mods)
     if sh.sp:
         ops.append(sh.tp_comm(f"{name}.all_gather", "all_gather", sh.tokens * width, sh.in_bytes, mods,
                               overlaps=name if sh.ub else None))
