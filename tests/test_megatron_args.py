@@ -77,7 +77,8 @@ def test_a_log_dump_gives_the_same_config_as_the_yaml():
             "transformer_impl": "transformer_engine", "attention_backend": "AttnBackend.auto",
             "tensor_model_parallel_size": "1", "pipeline_model_parallel_size": "4",
             "num_layers_per_virtual_pipeline_stage": "1", "virtual_pipeline_model_parallel_size": "8",
-            "use_distributed_optimizer": "True", "bf16": "True", "fp16": "False", "world_size": "8",
+            "use_distributed_optimizer": "True", "overlap_grad_reduce": "True", "overlap_param_gather": "True",
+            "ddp_bucket_size": "None", "bf16": "True", "fp16": "False", "world_size": "8",
             "data_parallel_size": "2", "hidden_dropout": "0.1", "attention_dropout": "0.1", "swiglu": "False",
             "context_parallel_size": "1", "fp8": "None", "num_experts": "None", "moe_router_topk": "2",
             "expert_tensor_parallel_size": "1", "recompute_granularity": "None", "recompute_modules": "None",
@@ -96,7 +97,8 @@ def test_a_command_line_reads_like_its_yaml():
             "--global-batch-size=8", "--seq-length", "8192", "--max-position-embeddings", "8192", "--tokenizer-type",
             "NullTokenizer", "--vocab-size", "131073", "--transformer-impl", "transformer_engine",
             "--pipeline-model-parallel-size", "4", "--num-layers-per-virtual-pipeline-stage", "1",
-            "--use-distributed-optimizer", "--bf16", "--no-gradient-accumulation-fusion", "--recompute-modules", "core_attn",
+            "--use-distributed-optimizer", "--overlap-grad-reduce", "--overlap-param-gather", "--bf16",
+            "--no-gradient-accumulation-fusion", "--recompute-modules", "core_attn",
             "mlp"]
     args = read_argv(argv)
     assert args["recompute-modules"] == ["core_attn", "mlp"] and args["bf16"] is True

@@ -47,7 +47,8 @@ MEGATRON_ONLY_SETTINGS = (
     "parallel.num_distributed_optimizer_instances", "parallel.decoder_first_pipeline_num_layers",
     "parallel.decoder_last_pipeline_num_layers", "parallel.account_for_embedding_in_pipeline_split",
     "parallel.account_for_loss_in_pipeline_split", "parallel.pipeline_model_parallel_layout",
-    "parallel.microbatch_group_size_per_vp_stage", "parallel.tp_comm_overlap")
+    "parallel.microbatch_group_size_per_vp_stage", "parallel.tp_comm_overlap",
+    "parallel.overlap_grad_reduce", "parallel.overlap_param_gather", "parallel.ddp_bucket_size")
 MEGATRON_ACTIVATIONS = ("squared_relu",)
 """Activations framework megatron models beyond ACTIVATIONS (Megatron's --squared-relu)."""
 CROSS_ENTROPY_FUSION_IMPLS = ("native", "te")

@@ -54,6 +54,17 @@ def validate_megatron_settings(cfg: Config) -> None:
     if p.tp_comm_overlap and m.transformer_impl != "transformer_engine":
         raise BadInput("tp_comm_overlap runs in Transformer Engine's linears; pass --transformer-impl "
                        "transformer_engine or drop --set parallel.tp_comm_overlap")
+    # arguments.py validate_args: --overlap-param-gather needs the distributed optimizer and --overlap-grad-reduce
+    if p.overlap_param_gather and not p.use_distributed_optimizer:
+        raise BadInput("overlap_param_gather overlaps the distributed optimizer's parameter all-gather; pass "
+                       "--use-distributed-optimizer or drop --set parallel.overlap_param_gather")
+    if p.overlap_param_gather and not p.overlap_grad_reduce:
+        raise BadInput("overlap_param_gather needs overlap_grad_reduce (Megatron's rule); pass "
+                       "--set parallel.overlap_grad_reduce=true or drop --set parallel.overlap_param_gather")
+    bucket = p.ddp_bucket_size
+    if bucket is not None and (not isinstance(bucket, int) or isinstance(bucket, bool) or bucket < 1):
+        raise BadInput(f"ddp_bucket_size must be a positive number of elements, got {bucket!r}; pass "
+                       "--set parallel.ddp_bucket_size=N or leave it unset for Megatron's default")
     if p.microbatch_group_size_per_vp_stage is not None and not p.virtual_pipeline_model_parallel_size:
         raise BadInput("microbatch_group_size_per_vp_stage groups the interleaved schedule's micro-batches; set "
                        "virtual_pipeline_model_parallel_size or drop it")

@@ -420,6 +420,15 @@ class ParallelConfig:
     """Framework megatron: Transformer Engine overlaps the tensor-parallel all-gathers and
     reduce-scatters with the linears' GEMMs through its userbuffers (--tp-comm-overlap; needs
     sequence parallel)."""
+    overlap_grad_reduce: bool = False
+    """Framework megatron: DDP reduces each bucket of gradients as backward fills it, beside the rest of
+    backward, instead of all of them after it (--overlap-grad-reduce)."""
+    overlap_param_gather: bool = False
+    """Framework megatron, distributed optimizer: the parameters are all-gathered bucket by bucket beside the
+    next step's forward, not after the optimizer step (--overlap-param-gather; needs overlap_grad_reduce)."""
+    ddp_bucket_size: Optional[int] = None
+    """Framework megatron, with overlap_grad_reduce: elements per DDP bucket (--ddp-bucket-size); None:
+    Megatron's max(40M, 1M x data_parallel_size)."""
 
     @property
     def schedule(self) -> str:

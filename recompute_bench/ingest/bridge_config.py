@@ -195,6 +195,7 @@ def read(path: Path, data: dict, node) -> ParsedRun:
     _model_words(path, args, model, nested)
     _grad_buffer(args, ddp, precision, lines)
     comm = _section(data, "comm_overlap")
+    _data_parallel_overlap(args, ddp, comm, "comm_overlap" in data)
     for key in ("tp_comm_overlap", "defer_embedding_wgrad_compute", "wgrad_deferral_limit"):
         if comm.get(key) is not None:  # CommOverlapConfig.setup applies what it sets to the model
             args.set(key, comm[key], f"comm_overlap.{key}")
@@ -239,6 +240,37 @@ def _model_words(path: Path, args: _Arguments, model: dict, nested: dict) -> Non
         args.set("untie_embeddings_and_output_weights", not share, key, said=share)
     if fields.get("num_query_groups") is not None:
         args.set("group_query_attention", True, f"{where}.num_query_groups", said=fields["num_query_groups"])
+
+
+BRIDGE_BUCKET_SIZE = 128 * 1024 * 1024
+"""The DDP bucket Bridge sets where the data-parallel size is over 1 (comm_overlap.py
+`CommOverlapConfig._get_optimizer_overlap_cfgs`)."""
+
+
+def _data_parallel_overlap(args: _Arguments, ddp: dict, comm: dict, has_comm: bool) -> None:
+    """DDP's overlap_grad_reduce, overlap_param_gather and bucket size as the run uses them. Under the
+    distributed optimizer with a comm_overlap section, Bridge's `CommOverlapConfig.setup` writes over
+    the ddp section's: with data-parallel size over 1 both overlaps on and buckets of 128 Mi elements,
+    at 1 both off and Megatron's bucket; a value the comm_overlap section states wins
+    (`_override_user_cfgs`). A config written before the run states no data-parallel size
+    (comm_overlap.data_parallel_size null): the over-1 branch is read, which at 1 would price nothing
+    anyway (no data-parallel traffic). Without them the ddp section's own values."""
+    names = {"overlap_grad_reduce": "overlap_grad_reduce", "overlap_param_gather": "overlap_param_gather",
+             "bucket_size": "ddp_bucket_size"}
+    dp = comm.get("data_parallel_size")
+    if has_comm and ddp.get("use_distributed_optimizer"):
+        wide = not isinstance(dp, int) or dp > 1
+        setup = {"overlap_grad_reduce": wide, "overlap_param_gather": wide, "bucket_size": BRIDGE_BUCKET_SIZE if wide else None}
+        for key, name in names.items():
+            if comm.get(key) is not None:
+                args.set(name, comm[key], f"comm_overlap.{key}")
+            else:
+                args.set(name, setup[key], "comm_overlap.data_parallel_size",
+                         said=f"{'null' if dp is None else dp}, so CommOverlapConfig.setup sets {key} {setup[key]}")
+        return
+    for key, name in names.items():
+        if ddp.get(key) is not None:
+            args.set(name, ddp[key], f"ddp.{key}")
 
 
 def _grad_buffer(args: _Arguments, ddp: dict, precision: dict, lines: dict[str, int]) -> None:

@@ -312,6 +312,8 @@ DENSE_WORLD = {
     "decoder_last_pipeline_num_layers": ("parallel", None), "account_for_embedding_in_pipeline_split": ("parallel", False),
     "account_for_loss_in_pipeline_split": ("parallel", False), "pipeline_model_parallel_layout": ("parallel", None),
     "microbatch_group_size_per_vp_stage": ("parallel", None), "tp_comm_overlap": ("parallel", False),
+    "overlap_grad_reduce": ("parallel", False), "overlap_param_gather": ("parallel", False),
+    "ddp_bucket_size": ("parallel", None),
 }
 # Megatron's MLA arguments and their argparse defaults (arguments.py _add_mla_args: --kv-lora-rank 32).
 MLA_ARGUMENTS = {"q_lora_rank": None, "kv_lora_rank": 32, "qk_head_dim": 128, "qk_pos_emb_head_dim": 64, "v_head_dim": 128}

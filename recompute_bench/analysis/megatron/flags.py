@@ -24,7 +24,9 @@ provider fields, `cfg.train.micro_batch_size` and the distributed optimizer on `
 `cfg.optimizer` (Bridge checks that the two agree); its performance script's -ng, -tp, -pp, -vp,
 -cp, -ep and -mb (scripts/performance/argument_parser.py), Hydra overrides for the rest; NeMo 2.0's
 MegatronStrategy fields on `recipe.trainer.strategy`, `recipe.data.micro_batch_size` and
-`recipe.optim.config.use_distributed_optimizer`.
+`recipe.optim.config.use_distributed_optimizer`. DDP's overlaps and bucket size, where set:
+--overlap-grad-reduce, --overlap-param-gather, --ddp-bucket-size; `cfg.ddp` and `cfg.comm_overlap`
+(`bucket_size`) for Bridge; `recipe.trainer.strategy.ddp` for NeMo 2.0.
 """
 
 from __future__ import annotations
@@ -145,7 +147,29 @@ def layout_pasteable(cfg: Config) -> dict[str, list[str]]:
              f"optimizer.use_distributed_optimizer={str(dist).lower()}"]
     nemo = [f"recipe.trainer.strategy.{k} = {_python(v)}" for k, v in fields.items()]
     nemo += [f"recipe.data.micro_batch_size = {mbs}", f"recipe.optim.config.use_distributed_optimizer = {dist}"]
+    for name, value in _ddp_fields(cfg).items():
+        lm += ["--" + name.replace("_", "-")] + ([] if value is True else [str(value)])
+        key = "bucket_size" if name == "ddp_bucket_size" else name
+        bridge += [f"cfg.ddp.{key} = {_python(value)}", f"cfg.comm_overlap.{key} = {_python(value)}"]
+        perf += [f"ddp.{key}={str(value).lower()}", f"comm_overlap.{key}={str(value).lower()}"]
+        nemo += [f"recipe.trainer.strategy.ddp.{key} = {_python(value)}"]
     return {"megatron_lm": lm, "bridge": bridge, "bridge_perf_script": perf, "nemo2": nemo}
+
+
+def _ddp_fields(cfg: Config) -> dict[str, Any]:
+    """DDP's overlap and bucket fields where set (Megatron-LM's names): --overlap-grad-reduce,
+    --overlap-param-gather, --ddp-bucket-size. Bridge reads them from `cfg.ddp`, and under the
+    distributed optimizer `CommOverlapConfig.setup` writes its own over them unless `cfg.comm_overlap`
+    states them (comm_overlap.py `_get_optimizer_overlap_cfgs`, `_override_user_cfgs`): both are written."""
+    par = cfg.parallel
+    out: dict[str, Any] = {}
+    if par.overlap_grad_reduce:
+        out["overlap_grad_reduce"] = True
+    if par.overlap_param_gather:
+        out["overlap_param_gather"] = True
+    if par.ddp_bucket_size is not None:
+        out["ddp_bucket_size"] = par.ddp_bucket_size
+    return out
 
 
 def run_pasteable(cfg: Config) -> dict[str, list[str]]:

@@ -243,7 +243,8 @@ def megatron_plan(cfg: Config, run: MegatronRun, rates: GpuRates, budget: float,
         out["flags"] = best["flags"]
         out["time_parts"] = {"step_seconds": st.step_seconds, "microbatch_seconds": st.microbatch_seconds,
                              "pacing_stage": st.pacing_stage, "bubble_seconds": st.bubble_seconds,
-                             "optimizer_seconds": st.optimizer_seconds, "num_microbatches": cfg.num_microbatches,
+                             "optimizer_seconds": st.optimizer_seconds, "data_parallel_seconds": st.data_parallel,
+                             "num_microbatches": cfg.num_microbatches,
                              "by_class": st.by_class(), "parts": st.parts}
         gib = 2**30
         allowance = allowance_parts(best["peak_allocated_bytes"], fraction, fixed)

@@ -84,7 +84,8 @@ def seeds_config() -> Config:
     every value as its ConfigContainer (tests/data/seed/LLAMA3_70B_SFT_CONFIG_H100_FP8_CS_V1.yaml)
     states it: FP8 current scaling with FP8 weights, TE's fused cross-entropy, TE's CUDA graphs of
     the MLP, tensor-parallel communication overlap, the output layer's deferred weight gradient,
-    the unpadded vocabulary."""
+    the unpadded vocabulary, and the data-parallel overlaps and buckets Bridge's
+    CommOverlapConfig.setup turns on at dp 2 (`ingest.bridge_config._data_parallel_overlap`)."""
     from recompute_bench.workload import resolve
 
     cfg, _ = resolve("llama3-70b", overrides={
@@ -92,6 +93,7 @@ def seeds_config() -> Config:
         "training.global_batch_size": 32, "parallel.tensor_model_parallel_size": 4, "parallel.sequence_parallel": True,
         "parallel.pipeline_model_parallel_size": 4, "parallel.virtual_pipeline_model_parallel_size": 5,
         "parallel.data_parallel_size": 2, "parallel.use_distributed_optimizer": True, "parallel.tp_comm_overlap": True,
+        "parallel.overlap_grad_reduce": True, "parallel.overlap_param_gather": True, "parallel.ddp_bucket_size": 2**27,
         "training.precision": "fp8", "training.fp8_recipe": "tensorwise", "training.fp8_param_gather": True,
         "training.grad_reduce_in_bf16": True, "training.defer_embedding_wgrad_compute": True,
         "training.wgrad_deferral_limit": 22, "training.cuda_graph_impl": "transformer_engine",

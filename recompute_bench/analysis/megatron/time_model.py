@@ -31,11 +31,12 @@ stage and the loss on the last), and Megatron's schedule takes (m + (p - 1) / vp
 stage's micro-batch (Narayanan et al. 2021, the interleaved schedule's bubble), then the optimizer
 step. Without virtual stages (1F1B) each stage's micro-batch also waits for its pipeline sends
 (`pipeline_send_ops`); the interleaved schedule overlaps them. Activation offload adds the copies to
-and from the host that the layer's own compute does not hide (`offload_seconds`).
+and from the host that the layer's own compute does not hide (`offload_seconds`). With the stages'
+parameters given, the step adds the data-parallel gradient reduce and parameter all-gather that
+overlap_grad_reduce and overlap_param_gather leave exposed (`time_data_parallel`).
 
 Not priced (setting-independent, so they change absolute time, not which setting is faster by
-how much): data-parallel gradient reduction and parameter all-gather (Megatron overlaps them with
-backward and forward), kernel launch gaps (with or without CUDA graphs: the model predicts no gain
+how much): kernel launch gaps (with or without CUDA graphs: the model predicts no gain
 from graphs), the weights' FP8 cast (once per step: TE caches it over the micro-batches), the
 interleaved schedule's pipeline sends in its warm-up and cool-down. Pure Python.
 
@@ -57,7 +58,7 @@ Sources (Megatron-LM d98e8a6, TransformerEngine d0067d0), beside those of `time_
 from __future__ import annotations
 
 from collections import defaultdict
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from recompute_bench.analysis.gpu_rates import GpuRates
@@ -65,6 +66,7 @@ from recompute_bench.analysis.megatron.context_parallel import layer_attention
 from recompute_bench.analysis.megatron.fp8 import layer_config, layer_runs_fp8
 from recompute_bench.analysis.megatron.gpu import MegatronRun
 from recompute_bench.analysis.megatron.time_attention import Heads, attention_ops
+from recompute_bench.analysis.megatron.time_data_parallel import data_parallel_seconds
 from recompute_bench.analysis.megatron.time_mla import mla_attention_ops
 from recompute_bench.analysis.megatron.time_moe import moe_ops
 from recompute_bench.analysis.megatron.time_optimizer import optimizer_ops
@@ -231,6 +233,13 @@ class StepTime:
     optimizer_seconds: float
     parts: list[dict[str, Any]]
     """The pacing stage's ops over the step: name, kind, module, pass, seconds."""
+    data_parallel: dict[str, float] = field(default_factory=lambda: {"grad_reduce": 0.0, "param_gather": 0.0})
+    """The data-parallel gradient reduce and parameter all-gather the step leaves exposed
+    (`time_data_parallel.data_parallel_seconds`)."""
+
+    @property
+    def data_parallel_seconds(self) -> float:
+        return sum(self.data_parallel.values())
 
     @property
     def recompute_seconds(self) -> float:
@@ -241,13 +250,14 @@ class StepTime:
         pacing stage's GEMMs, attention kernels and memory-bound ops of forward and backward, what
         recompute re-runs, the tensor/sequence-parallel collectives left exposed, the context-parallel
         K/V exchange, the experts' dispatch and combine, activation offload's copies, 1F1B's pipeline
-        sends, the pipeline bubble, the optimizer step; data-parallel gradient reduce and parameter
-        gather left exposed, and host (kernel launch) overhead, which the model does not price."""
+        sends, the pipeline bubble, the data-parallel gradient reduce and parameter gather left
+        exposed, the optimizer step; host (kernel launch) overhead, which the model does not price."""
         out: dict[str, float | None] = dict.fromkeys(STEP_CLASSES, 0.0)
         for p in self.parts:
             out[part_class(p)] += p["seconds"]
         out["pipeline_bubble"] = self.bubble_seconds
-        out["data_parallel_exposed"] = out["host_overhead"] = None
+        out["data_parallel_exposed"] = self.data_parallel_seconds
+        out["host_overhead"] = None
         return out
 
 
@@ -309,7 +319,9 @@ def step_time(cfg: Config, run: MegatronRun, rates: GpuRates,
     """The predicted step time of cfg (its recompute setting included) on `rates`, with the pacing
     stage's ops. Each stage runs the model chunks Megatron builds for it (`model_chunks`: even,
     uneven or by layout), each layer by its index. `parameters`: each stage's parameters on a rank
-    (a count, or counts by group) for the optimizer step; without them the step leaves it out."""
+    (a count, or counts by group) for the optimizer step; with them the step also adds the
+    data-parallel reduce and gather it leaves exposed (`time_data_parallel`, which reads the chunks'
+    parameters layer by layer); without them the step leaves both out."""
     par = cfg.parallel
     p, vp = par.pipeline_model_parallel_size, par.virtual_pipeline_model_parallel_size or 1
     layers = _Layers(cfg, run, rates)
@@ -342,6 +354,9 @@ def step_time(cfg: Config, run: MegatronRun, rates: GpuRates,
     pacing = max(range(p), key=lambda s: micro[s])
     m = cfg.num_microbatches
     bubble = (p - 1) / vp * micro[pacing]
+    data_parallel = {"grad_reduce": 0.0, "param_gather": 0.0}
+    if parameters is not None:
+        data_parallel = data_parallel_seconds(cfg, rates, *_pass_sums(stages))
     listed = [{"op": name, "kind": kind, "module": module, "pass": pass_name, "seconds": m * sec}
               for (name, kind, module, pass_name), sec in stages[pacing].items() if sec]
     optimizer = 0.0
@@ -352,7 +367,22 @@ def step_time(cfg: Config, run: MegatronRun, rates: GpuRates,
         listed += [{"op": op.name, "kind": op.kind, "module": None, "pass": "optimizer", "seconds": times[op.name]}
                    for op in ops if times[op.name]]
     listed.sort(key=lambda r: -r["seconds"])
-    return StepTime(m * micro[pacing] + bubble + optimizer, micro, pacing, bubble, optimizer, listed)
+    return StepTime(m * micro[pacing] + bubble + optimizer + sum(data_parallel.values()), micro, pacing, bubble,
+                    optimizer, listed, data_parallel)
+
+
+def _pass_sums(stages: list[dict[tuple[str, str, str | None, str], float]]) -> tuple[list[float], ...]:
+    """Each stage's forward and backward (with its recompute) seconds of one micro-batch, and the GEMM
+    seconds within each (what `data_parallel_seconds` hides collectives behind)."""
+    sums: tuple[list[float], ...] = tuple([0.0] * len(stages) for _ in range(4))
+    for s, parts in enumerate(stages):
+        for (_, kind, _, pass_name), sec in parts.items():
+            i = 0 if pass_name == "forward" else 1 if pass_name in ("backward", "recompute") else None
+            if i is not None:
+                sums[i][s] += sec
+                if kind == "matrix":
+                    sums[i + 2][s] += sec
+    return sums
 
 
 def pipeline_send_ops(cfg: Config, stage: int) -> list[Op]:

@@ -14,7 +14,8 @@ torchrun --nproc-per-node 8 --nnodes 4 pretrain_gpt.py \
     --seq-length 4096 --micro-batch-size 1 --global-batch-size 32 \
     --tensor-model-parallel-size 4 --sequence-parallel \
     --pipeline-model-parallel-size 4 --num-virtual-stages-per-pipeline-rank 5 \
-    --use-distributed-optimizer --overlap-param-gather-with-optimizer-step \
+    --use-distributed-optimizer --overlap-grad-reduce --overlap-param-gather --ddp-bucket-size 134217728 \
+    --overlap-param-gather-with-optimizer-step \
     --bf16 --grad-reduce-in-bf16 \
     --fp8-format hybrid --fp8-recipe tensorwise --fp8-param-gather \
     --transformer-impl transformer_engine --apply-rope-fusion \
