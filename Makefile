@@ -45,6 +45,7 @@ test: $(STAMP)
 
 # Two pytest workers (pytest-xdist), a test file each at a time (module fixtures built once): the
 # slow tests mostly wait on the worker processes and ranks they start, so two overlap on 2 cores.
+# Each worker takes its share of the cores for torch's threads and OMP_NUM_THREADS (tests/conftest.py).
 test-all: $(STAMP)
 	$(PY) -m pytest -n 2 --dist loadscope
 
