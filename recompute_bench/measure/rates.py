@@ -83,7 +83,7 @@ def measure_rates(device: torch.device, warmup: int = 3, steps: int = 10,
     src = torch.empty(COPY_BYTES, dtype=torch.uint8, device=device)
     dst = torch.empty_like(src)
     hbm = 2 * COPY_BYTES / _median_seconds(device, lambda: dst.copy_(src), warmup, steps)
-    del src, dst
+    src = dst = None  # free the 2 GiB before the GEMMs
     gemms = []
     for m, n, k, precision in shapes:
         if precision in ("bf16", "fp16", "fp8"):
