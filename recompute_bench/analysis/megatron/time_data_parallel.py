@@ -64,6 +64,7 @@ from recompute_bench.analysis.megatron.layer import layer_linear_weights
 from recompute_bench.analysis.megatron.mtp import chunk_layer_indices, is_mtp_layer
 from recompute_bench.analysis.megatron.optimizer import main_gradient_bytes
 from recompute_bench.analysis.megatron.parameters import chunk_parameter_groups, layer_parameter_groups
+from recompute_bench.analysis.megatron.time_ops import ring_bytes
 from recompute_bench.config.pipeline_split import ModelChunk, model_chunks
 from recompute_bench.config.schema import Config
 from recompute_bench.models import ELEMENT_BYTES
@@ -114,24 +115,21 @@ class _Collectives:
                        "expert": (par.expert_data_parallel_size, etp * par.expert_model_parallel_size)}
 
     def reduce(self, elements: dict[str, float]) -> float:
-        """Seconds to reduce these gradients: a reduce-scatter sends (g - 1)/g of the buffer, an all-reduce twice that."""
-        out = 0.0
-        for group, n in elements.items():
-            g, stride = self.groups[group]
-            if g > 1 and n:
-                sent = (g - 1) / g * n * self.grad_bytes * (1 if self.dist else 2)
-                out += self.rates.comm_seconds(sent, g, stride, "ring")
-        return out
+        """Seconds to reduce these gradients: a reduce-scatter with the distributed optimizer, an all-reduce without."""
+        kind = "reduce_scatter" if self.dist else "all_reduce"
+        return self._ring(kind, {group: n * self.grad_bytes for group, n in elements.items()})
 
     def gather(self, nbytes: dict[str, float]) -> float:
         """Seconds to all-gather parameters of these bytes (the distributed optimizer only)."""
-        if not self.dist:
-            return 0.0
+        return self._ring("all_gather", nbytes) if self.dist else 0.0
+
+    def _ring(self, kind: str, nbytes: dict[str, float]) -> float:
+        """Seconds of a ring `kind` over each group of its whole buffer's bytes, one group after the other."""
         out = 0.0
         for group, b in nbytes.items():
             g, stride = self.groups[group]
             if g > 1 and b:
-                out += self.rates.comm_seconds((g - 1) / g * b, g, stride, "ring")
+                out += self.rates.comm_seconds(ring_bytes(kind, b, g), g, stride, "ring")
         return out
 
 

@@ -354,15 +354,14 @@ def step_time(cfg: Config, run: MegatronRun, rates: GpuRates,
     pacing = max(range(p), key=lambda s: micro[s])
     m = cfg.num_microbatches
     bubble = (p - 1) / vp * micro[pacing]
-    data_parallel = {"grad_reduce": 0.0, "param_gather": 0.0}
-    if parameters is not None:
-        data_parallel = data_parallel_seconds(cfg, rates, *_pass_sums(stages))
     listed = [{"op": name, "kind": kind, "module": module, "pass": pass_name, "seconds": m * sec}
               for (name, kind, module, pass_name), sec in stages[pacing].items() if sec]
-    optimizer = 0.0
-    if parameters is not None:  # the slowest stage's optimizer step, pass by pass
-        ops = max((optimizer_ops(cfg, params) for params in parameters), key=lambda o: pass_seconds(o, rates))
-        times = op_times(ops, rates)
+    optimizer, data_parallel = 0.0, {"grad_reduce": 0.0, "param_gather": 0.0}
+    if parameters is not None:
+        data_parallel = data_parallel_seconds(cfg, rates, *_pass_sums(stages))
+        # the slowest stage's optimizer step, pass by pass
+        ops, times = max(((ops, op_times(ops, rates)) for ops in (optimizer_ops(cfg, params) for params in parameters)),
+                         key=lambda pair: sum(pair[1].values()))
         optimizer = sum(times.values())
         listed += [{"op": op.name, "kind": op.kind, "module": None, "pass": "optimizer", "seconds": times[op.name]}
                    for op in ops if times[op.name]]
