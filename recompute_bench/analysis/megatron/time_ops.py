@@ -20,7 +20,8 @@ Sources (Megatron-LM d98e8a6, TransformerEngine d0067d0):
   ring_exchange for qkv_fprop, fc1_fprop, proj_dgrad, fc2_dgrad with 1 SM and no SM margin; pipeline
   for proj_fprop, fc2_fprop and bulk for qkv/fc1 dgrad and wgrad with num_sm 16 and set_sm_margin);
   transformer_engine/common/comm_gemm_overlap/comm_gemm_overlap.cpp `CommOverlapCore` (with the margin
-  the GEMM beside the communication runs on `_math_sms` = the SM count - num_sm: `UB_COMM_SMS`)
+  the GEMM beside the communication runs on `_math_sms` = the SM count - num_sm: `UB_COMM_SMS`) and
+  `CommOverlapBase::split_overlap_rs` (the pipelined reduce-scatter of 4 GEMM chunks: `UB_PIPELINE_SPLITS`)
 - nccl-tests doc/PERFORMANCE.md (busbw = algbw x (n - 1)/n for all-gather and reduce-scatter, x 2 (n - 1)/n
   for all-reduce: the bytes one rank sends per second, `ring_bytes`)
 - NCCL src/enqueue.cc (a collective's kernel runs one thread block per channel) and the channel count
@@ -42,6 +43,11 @@ UB_COMM_SMS = 16
 """SMs Transformer Engine's userbuffers communication kernel holds beside a pipelined or bulk-overlapped
 GEMM (`initialize_ub`'s default num_sm for those methods, with set_sm_margin: the GEMM gets the rest;
 Megatron passes no ub_cfgs unless the run names a tp_comm_overlap_cfg, and the seeds' names none)."""
+UB_PIPELINE_SPLITS = 4
+"""Chunks TE's pipelined reduce-scatter overlap (proj_fprop, fc2_fprop) splits a row-parallel linear's GEMM
+into (`initialize_ub`'s default num_splits for the pipeline method). `CommOverlapBase::split_overlap_rs`
+reduce-scatters each chunk once its GEMM is done, so the last chunk's reduce-scatter runs after every GEMM
+chunk, exposed: 1 / UB_PIPELINE_SPLITS of the collective."""
 HOST = "host"
 """The pattern of a copy between the GPU and host memory (CPU offload), over the host link."""
 
@@ -319,12 +325,19 @@ def column_input(name: str, sh: Shape, mods: frozenset[str], norm_name: str | No
 
 
 def row_output(name: str, sh: Shape, mods: frozenset[str]) -> list[Op]:
-    """What follows a row-parallel linear: the reduce-scatter (sequence parallel; beside the GEMM
-    with tp_comm_overlap) or all-reduce of its output."""
+    """What follows a row-parallel linear: the reduce-scatter (sequence parallel) or all-reduce of its
+    output; with tp_comm_overlap, TE's pipelined reduce-scatter beside the GEMM, its last chunk exposed
+    (`UB_PIPELINE_SPLITS`)."""
     if sh.t == 1:
         return []
     kind = "reduce_scatter" if sh.sp else "all_reduce"
-    return [sh.tp_comm(f"{name}.{kind}", kind, sh.tokens * sh.h, sh.e, mods, overlaps=name if sh.ub else None)]
+    if not sh.ub:
+        return [sh.tp_comm(f"{name}.{kind}", kind, sh.tokens * sh.h, sh.e, mods)]
+    # TE's pipelined overlap: every chunk's reduce-scatter but the last runs beside the GEMM's later chunks
+    rest = sh.tp_comm(f"{name}.{kind}", kind, sh.tokens * sh.h, sh.e, mods, overlaps=name)
+    last = rest.bytes / UB_PIPELINE_SPLITS
+    return [dataclasses.replace(rest, bytes=rest.bytes - last), dataclasses.replace(rest, name=f"{name}.{kind}_last_chunk",
+                                                                                     bytes=last, overlaps=None)]
 
 
 def bias_dropout_add(name: str, sh: Shape, dropout: float, forward: bool) -> Op:
