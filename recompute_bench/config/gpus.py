@@ -201,13 +201,17 @@ COPY_SHARE = 4.23e12 / 4.8e12
 # (N, K) -> TFLOP/s: (24576, 1536) 990, (32768, 512) 590, (7168, 16384) 1358, (4096, 7168) 1304,
 # (7168, 2048) 1025. One GEMM's time as 2 M N (K + k0) / R, a fixed cost per output tile worth k0 elements
 # of K, fits these five rows within 2.7% at k0 = 774 (R = 1,450 TFLOP/s; the (2112, 7168) row, 1058, is
-# N's tiles over the SMs: `GpuRates.gemm_seconds`' waves). The bf16 GEMMs of Hopper pay the same fixed
-# time per tile with a main loop half as fast per K element: k0 x the bf16 / FP8 matmul rate
-# (794.5 / 1402.6). Blackwell's MAMF best shapes have K 1024 to 3072 and A100's 5120: no table measures
-# their short K, so it is not priced there.
-SHORT_K_SOURCE = ("deepseek-ai/DeepGEMM README (first release), 'Normal GEMMs for dense models' on H800, M 4096: "
-                  "k0 = 774 fits 5 rows within 2.7%")
-SHORT_K_HOPPER = {"fp8": 774.0, "bf16": 774.0 * 794.5 / 1402.6, "fp16": 774.0 * 794.5 / 1402.6}
+# N's tiles over the SMs: `GpuRates.gemm_seconds`' waves).
+# The 16-bit GEMMs of Hopper, measured on their own: TileLang's FP16 matmul benchmark on H800 SXM
+# (xwhzz/tilelang benchmark/matmul/README.md, TileLang 17bd0a6, driver 560.35.05, autotuned), M = N = 8192,
+# K -> TFLOP/s: 256 386, 512 520, 1024 628, 2048 705, 4096 736, 8192 758, 16384 766. The same form fits all
+# seven rows within 1.2% at k0 = 264 (R = 786 TFLOP/s, MAMF's 794.5 within 1%).
+# Blackwell's MAMF best shapes have K 1024 to 3072 and A100's 5120: no table measures their short K, so it
+# is not priced there.
+SHORT_K_SOURCE = ("FP8: deepseek-ai/DeepGEMM README (first release), 'Normal GEMMs for dense models' on H800, M 4096: "
+                  "k0 = 774 fits 5 rows within 2.7%; 16-bit: xwhzz/tilelang benchmark/matmul/README.md, FP16 on "
+                  "H800, M = N = 8192, K 256 to 16384: k0 = 264 fits 7 rows within 1.2%")
+SHORT_K_HOPPER = {"fp8": 774.0, "bf16": 264.0, "fp16": 264.0}
 
 # Our H200 run (shared/gpu-runs/2026-11-28-h200/profiles/prof-harness.txt, torch.profiler over the llama3-8b
 # slice's steps, 1,923,125,248 parameters (peers.json `params`) in one flat fp32 master buffer):
