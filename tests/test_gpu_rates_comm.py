@@ -16,8 +16,8 @@ from recompute_bench.config.gpus import KINDS
 B200 = gpu_rates.achieved_rates("b200")
 TABLE = KINDS["b200"].nccl
 GiB = 2**30
-MEASURED = ["b200", "h100"]
-KINDS_COLLECTIVES = [(kind, c) for kind in MEASURED for c in ("all_gather", "reduce_scatter", "all_reduce")]
+MEASURED = ["b200", "h100", "a100"]
+KINDS_COLLECTIVES = [(kind, c) for kind in MEASURED for c in KINDS[kind].nccl.rows]
 
 
 def seconds(kind, size, group=8, rates=B200):
@@ -29,7 +29,7 @@ def busbw(kind, size, group=8, rates=B200):
     return ring_bytes(kind, size, group) / seconds(kind, size, group, rates)
 
 
-@pytest.mark.parametrize("gpu, rows_at_1_gb_s", [("b200", 21 + 20 + 20), ("h100", 3 * 14)])
+@pytest.mark.parametrize("gpu, rows_at_1_gb_s", [("b200", 21 + 20 + 20), ("h100", 3 * 14), ("a100", 17)])
 def test_the_printed_busbw_is_the_bytes_one_rank_sends_per_second(gpu, rows_at_1_gb_s):
     # nccl-tests' doc/PERFORMANCE.md: busbw = S / t x 2 (n - 1) / n for all-reduce, x (n - 1) / n for the others
     checked = 0
@@ -89,9 +89,12 @@ def test_a_smaller_group_runs_at_the_busbw_of_the_same_shard():
 def test_kinds_without_a_published_sweep_keep_the_flat_link():
     for kind in ("a100", "gb200"):
         rates = gpu_rates.achieved_rates(kind)
-        assert rates.nccl is None
         assert rates.comm_seconds(1e6, 8, 1, "ring", "all_gather") == pytest.approx(1e6 / rates.link_bytes_per_s)
-    assert gpu_rates.achieved_rates("a100").link_bytes_per_s == 200e9  # nccl-tests issue #149's plateau
+    assert gpu_rates.achieved_rates("gb200").nccl is None
+    # A100: a published sweep of all-reduce only; its all-gather and reduce-scatter keep the plateau
+    a100 = gpu_rates.achieved_rates("a100")
+    assert set(a100.nccl.rows) == {"all_reduce"} and a100.link_bytes_per_s == 200e9  # nccl-tests issue #149's plateau
+    assert busbw("all_reduce", 16 * 2**20, rates=a100) == pytest.approx(119.81e9, rel=1e-3)  # the printed row, not 200
     assert gpu_rates.achieved_rates("gb200").link_bytes_per_s == pytest.approx(900e9 * 2 / 3)  # LINK_SHARE
     # the HGX H200 board has the HGX H100's NVLink and NVSwitch: H100's sweep
     h200, h100 = gpu_rates.achieved_rates("h200"), gpu_rates.achieved_rates("h100")

@@ -13,8 +13,9 @@ measured and the others lack is carried over as a share of a rate every kind has
 of the datasheet bandwidth (`COPY_SHARE`), flash attention as a share of the matmul rate
 (`ATTENTION_SHARE`), fused Adam and the other multi-tensor-apply kernels as shares of the copy
 (`MULTI_TENSOR_SHARE`), each measured on our H200. Collectives by message
-size come from nccl-tests' own published output (`NcclTable`): measured for H100 and B200; A100 has
-nccl-tests' plateau only, and the other kinds assume `LINK_SHARE` of their link at every size.
+size come from nccl-tests' own published output (`NcclTable`): measured for H100 and B200, A100's
+all-reduce; A100's other collectives take nccl-tests' plateau, and the other kinds assume `LINK_SHARE` of
+their link at every size.
 """
 
 from __future__ import annotations
@@ -97,8 +98,8 @@ def _dense(bf16_sparse: float, tf32_sparse: float, fp8_sparse: float | None, fp6
 
 NCCL_CHANNELS_A100 = ("NVIDIA/nccl-tests issue #100: NCCL_DEBUG=INFO log of 8 A100 on HGX A100's NVSwitch, "
                       "'Channel 00/24' ... 'Channel 23/24' (24 ring channels); NCCL launches one block per channel")
-NCCL_A100 = ("NVIDIA/nccl-tests issue #149: all_reduce_perf on 8 A100 SXM4 80GB over NVSwitch, busbw ~200 GB/s "
-             "up to 1 GiB (issue #178: 208 GB/s)")
+NCCL_A100_PLATEAU = ("NVIDIA/nccl-tests issue #149: all_reduce_perf on 8 A100 SXM4 80GB over NVSwitch, busbw ~200 GB/s "
+                     "up to 1 GiB (issue #178: 208 GB/s); all-gather and reduce-scatter at that rate, all-reduce by size")
 # The ring bus bandwidth nccl-tests reached on A100's NVLink, as a share of the one-way link; kinds with no
 # nccl-tests figure of their own take the same share.
 LINK_SHARE = 200e9 / 300e9
@@ -174,6 +175,23 @@ NCCL_B200 = NcclTable(8, {
 }, "nccl-tests on 8 B200 of one HGX B200 board (public acceptance report 'B200 / Vultr POC - cluster test summary', "
    "section 10 'NCCL raw sweep': all_reduce_perf, all_gather_perf, reduce_scatter_perf, out-of-place, 128 B to 16 GiB)")
 
+# An all_reduce_perf sweep on one 8-GPU A100 board (OCI BM.GPU4.8: 8 A100-SXM4-40GB on HGX A100's NVSwitch), in
+# oracle-japan/ocitutorials' GPU-cluster tutorial (spinup-gpu-cluster, section 4-2, `all_reduce_perf -b 64 -e 10G
+# -f 2 -t 1 -g 8`, float, nccl-tests built on CUDA 11.3): its out-of-place rows from 64 KiB. A DGX A100's sweep
+# (AFDWang/Hetu-Galvatron tests/profiler/test_hardware_profile.py, 1 MiB to 1 GiB) runs within 17% of it at every
+# size; its plateau (235 GB/s at 8 GiB) is the ~230 GB/s NVIDIA gives for A100 (sjeaugey, NVIDIA/nccl-tests
+# issue #149). No A100 all-gather or reduce-scatter sweep was found: those keep the flat rate.
+NCCL_A100 = NcclTable(8, {
+    "all_reduce": (
+        (65536, 35.40, 3.24), (262144, 45.21, 10.15), (524288, 58.96, 15.56), (1048576, 76.71, 23.92),
+        (2097152, 112.4, 32.66), (4194304, 134.5, 54.57), (8388608, 185.8, 79.02), (16777216, 245.1, 119.81),
+        (33554432, 398.2, 147.46), (67108864, 589.5, 199.23), (134217728, 1191.2, 197.17),
+        (268435456, 2121.9, 221.38), (536870912, 4208.2, 223.26), (1073741824, 8166.8, 230.08),
+        (2147483648, 16232, 231.52), (4294967296, 32097, 234.17), (8589934592, 63929, 235.14)),
+}, "nccl-tests all_reduce_perf on 8 A100-SXM4-40GB of one HGX board (oracle-japan/ocitutorials, GPU-cluster tutorial, "
+   "section 4-2: float, out-of-place, 64 KiB to 8 GiB)")
+
+
 def _causal_attention_flops(seq: int, heads: int, head_dim: int) -> float:
     """A causal attention forward's matrix FLOPs as the time model counts them (QK^T and x V over the
     s (s + 1) / 2 query-key pairs the flash kernels compute; `time_attention._fused`)."""
@@ -246,8 +264,8 @@ GPUS: tuple[Gpu, ...] = (
     # MAMF: A100 SXM bf16 271.2 TFLOPS (best shape 1024x10240x5120).
     Gpu("a100", "A100 SXM4 80GB", 80, ("NVIDIA A100-SXM4-80GB", "NVIDIA A100-SXM4-40GB"), "A100 SXM", _A100,
         2039e9, 600e9 / 2, 64e9 / 2, 200 * GBIT, 8, 108, "NVIDIA A100 datasheet (SXM4 80GB); network: DGX A100 datasheet",
-        {"bf16": 271.2e12, "fp16": 271.2e12}, MAMF_SOURCE, None, "", 200e9, NCCL_A100, 24, NCCL_CHANNELS_A100,
-        mamf_k={"bf16": 5120, "fp16": 5120}),
+        {"bf16": 271.2e12, "fp16": 271.2e12}, MAMF_SOURCE, None, "", 200e9, NCCL_A100_PLATEAU, 24, NCCL_CHANNELS_A100,
+        nccl=NCCL_A100, mamf_k={"bf16": 5120, "fp16": 5120}),
     Gpu("a100", "A100 PCIe", 80, ("NVIDIA A100-PCIE-40GB", "NVIDIA A100 80GB PCIe"), "A100 PCIe", _A100,
         source="NVIDIA A100 datasheet (PCIe)"),
     # NVIDIA H100 Tensor Core GPU datasheet, H100 SXM: FP8 3,958 TFLOPS*, BF16 1,979*, TF32 989*, FP64 TC 67;
