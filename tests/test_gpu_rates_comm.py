@@ -121,3 +121,19 @@ def test_megatron_s_tensor_parallel_collectives_are_priced_by_their_size():
                         parallel__sequence_parallel=True, parallel__tp_comm_overlap=True, training__seq_length=1024)
     ub = next(op for op in tm.layer_ops(overlapped, MegatronRun("b200"), 0).forward if op.name == "linear_fc1.all_gather")
     assert ub.seconds(B200) == pytest.approx(ub.bytes / B200.link_bytes_per_s)
+
+
+def test_the_context_parallel_gather_and_a_distributed_checkpoint_s_gather_are_nccl_all_gathers_by_size():
+    cfg = config("llama3-8b", training__framework="megatron", parallel__tensor_model_parallel_size=2,
+                 parallel__context_parallel_size=4, parallel__cp_comm_type="all_gather", training__seq_length=4096)
+    layer = tm.layer_ops(cfg, MegatronRun("b200"), 0)
+    gathers = [op for op in layer.forward if op.kind == "comm" and op.name.endswith("_all_gather")]
+    assert gathers and all(op.collective == "all_gather" and op.nccl and op.group == 4 for op in gathers)
+    for op in gathers:
+        assert op.seconds(B200) == pytest.approx(B200.collective_seconds(op.bytes, 4, "all_gather"))
+    full = config("llama3-8b", training__framework="megatron", parallel__tensor_model_parallel_size=4,
+                  recompute__granularity="full", recompute__method="uniform", recompute__num_layers=1,
+                  recompute__distribute_saved_activations=True, training__seq_length=1024)
+    checkpoint = next(op for op in tm.checkpoint_ops(full, [tm.LayerPolicy(chunk=0)]) if op.kind == "comm")
+    assert checkpoint.seconds(B200) == pytest.approx(B200.collective_seconds(checkpoint.bytes, 4, "all_gather"))
+    assert checkpoint.seconds(B200) > checkpoint.bytes / B200.link_bytes_per_s  # 8 MiB: below the plateau

@@ -13,6 +13,7 @@ from recompute_bench.analysis.megatron import MegatronRun
 from recompute_bench.analysis.megatron import time_data_parallel as tdp
 from recompute_bench.analysis.megatron import time_model as tm
 from recompute_bench.analysis.megatron.parameters import layer_parameter_groups, stage_parameter_groups
+from recompute_bench.analysis.megatron.time_ops import ring_bytes
 from recompute_bench.ingest.run_source import read_run
 
 H100 = gpu_rates.datasheet_rates("h100")  # NVLink 450 GB/s, network 50 GB/s a GPU, one direction
@@ -185,10 +186,14 @@ def test_plan_prices_the_seeds_data_parallel_traffic_and_the_search_prints_the_d
     report = json.loads(result.stdout)
     assert report["recommended"] == "none"  # the recipe's own setting fits
     # at dp 2 within a board, both overlapped: the last bucket (stage 0's embedding, 128256 x 8192 / tp 4
-    # in bf16 gradients) reduce-scattered, and its gather, each half of it over NVLink
+    # in bf16 gradients) reduce-scattered, and its gather, each NCCL's collective of its size over NVLink
     embedding = 128256 * 8192 / 4
-    nvlink = gpu_rates.achieved_rates("h100").link_bytes_per_s
-    assert report["time_parts"]["by_class"]["data_parallel_exposed"] == pytest.approx(2 * 0.5 * embedding * 2 / nvlink)
+    h100 = gpu_rates.achieved_rates("h100")
+    priced = sum(h100.comm_seconds(ring_bytes(kind, 2 * embedding, 2), 2, 4, "ring", kind)
+                 for kind in ("reduce_scatter", "all_gather"))
+    assert priced == pytest.approx(sum(h100.collective_seconds(embedding, 2, kind) for kind in ("reduce_scatter", "all_gather")))
+    assert priced > 2 * 0.5 * embedding * 2 / h100.link_bytes_per_s  # below the plateau's rate at this size
+    assert report["time_parts"]["by_class"]["data_parallel_exposed"] == pytest.approx(priced)
     assert step(seeds_config(), gpu_rates.achieved_rates("h100")).data_parallel_seconds == \
         pytest.approx(report["time_parts"]["by_class"]["data_parallel_exposed"])
     row = report["settings"][0]

@@ -129,9 +129,10 @@ def _ring(sh: Shape, att, name: str, elements: float, beside: str) -> list[Op]:
 
 
 def _gather(sh: Shape, att, name: str, elements: float) -> list[Op]:
-    """K and V of every cp rank all-gathered, then reordered by chunk (`index_select`)."""
+    """K and V of every cp rank all-gathered (NCCL's all-gather), then reordered by chunk (`index_select`)."""
     c = att.kv_ranks
-    return [Op(f"{name}_all_gather", "comm", bytes=(c - 1) * sh.e * elements, modules=CORE, group=c, stride=sh.t),
+    return [Op(f"{name}_all_gather", "comm", bytes=(c - 1) * sh.e * elements, modules=CORE, group=c, stride=sh.t,
+               collective="all_gather", nccl=True),
             Op(f"{name}_reorder", "memory", bytes=2 * sh.e * c * elements, modules=CORE)]
 
 

@@ -124,12 +124,13 @@ class _Collectives:
         return self._ring("all_gather", nbytes) if self.dist else 0.0
 
     def _ring(self, kind: str, nbytes: dict[str, float]) -> float:
-        """Seconds of a ring `kind` over each group of its whole buffer's bytes, one group after the other."""
+        """Seconds of NCCL's ring `kind` over each group of its whole buffer's bytes, one group after the other
+        (within the NVLink domain by its size, where the GPU table has nccl-tests' sweep of it)."""
         out = 0.0
         for group, b in nbytes.items():
             g, stride = self.groups[group]
             if g > 1 and b:
-                out += self.rates.comm_seconds(ring_bytes(kind, b, g), g, stride, "ring")
+                out += self.rates.comm_seconds(ring_bytes(kind, b, g), g, stride, "ring", kind)
         return out
 
 

@@ -425,7 +425,7 @@ def checkpoint_ops(cfg: Config, policies: list[LayerPolicy]) -> list[Op]:
         return []
     return [Op("checkpoint.split", "memory", bytes=checkpoints * sh.e * sh.tokens * sh.h * (1 + 1 / sh.t)),
             Op("checkpoint.all_gather", "comm", bytes=checkpoints * sh.ring("all_gather", sh.tokens * sh.h, sh.e),
-               group=sh.t)]
+               group=sh.t, collective="all_gather", nccl=True)]
 
 
 def offloaded_bytes(cfg: Config, run: MegatronRun, policy: LayerPolicy, layer: int) -> float:
