@@ -86,16 +86,15 @@ def test_a_smaller_group_runs_at_the_busbw_of_the_same_shard():
     assert seconds("reduce_scatter", 64, group=4) == pytest.approx(TABLE.rows["reduce_scatter"][0][1] * 1e-6 * 3 / 7)
 
 
-def test_kinds_without_a_published_sweep_keep_the_flat_link():
-    for kind in ("a100", "gb200"):
-        rates = gpu_rates.achieved_rates(kind)
-        assert rates.comm_seconds(1e6, 8, 1, "ring", "all_gather") == pytest.approx(1e6 / rates.link_bytes_per_s)
-    assert gpu_rates.achieved_rates("gb200").nccl is None
-    # A100: a published sweep of all-reduce only; its all-gather and reduce-scatter keep the plateau
+def test_collectives_without_a_published_sweep_keep_the_flat_link():
     a100 = gpu_rates.achieved_rates("a100")
+    assert a100.comm_seconds(1e6, 8, 1, "ring", "all_gather") == pytest.approx(1e6 / a100.link_bytes_per_s)
+    # A100: a published sweep of all-reduce only; its all-gather and reduce-scatter keep the plateau
     assert set(a100.nccl.rows) == {"all_reduce"} and a100.link_bytes_per_s == 200e9  # nccl-tests issue #149's plateau
     assert busbw("all_reduce", 16 * 2**20, rates=a100) == pytest.approx(119.81e9, rel=1e-3)  # the printed row, not 200
-    assert gpu_rates.achieved_rates("gb200").link_bytes_per_s == pytest.approx(900e9 * 2 / 3)  # LINK_SHARE
+    # GB200's NVL72 has B200's NVLink 5 and NVSwitch generation: B200's sweep and plateau
+    gb200 = gpu_rates.achieved_rates("gb200")
+    assert gb200.nccl is B200.nccl and gb200.link_bytes_per_s == B200.link_bytes_per_s
     # the HGX H200 board has the HGX H100's NVLink and NVSwitch: H100's sweep
     h200, h100 = gpu_rates.achieved_rates("h200"), gpu_rates.achieved_rates("h100")
     assert h200.nccl is h100.nccl and h200.link_bytes_per_s == h100.link_bytes_per_s

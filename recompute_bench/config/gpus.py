@@ -13,9 +13,9 @@ measured and the others lack is carried over as a share of a rate every kind has
 of the datasheet bandwidth (`COPY_SHARE`), flash attention as a share of the matmul rate
 (`ATTENTION_SHARE`), fused Adam and the other multi-tensor-apply kernels as shares of the copy
 (`MULTI_TENSOR_SHARE`), each measured on our H200. Collectives by message
-size come from nccl-tests' own published output (`NcclTable`): measured for H100 and B200, A100's
-all-reduce; A100's other collectives take nccl-tests' plateau, and the other kinds assume `LINK_SHARE` of
-their link at every size.
+size come from nccl-tests' own published output (`NcclTable`): measured for H100 and B200 (H200 and
+GB200 take their NVLink generation's), A100's all-reduce; A100's other collectives take nccl-tests'
+plateau, and the other kinds assume `LINK_SHARE` of their link at every size.
 """
 
 from __future__ import annotations
@@ -306,9 +306,17 @@ GPUS: tuple[Gpu, ...] = (
     # NVIDIA GB200 NVL72 datasheet, per GPU (the rack / 72): FP8 10 PFLOPS*, BF16 5*, TF32 2.5*, FP64 TC 3,240
     # TFLOPS for the 72; 8 TB/s; NVLink 1.8 TB/s in one 72-GPU domain; NVLink-C2C to Grace 900 GB/s. DGX GB200:
     # a 400 Gb/s port per GPU. 148 SMs. MAMF: GB200 SXM bf16 1,822.0 (4096x9728x2048), fp8 3,615.6 (19456x5120x1536) TFLOPS.
+    # Collectives by size: the HGX B200 board's sweep (`NCCL_B200`), the same NVLink 5 at 1.8 TB/s a GPU through
+    # NVSwitch; an NVL72 rack's own all_reduce_perf over its 72 GPUs (coreweave/nccl-tests README, "Expected
+    # Performance / GB200 / Single Rack", NCCL 2.26.2, 512 MiB to 8 GiB) plateaus where B200's 8 do: 839.16 GB/s
+    # at 4 GiB and 834.57 at 8 GiB against 832.66 and 838.86. Groups of 8 or fewer (tensor, context, expert
+    # parallel) are what the table measured; 72 ranks priced by the ring rule from 8 (`GpuRates.collective_seconds`)
+    # come out 14% (8 GiB) to 30% (512 MiB) under the rack's measured busbw, whose all-reduce runs NVLink SHARP.
     Gpu("gb200", "GB200 (NVL72)", 100, ("NVIDIA GB200",), "GB200", _GB200, 8e12, 1.8e12 / 2, 900e9 / 2, 400 * GBIT, 72,
         148, "NVIDIA GB200 NVL72 datasheet, per GPU; network: DGX GB200 datasheet",
-        {"bf16": 1822e12, "fp16": 1822e12, "fp8": 3615.6e12}, MAMF_SOURCE, mamf_k={"bf16": 2048, "fp16": 2048, "fp8": 1536}),
+        {"bf16": 1822e12, "fp16": 1822e12, "fp8": 3615.6e12}, MAMF_SOURCE,
+        achieved_link_bytes_per_s=672.38e9, link_source="B200's all_gather busbw at 16 GiB (the same NVLink 5 and NVSwitch)",
+        nccl=NCCL_B200, mamf_k={"bf16": 2048, "fp16": 2048, "fp8": 1536}),
     # NVIDIA L40S datasheet: BF16 733 TFLOPS*, TF32 366*.
     Gpu("l40s", "L40S", 89, ("NVIDIA L40S",), "L40S", {"bf16": 362.05e12, "fp16": 362.05e12, "fp32": 183e12},
         source="NVIDIA L40S datasheet"),
