@@ -1,7 +1,9 @@
 """The interleaved schedule's pipeline sends with and without Megatron's overlap_p2p_comm: what a stage
-sends per micro-batch (time_model.pipeline_send_ops) and Megatron's rule for turning it off."""
+sends per micro-batch (time_model.pipeline_send_ops), Megatron's rule for turning it off, and the field
+read from Megatron-LM arguments and Bridge configs."""
 
 import dataclasses
+import re
 
 import pytest
 from helpers import config, invoke
@@ -9,9 +11,13 @@ from helpers import config, invoke
 from recompute_bench.analysis import gpu_rates
 from recompute_bench.analysis.megatron import MegatronRun, time_checks
 from recompute_bench.analysis.megatron import time_model as tm
+from recompute_bench.ingest.megatron_args import config_from_megatron
+from recompute_bench.ingest.megatron_argv import read_argv
+from recompute_bench.ingest.run_source import read_run
 
 H100 = gpu_rates.datasheet_rates("h100")  # network 50 GB/s a GPU, one direction
 RUN = MegatronRun("h100")
+SEED_YAML = "tests/data/seed/LLAMA3_70B_SFT_CONFIG_H100_FP8_CS_V1.yaml"
 ONE = 2048 // 8 * 1 * 8192 * 2  # one activation: s x b x h / t (sequence parallel), 16-bit
 
 
@@ -80,6 +86,41 @@ def test_megatron_s_rule_refuses_the_interleaved_schedule_without_overlap_on_two
     assert invoke(*base, "--pp", "4", "--set", "parallel.overlap_p2p_comm=false").exit_code == 0
     other = invoke("estimate", "-w", "llama3-8b", "--set", "parallel.overlap_p2p_comm=false")
     assert other.exit_code == 2 and "parallel.overlap_p2p_comm is a Megatron argument" in other.output
+
+
+ARGV = ("--num-layers 8 --hidden-size 256 --num-attention-heads 8 --seq-length 512 --max-position-embeddings 512 "
+        "--tokenizer-type NullTokenizer --vocab-size 1000 --bf16 --pipeline-model-parallel-size 4 --global-batch-size 8")
+
+
+def test_megatron_lm_s_no_overlap_p2p_communication_turns_it_off_where_it_interleaves():
+    vp = " --num-virtual-stages-per-pipeline-rank 2"
+    off = config_from_megatron(read_argv((ARGV + vp + " --no-overlap-p2p-communication").split()), world_size=4)
+    assert off.parallel.overlap_p2p_comm is False and not off.parallel.p2p_overlapped
+    default = config_from_megatron(read_argv((ARGV + vp).split()), world_size=4)
+    assert default.parallel.overlap_p2p_comm is None and default.parallel.p2p_overlapped
+    # a log's argument dump after validate_args says overlap_p2p_comm False
+    dump = config_from_megatron({**read_argv((ARGV + vp).split()), "overlap_p2p_comm": "False"}, world_size=4)
+    assert dump.parallel.overlap_p2p_comm is False
+    # 1F1B: validate_args forces it False, which is what 1F1B does anyway: the field stays unset
+    plain = config_from_megatron(read_argv((ARGV + " --no-overlap-p2p-communication").split()), world_size=4)
+    assert plain.parallel.overlap_p2p_comm is None
+
+
+def test_a_bridge_config_s_comm_overlap_setup_turns_it_on_for_virtual_stages_unless_it_says_otherwise(tmp_path):
+    seeds = read_run(SEED_YAML, gpus=32, strict=False)
+    assert seeds.config.parallel.overlap_p2p_comm is None  # vp 5, comm_overlap.overlap_p2p_comm null: on
+    assert seeds.config.parallel == time_checks.seeds_config().parallel
+    text = open(SEED_YAML).read()
+    stated = tmp_path / "stated.yaml"
+    stated.write_text(text.replace("  overlap_p2p_comm: null\n", "  overlap_p2p_comm: false\n"))
+    source = read_run(stated, gpus=32, strict=False)
+    assert source.config.parallel.overlap_p2p_comm is False
+    assert "comm_overlap.overlap_p2p_comm: false" in source.origins["parallel.overlap_p2p_comm"]
+    # no comm_overlap section: the model's field, ModelParallelConfig's default False
+    bare = tmp_path / "bare.yaml"
+    bare.write_text(re.sub(r"\ncomm_overlap:\n(?:  .*\n)+", "\n", text))
+    assert "\ncomm_overlap:" not in bare.read_text()
+    assert read_run(bare, gpus=32, strict=False).config.parallel.overlap_p2p_comm is False
 
 
 def test_table_5_s_interleaved_runs_block_on_their_sends_as_2022_megatron_lm_did():
