@@ -1,8 +1,9 @@
 """The interleaved schedule's pipeline sends with and without Megatron's overlap_p2p_comm: what a stage
 sends per micro-batch (time_model.pipeline_send_ops), Megatron's rule for turning it off, and the field
-read from Megatron-LM arguments and Bridge configs."""
+read from Megatron-LM arguments and Bridge configs and written back in each framework's flags."""
 
 import dataclasses
+import json
 import re
 
 import pytest
@@ -11,6 +12,7 @@ from helpers import config, invoke
 from recompute_bench.analysis import gpu_rates
 from recompute_bench.analysis.megatron import MegatronRun, time_checks
 from recompute_bench.analysis.megatron import time_model as tm
+from recompute_bench.analysis.megatron.flags import layout_pasteable
 from recompute_bench.ingest.megatron_args import config_from_megatron
 from recompute_bench.ingest.megatron_argv import read_argv
 from recompute_bench.ingest.run_source import read_run
@@ -121,6 +123,31 @@ def test_a_bridge_config_s_comm_overlap_setup_turns_it_on_for_virtual_stages_unl
     bare.write_text(re.sub(r"\ncomm_overlap:\n(?:  .*\n)+", "\n", text))
     assert "\ncomm_overlap:" not in bare.read_text()
     assert read_run(bare, gpus=32, strict=False).config.parallel.overlap_p2p_comm is False
+
+
+def test_the_layout_flags_turn_it_off_in_each_framework_s_words_only_where_it_is_off():
+    flags = layout_pasteable(interleaved(False))
+    assert flags["megatron_lm"][-1] == "--no-overlap-p2p-communication"
+    assert flags["bridge"][-2:] == ["cfg.comm_overlap.overlap_p2p_comm = False", "cfg.comm_overlap.batch_p2p_comm = True"]
+    assert flags["bridge_perf_script"][-2:] == ["comm_overlap.overlap_p2p_comm=false", "comm_overlap.batch_p2p_comm=true"]
+    assert flags["nemo2"][-2:] == ["recipe.model.config.overlap_p2p_comm = False",
+                                   "recipe.model.config.batch_p2p_comm = True"]
+    for overlap in (None, True):
+        assert not any("p2p" in line for lines in layout_pasteable(interleaved(overlap)).values() for line in lines)
+
+
+def test_the_layout_search_keeps_it_off_refuses_two_interleaved_stages_and_prints_the_flag():
+    result = invoke("plan", "--framework", "megatron", "--search-layouts", "--gpu", "h100", "-w", "tiny",
+                    "--set", "model.num_layers=16", "--global-batch-size", "16", "--gpus", "8", "--tp", "2",
+                    "--set", "parallel.overlap_p2p_comm=false", "--memory-gb", "80", "--json")
+    assert result.exit_code == 0, result.output
+    report = json.loads(result.stdout)
+    flags = {row["layout_label"]: row["flags"]["megatron_lm"] for row in report["layouts"]}
+    assert "--no-overlap-p2p-communication" in flags["tp2 pp4 vp2 cp1 dp1 mbs2"]
+    assert not any("--no-overlap-p2p-communication" in lm for label, lm in flags.items() if "vp" not in label)
+    refused = {r["reason"]: r["layouts"] for r in report["refused"]}
+    assert refused["the interleaved schedule without overlap_p2p_comm needs pipeline_model_parallel_size over 2 "
+                   "(Megatron's rule), got 2"] > 0
 
 
 def test_table_5_s_interleaved_runs_block_on_their_sends_as_2022_megatron_lm_did():
