@@ -48,7 +48,8 @@ MEGATRON_ONLY_SETTINGS = (
     "parallel.decoder_last_pipeline_num_layers", "parallel.account_for_embedding_in_pipeline_split",
     "parallel.account_for_loss_in_pipeline_split", "parallel.pipeline_model_parallel_layout",
     "parallel.microbatch_group_size_per_vp_stage", "parallel.tp_comm_overlap",
-    "parallel.overlap_grad_reduce", "parallel.overlap_param_gather", "parallel.ddp_bucket_size")
+    "parallel.overlap_grad_reduce", "parallel.overlap_param_gather", "parallel.ddp_bucket_size",
+    "parallel.overlap_p2p_comm")
 MEGATRON_ACTIVATIONS = ("squared_relu",)
 """Activations framework megatron models beyond ACTIVATIONS (Megatron's --squared-relu)."""
 CROSS_ENTROPY_FUSION_IMPLS = ("native", "te")

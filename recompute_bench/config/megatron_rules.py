@@ -65,6 +65,12 @@ def validate_megatron_settings(cfg: Config) -> None:
     if bucket is not None and (not isinstance(bucket, int) or isinstance(bucket, bool) or bucket < 1):
         raise BadInput(f"ddp_bucket_size must be a positive number of elements, got {bucket!r}; pass "
                        "--set parallel.ddp_bucket_size=N or leave it unset for Megatron's default")
+    # arguments.py validate_args: without p2p overlap the interleaved schedule needs pp > 2, "to avoid
+    # having multiple p2p sends and recvs between same 2 ranks per communication batch"
+    if p.interleaved and p.overlap_p2p_comm is False and p.pipeline_model_parallel_size <= 2:
+        raise BadInput(f"the interleaved schedule without overlap_p2p_comm needs pipeline_model_parallel_size over 2 "
+                       f"(Megatron's rule), got {p.pipeline_model_parallel_size}; pass --pipeline-model-parallel-size 3 "
+                       "or more, or drop --set parallel.overlap_p2p_comm=false")
     if p.microbatch_group_size_per_vp_stage is not None and not p.virtual_pipeline_model_parallel_size:
         raise BadInput("microbatch_group_size_per_vp_stage groups the interleaved schedule's micro-batches; set "
                        "virtual_pipeline_model_parallel_size or drop it")

@@ -367,6 +367,10 @@ class ParallelConfig:
     """Data parallel size."""
     virtual_pipeline_model_parallel_size: Optional[int] = None
     """Model chunks per pipeline rank for the interleaved schedule (m); None for 1F1B."""
+    overlap_p2p_comm: Optional[bool] = None
+    """Framework megatron, interleaved schedule: the pipeline's sends run beside the next chunk instead of
+    blocking between chunks (overlap_p2p_comm). None: Megatron-LM's default, on (arguments.py); without
+    virtual stages it is off whatever is given (validate_args forces it False)."""
     sequence_parallel: bool = False
     """Shard the non-tensor-parallel activations across the tensor-parallel group."""
     use_distributed_optimizer: bool = False
@@ -436,6 +440,16 @@ class ParallelConfig:
         if self.pipeline_parallel_schedule:
             return self.pipeline_parallel_schedule
         return "Interleaved1F1B" if self.virtual_pipeline_model_parallel_size else "1F1B"
+
+    @property
+    def interleaved(self) -> bool:
+        """Megatron's interleaved schedule: over one model chunk a rank (validate_args makes a size of 1 None)."""
+        return (self.virtual_pipeline_model_parallel_size or 1) > 1
+
+    @property
+    def p2p_overlapped(self) -> bool:
+        """The pipeline's sends run beside compute: interleaved, overlap_p2p_comm on or at its default."""
+        return self.interleaved and self.overlap_p2p_comm is not False
 
     @property
     def expert_tensor_parallel(self) -> int:

@@ -196,6 +196,7 @@ def read(path: Path, data: dict, node) -> ParsedRun:
     _grad_buffer(args, ddp, precision, lines)
     comm = _section(data, "comm_overlap")
     _data_parallel_overlap(args, ddp, comm, "comm_overlap" in data)
+    _pipeline_overlap(args, comm, "comm_overlap" in data)
     for key in ("tp_comm_overlap", "defer_embedding_wgrad_compute", "wgrad_deferral_limit"):
         if comm.get(key) is not None:  # CommOverlapConfig.setup applies what it sets to the model
             args.set(key, comm[key], f"comm_overlap.{key}")
@@ -271,6 +272,26 @@ def _data_parallel_overlap(args: _Arguments, ddp: dict, comm: dict, has_comm: bo
     for key, name in names.items():
         if ddp.get(key) is not None:
             args.set(name, ddp[key], f"ddp.{key}")
+
+
+def _pipeline_overlap(args: _Arguments, comm: dict, has_comm: bool) -> None:
+    """The model's overlap_p2p_comm as the run uses it, where it interleaves (elsewhere Megatron turns it
+    off). With a comm_overlap section `CommOverlapConfig.setup` writes it onto the model: on for virtual
+    stages (comm_overlap.py `_get_model_comm_overlap_cfgs`, "PP overlap") unless the section states it
+    (`_override_user_cfgs`); without one the model's own field, whose default is ModelParallelConfig's
+    False (megatron/core/model_parallel_config.py), unlike Megatron-LM's arguments (on)."""
+    vp = args.values.get("virtual_pipeline_model_parallel_size") or 1
+    if vp <= 1 or (args.values.get("pipeline_model_parallel_size") or 1) <= 1:
+        args.set("overlap_p2p_comm", None, "")
+        return
+    if has_comm and comm.get("overlap_p2p_comm") is not None:
+        args.set("overlap_p2p_comm", comm["overlap_p2p_comm"], "comm_overlap.overlap_p2p_comm")
+    elif has_comm:
+        args.set("overlap_p2p_comm", True, "comm_overlap.overlap_p2p_comm",
+                 said=f"null, so CommOverlapConfig.setup turns it on at vp {vp}")
+    elif "overlap_p2p_comm" not in args.values:
+        args.set("overlap_p2p_comm", False, "model", said="no overlap_p2p_comm and no comm_overlap section: "
+                                                           "ModelParallelConfig's false")
 
 
 def _grad_buffer(args: _Arguments, ddp: dict, precision: dict, lines: dict[str, int]) -> None:

@@ -251,6 +251,10 @@ def normalized_overrides(args: Mapping[str, Any], world_size: int | None = None,
     vpp = _virtual_stages(a, m["num_layers"], pp)
     if vpp:
         par["virtual_pipeline_model_parallel_size"] = vpp
+        # --no-overlap-p2p-communication (a log's dump: overlap_p2p_comm False); validate_args forces it
+        # False without virtual stages, where the field means nothing, so it is kept for interleaving only
+        if a.get("overlap_p2p_comm") is False:
+            par["overlap_p2p_comm"] = False
     tr.setdefault("micro_batch_size", 1)
     tr.setdefault("global_batch_size", tr["micro_batch_size"] * par.get("data_parallel_size", 1))
 

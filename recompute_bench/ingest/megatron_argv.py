@@ -18,9 +18,12 @@ from recompute_bench.config.schema import BadInput
 # --fp8-format: transformer_config.py, its field's argparse_meta arg_names).
 ALIASES = {"microbatch_group_size_per_virtual_pipeline_stage": "microbatch_group_size_per_vp_stage",
            "no_rope_fusion": "no_apply_rope_fusion",  # argparse: --no-rope-fusion's dest is apply_rope_fusion
+           # arguments.py: --no-overlap-p2p-communication's dest is overlap_p2p_comm
+           "no_overlap_p2p_communication": "no_overlap_p2p_comm",
            "fp8_format": "fp8"}
-FLAG_NAMES = {dest: long for long, dest in ALIASES.items()}
-"""A normalized name -> the long flag's own name, where ALIASES renames it (fp8 -> fp8_format)."""
+FLAG_NAMES = {dest: long for long, dest in ALIASES.items()} | {"overlap_p2p_comm": "no_overlap_p2p_communication"}
+"""A normalized name -> the long flag's own name, where ALIASES renames it (fp8 -> fp8_format), or the
+only flag that sets it (overlap_p2p_comm: --no-overlap-p2p-communication, argparse's store_false)."""
 
 
 def read_argv(argv: Iterable[str]) -> dict[str, Any]:

@@ -26,7 +26,10 @@ provider fields, `cfg.train.micro_batch_size` and the distributed optimizer on `
 MegatronStrategy fields on `recipe.trainer.strategy`, `recipe.data.micro_batch_size` and
 `recipe.optim.config.use_distributed_optimizer`. DDP's overlaps and bucket size, where set:
 --overlap-grad-reduce, --overlap-param-gather, --ddp-bucket-size; `cfg.ddp` and `cfg.comm_overlap`
-(`bucket_size`) for Bridge; `recipe.trainer.strategy.ddp` for NeMo 2.0.
+(`bucket_size`) for Bridge; `recipe.trainer.strategy.ddp` for NeMo 2.0. The interleaved schedule's
+overlap_p2p_comm where turned off: --no-overlap-p2p-communication; `cfg.comm_overlap` for Bridge
+(CommOverlapConfig.setup turns it on for virtual stages unless stated); the model config for NeMo 2.0
+(a recipe's MegatronCommOverlapCallback takes overlap_p2p_comm=False instead).
 """
 
 from __future__ import annotations
@@ -153,6 +156,13 @@ def layout_pasteable(cfg: Config) -> dict[str, list[str]]:
         bridge += [f"cfg.ddp.{key} = {_python(value)}", f"cfg.comm_overlap.{key} = {_python(value)}"]
         perf += [f"ddp.{key}={str(value).lower()}", f"comm_overlap.{key}={str(value).lower()}"]
         nemo += [f"recipe.trainer.strategy.ddp.{key} = {_python(value)}"]
+    if cfg.parallel.interleaved and cfg.parallel.overlap_p2p_comm is False:
+        # Megatron-LM pairs batch_p2p_comm with it (argument_utils.py: not overlap_p2p_comm); Bridge's and
+        # NeMo's comm-overlap setup would turn overlap on for virtual stages unless told (comm_overlap.py)
+        lm += ["--no-overlap-p2p-communication"]
+        bridge += ["cfg.comm_overlap.overlap_p2p_comm = False", "cfg.comm_overlap.batch_p2p_comm = True"]
+        perf += ["comm_overlap.overlap_p2p_comm=false", "comm_overlap.batch_p2p_comm=true"]
+        nemo += ["recipe.model.config.overlap_p2p_comm = False", "recipe.model.config.batch_p2p_comm = True"]
     return {"megatron_lm": lm, "bridge": bridge, "bridge_perf_script": perf, "nemo2": nemo}
 
 

@@ -65,7 +65,8 @@ SEEDS_SOURCE = "seeds/003: Llama 3 70B SFT FP8 (current scaling), 32 x H100, tp 
 
 def paper_config(model: str = "22B") -> Config:
     """A model of Table 3 laid out as the paper ran it (tp 8, its pp, virtual stages and global batch),
-    with Megatron's local layers and attention of the time, in fp16."""
+    with Megatron's local layers and attention of the time, in fp16, and the interleaved schedule's
+    sends blocking between chunks as they did then (no overlap_p2p_comm)."""
     from recompute_bench.workload import resolve
 
     workload, pp, vp, global_batch = PAPER_TABLE3[model]
@@ -74,7 +75,11 @@ def paper_config(model: str = "22B") -> Config:
                  "parallel.tensor_model_parallel_size": 8, "parallel.pipeline_model_parallel_size": pp,
                  "training.global_batch_size": global_batch}
     if vp:
+        # 2022 Megatron-LM's interleaved schedule blocked on its sends between chunks: p2p overlap came
+        # a year after the paper (May 2022), as --overlap-p2p-communication in Megatron-LM f9283c5a8a
+        # (2023-05-31, "Add option to overlap p2p communication"), made the default in 4eeff55d1f (2023-10-12)
         overrides["parallel.virtual_pipeline_model_parallel_size"] = vp
+        overrides["parallel.overlap_p2p_comm"] = False
     cfg, _ = resolve(workload, overrides=overrides, gpu="cpu")
     return cfg
 

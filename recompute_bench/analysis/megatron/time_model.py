@@ -30,15 +30,17 @@ runs its model chunks' layers forward, backward and recompute (plus the embeddin
 stage and the loss on the last), and Megatron's schedule takes (m + (p - 1) / vp) of the slowest
 stage's micro-batch (Narayanan et al. 2021, the interleaved schedule's bubble), then the optimizer
 step. Without virtual stages (1F1B) each stage's micro-batch also waits for its pipeline sends
-(`pipeline_send_ops`); the interleaved schedule overlaps them. Activation offload adds the copies to
-and from the host that the layer's own compute does not hide (`offload_seconds`). With the stages'
+(`pipeline_send_ops`), and so does each chunk's under the interleaved schedule without
+overlap_p2p_comm; with it (Megatron's default) they run beside compute. Activation offload adds
+the copies to and from the host that the layer's own compute does not hide (`offload_seconds`). With the stages'
 parameters given, the step adds the data-parallel gradient reduce and parameter all-gather that
 overlap_grad_reduce and overlap_param_gather leave exposed (`time_data_parallel`).
 
 Not priced (setting-independent, so they change absolute time, not which setting is faster by
 how much): kernel launch gaps (with or without CUDA graphs: the model predicts no gain
 from graphs), the weights' FP8 cast (once per step: TE caches it over the micro-batches), the
-interleaved schedule's pipeline sends in its warm-up and cool-down. Pure Python.
+interleaved schedule's sends in its warm-up and cool-down under overlap_p2p_comm (they block there). Pure
+Python.
 
 Sources (Megatron-LM d98e8a6, TransformerEngine d0067d0), beside those of `time_ops`,
 `time_attention`, `time_mla` and `time_moe`:
@@ -47,7 +49,8 @@ Sources (Megatron-LM d98e8a6, TransformerEngine d0067d0), beside those of `time_
 - megatron/core/pipeline_parallel/schedules.py `get_tensor_shapes` (what a pipeline send carries),
   `forward_backward_pipelining_without_interleaving` (1F1B's blocking send_forward_recv_backward and
   send_backward_recv_forward; it refuses overlap_p2p_comm), `forward_backward_pipelining_with_interleaving`
-  (overlap_p2p_comm: the sends run beside the next chunk); megatron/training/arguments.py
+  (overlap_p2p_comm: the sends run beside the next chunk; without it the blocking
+  send_forward_backward_recv_forward_backward after each chunk step); megatron/training/arguments.py
   (--no-overlap-p2p-communication: overlap on by default for the interleaved schedule)
 - megatron/core/optimizer (the optimizer step's passes: `time_optimizer`), megatron/core/tensor_parallel/random.py
   (CheckpointFunction with distribute_saved_activations)
@@ -249,8 +252,8 @@ class StepTime:
         """Where the step goes, by class (seconds; None: a class the model does not price): the
         pacing stage's GEMMs, attention kernels and memory-bound ops of forward and backward, what
         recompute re-runs, the tensor/sequence-parallel collectives left exposed, the context-parallel
-        K/V exchange, the experts' dispatch and combine, activation offload's copies, 1F1B's pipeline
-        sends, the pipeline bubble, the data-parallel gradient reduce and parameter gather left
+        K/V exchange, the experts' dispatch and combine, activation offload's copies, the pipeline's
+        blocking sends, the pipeline bubble, the data-parallel gradient reduce and parameter gather left
         exposed, the optimizer step; host (kernel launch) overhead, which the model does not price."""
         out: dict[str, float | None] = dict.fromkeys(STEP_CLASSES, 0.0)
         for p in self.parts:
@@ -385,23 +388,34 @@ def _pass_sums(stages: list[dict[tuple[str, str, str | None, str], float]]) -> t
 
 
 def pipeline_send_ops(cfg: Config, stage: int) -> list[Op]:
-    """What pipeline stage `stage` waits on to send and receive per micro-batch under 1F1B (no virtual
-    stages; schedules.py): after each forward, send_forward_recv_backward (its output to the next
-    stage while the gradient of an earlier micro-batch comes back), after each backward,
-    send_backward_recv_forward (the input gradient to the previous stage, the next micro-batch's input
-    in): one exchange for each neighbour, blocking, the two directions at once. Each carries the
-    activation of `get_tensor_shapes` (s / cp x b x h, / t with sequence parallel) in the training's
-    16 bits to a rank world / p away (the pipeline is the outermost group of Megatron's rank order).
-    None under the interleaved schedule, whose overlap_p2p_comm (Megatron-LM's and Bridge's default)
-    runs them beside the next chunk."""
+    """What pipeline stage `stage` waits on to send and receive per micro-batch where the sends block
+    (megatron/core/pipeline_parallel/schedules.py). Each send carries the activation of
+    `get_tensor_shapes` (s / cp x b x h, / t with sequence parallel) in the training's 16 bits to a
+    rank world / p away (the pipeline is the outermost group of Megatron's rank order); what a rank
+    receives comes the other way at the same time, so a stage waits on the bytes it sends.
+
+    - 1F1B (`forward_backward_pipelining_without_interleaving`): after each forward
+      send_forward_recv_backward (its output to the next stage while an earlier micro-batch's gradient
+      comes back), after each backward send_backward_recv_forward (the input gradient to the previous
+      stage, the next micro-batch's input in): one send to each neighbour a micro-batch.
+    - Interleaved without overlap_p2p_comm (`forward_backward_pipelining_with_interleaving`, its "No
+      p2p overlap" branch): after each step of one chunk's forward and one chunk's backward,
+      send_forward_backward_recv_forward_backward, one batch_isend_irecv of all four that blocks
+      (then torch.cuda.synchronize, batch_p2p_sync); warm-up and cool-down send the forward and backward
+      halves alone (send_forward_recv_forward, send_backward_recv_backward). Over a step every chunk
+      sends each micro-batch's output onward and its input gradient back, the pipeline wrapping from the
+      last rank to the first between chunks: 2 x vp sends a micro-batch, less the first chunk's gradient
+      on the first stage and the last chunk's output on the last (`_is_vp_first_stage`, `_is_vp_last_stage`).
+    - Interleaved with overlap_p2p_comm (Megatron-LM's and Bridge's default): none, the sends run
+      beside the next chunk (its pp_post_forward / pp_post_backward wait only at the next pre step)."""
     par = cfg.parallel
     p = par.pipeline_model_parallel_size
-    if p == 1 or (par.virtual_pipeline_model_parallel_size or 1) > 1:
+    if p == 1 or par.p2p_overlapped:
         return []
+    vp = par.virtual_pipeline_model_parallel_size if par.interleaved else 1
+    sends = (vp - (stage == p - 1)) + (vp - (stage == 0))  # outputs onward, input gradients back
     sh = Shape(cfg)
-    neighbours = (stage > 0) + (stage < p - 1)
-    return [Op("pipeline.send_recv", "comm", bytes=neighbours * sh.e * sh.local, group=2,
-               stride=par.world_size // p)]
+    return [Op("pipeline.send_recv", "comm", bytes=sends * sh.e * sh.local, group=2, stride=par.world_size // p)]
 
 
 def gemm_shapes(cfg: Config, run: MegatronRun) -> list[tuple[float, float, float, str]]:
