@@ -155,7 +155,28 @@ def test_table_5_s_interleaved_runs_block_on_their_sends_as_2022_megatron_lm_did
         [None, False, False, None]
     cfg = time_checks.paper_config("175B")  # pp 8, 3 chunks a stage, tp 8 without sequence parallel
     one = 2048 * 1 * 12288 * 2
-    assert [sent(cfg, s) for s in (0, 1, 7)] == [5 * one, 6 * one, 5 * one]
+    # 2022's scatter-gather: each rank sends an eighth of the activation and gathers what it receives whole
+    for stage, sends in ((0, 5), (1, 6), (7, 5)):
+        send, gather = tm.pipeline_send_ops(cfg, stage)
+        assert send.bytes == sends * one / 8 and (send.group, send.stride) == (2, 8)
+        assert (gather.collective, gather.group, gather.stride) == ("all_gather", 8, 1)
+        assert gather.bytes == sends * 7 / 8 * one  # a ring all-gather sends 7 of the 8 shards
     st = tm.step_time(cfg, MegatronRun("a100"), gpu_rates.achieved_rates("a100"))
     pacing = sum(tm.op_times(tm.pipeline_send_ops(cfg, st.pacing_stage), gpu_rates.achieved_rates("a100")).values())
     assert st.by_class()["pipeline_p2p"] == pytest.approx(64 * pacing) and pacing > 0
+
+
+def test_scatter_gather_splits_a_send_over_the_tensor_parallel_ranks_only_without_sequence_parallel():
+    """Megatron-LM's p2p_communication.py before Megatron Core's pipeline: split_tensor_into_1d_equal_chunks
+    before the send, gather_split_1d_tensor after the receive, skipped under sequence parallel."""
+    plain = config("llama3-70b", training__framework="megatron", parallel__tensor_model_parallel_size=8,
+                   parallel__pipeline_model_parallel_size=4, training__seq_length=2048, training__global_batch_size=16)
+    split = dataclasses.replace(plain, parallel=dataclasses.replace(plain.parallel, scatter_gather_tensors_in_pipeline=True))
+    whole = 2048 * 8192 * 2
+    assert [op.bytes for op in tm.pipeline_send_ops(plain, 1)] == [2 * whole]  # today's Megatron: every rank, whole
+    send, gather = tm.pipeline_send_ops(split, 1)
+    assert send.bytes == 2 * whole / 8 and gather.bytes == 2 * whole * 7 / 8
+    times = tm.op_times(tm.pipeline_send_ops(split, 1), H100)
+    assert sum(times.values()) < tm.op_times(tm.pipeline_send_ops(plain, 1), H100)["pipeline.send_recv"] / 4
+    sp = dataclasses.replace(split, parallel=dataclasses.replace(split.parallel, sequence_parallel=True))
+    assert [op.bytes for op in tm.pipeline_send_ops(sp, 1)] == [2 * whole / 8]  # the shard itself, no gather

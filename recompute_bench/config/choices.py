@@ -49,7 +49,7 @@ MEGATRON_ONLY_SETTINGS = (
     "parallel.account_for_loss_in_pipeline_split", "parallel.pipeline_model_parallel_layout",
     "parallel.microbatch_group_size_per_vp_stage", "parallel.tp_comm_overlap",
     "parallel.overlap_grad_reduce", "parallel.overlap_param_gather", "parallel.ddp_bucket_size",
-    "parallel.overlap_p2p_comm")
+    "parallel.overlap_p2p_comm", "parallel.scatter_gather_tensors_in_pipeline")
 MEGATRON_ACTIVATIONS = ("squared_relu",)
 """Activations framework megatron models beyond ACTIVATIONS (Megatron's --squared-relu)."""
 CROSS_ENTROPY_FUSION_IMPLS = ("native", "te")

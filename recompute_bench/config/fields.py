@@ -48,6 +48,7 @@ LATER_KEYS = ("num_moe_experts", "moe_router_topk", "moe_ffn_hidden_size", "moe_
               "account_for_loss_in_pipeline_split", "pipeline_model_parallel_layout",
               "microbatch_group_size_per_vp_stage", "tp_comm_overlap",
               "overlap_grad_reduce", "overlap_param_gather", "ddp_bucket_size", "overlap_p2p_comm",
+              "scatter_gather_tensors_in_pipeline",
               # Megatron's MoE settings (framework megatron)
               "moe_router_load_balancing_type", "moe_z_loss_coeff", "moe_router_pre_softmax", "moe_router_dtype",
               "moe_token_dispatcher_type", "moe_pad_expert_input_to_capacity", "moe_permute_fusion",

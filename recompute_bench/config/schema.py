@@ -371,6 +371,9 @@ class ParallelConfig:
     """Framework megatron, interleaved schedule: the pipeline's sends run beside the next chunk instead of
     blocking between chunks (overlap_p2p_comm). None: Megatron-LM's default, on (arguments.py); without
     virtual stages it is off whatever is given (validate_args forces it False)."""
+    scatter_gather_tensors_in_pipeline: bool = False
+    """Framework megatron, Megatron-LM before Megatron Core's pipeline (2023): without sequence parallel each tensor-
+    parallel rank sends 1/t of a pipeline activation and the receiver all-gathers it (p2p_communication.py)."""
     sequence_parallel: bool = False
     """Shard the non-tensor-parallel activations across the tensor-parallel group."""
     use_distributed_optimizer: bool = False

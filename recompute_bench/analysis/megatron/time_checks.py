@@ -66,14 +66,18 @@ SEEDS_SOURCE = "seeds/003: Llama 3 70B SFT FP8 (current scaling), 32 x H100, tp 
 def paper_config(model: str = "22B") -> Config:
     """A model of Table 3 laid out as the paper ran it (tp 8, its pp, virtual stages and global batch),
     with Megatron's local layers and attention of the time, in fp16, and the interleaved schedule's
-    sends blocking between chunks as they did then (no overlap_p2p_comm)."""
+    sends blocking between chunks as they did then (no overlap_p2p_comm), each split over the tensor-parallel
+    ranks without sequence parallel (scatter_gather_tensors_in_pipeline, Megatron-LM's default then)."""
     from recompute_bench.workload import resolve
 
     workload, pp, vp, global_batch = PAPER_TABLE3[model]
     overrides = {"training.framework": "megatron", "model.transformer_impl": "local",
                  "model.attention_backend": "local", "training.precision": "fp16",
                  "parallel.tensor_model_parallel_size": 8, "parallel.pipeline_model_parallel_size": pp,
-                 "training.global_batch_size": global_batch}
+                 "training.global_batch_size": global_batch,
+                 # on by default from Megatron-LM 72e4230 (2021-02-16, "Turn scatter-gather optimization on by
+                 # default") until Megatron Core's pipeline (2023); sequence parallel turns it off (2725dc0, 2022-07)
+                 "parallel.scatter_gather_tensors_in_pipeline": True}
     if vp:
         # 2022 Megatron-LM's interleaved schedule blocked on its sends between chunks: p2p overlap came
         # a year after the paper (May 2022), as --overlap-p2p-communication in Megatron-LM f9283c5a8a

@@ -407,7 +407,12 @@ def pipeline_send_ops(cfg: Config, stage: int) -> list[Op]:
       last rank to the first between chunks: 2 x vp sends a micro-batch, less the first chunk's gradient
       on the first stage and the last chunk's output on the last (`_is_vp_first_stage`, `_is_vp_last_stage`).
     - Interleaved with overlap_p2p_comm (Megatron-LM's and Bridge's default): none, the sends run
-      beside the next chunk (its pp_post_forward / pp_post_backward wait only at the next pre step)."""
+      beside the next chunk (its pp_post_forward / pp_post_backward wait only at the next pre step).
+
+    With scatter_gather_tensors_in_pipeline and no sequence parallel (Megatron-LM before Megatron Core's
+    pipeline, megatron/p2p_communication.py `_communicate` at 2725dc0 (2022-07): split_tensor_into_1d_equal_chunks
+    before the send, gather_split_1d_tensor after the receive) each tensor-parallel rank sends 1/t of the
+    activation and all-gathers what it receives over the tensor-parallel group, priced as one gather of their bytes."""
     par = cfg.parallel
     p = par.pipeline_model_parallel_size
     if p == 1 or par.p2p_overlapped:
@@ -415,7 +420,11 @@ def pipeline_send_ops(cfg: Config, stage: int) -> list[Op]:
     vp = par.virtual_pipeline_model_parallel_size if par.interleaved else 1
     sends = (vp - (stage == p - 1)) + (vp - (stage == 0))  # outputs onward, input gradients back
     sh = Shape(cfg)
-    return [Op("pipeline.send_recv", "comm", bytes=sends * sh.e * sh.local, group=2, stride=par.world_size // p)]
+    split = sh.t if par.scatter_gather_tensors_in_pipeline and not sh.sp and sh.t > 1 else 1
+    ops = [Op("pipeline.send_recv", "comm", bytes=sends * sh.e * sh.local / split, group=2, stride=par.world_size // p)]
+    if split > 1:  # what it receives, as many as it sends, gathered whole over the tensor-parallel group
+        ops.append(sh.tp_comm("pipeline.recv_all_gather", "all_gather", sends * sh.local, sh.e))
+    return ops
 
 
 def gemm_shapes(cfg: Config, run: MegatronRun) -> list[tuple[float, float, float, str]]:
