@@ -66,11 +66,12 @@ def test_pyproject_lists_every_package_and_maps_the_presets():
     """The wheel holds the packages pyproject.toml lists; a new folder of recompute_bench/ must be one."""
     setuptools = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
     folders = {".".join(p.parent.relative_to(ROOT).parts) for p in (ROOT / "recompute_bench").rglob("__init__.py")}
-    assert sorted(setuptools["packages"]) == sorted(folders | {"recompute_bench.workloads"})
+    # two data packages beside them: the presets, and the GPU rate profiles we measured, which plan --profile
+    # reads without a GPU (a folder of the package without __init__.py: setuptools wants it listed)
+    assert sorted(setuptools["packages"]) == sorted(folders | {"recompute_bench.workloads", "recompute_bench.analysis.profiles"})
     assert setuptools["package-dir"] == {"recompute_bench.workloads": "workloads"}
-    # the presets, and the GPU rate profiles we measured, which plan --profile reads without a GPU
     assert setuptools["package-data"] == {"recompute_bench.workloads": ["*.toml"],
-                                          "recompute_bench.analysis": ["profiles/*.json"]}
+                                          "recompute_bench.analysis.profiles": ["*.json"]}
     assert list((ROOT / "recompute_bench" / "analysis" / "profiles").glob("*.json"))
 
 
